@@ -1,0 +1,156 @@
+"""The HDF5 checkpoint: one file, model config as metadata, one dataset per tensor.
+
+Layout (``format_version`` 1)::
+
+    /                      attrs: format = "rlx_mpi", format_version = 1,
+                                  family = "llama", config = <model config as JSON>
+    /embed_tokens          [vocab, hidden]
+    /layers/<i>/<name>     one group per decoder layer i = 0..L-1; Llama names are
+                           input_layernorm, q_proj, k_proj, v_proj, o_proj,
+                           post_attention_layernorm, gate_proj, up_proj, down_proj
+    /norm                  [hidden]
+    /lm_head               [vocab, hidden]  (absent when the embeddings are tied)
+
+Linear weights keep Hugging Face's ``[out_features, in_features]`` orientation, so a
+tensor-parallel rank reads a contiguous block of rows (column-parallel) or columns
+(row-parallel) with one hyperslab read. Weights are stored as float32 or float16 and read as
+float32. Files are opened read-only with HDF5 file locking off, which shared filesystems
+(Lustre, GPFS, NFS) need when many ranks open one file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+import h5py
+import numpy as np
+
+from .errors import CheckpointError
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "write_checkpoint", "read_header", "H5ParamSource", "part_bounds"]
+
+FORMAT = "rlx_mpi"
+FORMAT_VERSION = 1
+
+
+def part_bounds(n: int, part: int, parts: int) -> tuple[int, int]:
+    """[start, stop) of the ``part``-th of ``parts`` near-equal slices of ``n`` (larger first)."""
+    base, extra = divmod(n, parts)
+    start = part * base + min(part, extra)
+    return start, start + base + (1 if part < extra else 0)
+
+
+def write_checkpoint(path: str | os.PathLike, family: str, config_json: str,
+                     tensors: Iterable[tuple[str, np.ndarray]], dtype: str = "float32") -> None:
+    """Write a checkpoint atomically: to a temporary name first, renamed when complete."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with h5py.File(tmp, "w", locking=False) as f:
+            f.attrs["format"] = FORMAT
+            f.attrs["format_version"] = FORMAT_VERSION
+            f.attrs["family"] = family
+            f.attrs["config"] = config_json
+            for name, array in tensors:
+                f.create_dataset(name, data=np.asarray(array, dtype=dtype))
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _open(path: Path) -> h5py.File:
+    where = str(path)
+    if not path.exists():
+        raise CheckpointError(where, "checkpoint not found",
+                              "check [model] checkpoint, or set [model] preset to create a random one")
+    if path.is_dir():
+        raise CheckpointError(where, "is a directory, not an HDF5 file",
+                              "convert a Hugging Face directory first: rlx-mpi convert HF_DIR OUT.h5")
+    try:
+        return h5py.File(path, "r", locking=False)
+    except OSError as e:
+        hint = "is it truncated or not HDF5? re-create it with rlx-mpi convert or init-model"
+        raise CheckpointError(where, f"cannot open as HDF5 ({str(e).split(':')[0]})", hint) from None
+
+
+def read_header(path: str | os.PathLike) -> tuple[str, str]:
+    """The checkpoint's (family, config JSON), checked for our format marker."""
+    path = Path(path)
+    with _open(path) as f:
+        attrs = dict(f.attrs)
+    where = str(path)
+    if attrs.get("format") != FORMAT:
+        raise CheckpointError(where, "not an rlx_mpi checkpoint (no format = \"rlx_mpi\" attribute)",
+                              "convert it with rlx-mpi convert, or create one with rlx-mpi init-model")
+    if attrs.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(where, f"format_version {attrs.get('format_version')} is not supported",
+                              f"this rlx_mpi reads version {FORMAT_VERSION}; re-convert the model")
+    family, config = attrs.get("family"), attrs.get("config")
+    if not isinstance(family, str) or not isinstance(config, str):
+        raise CheckpointError(where, "missing family or config attribute", "re-convert the model")
+    return family, config
+
+
+class H5ParamSource:
+    """A `ParamSource` over an HDF5 checkpoint that reads only the slices asked for.
+
+    ``expect`` maps tensor names to the shapes the model config implies; a tensor that is
+    missing or shaped otherwise is a `CheckpointError` naming it.
+    """
+
+    def __init__(self, path: str | os.PathLike, expect: dict[str, tuple[int, ...]] | None = None,
+                 check_finite: bool = False):
+        self.path = Path(path)
+        self.expect = expect or {}
+        self.check_finite = check_finite
+        self._file = _open(self.path)
+        self.bytes_read = 0
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _dataset(self, name: str) -> h5py.Dataset:
+        where = f"{self.path}: /{name}"
+        try:
+            ds = self._file[name]
+        except KeyError:
+            raise CheckpointError(where, "tensor missing", "the checkpoint is incomplete; re-convert it") from None
+        if not isinstance(ds, h5py.Dataset):
+            raise CheckpointError(where, "is a group, not a tensor", "re-convert the checkpoint")
+        if ds.dtype.kind != "f":
+            raise CheckpointError(where, f"dtype {ds.dtype} is not floating point", "re-convert the checkpoint")
+        want = self.expect.get(name)
+        if want is not None and tuple(ds.shape) != tuple(want):
+            raise CheckpointError(where, f"shape {tuple(ds.shape)} disagrees with the model config, which implies {tuple(want)}",
+                                  "the config attribute and tensors come from different models; re-convert")
+        return ds
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._dataset(name).shape)
+
+    def read(self, name: str, *, axis: int | None = None, part: int = 0, parts: int = 1) -> np.ndarray:
+        ds = self._dataset(name)
+        index: tuple = ()
+        if axis is not None and parts > 1:
+            a, b = part_bounds(ds.shape[axis], part, parts)
+            index = tuple(slice(a, b) if d == axis else slice(None) for d in range(ds.ndim))
+        try:
+            out = ds[index] if index else ds[()]
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: /{name}", f"read failed ({e})",
+                                  "the file may be truncated; re-create it") from None
+        out = np.ascontiguousarray(out, dtype=np.float32)
+        if self.check_finite and not np.isfinite(out).all():
+            raise CheckpointError(f"{self.path}: /{name}", "contains NaN or Inf values",
+                                  "the weights are corrupt; re-convert from the source model")
+        self.bytes_read += out.nbytes
+        return out

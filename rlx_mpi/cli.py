@@ -1,0 +1,311 @@
+"""The ``rlx-mpi`` command line: run, probe, plan, convert, init-model.
+
+``run`` and ``probe`` are launched under mpiexec/srun (every rank runs the same command);
+``plan``, ``convert`` and ``init-model`` are plain single-process commands. Every failure
+ends as one line ``rlx-mpi: error: <where>: <what>; <fix>`` and a documented exit code
+(see `rlx_mpi.errors`); ``--debug`` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .errors import EXIT_BAD_INPUT, EXIT_INTERNAL, ConfigError, RlxError
+
+__all__ = ["main"]
+
+EPILOG = """exit codes: 0 ok, 1 internal error, 2 bad input (command line, job file, checkpoint,
+input ids), 3 model does not fit, 4 a rank failed at run time, 5 a rank timed out waiting.
+docs: README.md"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlx-mpi", description="Pipeline- and tensor-parallel Llama inference over MPI.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    r = sub.add_parser("run", help="one forward of a job across the launched ranks (under mpiexec/srun)",
+                       description="Probe every rank, plan the stages, load each rank's layers and run one "
+                       "forward; rank 0 prints the per-stage table. Example: mpiexec -n 4 rlx-mpi run jobs/tiny.toml",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("job", help="job TOML file (see jobs/)")
+    r.add_argument("--input-ids", metavar="IDS.npy", help="integer .npy of shape [batch, seq] (default: random "
+                   "ids from [run] seed, batch, seq)")
+    r.add_argument("--out", metavar="RESULT.h5", help="write dataset /logits float32 [batch, seq, vocab] and the stats")
+    r.add_argument("--json", metavar="STATS.json", help="write the run's per-stage stats as JSON")
+    r.add_argument("--plan-only", action="store_true", help="probe and plan on the launched ranks, print the plan, stop")
+
+    pr = sub.add_parser("probe", help="show every launched rank's hardware (under mpiexec/srun)")
+    pr.add_argument("job", nargs="?", help="optional job TOML: also checks its checkpoint is readable")
+    pr.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    pr.add_argument("--gflops", action="store_true", help="measure each rank's matmul speed (~0.2 s)")
+
+    pl = sub.add_parser("plan", help="plan placement for hypothetical ranks, without launching MPI",
+                        description="Size an allocation before queueing: plan a model (a checkpoint via a job "
+                        "file, a preset, or a shape) over N hypothetical ranks of equal memory and speed.")
+    pl.add_argument("job", nargs="?", help="job TOML whose checkpoint, batch, seq and placement to use")
+    pl.add_argument("--ranks", type=int, required=True, help="number of ranks (stages x tp)")
+    pl.add_argument("--tp", type=int, help="tensor-parallel ranks per stage (default: the job's, else 1)")
+    pl.add_argument("--mem-gb", type=float, help="available RAM per rank in GB (default: unlimited)")
+    pl.add_argument("--gflops", type=float, help="speed per rank in GFLOP/s (default: all equal)")
+    pl.add_argument("--ranks-per-host", type=int, default=1, help="ranks sharing each host (default 1)")
+    pl.add_argument("--policy", choices=["uniform", "memory", "compute", "balanced"], help="default: the job's, else balanced")
+    pl.add_argument("--batch", type=int, help="sequences per forward (default: the job's, else 1)")
+    pl.add_argument("--seq", type=int, help="tokens per sequence (default: the job's, else 2048)")
+    pl.add_argument("--reserve-gb", type=float, help="RAM kept free per rank (default: the job's, else 1.0)")
+    pl.add_argument("--preset", help="plan a random preset's shape (tiny, small, medium)")
+    shape = pl.add_argument_group("model shape (instead of a checkpoint), e.g. Llama-3-70B: --layers 80 "
+                                  "--hidden 8192 --heads 64 --kv-heads 8 --intermediate 28672 --vocab 128256 --dtype bfloat16")
+    for flag in ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab"):
+        shape.add_argument(f"--{flag}", type=int)
+    shape.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                       help="weight precision for the memory estimate (default float32, what rlx_mpi computes in)")
+    shape.add_argument("--tied", action="store_true", help="LM head shares the embedding matrix")
+
+    c = sub.add_parser("convert", help="convert a Hugging Face Llama directory to an rlx_mpi HDF5 checkpoint")
+    c.add_argument("hf_dir", help="directory with config.json and *.safetensors")
+    c.add_argument("out", help="output .h5 file")
+    c.add_argument("--dtype", choices=["float32", "float16"], default="float32", help="storage precision (default float32)")
+
+    i = sub.add_parser("init-model", help="write a random Llama checkpoint from a preset")
+    i.add_argument("out", help="output .h5 file")
+    i.add_argument("--preset", default="tiny", help="tiny | small | medium (default tiny)")
+    i.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    i.add_argument("--dtype", choices=["float32", "float16"], default="float32", help="storage precision (default float32)")
+    return p
+
+
+def _setup_logging(rank: int, debug: bool) -> None:
+    level = logging.DEBUG if debug else (logging.INFO if rank == 0 else logging.WARNING)
+    prefix = "rlx-mpi: " if rank == 0 else f"rlx-mpi [rank {rank}]: "
+    logging.basicConfig(level=level, format=prefix + "%(message)s", stream=sys.stderr)
+
+
+def _write_atomic(path: str, write) -> None:
+    """Write through a temporary name and rename, so no half-written file looks complete."""
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise ConfigError(path, f"folder {target.parent} does not exist", "create it or choose another path")
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+def cmd_run(args) -> int:
+    from mpi4py import MPI
+
+    from .cluster import Cluster
+    from .faults import agree
+    from .placement import format_plan
+
+    world = MPI.COMM_WORLD
+    _setup_logging(world.rank, args.debug)
+    cx = Cluster.from_path(args.job, debug=args.debug)
+
+    def check_outputs() -> None:
+        for flag, path in (("--out", args.out), ("--json", args.json)):
+            if path and world.rank == 0 and not Path(path).parent.is_dir():
+                raise ConfigError(f"{flag} {path}", f"folder {Path(path).parent} does not exist",
+                                  "create it or choose another path")
+
+    agree(cx.world, cx.ctx, 60.0, check_outputs)
+    ids = cx.load_inputs(args.input_ids)
+    cx.probe()
+    plan = cx.plan()
+    if args.plan_only:
+        if cx.is_root:
+            print(format_plan(plan, cx.cost()))
+        return 0
+    cx.build()
+    run = cx.drive(ids)
+    if run is None:
+        return 0
+    print(run.table())
+    sys.stdout.flush()
+    if args.json:
+        _write_atomic(args.json, lambda tmp: tmp.write_text(run.to_json()))
+    if args.out:
+        import h5py
+
+        def write(tmp):
+            with h5py.File(tmp, "w", locking=False) as f:
+                f.create_dataset("logits", data=run.output)
+                f.attrs["stats"] = run.to_json()
+                f.attrs["job"] = str(Path(args.job).resolve())
+
+        _write_atomic(args.out, write)
+    return 0
+
+
+def cmd_probe(args) -> int:
+    from mpi4py import MPI
+
+    from . import transport
+    from .caps import NodeCaps, format_caps, probe_local
+    from .faults import RankContext, agree
+
+    world = MPI.COMM_WORLD
+    _setup_logging(world.rank, args.debug)
+    ctx = RankContext(rank=world.rank, size=world.size, debug=args.debug)
+    ckpt = None
+    if args.job:
+        from .config import load_job
+
+        ckpt = agree(world, ctx, 60.0, lambda: load_job(args.job)).model.checkpoint
+    local = world.Split_type(MPI.COMM_TYPE_SHARED)
+    mine = agree(world, ctx, 120.0, lambda: probe_local(world.rank, local.rank, local.size, ckpt, args.gflops))
+    rows = transport.gather_json(world, mine.to_dict(), 0, 120.0, ctx, "the probe")
+    if rows is not None:
+        caps = [NodeCaps.from_dict(r) for r in rows]
+        print(json.dumps([c.to_dict() for c in caps], indent=2) if args.json else format_caps(caps))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from .caps import NodeCaps
+    from .config import PlacementPolicy, load_job
+    from .llama import PRESETS, LlamaConfig
+    from .placement import format_plan, plan_placement
+    from .topology import make_grid
+
+    job = load_job(args.job) if args.job else None
+    shape_flags = {k: getattr(args, k.replace("-", "_")) for k in
+                   ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab")}
+    given = {k: v for k, v in shape_flags.items() if v is not None}
+    if given:
+        missing = sorted(set(shape_flags) - set(given) - {"kv-heads"})
+        if missing:
+            raise ConfigError("plan", f"model shape incomplete: missing --{', --'.join(missing)}",
+                              "give all of --layers --hidden --heads --intermediate --vocab (and --kv-heads)")
+        cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                          num_key_value_heads=args.kv_heads or args.heads, tie_word_embeddings=args.tied
+                          ).validate("plan: model shape")
+    elif args.preset:
+        if args.preset not in PRESETS:
+            raise ConfigError("plan --preset", f"got {args.preset!r}", f"expected one of {sorted(PRESETS)}")
+        cfg = PRESETS[args.preset]
+    elif job is not None:
+        from .checkpoint import read_header
+
+        ckpt = job.model.checkpoint
+        if not ckpt.exists() and job.model.preset in PRESETS:
+            cfg = PRESETS[job.model.preset]
+        else:
+            cfg = LlamaConfig.from_json(read_header(ckpt)[1], str(ckpt))
+    else:
+        raise ConfigError("plan", "no model given", "pass a job file, --preset NAME, or the model shape flags")
+    if args.ranks is None or args.ranks < 1:
+        raise ConfigError("plan --ranks", f"got {args.ranks}", "give the number of ranks, >= 1")
+    tp = args.tp or (job.placement.tp if job else 1)
+    from .llama import FAMILY
+
+    FAMILY.check_tp(cfg, tp, "plan --tp")
+    batch = args.batch or (job.run.batch if job else 1)
+    seq = args.seq or (job.run.seq if job else 2048)
+    weight_bytes = {"float32": 4, "float16": 2, "bfloat16": 2, None: 4}[args.dtype]
+    cost = cfg.cost(batch, seq, weight_bytes)
+    per_host = max(1, args.ranks_per_host)
+    mem = None if args.mem_gb is None else int(args.mem_gb * 1e9)
+    caps = [NodeCaps(rank=r, host=f"host{r // per_host}", local_rank=r % per_host, local_size=per_host, cpus=None,
+                     ram_total_bytes=mem, ram_available_bytes=mem, gflops=args.gflops) for r in range(args.ranks)]
+    grid = make_grid([c.host for c in caps], tp)
+    policy = PlacementPolicy(args.policy) if args.policy else (job.placement.policy if job else PlacementPolicy.BALANCED)
+    if policy is PlacementPolicy.COMPUTE and args.gflops is None:
+        policy = PlacementPolicy.UNIFORM
+    reserve = args.reserve_gb if args.reserve_gb is not None else (job.placement.reserve_ram_gb if job else 1.0)
+    manual = job.placement.manual if job and policy is PlacementPolicy.MANUAL else None
+    plan = plan_placement(cost, caps, policy, int(reserve * 1e9) if mem is not None else 0, grid=grid, manual=manual)
+    print(f"model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads "
+          f"({cfg.num_key_value_heads} kv), vocab {cfg.vocab_size}; {args.dtype or 'float32'} weights; "
+          f"batch {batch} x seq {seq}; policy {policy.value}; {args.ranks} ranks = {len(grid)} stages x tp {tp}")
+    print(format_plan(plan, cost))
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from .llama.convert import convert_hf
+
+    cfg = convert_hf(args.hf_dir, args.out, dtype=args.dtype)
+    print(f"wrote {args.out}: llama, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
+    return 0
+
+
+def cmd_init_model(args) -> int:
+    from .llama import PRESETS
+    from .llama.init import init_random
+
+    if args.preset not in PRESETS:
+        raise ConfigError("init-model --preset", f"got {args.preset!r}", f"expected one of {sorted(PRESETS)}")
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise ConfigError(args.out, f"folder {out.parent} does not exist", "create it or choose another path")
+    init_random(out, PRESETS[args.preset], args.seed, args.dtype)
+    print(f"wrote {out}: random llama preset {args.preset!r}, seed {args.seed}")
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "probe": cmd_probe, "plan": cmd_plan, "convert": cmd_convert, "init-model": cmd_init_model}
+MPI_COMMANDS = {"run", "probe"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    under_mpi = args.command in MPI_COMMANDS
+    try:
+        return COMMANDS[args.command](args)
+    except RlxError as e:  # single-process commands; MPI commands agree first (below)
+        if args.debug:
+            import traceback
+
+            traceback.print_exc()
+        print(f"rlx-mpi: error: {e.line()}", file=sys.stderr)
+        return e.exit_code
+    except Exception as e:
+        from .faults import AgreedFailure
+
+        if isinstance(e, AgreedFailure):
+            if _rank() == 0:
+                print(f"rlx-mpi: error: {e.line}", file=sys.stderr)
+            return e.exit_code
+        if under_mpi:  # a fault outside the agreed steps: report once and end every rank
+            from mpi4py import MPI
+
+            from .faults import RankContext, report_and_abort
+
+            report_and_abort(MPI.COMM_WORLD, RankContext(MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size, debug=True),
+                             sys.exc_info(), 4)
+        import traceback
+
+        traceback.print_exc()
+        print(f"rlx-mpi: error: internal error ({type(e).__name__}: {e}); please report it with the traceback above",
+              file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _rank() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.rank
+
+
+def entry() -> None:
+    """Console-script entry point."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

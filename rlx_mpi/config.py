@@ -1,0 +1,288 @@
+"""The job TOML: what to run, how, and where.
+
+Validation happens here, at the edge: unknown keys, wrong types, out-of-range values and
+cross-field conflicts raise `ConfigError` naming the file, the key, the value and what is
+expected. Everything past `load_job` is plain, trusted data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+from .errors import ConfigError
+
+__all__ = ["PlacementPolicy", "KvPolicy", "Precision", "ModelSection", "RunSection",
+           "PlacementSection", "RankOverride", "JobConfig", "load_job", "parse_job"]
+
+
+class PlacementPolicy(str, enum.Enum):
+    """How the planner splits layers among stages."""
+
+    UNIFORM = "uniform"  # equal layer counts
+    MEMORY = "memory"  # proportional to each stage's available RAM
+    COMPUTE = "compute"  # proportional to each stage's measured GFLOP/s
+    BALANCED = "balanced"  # minimise the slowest stage's time, every stage within its memory
+    MANUAL = "manual"  # explicit ranges from the job file
+
+
+class KvPolicy(str, enum.Enum):
+    """Whether a rank keeps a KV cache (generation, on the roadmap); a forward needs none."""
+
+    NONE = "none"
+    FULL = "full"
+
+
+class Precision(str, enum.Enum):
+    """Weight precision a rank computes in. Per-rank lower precision is on the roadmap."""
+
+    FLOAT32 = "float32"
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    checkpoint: Path
+    """HDF5 checkpoint; a relative path is resolved against the job file's folder."""
+    preset: str | None = None
+    """When set and ``checkpoint`` does not exist, create it from this random preset."""
+    init_seed: int = 0
+    """Seed of the random weights made from ``preset``."""
+    check_finite: bool = False
+    """Scan every loaded weight for NaN/Inf (costs one pass over the weights)."""
+
+
+@dataclass(frozen=True)
+class RunSection:
+    batch: int = 1
+    """Sequences per forward."""
+    seq: int = 16
+    """Tokens per sequence."""
+    microbatches: int = 1
+    """Microbatches the batch is cut into, so stages work on different ones at once."""
+    seed: int = 0
+    """Seed of the random input ids when none are given; ``seed_for(rank)`` derives from it."""
+    timeout_s: float = 60.0
+    """Longest any rank waits for another during the run before it names the laggard and aborts."""
+    startup_timeout_s: float = 600.0
+    """Deadline for the start-up collectives (probe, plan, weight loading on a slow filesystem)."""
+
+
+@dataclass(frozen=True)
+class PlacementSection:
+    policy: PlacementPolicy = PlacementPolicy.BALANCED
+    """uniform | memory | compute | balanced | manual."""
+    reserve_ram_gb: float = 1.0
+    """RAM left free on every rank for the OS and MPI buffers."""
+    tp: int = 1
+    """Tensor-parallel ranks per stage; the world is stages x tp ranks."""
+    measure_gflops: bool = False
+    """Time a short matmul on every rank at start-up (the compute policy needs it)."""
+    manual: tuple[range, ...] = ()
+    """With policy = "manual": one "a:b" layer range per stage, e.g. ["0:5", "5:8"]."""
+
+
+@dataclass(frozen=True)
+class RankOverride:
+    rank: int
+    """World rank this override applies to."""
+    device: str = "cpu"
+    precision: Precision = Precision.FLOAT32
+    kv_cache: KvPolicy = KvPolicy.NONE
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """A validated job file."""
+
+    path: Path
+    model: ModelSection
+    run: RunSection = field(default_factory=RunSection)
+    placement: PlacementSection = field(default_factory=PlacementSection)
+    ranks: tuple[RankOverride, ...] = ()
+
+    def seed_for(self, rank: int) -> int:
+        """A distinct, reproducible seed per rank, derived from ``run.seed``."""
+        return (self.run.seed * 1_000_003 + rank) % (2**32)
+
+    def override_for(self, rank: int) -> RankOverride:
+        """The per-rank settings of ``rank`` (defaults when the job file names none)."""
+        for o in self.ranks:
+            if o.rank == rank:
+                return o
+        return RankOverride(rank=rank)
+
+    def check_world(self, world_size: int) -> None:
+        """Cross-check the job against the number of ranks actually launched."""
+        tp = self.placement.tp
+        if world_size % tp:
+            raise ConfigError(f"{self.path}: [placement] tp",
+                              f"tp = {tp} does not divide the {world_size} launched ranks",
+                              f"launch a multiple of {tp} ranks (e.g. mpiexec -n {tp * max(1, world_size // tp)}) or change tp")
+        stages = world_size // tp
+        if self.placement.policy is PlacementPolicy.MANUAL and len(self.placement.manual) != stages:
+            raise ConfigError(f"{self.path}: [placement] manual",
+                              f"{len(self.placement.manual)} ranges for {stages} stages ({world_size} ranks / tp {tp})",
+                              "give one range per stage or launch a matching number of ranks")
+        for o in self.ranks:
+            if o.rank >= world_size:
+                raise ConfigError(f"{self.path}: [[rank]] rank", f"rank = {o.rank} but only {world_size} ranks were launched",
+                                  f"use ranks 0..{world_size - 1}")
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+_SECTIONS = {"model": ModelSection, "run": RunSection, "placement": PlacementSection}
+_POSITIVE = {"batch", "seq", "microbatches", "tp", "timeout_s", "startup_timeout_s"}
+_NON_NEGATIVE = {"reserve_ram_gb", "init_seed", "seed", "rank"}
+
+
+def load_job(path: str | os.PathLike) -> JobConfig:
+    """Read and validate a job TOML file."""
+    path = Path(path)
+    where = str(path)
+    if not path.exists():
+        raise ConfigError(where, "job file not found", "check the path (jobs/tiny.toml is the example)")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(where, f"cannot read job file ({e})", "check the file's permissions and encoding") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(where, f"not valid TOML ({e})", "fix the syntax at that line") from None
+    return parse_job(raw, path)
+
+
+def parse_job(raw: dict[str, Any], path: Path) -> JobConfig:
+    """Validate an already-parsed TOML document; ``path`` anchors relative paths and messages."""
+    path = Path(path)
+    where = str(path)
+    unknown = sorted(set(raw) - set(_SECTIONS) - {"rank"})
+    if unknown:
+        raise ConfigError(where, f"unknown section [{unknown[0]}]",
+                          f"expected sections {sorted([*_SECTIONS, 'rank'])}")
+    if "model" not in raw:
+        raise ConfigError(where, "missing section [model]", 'add [model] with checkpoint = "path/to/model.h5"')
+    sections = {}
+    for name, cls in _SECTIONS.items():
+        table = raw.get(name, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: {name}", f"expected a table [{name}], got {type(table).__name__}")
+        sections[name] = _build(cls, table, f"{where}: [{name}]", path)
+    overrides = raw.get("rank", [])
+    if not isinstance(overrides, list):
+        raise ConfigError(f"{where}: rank", "expected an array of tables [[rank]]", "write each override as [[rank]] with rank = N")
+    ranks = tuple(_build(RankOverride, o, f"{where}: [[rank]] #{i + 1}", path) for i, o in enumerate(overrides))
+    seen = set()
+    for o in ranks:
+        if o.rank in seen:
+            raise ConfigError(f"{where}: [[rank]] rank", f"rank {o.rank} is overridden twice", "merge the two [[rank]] tables")
+        seen.add(o.rank)
+    job = JobConfig(path=path, ranks=ranks, **sections)
+    _cross_check(job)
+    return job
+
+
+def _cross_check(job: JobConfig) -> None:
+    where = f"{job.path}: [placement]"
+    p = job.placement
+    if p.policy is PlacementPolicy.MANUAL and not p.manual:
+        raise ConfigError(f"{where} manual", 'policy = "manual" needs manual ranges',
+                          'add manual = ["0:4", "4:8"], one "a:b" per stage')
+    if p.manual and p.policy is not PlacementPolicy.MANUAL:
+        raise ConfigError(f"{where} manual", f'manual ranges are given but policy = "{p.policy.value}"',
+                          'set policy = "manual" or remove manual')
+    if p.policy is PlacementPolicy.COMPUTE and not p.measure_gflops:
+        raise ConfigError(f"{where} policy", 'policy = "compute" needs measured speeds',
+                          "set measure_gflops = true or choose another policy")
+    if job.run.batch % job.run.microbatches:
+        raise ConfigError(f"{job.path}: [run] microbatches",
+                          f"{job.run.microbatches} does not divide batch = {job.run.batch}",
+                          "choose microbatches that divides batch")
+    if job.run.startup_timeout_s < job.run.timeout_s:
+        raise ConfigError(f"{job.path}: [run] startup_timeout_s",
+                          f"{job.run.startup_timeout_s} is shorter than timeout_s = {job.run.timeout_s}",
+                          "make startup_timeout_s at least timeout_s")
+
+
+def _build(cls, table: dict, where: str, job_path: Path):
+    if not isinstance(table, dict):
+        raise ConfigError(where, f"expected a table, got {type(table).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where} {unknown[0]}", "unknown key", f"expected one of {sorted(fields)}")
+    values = {}
+    for name, f in fields.items():
+        if name not in table:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{where} {name}", "missing required key", f"add {name} = ...")
+            continue
+        values[name] = _coerce(name, f.type, table[name], f"{where} {name}", job_path)
+    return cls(**values)
+
+
+def _coerce(name: str, type_name: str, value: Any, where: str, job_path: Path) -> Any:
+    """Check one value against its field's annotated type (a string, under __future__ annotations)."""
+    t = type_name.replace(" | None", "")
+    if t == "Path":
+        if not isinstance(value, str) or not value:
+            raise ConfigError(where, f"got {value!r}, expected a path string")
+        p = Path(os.path.expandvars(os.path.expanduser(value)))
+        return p if p.is_absolute() else Path(os.path.normpath(job_path.parent / p))
+    if t == "str":
+        if not isinstance(value, str):
+            raise ConfigError(where, f"got {value!r}, expected a string")
+        return value
+    if t == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(where, f"got {value!r}, expected true or false")
+        return value
+    if t == "int":
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(where, f"got {value!r}, expected an integer")
+        _check_range(name, value, where)
+        return value
+    if t == "float":
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ConfigError(where, f"got {value!r}, expected a number")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(where, f"got {value!r}, expected a finite number")
+        _check_range(name, value, where)
+        return float(value)
+    enums = {"PlacementPolicy": PlacementPolicy, "KvPolicy": KvPolicy, "Precision": Precision}
+    if t in enums:
+        choices = [m.value for m in enums[t]]
+        if value not in choices:
+            raise ConfigError(where, f"got {value!r}", f"expected one of {choices}")
+        return enums[t](value)
+    if t == "tuple[range, ...]":
+        if not isinstance(value, list):
+            raise ConfigError(where, f"got {value!r}, expected a list of \"a:b\" strings")
+        return tuple(_parse_range(v, where) for v in value)
+    raise AssertionError(f"unhandled field type {type_name}")  # internal invariant
+
+
+def _check_range(name: str, value: float, where: str) -> None:
+    if name in _POSITIVE and value <= 0:
+        raise ConfigError(where, f"got {value!r}, expected a value > 0")
+    if name in _NON_NEGATIVE and value < 0:
+        raise ConfigError(where, f"got {value!r}, expected a value >= 0")
+
+
+def _parse_range(text: Any, where: str) -> range:
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except (AttributeError, ValueError):
+        raise ConfigError(where, f"got {text!r}, expected a layer range \"a:b\" such as \"0:4\"") from None
+    if not 0 <= a < b:
+        raise ConfigError(where, f"range {text!r} is empty or negative", "use \"a:b\" with 0 <= a < b")
+    return range(a, b)

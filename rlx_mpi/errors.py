@@ -1,0 +1,92 @@
+"""One error hierarchy, one exit code per kind of failure.
+
+Every user-facing failure is an `RlxError` carrying where it happened, what is wrong and how
+to fix it; the CLI prints it as one line ``rlx-mpi: error: <where>: <what>; <fix>``.
+
+Exit codes (documented in the README):
+
+====  ==========================================================
+0     success
+1     internal error (a bug in rlx_mpi: please report it)
+2     bad input: command line, job TOML, checkpoint, input ids
+3     the model does not fit the ranks' memory
+4     runtime fault: an exception or a dead rank during the run
+5     deadline expired: a rank waited longer than ``timeout_s``
+====  ==========================================================
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "RlxError",
+    "ConfigError",
+    "CheckpointError",
+    "InputError",
+    "FitError",
+    "RankFault",
+    "DeadlineExpired",
+    "EXIT_OK",
+    "EXIT_INTERNAL",
+    "EXIT_BAD_INPUT",
+    "EXIT_NO_FIT",
+    "EXIT_FAULT",
+    "EXIT_TIMEOUT",
+]
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_BAD_INPUT = 2
+EXIT_NO_FIT = 3
+EXIT_FAULT = 4
+EXIT_TIMEOUT = 5
+
+
+class RlxError(Exception):
+    """A failure the user can act on: where, what is wrong, how to fix it."""
+
+    exit_code = EXIT_INTERNAL
+
+    def __init__(self, where: str, what: str, fix: str | None = None):
+        self.where, self.what, self.fix = where, what, fix
+        super().__init__(self.line())
+
+    def line(self) -> str:
+        """The one-line message, without the ``rlx-mpi: error:`` prefix."""
+        text = f"{self.where}: {self.what}"
+        return f"{text}; {self.fix}" if self.fix else text
+
+
+class ConfigError(RlxError):
+    """The job TOML or the command line is wrong."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class CheckpointError(RlxError):
+    """The checkpoint is missing, unreadable or disagrees with its own config."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class InputError(RlxError):
+    """The input ids are unusable (dtype, shape, range, length)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class FitError(RlxError):
+    """The model does not fit the memory of the ranks it was given."""
+
+    exit_code = EXIT_NO_FIT
+
+
+class RankFault(RlxError):
+    """A rank raised or died during the run."""
+
+    exit_code = EXIT_FAULT
+
+
+class DeadlineExpired(RlxError):
+    """A blocking wait passed its deadline: some rank is stuck or gone."""
+
+    exit_code = EXIT_TIMEOUT

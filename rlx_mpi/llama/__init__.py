@@ -1,0 +1,63 @@
+"""The Llama model family: config, numpy model, pipeline stage, converter, random init."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ConfigError, InputError
+from ..placement import ModelCost
+from ..stage import ParamSource, TensorParallel
+from .config import PRESETS, LlamaConfig
+from .stage import LlamaStage, expected_shapes
+
+__all__ = ["LlamaConfig", "LlamaStage", "PRESETS", "FAMILY", "LlamaFamily", "expected_shapes"]
+
+
+class LlamaFamily:
+    """The `ModelFamily` plug-in for Llama checkpoints (``family = "llama"``)."""
+
+    name = "llama"
+
+    def load_config(self, config_json: str, where: str) -> LlamaConfig:
+        return LlamaConfig.from_json(config_json, where)
+
+    def expected_shapes(self, cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+        return expected_shapes(cfg)
+
+    def cost(self, cfg: LlamaConfig, batch: int, seq: int) -> ModelCost:
+        return cfg.cost(batch, seq)
+
+    def check_tp(self, cfg: LlamaConfig, tp: int, where: str) -> None:
+        nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        if nh % tp or nkv % tp:
+            valid = [k for k in range(1, nkv + 1) if nh % k == 0 and nkv % k == 0]
+            what = (f"tp = {tp} does not divide the model's {nh} attention heads" if nh % tp else
+                    f"tp = {tp} does not divide the model's {nkv} key/value heads")
+            raise ConfigError(where, what, f"choose tp from {valid}")
+
+    def output_spec(self, cfg: LlamaConfig, batch: int, seq: int, last: bool) -> tuple[tuple[int, ...], np.dtype]:
+        return (batch, seq, cfg.vocab_size if last else cfg.hidden_size), np.dtype(np.float32)
+
+    def check_inputs(self, cfg: LlamaConfig, ids: np.ndarray, where: str) -> None:
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InputError(where, f"input ids have dtype {ids.dtype}", "save them as an integer array (np.int64)")
+        if ids.ndim != 2:
+            raise InputError(where, f"input ids have shape {ids.shape}, expected 2-D [batch, seq]",
+                             "reshape to [batch, seq], e.g. ids[None, :] for one sequence")
+        if ids.size == 0:
+            raise InputError(where, f"input ids are empty (shape {ids.shape})", "give at least one token")
+        if ids.shape[1] > cfg.max_position_embeddings:
+            raise InputError(where, f"sequence length {ids.shape[1]} exceeds the model's maximum "
+                             f"{cfg.max_position_embeddings} positions", "truncate or split the sequences")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= cfg.vocab_size:
+            bad = low if low < 0 else high
+            raise InputError(where, f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})",
+                             "tokenize with this model's tokenizer")
+
+    def build_stage(self, cfg: LlamaConfig, source: ParamSource, layers: range, first: bool, last: bool,
+                    tp: TensorParallel, ctx=None) -> LlamaStage:
+        return LlamaStage(cfg, source, layers, first, last, tp, ctx)
+
+
+FAMILY = LlamaFamily()

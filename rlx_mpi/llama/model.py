@@ -1,0 +1,99 @@
+"""A Llama decoder in numpy, numerically matching Hugging Face transformers (float32).
+
+One short function per block. Shapes: B batch, T sequence, C hidden, nh query heads,
+nkv key/value heads, hs head size. Under tensor parallelism the functions see only this
+rank's heads and MLP columns; ``reduce`` sums the row-parallel partial outputs across the
+group (identity when tp = 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+__all__ = ["LayerWeights", "rms_norm", "rope_tables", "apply_rope", "attention", "mlp", "block",
+           "embed", "lm_head"]
+
+Reduce = Callable[[np.ndarray], np.ndarray]
+
+
+def _identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights, ``[out, in]`` like nn.Linear (this rank's shard)."""
+
+    input_layernorm: np.ndarray  # (C,)
+    q_proj: np.ndarray  # (nh*hs, C)
+    k_proj: np.ndarray  # (nkv*hs, C)
+    v_proj: np.ndarray  # (nkv*hs, C)
+    o_proj: np.ndarray  # (C, nh*hs)
+    post_attention_layernorm: np.ndarray  # (C,)
+    gate_proj: np.ndarray  # (I, C)
+    up_proj: np.ndarray  # (I, C)
+    down_proj: np.ndarray  # (C, I)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in vars(self).values())
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    variance = np.mean(np.square(x), axis=-1, keepdims=True)
+    return weight * (x / np.sqrt(variance + np.float32(eps)))
+
+
+def rope_tables(seq: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin of shape (T, hs) for positions 0..T-1, in transformers' rotate-half layout."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    freqs = np.arange(seq, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]  # (T, hs/2)
+    angles = np.concatenate([freqs, freqs], axis=-1)  # (T, hs)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def attention(x: np.ndarray, w: LayerWeights, head_dim: int, cos: np.ndarray, sin: np.ndarray,
+              reduce: Reduce = _identity) -> np.ndarray:
+    B, T, C = x.shape
+    nh = w.q_proj.shape[0] // head_dim
+    nkv = w.k_proj.shape[0] // head_dim
+    q = (x @ w.q_proj.T).reshape(B, T, nh, head_dim).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
+    k = (x @ w.k_proj.T).reshape(B, T, nkv, head_dim).transpose(0, 2, 1, 3)  # (B, nkv, T, hs)
+    v = (x @ w.v_proj.T).reshape(B, T, nkv, head_dim).transpose(0, 2, 1, 3)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k, v = np.repeat(k, nh // nkv, axis=1), np.repeat(v, nh // nkv, axis=1)  # grouped-query
+    scores = (q @ k.transpose(0, 1, 3, 2)) * np.float32(head_dim ** -0.5)  # (B, nh, T, T)
+    scores += np.triu(np.full((T, T), -np.inf, dtype=np.float32), k=1)  # causal mask
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs = scores / scores.sum(axis=-1, keepdims=True)
+    y = (probs @ v).transpose(0, 2, 1, 3).reshape(B, T, nh * head_dim)
+    return reduce(y @ w.o_proj.T)  # row-parallel: partial sums over heads
+
+
+def mlp(x: np.ndarray, w: LayerWeights, reduce: Reduce = _identity) -> np.ndarray:
+    gate = x @ w.gate_proj.T
+    silu = gate / (1.0 + np.exp(-gate))
+    return reduce((silu * (x @ w.up_proj.T)) @ w.down_proj.T)  # row-parallel over I
+
+
+def block(x: np.ndarray, w: LayerWeights, head_dim: int, eps: float, cos: np.ndarray,
+          sin: np.ndarray, reduce: Reduce = _identity) -> np.ndarray:
+    x = x + attention(rms_norm(x, w.input_layernorm, eps), w, head_dim, cos, sin, reduce)
+    return x + mlp(rms_norm(x, w.post_attention_layernorm, eps), w, reduce)
+
+
+def embed(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+    return table[ids]  # (B, T) -> (B, T, C)
+
+
+def lm_head(x: np.ndarray, norm: np.ndarray, head: np.ndarray, eps: float) -> np.ndarray:
+    return rms_norm(x, norm, eps) @ head.T  # (B, T, V) or this rank's vocab slice

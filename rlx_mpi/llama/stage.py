@@ -1,0 +1,105 @@
+"""A Llama layer range as a pipeline `Stage`, sharded Megatron-style under tensor parallelism.
+
+Note: sharding. q/k/v and gate/up are column-parallel (each TP rank holds whole attention
+heads and a slice of the MLP's inner width); o_proj and down_proj are row-parallel and their
+partial outputs are summed by an all-reduce over the TP group. Norms and the input embedding
+are replicated (an embedding lookup costs no FLOPs, and replication avoids a collective); the
+LM head is vocab-sharded (it is the largest matrix) and its logits are all-gathered.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..collectives import ReduceKind, all_reduce
+from ..stage import ParamSource, Stage, TensorParallel
+from . import model
+from .config import LlamaConfig
+
+__all__ = ["LlamaStage", "expected_shapes"]
+
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split rows (outputs)
+_ROW_PARALLEL = ("o_proj", "down_proj")  # split columns (inputs)
+_REPLICATED = ("input_layernorm", "post_attention_layernorm")
+
+
+def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name in the checkpoint and the shape ``cfg`` implies for it."""
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    layer = {"input_layernorm": (h,), "q_proj": (cfg.q_dim, h), "k_proj": (cfg.kv_dim, h),
+             "v_proj": (cfg.kv_dim, h), "o_proj": (h, cfg.q_dim), "post_attention_layernorm": (h,),
+             "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    shapes = {"embed_tokens": (v, h), "norm": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (v, h)
+    for n in range(cfg.num_hidden_layers):
+        shapes.update({f"layers/{n}/{k}": s for k, s in layer.items()})
+    return shapes
+
+
+class LlamaStage(Stage):
+    """Layers ``layers`` of a Llama model; embeds on the first stage, norm + head on the last."""
+
+    def __init__(self, cfg: LlamaConfig, source: ParamSource, layers: range, first: bool, last: bool,
+                 tp: TensorParallel = TensorParallel(), ctx=None):
+        self.cfg, self.layers, self.first, self.last, self.tp, self.ctx = cfg, layers, first, last, tp, ctx
+
+        def shard(name: str, axis: int | None) -> np.ndarray:
+            return source.read(name, axis=axis, part=tp.rank, parts=tp.size)
+
+        self.embed_tokens = source.read("embed_tokens") if first else None
+        self.blocks = []
+        for n in layers:
+            w = {k: source.read(f"layers/{n}/{k}") for k in _REPLICATED}
+            w.update({k: shard(f"layers/{n}/{k}", 0) for k in _COLUMN_PARALLEL})
+            w.update({k: shard(f"layers/{n}/{k}", 1) for k in _ROW_PARALLEL})
+            self.blocks.append(model.LayerWeights(**w))
+        self.norm = source.read("norm") if last else None
+        head = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+        self.head = shard(head, 0) if last else None  # (V/tp, C)
+
+    @property
+    def weight_bytes(self) -> int:
+        arrays = [self.embed_tokens, self.norm, self.head]
+        return sum(a.nbytes for a in arrays if a is not None) + sum(b.nbytes for b in self.blocks)
+
+    def output_spec(self, batch: int, seq: int) -> tuple[tuple[int, ...], np.dtype]:
+        return (batch, seq, self.cfg.vocab_size if self.last else self.cfg.hidden_size), np.dtype(np.float32)
+
+    def _reduce(self, partial: np.ndarray) -> np.ndarray:
+        if self.tp.size == 1:
+            return partial
+        return all_reduce(np.ascontiguousarray(partial), ReduceKind.SUM, comm=self.tp.comm,
+                          timeout_s=self.tp.timeout_s, ctx=self.ctx)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        cfg = self.cfg
+        h = model.embed(x, self.embed_tokens) if self.first else x  # (B, T, C)
+        cos, sin = model.rope_tables(h.shape[1], cfg.head_dim, cfg.rope_theta)
+        for w in self.blocks:
+            h = model.block(h, w, cfg.head_dim, cfg.rms_norm_eps, cos, sin, self._reduce)
+        if not self.last:
+            return h
+        logits = model.lm_head(h, self.norm, self.head, cfg.rms_norm_eps)  # (B, T, V/tp)
+        return self._gather_vocab(logits)
+
+    def _gather_vocab(self, local: np.ndarray) -> np.ndarray:
+        """All-gather the vocab-sharded logits so every TP rank holds (B, T, V)."""
+        if self.tp.size == 1:
+            return local
+        from mpi4py import MPI
+
+        from ..checkpoint import part_bounds
+        from ..faults import RankContext, wait
+
+        B, T, _ = local.shape
+        V = self.cfg.vocab_size
+        counts = [(lambda ab: (ab[1] - ab[0]) * B * T)(part_bounds(V, r, self.tp.size)) for r in range(self.tp.size)]
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        send = np.ascontiguousarray(local.reshape(B * T, -1).T)  # (V/tp, B*T): vocab-major
+        full = np.empty((V, B * T), dtype=np.float32)
+        request = self.tp.comm.Iallgatherv(send, [full, counts, displs, MPI.FLOAT])
+        ctx = self.ctx or RankContext(rank=self.tp.comm.rank, size=self.tp.comm.size)
+        wait(request, self.tp.timeout_s, ctx, lambda: "the vocab-sharded logits of the tensor-parallel group",
+             "another rank of the tensor-parallel group")
+        return np.ascontiguousarray(full.T).reshape(B, T, V)

@@ -1,0 +1,359 @@
+"""Which contiguous layer range each pipeline stage holds. Pure: no MPI here.
+
+Note: a *stage* is a group of ``tp`` ranks that hold the same layers, each a 1/tp shard of
+them (tensor parallelism). The planner sees a stage's memory as the sum of its ranks' and its
+speed as the sum of their measured GFLOP/s; layer ranges are integer ``range``s in stage
+order, every layer placed exactly once, never float fractions.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Sequence
+
+from .caps import NodeCaps
+from .config import PlacementPolicy
+from .errors import ConfigError, FitError
+
+__all__ = ["ModelCost", "Assignment", "plan_placement", "format_plan"]
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What one forward of the model costs, per layer and at the ends; bytes are whole-model
+    (all tensor-parallel shards together)."""
+
+    n_layers: int
+    layer_bytes: int  # parameters of one decoder layer
+    layer_flops_per_token: float
+    embed_bytes: int  # held by the first stage
+    head_bytes: int  # final norm + LM head, held by the last stage
+    head_flops_per_token: float
+    kv_bytes_per_layer: int  # KV cache of one layer for the whole batch
+    act_bytes: int  # activation working set of one stage
+    tokens: int = 1  # batch * seq of the forward being planned
+
+    def stage_bytes(self, layers: range, first: bool, last: bool) -> int:
+        """Resident bytes of a stage holding ``layers`` (whole stage, all TP shards)."""
+        n = len(layers)
+        return (n * (self.layer_bytes + self.kv_bytes_per_layer) + self.act_bytes
+                + (self.embed_bytes if first else 0) + (self.head_bytes if last else 0))
+
+    def stage_flops(self, layers: range, last: bool) -> float:
+        """FLOPs of one forward through a stage (all TP shards together)."""
+        return self.tokens * (len(layers) * self.layer_flops_per_token
+                              + (self.head_flops_per_token if last else 0.0))
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One pipeline stage of the plan."""
+
+    stage: int
+    ranks: tuple[int, ...]  # world ranks of the stage's tensor-parallel group, tp order
+    hosts: tuple[str, ...]  # host of each rank in ``ranks``
+    layers: range
+    device: str
+    est_bytes: int  # estimated resident bytes per rank (stage bytes / tp)
+    first: bool
+    last: bool
+
+    def to_dict(self) -> dict:
+        return {"stage": self.stage, "ranks": list(self.ranks), "hosts": list(self.hosts),
+                "layers": [self.layers.start, self.layers.stop], "device": self.device,
+                "est_bytes": self.est_bytes, "first": self.first, "last": self.last}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Assignment":
+        return cls(stage=d["stage"], ranks=tuple(d["ranks"]), hosts=tuple(d["hosts"]),
+                   layers=range(*d["layers"]), device=d["device"], est_bytes=d["est_bytes"],
+                   first=d["first"], last=d["last"])
+
+
+# Note: the planner's model of a stage.
+#   capacity(stage) = sum over its ranks of (ram_available_bytes - reserve_bytes), or None
+#                     (unknown, never limiting) if any rank's ram_available_bytes is None;
+#   speed(stage)    = sum of its ranks' gflops; if any rank of any stage has no (or a
+#                     non-positive) gflops, every stage gets speed 1.0 (FLOPs are balanced);
+#   time(stage)     = cost.stage_flops(layers, last) / speed  (the embedding is a lookup).
+# Every layer costs the same, so a stage's bytes and time depend only on its layer *count*
+# and on whether it is first/last; the exact balanced optimum is then found by a greedy
+# (see _balanced_counts) rather than a DP over split points.
+
+_FIX_FIT = ("add ranks, raise --mem-gb, lower reserve_ram_gb, use tensor parallelism "
+            "(tp > 1) or a lower-precision checkpoint")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def _ranks_str(ranks: Sequence[int]) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+def _check_grid(caps: Sequence[NodeCaps],
+                grid: Sequence[Sequence[int]] | None) -> list[tuple[int, ...]]:
+    if len(caps) == 0:
+        raise ConfigError("placement", "no ranks to place the model on (caps is empty)",
+                          "run with at least one MPI rank")
+    if grid is None:
+        return [(r,) for r in range(len(caps))]
+    stages = [tuple(g) for g in grid]
+    if not stages:
+        raise ConfigError("placement", "the stage grid is empty", "give at least one stage")
+    widths = sorted({len(g) for g in stages})
+    if len(widths) != 1 or widths[0] < 1:
+        raise ConfigError("placement",
+                          f"the stage grid has stages of widths {widths}; every stage needs "
+                          "the same number (tp >= 1) of ranks",
+                          "make the world size a multiple of tp")
+    seen: set[int] = set()
+    for s, g in enumerate(stages):
+        for r in g:
+            if not isinstance(r, int) or not 0 <= r < len(caps):
+                raise ConfigError("placement",
+                                  f"stage {s} names rank {r!r} but ranks are 0..{len(caps) - 1}",
+                                  "use world ranks that exist")
+            if r in seen:
+                raise ConfigError("placement", f"rank {r} is in more than one stage",
+                                  "put each rank in one stage only")
+            seen.add(r)
+    return stages
+
+
+def _capacities(caps: Sequence[NodeCaps], stages: list[tuple[int, ...]],
+                reserve_bytes: int) -> list[int | None]:
+    out: list[int | None] = []
+    for g in stages:
+        avail = [caps[r].ram_available_bytes for r in g]
+        out.append(None if any(a is None for a in avail)
+                   else sum(a - reserve_bytes for a in avail))
+    return out
+
+
+def _speeds(caps: Sequence[NodeCaps], stages: list[tuple[int, ...]]) -> list[float] | None:
+    """Stage speeds, or None when any is unknown (then all stages count as equally fast)."""
+    flops = [[caps[r].gflops for r in g] for g in stages]
+    if any(f is None or f <= 0 for g in flops for f in g):
+        return None
+    return [float(sum(g)) for g in flops]
+
+
+def _max_layers(cost: ModelCost, cap: int | None, first: bool, last: bool) -> int:
+    """Most layers (at most n_layers) a stage of capacity ``cap`` can hold; < 1 if none."""
+    L = cost.n_layers
+    if cap is None:
+        return L
+    fixed = cost.stage_bytes(range(0), first, last)
+    per = cost.layer_bytes + cost.kv_bytes_per_layer
+    if fixed > cap:
+        return -1
+    if per <= 0:
+        return L
+    return min(L, (cap - fixed) // per)
+
+
+def _proportional(L: int, weights: Sequence[int | float]) -> list[int]:
+    """Largest-remainder apportionment of L layers by weight, every part >= 1.
+
+    Quotas are exact (Fractions). Remainder layers go to the largest fractional parts, ties
+    to the earlier stage. A stage left at 0 then takes one layer from the stage furthest
+    above its quota (ties: the later stage)."""
+    S = len(weights)
+    w = [Fraction(max(x, 0)) for x in weights]
+    total = sum(w)
+    if total == 0:
+        return _uniform_counts(L, S)
+    quota = [L * x / total for x in w]
+    counts = [int(q) for q in quota]  # floor: quotas are >= 0
+    order = sorted(range(S), key=lambda s: (-(quota[s] - counts[s]), s))
+    for s in order[:L - sum(counts)]:
+        counts[s] += 1
+    for s in range(S):
+        while counts[s] < 1:
+            donor = max((d for d in range(S) if counts[d] > 1),
+                        key=lambda d: (counts[d] - quota[d], d))
+            counts[donor] -= 1
+            counts[s] += 1
+    return counts
+
+
+def _uniform_counts(L: int, S: int) -> list[int]:
+    q, r = divmod(L, S)
+    return [q + 1 if s < r else q for s in range(S)]
+
+
+def _balanced_counts(cost: ModelCost, max_layers: list[int],
+                     speeds: list[float]) -> list[int]:
+    """Exact minimum of the slowest stage's time, each stage within ``max_layers``.
+
+    Every stage starts with one layer; then, L - S times, one layer goes to the stage whose
+    time *after* taking it is smallest (ties: the earliest stage), among stages still below
+    their memory limit. Stage time is nondecreasing in its layer count, so the values taken
+    come out in nondecreasing order and are the L - S smallest increments available: no
+    split has a smaller bottleneck. This is also the tie-break among optimal plans: equal
+    stages get the uniform split (10 over 4 -> 3,3,2,2), faster stages get more layers.
+    Caller guarantees max_layers[s] >= 1 and sum(max_layers) >= L."""
+    S, L = len(max_layers), cost.n_layers
+    last = S - 1
+
+    def t(s: int, n: int) -> float:
+        return cost.stage_flops(range(n), s == last) / speeds[s]
+
+    counts = [1] * S
+    heap = [(t(s, 2), s) for s in range(S) if max_layers[s] >= 2]
+    heapq.heapify(heap)
+    for _ in range(L - S):
+        _, s = heapq.heappop(heap)
+        counts[s] += 1
+        if counts[s] < max_layers[s]:
+            heapq.heappush(heap, (t(s, counts[s] + 1), s))
+    return counts
+
+
+def _check_manual(manual: Sequence[range] | None, L: int, S: int) -> list[int]:
+    fix = (f"give {S} ranges, one per stage, that run from 0 to {L} with each starting where "
+           "the previous one stops, e.g. [[0, 20], [20, 40]]")
+    where = "placement.manual"
+    if manual is None:
+        raise ConfigError(where, "policy is 'manual' but no layer ranges were given", fix)
+    ranges = list(manual)
+    if len(ranges) != S:
+        raise ConfigError(where, f"{len(ranges)} ranges given for {S} stages", fix)
+    prev_stop = 0
+    for s, rg in enumerate(ranges):
+        if not isinstance(rg, range) or rg.step != 1:
+            raise ConfigError(where, f"stage {s} range {rg!r} is not a range with step 1", fix)
+        if len(rg) == 0:
+            raise ConfigError(where, f"stage {s} range {rg.start}:{rg.stop} is empty", fix)
+        if rg.start > prev_stop:
+            raise ConfigError(where, f"gap: layers {prev_stop}:{rg.start} are in no stage "
+                              f"(stage {s} starts at {rg.start})", fix)
+        if rg.start < prev_stop:
+            raise ConfigError(where, f"overlap: layers {rg.start}:{prev_stop} are in stage {s} "
+                              "and in an earlier stage", fix)
+        prev_stop = rg.stop
+    if prev_stop < L:
+        raise ConfigError(where, f"the ranges stop at layer {prev_stop} but the model has {L} "
+                          f"layers (layers {prev_stop}:{L} are in no stage)", fix)
+    if prev_stop > L:
+        raise ConfigError(where, f"the ranges run to layer {prev_stop} but the model has only "
+                          f"{L} layers", fix)
+    return [len(rg) for rg in ranges]
+
+
+def _no_fit_balanced(cost: ModelCost, stages: list[tuple[int, ...]],
+                     capacities: list[int | None], max_layers: list[int]) -> FitError:
+    S, L = len(stages), cost.n_layers
+    need = sum(cost.stage_bytes(range(0), s == 0, s == S - 1) for s in range(S)) + L * (
+        cost.layer_bytes + cost.kv_bytes_per_layer)
+    known = [c for c in capacities if c is not None]
+    have = (f"the {S} stages have {_gb(sum(known))}" if len(known) == S else
+            f"the {len(known)} stages of known memory have {_gb(sum(known))}")
+    head = f"the model needs {_gb(need)} but {have}"
+    if len(known) == S and need > sum(known):
+        head += f" ({_gb(need - sum(known))} short)"
+    small = [s for s in range(S) if max_layers[s] < 1]
+    if small:
+        one = {s: cost.stage_bytes(range(1), s == 0, s == S - 1) for s in small}
+        cap = {s: capacities[s] or 0 for s in small}  # known: unknown stages never lack room
+        s = max(small, key=lambda s: (one[s] - cap[s], -s))  # the worst, earliest on ties
+        what = (f"{head}; stage {s} (ranks {_ranks_str(stages[s])}) has {_gb(cap[s])} "
+                f"but one layer there needs {_gb(one[s])} ({_gb(one[s] - cap[s])} short)")
+    else:
+        what = (f"{head}; the stages hold at most {sum(max_layers)} of the {L} layers "
+                f"(one layer is {_gb(cost.layer_bytes + cost.kv_bytes_per_layer)})")
+    return FitError("placement", what, _FIX_FIT)
+
+
+def plan_placement(cost: ModelCost, caps: Sequence[NodeCaps], policy: PlacementPolicy,
+                   reserve_bytes: int = 0, *, grid: Sequence[Sequence[int]] | None = None,
+                   manual: Sequence[range] | None = None, device: str = "cpu") -> list[Assignment]:
+    """Split ``cost.n_layers`` layers into contiguous ranges, one per stage of ``grid``.
+
+    ``caps`` holds one NodeCaps per world rank (index = rank); ``grid`` lists the stages in
+    pipeline order, each the world ranks of its tensor-parallel group (default: one rank per
+    stage, ``[[0], [1], ...]``); ``reserve_bytes`` is kept free on every rank; ``manual``
+    is used by the manual policy only. Raises ConfigError for a bad grid or manual ranges and
+    FitError when a stage would not fit its memory.
+
+    >>> # 4 ranks, tp=2: stage 0 = ranks 0,1, stage 1 = ranks 2,3
+    >>> # plan_placement(cost, caps, PlacementPolicy.BALANCED, grid=[[0, 1], [2, 3]])
+    """
+    try:
+        policy = PlacementPolicy(policy)
+    except ValueError:
+        raise ConfigError("placement.policy", f"unknown policy {policy!r}",
+                          "use one of " + ", ".join(p.value for p in PlacementPolicy)) from None
+    if reserve_bytes < 0:
+        raise ConfigError("placement", f"reserve_bytes is {reserve_bytes}, below 0",
+                          "reserve zero or more bytes")
+    stages = _check_grid(caps, grid)
+    S, L, tp = len(stages), cost.n_layers, len(stages[0])
+    if S > L:
+        raise ConfigError("placement", f"{S} stages but the model has only {L} layers",
+                          f"use at most {L} stages (ranks / tp)")
+    capacities = _capacities(caps, stages, reserve_bytes)
+    speeds = _speeds(caps, stages)
+    max_layers = [_max_layers(cost, capacities[s], s == 0, s == S - 1) for s in range(S)]
+    fits = all(m >= 1 for m in max_layers) and sum(max_layers) >= L
+
+    if policy is PlacementPolicy.BALANCED:
+        if not fits:
+            raise _no_fit_balanced(cost, stages, capacities, max_layers)
+        counts = _balanced_counts(cost, max_layers, speeds or [1.0] * S)
+    elif policy is PlacementPolicy.UNIFORM:
+        counts = _uniform_counts(L, S)
+    elif policy is PlacementPolicy.MEMORY:
+        counts = (_uniform_counts(L, S) if any(c is None for c in capacities)
+                  else _proportional(L, capacities))  # type: ignore[arg-type]
+    elif policy is PlacementPolicy.COMPUTE:
+        counts = _uniform_counts(L, S) if speeds is None else _proportional(L, speeds)
+    else:
+        counts = _check_manual(manual, L, S)
+    assert len(counts) == S and sum(counts) == L and min(counts) >= 1, counts
+
+    plan: list[Assignment] = []
+    start = 0
+    for s, (g, n) in enumerate(zip(stages, counts)):
+        layers = range(start, start + n)
+        start += n
+        first, last = s == 0, s == S - 1
+        need = cost.stage_bytes(layers, first, last)
+        cap = capacities[s]
+        if cap is not None and need > cap:
+            fix = ("placement policy 'balanced' fits this model on these ranks" if fits
+                   else _FIX_FIT)
+            raise FitError("placement",
+                           f"stage {s} (ranks {_ranks_str(g)}, layers {layers.start}:"
+                           f"{layers.stop}) needs {_gb(need)} but has {_gb(cap)} "
+                           f"({_gb(need - cap)} short) under policy '{policy.value}'", fix)
+        plan.append(Assignment(stage=s, ranks=g, hosts=tuple(caps[r].host for r in g),
+                               layers=layers, device=device, est_bytes=-(-need // tp),
+                               first=first, last=last))
+    return plan
+
+
+def format_plan(plan: Sequence[Assignment], cost: ModelCost | None = None) -> str:
+    """The plan as a plain-text table, one row per stage (``rlx-mpi plan`` prints it).
+
+    With ``cost``, a last line gives the model's layer count and total resident bytes."""
+    header = ("stage", "ranks", "hosts", "layers", "n_layers", "device", "est GB/rank")
+    rows = [header]
+    for a in plan:
+        hosts = ",".join(dict.fromkeys(a.hosts))  # unique, in rank order
+        rows.append((str(a.stage), _ranks_str(a.ranks), hosts,
+                     f"{a.layers.start}:{a.layers.stop}", str(len(a.layers)), a.device,
+                     f"{a.est_bytes / 1e9:.2f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    right = {0, 4, 6}  # numeric columns
+    lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w)
+                       for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
+    if cost is not None:
+        total = sum(a.est_bytes * len(a.ranks) for a in plan)
+        lines.append(f"{len(plan)} stages, {cost.n_layers} layers, "
+                     f"{_gb(total)} estimated in total")
+    return "\n".join(lines)

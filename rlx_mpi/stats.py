@@ -1,0 +1,84 @@
+"""Per-stage timings and the run report rank 0 prints."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+__all__ = ["StageTiming", "ClusterRun"]
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    """What one rank measured during build and forward."""
+
+    rank: int
+    host: str
+    stage: int
+    tp_rank: int
+    tp_ranks: tuple[int, ...]
+    layers: range
+    device: str
+    build_ms: float  # weight loading + stage construction
+    forward_ms: float  # compute only
+    recv_wait_ms: float  # waiting for the previous stage
+    send_ms: float  # handing the output to the next stage
+    bytes_sent: int
+    est_bytes: int  # the planner's estimate of resident bytes
+    weight_bytes: int  # weights this rank actually holds
+    peak_rss_bytes: int  # measured high-water mark of the process
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["layers"] = [self.layers.start, self.layers.stop]
+        d["tp_ranks"] = list(self.tp_ranks)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StageTiming":
+        return cls(**{**d, "layers": range(*d["layers"]), "tp_ranks": tuple(d["tp_ranks"])})
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f}"
+
+
+@dataclass
+class ClusterRun:
+    """The result of one forward: per-rank timings, totals and (on rank 0) the logits."""
+
+    timings: list[StageTiming]
+    total_forward_ms: float  # wall time on rank 0 from the start of the forward to the logits
+    tokens: int
+    microbatches: int = 1
+    output: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / (self.total_forward_ms / 1e3) if self.total_forward_ms > 0 else float("nan")
+
+    def table(self) -> str:
+        head = ("stage", "rank", "host", "tp", "layers", "device", "build_ms", "forward_ms",
+                "recv_wait_ms", "send_ms", "sent_MB", "est_MB", "weights_MB", "peak_rss_MB")
+        rows = [head]
+        for t in sorted(self.timings, key=lambda t: (t.stage, t.tp_rank)):
+            tp = ",".join(map(str, t.tp_ranks)) if len(t.tp_ranks) > 1 else "-"
+            rows.append((str(t.stage), str(t.rank), t.host, tp, f"{t.layers.start}:{t.layers.stop}", t.device,
+                         f"{t.build_ms:.1f}", f"{t.forward_ms:.1f}", f"{t.recv_wait_ms:.1f}", f"{t.send_ms:.1f}",
+                         _mb(t.bytes_sent), _mb(t.est_bytes), _mb(t.weight_bytes), _mb(t.peak_rss_bytes)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(c.rjust(w) if i not in (2, 5) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                 for r in rows]
+        lines.append(f"total forward {self.total_forward_ms:.1f} ms for {self.tokens} tokens "
+                     f"({self.microbatches} microbatch{'es' if self.microbatches != 1 else ''}): "
+                     f"{self.tokens_per_s:.1f} tokens/s")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"timings": [t.to_dict() for t in self.timings], "total_forward_ms": self.total_forward_ms,
+                "tokens": self.tokens, "microbatches": self.microbatches, "tokens_per_s": self.tokens_per_s}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
