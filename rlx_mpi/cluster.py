@@ -11,6 +11,7 @@ any rank becomes the same `AgreedFailure` on all); a fault in `drive` aborts the
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import resource
@@ -121,6 +122,12 @@ class Cluster:
         self._agree(create)
 
         def header() -> None:
+            for module in self.job.model.plugins:
+                try:
+                    importlib.import_module(module)
+                except ImportError as e:
+                    raise ConfigError(f"{self.job.path}: [model] plugins", f"cannot import {module!r} ({e})",
+                                      "install the module or fix PYTHONPATH on every node") from None
             family_name, config_json = read_header(ckpt)
             family = get_family(family_name)
             if family is None:

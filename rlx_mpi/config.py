@@ -59,6 +59,8 @@ class ModelSection:
     """Seed of the random weights made from ``preset``."""
     check_finite: bool = False
     """Scan every loaded weight for NaN/Inf (costs one pass over the weights)."""
+    plugins: tuple[str, ...] = ()
+    """Python modules to import before loading, so they can `register_family` a model of their own."""
 
 
 @dataclass(frozen=True)
@@ -264,6 +266,10 @@ def _coerce(name: str, type_name: str, value: Any, where: str, job_path: Path) -
         if value not in choices:
             raise ConfigError(where, f"got {value!r}", f"expected one of {choices}")
         return enums[t](value)
+    if t == "tuple[str, ...]":
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(where, f"got {value!r}, expected a list of module names")
+        return tuple(value)
     if t == "tuple[range, ...]":
         if not isinstance(value, list):
             raise ConfigError(where, f"got {value!r}, expected a list of \"a:b\" strings")

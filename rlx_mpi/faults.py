@@ -14,6 +14,7 @@ Note: three rules, used by every command.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -80,7 +81,9 @@ def wait(request: Any, timeout_s: float, ctx: RankContext, waiting_for: Callable
                                   f"{suspect} is stuck or dead, see its output above; if it is only slow, "
                                   "raise [run] timeout_s")
         polls += 1
-        if polls > _SPIN_POLLS:
+        if polls < _SPIN_POLLS:
+            os.sched_yield()  # a rank sharing the core (oversubscribed) may be the one we wait for
+        else:
             time.sleep(nap)
             nap = min(nap * 2, _MAX_SLEEP_S)
 
