@@ -7,10 +7,18 @@ import numpy as np
 from ..errors import ConfigError, InputError
 from ..placement import ModelCost
 from ..stage import ParamSource, TensorParallel
-from .config import PRESETS, LlamaConfig
-from .stage import LlamaStage, expected_shapes
+from .config import PRESETS, LlamaConfig, expected_shapes
 
 __all__ = ["LlamaConfig", "LlamaStage", "PRESETS", "FAMILY", "LlamaFamily", "expected_shapes"]
+
+
+def __getattr__(name: str):
+    # The stage pulls in numba (about a second to import): only ranks that build one pay it.
+    if name == "LlamaStage":
+        from .stage import LlamaStage
+
+        return LlamaStage
+    raise AttributeError(name)
 
 
 class LlamaFamily:
@@ -56,7 +64,9 @@ class LlamaFamily:
                              "tokenize with this model's tokenizer")
 
     def build_stage(self, cfg: LlamaConfig, source: ParamSource, layers: range, first: bool, last: bool,
-                    tp: TensorParallel, ctx=None) -> LlamaStage:
+                    tp: TensorParallel, ctx=None) -> "LlamaStage":
+        from .stage import LlamaStage
+
         return LlamaStage(cfg, source, layers, first, last, tp, ctx)
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ..errors import CheckpointError
 from ..placement import ModelCost
 
-__all__ = ["LlamaConfig", "PRESETS"]
+__all__ = ["LlamaConfig", "PRESETS", "expected_shapes"]
 
 
 @dataclass(frozen=True)
@@ -114,3 +114,17 @@ PRESETS: dict[str, LlamaConfig] = {
     "medium": LlamaConfig(vocab_size=16384, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
                           num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048),
 }
+
+
+def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name in the checkpoint and the shape ``cfg`` implies for it."""
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    layer = {"input_layernorm": (h,), "q_proj": (cfg.q_dim, h), "k_proj": (cfg.kv_dim, h),
+             "v_proj": (cfg.kv_dim, h), "o_proj": (h, cfg.q_dim), "post_attention_layernorm": (h,),
+             "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    shapes = {"embed_tokens": (v, h), "norm": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (v, h)
+    for n in range(cfg.num_hidden_layers):
+        shapes.update({f"layers/{n}/{k}": s for k, s in layer.items()})
+    return shapes

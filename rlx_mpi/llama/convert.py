@@ -30,7 +30,7 @@ import numpy as np
 from ..checkpoint import write_checkpoint
 from ..errors import CheckpointError, ConfigError
 from .config import LlamaConfig
-from .stage import expected_shapes
+from .config import expected_shapes
 
 __all__ = ["convert_hf", "hf_name"]
 

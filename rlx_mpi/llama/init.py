@@ -9,7 +9,7 @@ import numpy as np
 
 from ..checkpoint import write_checkpoint
 from .config import LlamaConfig
-from .stage import expected_shapes
+from .config import expected_shapes
 
 __all__ = ["init_random"]
 

@@ -13,6 +13,8 @@ from typing import Callable
 
 import numpy as np
 
+from .. import kernels
+
 __all__ = ["LayerWeights", "rms_norm", "rope_tables", "apply_rope", "attention", "mlp", "block",
            "embed", "lm_head"]
 
@@ -43,8 +45,7 @@ class LayerWeights:
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    variance = np.mean(np.square(x), axis=-1, keepdims=True)
-    return weight * (x / np.sqrt(variance + np.float32(eps)))
+    return kernels.rms_norm(np.ascontiguousarray(x), weight, eps)  # weight * x / sqrt(mean(x^2) + eps)
 
 
 def rope_tables(seq: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -72,9 +73,7 @@ def attention(x: np.ndarray, w: LayerWeights, head_dim: int, cos: np.ndarray, si
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k, v = np.repeat(k, nh // nkv, axis=1), np.repeat(v, nh // nkv, axis=1)  # grouped-query
     scores = (q @ k.transpose(0, 1, 3, 2)) * np.float32(head_dim ** -0.5)  # (B, nh, T, T)
-    scores += np.triu(np.full((T, T), -np.inf, dtype=np.float32), k=1)  # causal mask
-    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    probs = scores / scores.sum(axis=-1, keepdims=True)
+    probs = kernels.causal_softmax_(scores)  # masked: query t attends to keys <= t
     y = (probs @ v).transpose(0, 2, 1, 3).reshape(B, T, nh * head_dim)
     return reduce(y @ w.o_proj.T)  # row-parallel: partial sums over heads
 

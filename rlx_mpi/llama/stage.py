@@ -11,30 +11,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import kernels
 from ..collectives import ReduceKind, all_reduce
 from ..stage import ParamSource, Stage, TensorParallel
 from . import model
 from .config import LlamaConfig
 
-__all__ = ["LlamaStage", "expected_shapes"]
+__all__ = ["LlamaStage"]
 
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split rows (outputs)
 _ROW_PARALLEL = ("o_proj", "down_proj")  # split columns (inputs)
 _REPLICATED = ("input_layernorm", "post_attention_layernorm")
-
-
-def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name in the checkpoint and the shape ``cfg`` implies for it."""
-    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    layer = {"input_layernorm": (h,), "q_proj": (cfg.q_dim, h), "k_proj": (cfg.kv_dim, h),
-             "v_proj": (cfg.kv_dim, h), "o_proj": (h, cfg.q_dim), "post_attention_layernorm": (h,),
-             "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
-    shapes = {"embed_tokens": (v, h), "norm": (h,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (v, h)
-    for n in range(cfg.num_hidden_layers):
-        shapes.update({f"layers/{n}/{k}": s for k, s in layer.items()})
-    return shapes
 
 
 class LlamaStage(Stage):
@@ -43,6 +30,7 @@ class LlamaStage(Stage):
     def __init__(self, cfg: LlamaConfig, source: ParamSource, layers: range, first: bool, last: bool,
                  tp: TensorParallel = TensorParallel(), ctx=None):
         self.cfg, self.layers, self.first, self.last, self.tp, self.ctx = cfg, layers, first, last, tp, ctx
+        kernels.warm_up()
 
         def shard(name: str, axis: int | None) -> np.ndarray:
             return source.read(name, axis=axis, part=tp.rank, parts=tp.size)
