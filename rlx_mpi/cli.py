@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--tp", type=int, help="tensor-parallel ranks per stage (default: the job's, else 1)")
     pl.add_argument("--mem-gb", type=float, help="available RAM per rank in GB (default: unlimited)")
     pl.add_argument("--gflops", type=float, help="speed per rank in GFLOP/s (default: all equal)")
-    pl.add_argument("--ranks-per-host", type=int, default=1, help="ranks sharing each host (default 1)")
+    pl.add_argument("--ranks-per-host", type=int, help="ranks sharing each host (default: tp, one TP group per host)")
     pl.add_argument("--policy", choices=["uniform", "memory", "compute", "balanced"], help="default: the job's, else balanced")
     pl.add_argument("--batch", type=int, help="sequences per forward (default: the job's, else 1)")
     pl.add_argument("--seq", type=int, help="tokens per sequence (default: the job's, else 2048)")
@@ -218,7 +218,7 @@ def cmd_plan(args) -> int:
     seq = args.seq or (job.run.seq if job else 2048)
     weight_bytes = {"float32": 4, "float16": 2, "bfloat16": 2, None: 4}[args.dtype]
     cost = cfg.cost(batch, seq, weight_bytes)
-    per_host = max(1, args.ranks_per_host)
+    per_host = max(1, args.ranks_per_host or tp)
     mem = None if args.mem_gb is None else int(args.mem_gb * 1e9)
     caps = [NodeCaps(rank=r, host=f"host{r // per_host}", local_rank=r % per_host, local_size=per_host, cpus=None,
                      ram_total_bytes=mem, ram_available_bytes=mem, gflops=args.gflops) for r in range(args.ranks)]
@@ -274,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"rlx-mpi: error: {e.line()}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:
+        raise
     except Exception as e:
         from .faults import AgreedFailure
 
@@ -304,7 +306,13 @@ def _rank() -> int:
 
 def entry() -> None:
     """Console-script entry point."""
-    sys.exit(main())
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:  # `rlx-mpi plan ... | head`: the reader left, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
+    sys.exit(code)
 
 
 if __name__ == "__main__":
