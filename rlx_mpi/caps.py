@@ -135,7 +135,7 @@ def probe_local(rank: int, local_rank: int, local_size: int, ckpt: str | os.Path
         local_rank=local_rank,
         local_size=local_size,
         # affinity is usually per host under mpiexec; a rank's share is the host's / ranks on it
-        cpus=None if cpus is None else max(1, cpus // local_size) if cpus >= local_size else cpus,
+        cpus=None if cpus is None else max(1, cpus // local_size),
         ram_total_bytes=None if total is None else total // local_size,
         ram_available_bytes=None if available is None else available // local_size,
         devices=("cpu",) + tuple(f"cuda:{i}" for i in range(len(gpus))),

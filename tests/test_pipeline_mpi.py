@@ -73,19 +73,24 @@ def test_transformers_model_matches_transformers(tmp_path, fixture, ranks, tp):
 
 def test_sharded_weights_and_peak_rss(tmp_path):
     """A rank holding a quarter of the layers holds a quarter of the weights, and its peak RSS
-    stays well under half the model's bytes: it never reads the other layers."""
+    stays well under half the model's bytes: it never reads the other layers. The model is
+    1.8 GB so that the interpreter's own ~0.2 GB (numpy, MPI, numba) does not dominate."""
+    from rlx_mpi.llama import LlamaConfig
     from rlx_mpi.llama.init import init_random
 
-    cfg = PRESETS["medium"]
-    ckpt = tmp_path / "medium.h5"
+    cfg = LlamaConfig(vocab_size=16384, hidden_size=1536, intermediate_size=4096, num_hidden_layers=16,
+                      num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=64)
+    ckpt = tmp_path / "big.h5"
     init_random(ckpt, cfg, seed=0)
     model_bytes = ckpt.stat().st_size
-    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 8))
-    _, stats, _ = run_job(tmp_path, ckpt, 4, ids, {"policy": "uniform"}, timeout=180)
+    assert model_bytes > 1.7e9
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 4))
+    _, stats, _ = run_job(tmp_path, ckpt, 4, ids, {"policy": "uniform"}, timeout=240)
     for row in stats["timings"]:
-        assert row["weight_bytes"] < 0.4 * model_bytes, row
-        assert row["peak_rss_bytes"] < 0.5 * model_bytes, row
+        assert row["weight_bytes"] < 0.3 * model_bytes, row
+        assert row["peak_rss_bytes"] < 0.45 * model_bytes, row
     # tensor parallel: each of 2 ranks of one stage holds about half the weights
-    _, stats, _ = run_job(tmp_path, ckpt, 2, ids, {"tp": 2}, timeout=180)
+    _, stats, _ = run_job(tmp_path, ckpt, 2, ids, {"tp": 2}, timeout=240)
     for row in stats["timings"]:
-        assert row["weight_bytes"] < 0.6 * model_bytes, row
+        assert row["weight_bytes"] < 0.56 * model_bytes, row
+        assert row["peak_rss_bytes"] < 0.7 * model_bytes, row
