@@ -223,8 +223,9 @@ class Cluster:
             if not self.is_root:
                 return None
             if path is None:
-                rng = np.random.default_rng(self.job.run.seed)
-                return rng.integers(0, self.model_config.vocab_size, (self.job.run.batch, self.job.run.seq))
+                ids = self._random_ids(self.job.run.batch, self.job.run.seq)
+                self.family.check_inputs(self.model_config, ids, f"{self.job.path}: [run] batch, seq")
+                return ids
             where = str(path)
             if not Path(path).is_file():
                 raise InputError(where, "input ids file not found", "give an integer .npy of shape [batch, seq]")
@@ -246,6 +247,10 @@ class Cluster:
         self.batch, self.seq = shape
         return ids
 
+    def _random_ids(self, batch: int, seq: int) -> np.ndarray:
+        """Input ids drawn from ``[run] seed``: the same on every launch of the job."""
+        return np.random.default_rng(self.job.run.seed).integers(0, self.model_config.vocab_size, (batch, seq))
+
     # -- the run (faults abort) ----------------------------------------------------------------
 
     def drive(self, ids: np.ndarray | None = None) -> ClusterRun | None:
@@ -266,7 +271,7 @@ class Cluster:
         job, topo, stage, a = self.job, self.topology, self.stage, self.assignment
         timeout = job.run.timeout_s
         if self.is_root and ids is None:
-            ids = np.random.default_rng(job.run.seed).integers(0, self.model_config.vocab_size, (self.batch, self.seq))
+            ids = self._random_ids(self.batch, self.seq)
         ids = transport.bcast_array(self.world, ids, 0, timeout, self.ctx, "the input ids")
         batch, seq = ids.shape
         microbatches = job.run.microbatches
