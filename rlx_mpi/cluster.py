@@ -112,9 +112,7 @@ class Cluster:
                 if preset not in PRESETS:
                     raise ConfigError(f"{self.job.path}: [model] preset", f"got {preset!r}",
                                       f"expected one of {sorted(PRESETS)}")
-                if not ckpt.parent.is_dir():
-                    raise ConfigError(f"{self.job.path}: [model] checkpoint", f"folder {ckpt.parent} does not exist",
-                                      "create it or change the path")
+                ckpt.parent.mkdir(parents=True, exist_ok=True)
                 log.info("checkpoint %s not found: creating it from preset %r (seed %d)", ckpt, preset,
                          self.job.model.init_seed)
                 init_random(ckpt, PRESETS[preset], self.job.model.init_seed)
