@@ -21,6 +21,7 @@ float32. Files are opened read-only with HDF5 file locking off, which shared fil
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -72,8 +73,12 @@ def _open(path: Path) -> h5py.File:
     try:
         return h5py.File(path, "r", locking=False)
     except OSError as e:
-        hint = "is it truncated or not HDF5? re-create it with rlx-mpi convert or init-model"
-        raise CheckpointError(where, f"cannot open as HDF5 ({str(e).split(':')[0]})", hint) from None
+        found = re.search(r"\(([^():]+)", str(e))  # h5py: "Unable to ... (truncated file: eof = ...)"
+        reason = found.group(1).strip() if found else str(e)
+        what = {"truncated file": "truncated: the file is shorter than its HDF5 header says",
+                "file signature not found": "not an HDF5 file"}.get(reason, f"cannot open as HDF5 ({reason})")
+        raise CheckpointError(where, what, "copy it again, or re-create it with rlx-mpi convert or "
+                              "init-model") from None
 
 
 def read_header(path: str | os.PathLike) -> tuple[str, str]:

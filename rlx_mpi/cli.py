@@ -11,16 +11,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
 
-from .errors import EXIT_BAD_INPUT, EXIT_INTERNAL, ConfigError, RlxError
+from .errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_INTERNAL, ConfigError, RlxError
 
 __all__ = ["main"]
 
 EPILOG = """exit codes: 0 ok, 1 internal error, 2 bad input (command line, job file, checkpoint,
-input ids), 3 model does not fit, 4 a rank failed at run time, 5 a rank timed out waiting.
+input ids), 3 model does not fit, 4 a rank failed at run time, 5 a rank timed out waiting
+(a rank killed by a signal is named too, but the code is then the launcher's: 9 under MPICH).
 docs: README.md"""
 
 
@@ -181,6 +183,7 @@ def cmd_plan(args) -> int:
     from .placement import format_plan, plan_placement
     from .topology import make_grid
 
+    _check_plan_flags(args)
     job = load_job(args.job) if args.job else None
     shape_flags = {k: getattr(args, k.replace("-", "_")) for k in
                    ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab")}
@@ -208,12 +211,19 @@ def cmd_plan(args) -> int:
             cfg = LlamaConfig.from_json(read_header(ckpt)[1], str(ckpt))
     else:
         raise ConfigError("plan", "no model given", "pass a job file, --preset NAME, or the model shape flags")
-    if args.ranks is None or args.ranks < 1:
-        raise ConfigError("plan --ranks", f"got {args.ranks}", "give the number of ranks, >= 1")
-    tp = args.tp or (job.placement.tp if job else 1)
+    tp = args.tp if args.tp is not None else (job.placement.tp if job else 1)
     from .llama import FAMILY
 
     FAMILY.check_tp(cfg, tp, "plan --tp")
+    if args.ranks % tp:
+        raise ConfigError("plan --ranks", f"tp = {tp} does not divide the {args.ranks} ranks",
+                          f"give --ranks a multiple of {tp}, or another --tp")
+    if job is not None:
+        job.check_layers(cfg.num_hidden_layers, args.ranks, tp)
+    elif args.ranks // tp > cfg.num_hidden_layers:
+        n = cfg.num_hidden_layers
+        raise ConfigError("plan --ranks", f"{args.ranks // tp} stages ({args.ranks} ranks / tp {tp}) but the model "
+                          f"has only {n} layers", f"give at most {n * tp} ranks, or a larger --tp")
     batch = args.batch or (job.run.batch if job else 1)
     seq = args.seq or (job.run.seq if job else 2048)
     weight_bytes = {"float32": 4, "float16": 2, "bfloat16": 2, None: 4}[args.dtype]
@@ -234,6 +244,22 @@ def cmd_plan(args) -> int:
           f"batch {batch} x seq {seq}; policy {policy.value}; {args.ranks} ranks = {len(grid)} stages x tp {tp}")
     print(format_plan(plan, cost))
     return 0
+
+
+def _check_plan_flags(args) -> None:
+    """Refuse flag values the planner would otherwise replace by a default or misuse."""
+    counts = {"--ranks": args.ranks, "--tp": args.tp, "--ranks-per-host": args.ranks_per_host,
+              "--batch": args.batch, "--seq": args.seq, "--layers": args.layers, "--hidden": args.hidden,
+              "--heads": args.heads, "--kv-heads": args.kv_heads, "--intermediate": args.intermediate,
+              "--vocab": args.vocab}
+    for flag, value in counts.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"plan {flag}", f"got {value}", "give an integer >= 1")
+    for flag, value, low in (("--mem-gb", args.mem_gb, 0.0), ("--gflops", args.gflops, 0.0),
+                             ("--reserve-gb", args.reserve_gb, None)):
+        if value is not None and not (math.isfinite(value) and (value > low if low is not None else value >= 0)):
+            raise ConfigError(f"plan {flag}", f"got {value}",
+                              "give a finite number " + ("> 0" if low is not None else ">= 0"))
 
 
 def cmd_convert(args) -> int:
@@ -262,12 +288,20 @@ COMMANDS = {"run": cmd_run, "probe": cmd_probe, "plan": cmd_plan, "convert": cmd
 MPI_COMMANDS = {"run", "probe"}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, supervise: bool = False) -> int:
+    """Run one command; ``supervise`` (the console script's choice) forks each MPI rank under
+    a supervisor that names it if it dies of a signal (see `rlx_mpi.faults.supervise`)."""
     args = _parser().parse_args(argv)
     under_mpi = args.command in MPI_COMMANDS
+    if supervise and under_mpi:
+        from .faults import supervise as fork_supervisor
+
+        fork_supervisor()
     try:
         return COMMANDS[args.command](args)
-    except RlxError as e:  # single-process commands; MPI commands agree first (below)
+    except RlxError as e:
+        if under_mpi:  # raised on some ranks outside an agreed step: the others may wait for ever
+            _abort(sys.exc_info(), e.exit_code, args.debug)
         if args.debug:
             import traceback
 
@@ -279,23 +313,31 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         from .faults import AgreedFailure
 
-        if isinstance(e, AgreedFailure):
+        if isinstance(e, AgreedFailure):  # every rank raised it: rank 0 speaks for all
             if _rank() == 0:
                 print(f"rlx-mpi: error: {e.line}", file=sys.stderr)
             return e.exit_code
         if under_mpi:  # a fault outside the agreed steps: report once and end every rank
-            from mpi4py import MPI
-
-            from .faults import RankContext, report_and_abort
-
-            report_and_abort(MPI.COMM_WORLD, RankContext(MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size, debug=True),
-                             sys.exc_info(), 4)
+            _abort(sys.exc_info(), EXIT_FAULT, True)
         import traceback
 
         traceback.print_exc()
         print(f"rlx-mpi: error: internal error ({type(e).__name__}: {e}); please report it with the traceback above",
               file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def _abort(exc_info, exit_code: int, debug: bool) -> None:
+    """Report this rank's failure once and end every rank of the job."""
+    import socket
+
+    from mpi4py import MPI
+
+    from .faults import RankContext, report_and_abort
+
+    world = MPI.COMM_WORLD
+    report_and_abort(world, RankContext(world.rank, world.size, host=socket.gethostname(), debug=debug),
+                     exc_info, exit_code)
 
 
 def _rank() -> int:
@@ -307,7 +349,7 @@ def _rank() -> int:
 def entry() -> None:
     """Console-script entry point."""
     try:
-        code = main()
+        code = main(supervise=True)
         sys.stdout.flush()
     except BrokenPipeError:  # `rlx-mpi plan ... | head`: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

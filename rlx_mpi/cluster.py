@@ -133,6 +133,7 @@ class Cluster:
                                       "import the package that registers it (rlx_mpi.register_family)")
             cfg = family.load_config(config_json, str(ckpt))
             family.check_tp(cfg, self.job.placement.tp, f"{self.job.path}: [placement] tp")
+            self.job.check_layers(family.cost(cfg, 1, 1).n_layers, self.world.size)
             self.family, self.model_config = family, cfg
 
         self._agree(header)
@@ -274,7 +275,14 @@ class Cluster:
         batch, seq = ids.shape
         microbatches = job.run.microbatches
         mb = batch // microbatches
-        link = transport.Link(self.world, self.ctx, timeout)
+        # Note: a stuck stage stalls every stage after it (waiting to receive) and, once buffers
+        # fill, every stage before it (waiting to send). Deadlines are staggered so the rank
+        # next to the stuck one expires first and the job names the right rank: receives wait
+        # longer the later the stage, sends the earlier, and rank 0's wait for the logits,
+        # which needs the whole pipeline, longest.
+        grace = max(1.0, 0.1 * timeout)
+        link = transport.Link(self.world, self.ctx, timeout + topo.stage * grace,
+                              send_timeout_s=timeout + (topo.n_stages - 1 - topo.stage) * grace)
         in_buf = None
         if not a.first:  # shapes fixed from the plan: the previous stage's output
             in_buf = np.empty(*self.family.output_spec(self.model_config, mb, seq, last=False))
@@ -303,7 +311,7 @@ class Cluster:
         self.ctx.microbatch = None
 
         # The logits travel from the last stage to rank 0, outside the per-stage counters.
-        final = transport.Link(self.world, self.ctx, timeout)
+        final = transport.Link(self.world, self.ctx, timeout + topo.n_stages * grace)
         if self.is_root and logits is None:
             logits = np.empty(*self.family.output_spec(self.model_config, batch, seq, last=True))
             final.recv(logits, topo.output_rank, microbatches, "the logits")
@@ -317,7 +325,8 @@ class Cluster:
             forward_ms=forward_s * 1e3, recv_wait_ms=link.recv_wait_s * 1e3, send_ms=link.send_s * 1e3,
             bytes_sent=link.bytes_sent, est_bytes=a.est_bytes, weight_bytes=stage.weight_bytes,
             peak_rss_bytes=peak_rss_bytes())
-        rows = transport.gather_json(self.world, timing.to_dict(), 0, timeout, self.ctx, "the stage timings")
+        rows = transport.gather_json(self.world, timing.to_dict(), 0, timeout + (topo.n_stages + 1) * grace,
+                                     self.ctx, "the stage timings")
         if not self.is_root:
             return None
         return ClusterRun(timings=[StageTiming.from_dict(r) for r in rows], total_forward_ms=total_ms,

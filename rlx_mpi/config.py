@@ -140,6 +140,23 @@ class JobConfig:
                 raise ConfigError(f"{self.path}: [[rank]] rank", f"rank = {o.rank} but only {world_size} ranks were launched",
                                   f"use ranks 0..{world_size - 1}")
 
+    def check_layers(self, n_layers: int, world_size: int, tp: int | None = None) -> None:
+        """Cross-check the placement against the model's layer count, once the checkpoint is read."""
+        tp = tp or self.placement.tp
+        stages = world_size // tp
+        if stages > n_layers:
+            layers = f"{n_layers} layer" + ("s" if n_layers != 1 else "")
+            raise ConfigError(f"{self.path}: [placement]",
+                              f"{stages} stages ({world_size} ranks / tp {tp}) but the model has only {layers}",
+                              f"use at most {n_layers} stages: launch at most {n_layers * tp} ranks, or raise tp")
+        manual = self.placement.manual
+        if self.placement.policy is PlacementPolicy.MANUAL and manual and manual[-1].stop != n_layers:
+            stop = manual[-1].stop
+            gap = f" (layers {stop}:{n_layers} are in no stage)" if stop < n_layers else ""
+            raise ConfigError(f"{self.path}: [placement] manual",
+                              f"the ranges stop at layer {stop} but the model has {n_layers} layers{gap}",
+                              f'make the last range end at {n_layers}, e.g. "{manual[-1].start}:{n_layers}"')
+
 
 # -- loading ------------------------------------------------------------------------------------
 
@@ -199,6 +216,15 @@ def _cross_check(job: JobConfig) -> None:
     if p.policy is PlacementPolicy.MANUAL and not p.manual:
         raise ConfigError(f"{where} manual", 'policy = "manual" needs manual ranges',
                           'add manual = ["0:4", "4:8"], one "a:b" per stage')
+    prev = 0  # the ranges tile 0..L in stage order; L is checked once the model is known
+    for s, rg in enumerate(p.manual):
+        if rg.start != prev:
+            what = (f"gap: layers {prev}:{rg.start} are in no stage" if rg.start > prev else
+                    f"overlap: layers {rg.start}:{prev} are in stage {s} and in an earlier stage")
+            raise ConfigError(f"{where} manual", f"{what} (stage {s} is \"{rg.start}:{rg.stop}\")",
+                              f'start each range where the previous one stops, e.g. "{prev}:{max(rg.stop, prev + 1)}"'
+                              if s else f'start the first range at layer 0, e.g. "0:{rg.stop}"')
+        prev = rg.stop
     if p.manual and p.policy is not PlacementPolicy.MANUAL:
         raise ConfigError(f"{where} manual", f'manual ranges are given but policy = "{p.policy.value}"',
                           'set policy = "manual" or remove manual')

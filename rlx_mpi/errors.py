@@ -13,6 +13,9 @@ Exit codes (documented in the README):
 4     runtime fault: an exception or a dead rank during the run
 5     deadline expired: a rank waited longer than ``timeout_s``
 ====  ==========================================================
+
+A rank killed by a signal (kill -9, the OOM killer) is still named on stderr, but the job's
+exit code is then the launcher's choice: MPICH's mpiexec reports the signal (9).
 """
 
 from __future__ import annotations

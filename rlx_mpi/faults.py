@@ -10,11 +10,14 @@ Note: three rules, used by every command.
    the same `AgreedFailure`, so rank 0 prints one line and all exit with the same code.
 3. Anything else (an exception mid-run, an expired deadline) is reported once by the rank
    that saw it, with its context and traceback, and `abort` ends the whole job.
+4. A rank that dies of a signal can say nothing, so its `supervise` parent names it.
 """
 
 from __future__ import annotations
 
 import os
+import select
+import signal
 import sys
 import time
 import traceback
@@ -25,7 +28,7 @@ import numpy as np
 
 from .errors import EXIT_FAULT, DeadlineExpired, RlxError
 
-__all__ = ["RankContext", "AgreedFailure", "wait", "agree", "report_and_abort"]
+__all__ = ["RankContext", "AgreedFailure", "wait", "agree", "report_and_abort", "supervise"]
 
 T = TypeVar("T")
 
@@ -58,6 +61,11 @@ class RankContext:
         if self.microbatch is not None:
             parts.append(f"microbatch {self.microbatch}")
         return f"rank {self.rank} ({', '.join(parts)})"
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if _post_fd is not None and "extra" in self.__dict__:  # fully built: keep the supervisor posted
+            _post(self.describe())
 
 
 class AgreedFailure(Exception):
@@ -130,7 +138,7 @@ def report_and_abort(comm: Any, ctx: RankContext, exc_info: Any, exit_code: int 
     """Print this rank's context and the fault once, then end every rank of the job."""
     exc = exc_info[1]
     if isinstance(exc, RlxError):
-        exit_code = exc.exit_code if exc.exit_code not in (0, 2) else EXIT_FAULT
+        exit_code = exc.exit_code or EXIT_FAULT  # bad input found mid-run is still bad input (2)
         head = f"rlx-mpi: error: {exc.line()}"
         if ctx.rank is not None and not exc.where.startswith("rank "):
             head = f"rlx-mpi: error: {ctx.describe()}: {exc.line()}"
@@ -143,4 +151,169 @@ def report_and_abort(comm: Any, ctx: RankContext, exc_info: Any, exit_code: int 
     sys.stderr.write("\n".join(lines) + "\n")
     sys.stderr.flush()
     sys.stdout.flush()
-    comm.Abort(exit_code)
+    _drain(sys.stderr.fileno())
+    from mpi4py import MPI
+
+    if not isinstance(comm, MPI.Comm):  # a fake communicator in a test
+        comm.Abort(exit_code)
+        return
+    # Note: abort COMM_WORLD, not ``comm``. MPICH's launcher takes the job's exit code from an
+    # abort of COMM_WORLD; an abort of a duplicate (every `Cluster` works on one) races its
+    # clean-up and often ends the job with code 9. And MPICH's abort of COMM_WORLD returns,
+    # leaving the launcher to kill us: exit now, so nothing else runs or prints meanwhile.
+    MPI.COMM_WORLD.Abort(exit_code)
+    os._exit(exit_code)
+
+
+# -- the supervisor: name a rank that dies of a signal ------------------------------------------
+
+_post_fd: int | None = None  # in a supervised rank: the pipe to its supervisor
+# Signals the supervisor survives; it passes on those that end a process and that a sender may
+# have meant for the rank (launchers signal the whole process group, so the rank has the rest).
+_NOTED = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+_PASSED_ON = (signal.SIGTERM, signal.SIGHUP)
+_CRASHES = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT)
+_RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+def supervise() -> None:
+    """Split this process into a supervisor and the rank proper; return in the rank.
+
+    Note: a rank killed by a signal (kill -9, the kernel's OOM killer, a crash in native code)
+    cannot report anything, and MPICH's launcher then ends the job naming only a PID (at times
+    one it killed while cleaning up). So the process the launcher started forks before MPI is
+    initialised and waits for its child, the rank, which posts its `RankContext.describe()`
+    through a pipe as it changes. If the rank dies of a signal the supervisor prints that
+    context and exits with EXIT_FAULT, which makes the launcher end the job; otherwise it exits
+    with the rank's status. A signal the supervisor got too (the launcher's SIGTERM, a Ctrl-C)
+    is no fault of the rank's and is not reported. The rank is killed if its supervisor dies
+    (PR_SET_PDEATHSIG), so killing the launched process ends the rank.
+    Linux only; ``RLX_MPI_SUPERVISE=0`` turns it off. Call it only from the process's entry
+    point, never from a library call: the caller's process becomes the supervisor.
+    """
+    global _post_fd
+    if os.environ.get("RLX_MPI_SUPERVISE", "1") == "0" or not sys.platform.startswith("linux"):
+        return
+    if "mpi4py.MPI" in sys.modules:  # MPI may be initialised: a fork now would confuse it
+        return
+    read_fd, write_fd = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    supervisor = os.getpid()
+    child = os.fork()
+    if child == 0:
+        os.close(read_fd)
+        _die_with_parent(supervisor)
+        os.set_blocking(write_fd, False)  # never stall the rank on its supervisor
+        _post_fd = write_fd
+        import faulthandler
+
+        faulthandler.enable()  # a crash in native code shows the Python stack
+        return
+    os.close(write_fd)
+    os._exit(_watch(child, read_fd))
+
+
+def _drain(fd: int, limit_s: float = 1.0) -> None:
+    """Wait (briefly) until the reader of pipe ``fd`` has taken what we wrote.
+
+    The launcher forwards our stderr and our abort by different routes; MPICH's exits on the
+    abort, and a report still sitting in the pipe would be lost.
+    """
+    import fcntl
+    import termios
+
+    deadline = time.monotonic() + limit_s
+    buf = bytearray(4)
+    while time.monotonic() < deadline:
+        try:
+            fcntl.ioctl(fd, termios.FIONREAD, buf)
+        except OSError:  # not a pipe (a file, a terminal): nothing to wait for
+            return
+        if int.from_bytes(buf, sys.byteorder) == 0:
+            return
+        time.sleep(0.002)
+
+
+def _post(text: str) -> None:
+    try:
+        os.write(_post_fd, text.encode("utf-8", "replace")[:1000] + b"\n")
+    except OSError:  # a full pipe or a gone supervisor: a message matters less than the run
+        pass
+
+
+def _die_with_parent(parent: int) -> None:
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the supervisor died before prctl took effect
+        os._exit(EXIT_FAULT)
+
+
+def _watch(child: int, fd: int) -> int:
+    """Wait for ``child`` without burning a core; return the exit code to end with."""
+    noted: set[int] = set()
+
+    def note(sig, _frame):
+        noted.add(sig)
+        if sig in _PASSED_ON:
+            try:
+                os.kill(child, sig)
+            except ProcessLookupError:
+                pass
+
+    for sig in _NOTED:
+        signal.signal(sig, note)
+    try:
+        pidfd = os.pidfd_open(child)  # readable when the child ends (Linux >= 5.3)
+    except (AttributeError, OSError):
+        pidfd = None
+    last, pending, watched = b"", b"", [fd]
+    while True:
+        ready, _, _ = select.select(watched + ([pidfd] if pidfd is not None else []), [], [],
+                                    None if pidfd is not None else 0.2)
+        if fd in ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                watched = []  # the rank closed the pipe (or died): only wait for it now
+            pending += chunk
+            lines = pending.split(b"\n")
+            pending = lines.pop()
+            last = lines[-1] if lines else last
+        done, status = os.waitpid(child, os.WNOHANG)
+        if done:
+            break
+    os.set_blocking(fd, False)
+    try:
+        lines = (pending + os.read(fd, 65536)).split(b"\n")
+        last = next((line for line in reversed(lines) if line), last)
+    except OSError:
+        pass
+    if not os.WIFSIGNALED(status):
+        return os.waitstatus_to_exitcode(status)
+    sig = os.WTERMSIG(status)
+    if sig in noted:  # sent to us both (the launcher, a Ctrl-C): not this rank's fault
+        return 128 + sig
+    who = last.decode("utf-8", "replace") or _rank_from_env()
+    try:
+        name = signal.Signals(sig).name
+    except ValueError:
+        name = f"signal {sig}"
+    if sig == signal.SIGKILL:
+        hint = "killed from outside: by the kernel's OOM killer (check dmesg or the job's memory limit) or a kill -9"
+    elif sig in _CRASHES:
+        hint = "crashed in native code (numpy, h5py, MPI); its Python stack is above"
+    else:
+        hint = "killed by a signal from outside the program"
+    sys.stderr.write(f"rlx-mpi: error: {who}: died of {name} (pid {child}); {hint}\n"
+                     "rlx-mpi: ending the job\n")
+    sys.stderr.flush()
+    return EXIT_FAULT
+
+
+def _rank_from_env() -> str:
+    for var in _RANK_VARS:
+        if os.environ.get(var, "").isdigit():
+            return f"rank {os.environ[var]}"
+    return "a rank"

@@ -87,7 +87,7 @@ _FIX_FIT = ("add ranks, raise --mem-gb, lower reserve_ram_gb, use tensor paralle
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e9:.2f} GB" if abs(n) >= 1e9 else f"{n / 1e6:.2f} MB"
 
 
 def _ranks_str(ranks: Sequence[int]) -> str:
@@ -130,7 +130,7 @@ def _capacities(caps: Sequence[NodeCaps], stages: list[tuple[int, ...]],
     for g in stages:
         avail = [caps[r].ram_available_bytes for r in g]
         out.append(None if any(a is None for a in avail)
-                   else sum(a - reserve_bytes for a in avail))
+                   else sum(max(a - reserve_bytes, 0) for a in avail))  # a reserve above RAM leaves 0
     return out
 
 

@@ -95,8 +95,8 @@ def register_family(family: ModelFamily) -> None:
 
 
 def get_family(name: str) -> ModelFamily | None:
-    if not _FAMILIES:
-        from .llama import FAMILY  # the shipped family registers lazily, so import stays cheap
+    if name == "llama" and name not in _FAMILIES:  # registered lazily, so import stays cheap;
+        from .llama import FAMILY  # a plug-in registering first must not hide it
 
-        register_family(FAMILY)
+        _FAMILIES.setdefault(FAMILY.name, FAMILY)
     return _FAMILIES.get(name)

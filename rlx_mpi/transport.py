@@ -25,6 +25,7 @@ class Link:
     comm: Any
     ctx: RankContext
     timeout_s: float
+    send_timeout_s: float | None = None  # default: timeout_s
     recv_wait_s: float = 0.0
     send_s: float = 0.0
     bytes_sent: int = 0
@@ -33,7 +34,8 @@ class Link:
         """Send ``buf`` (C-contiguous) to ``dest``; the wait has the run deadline."""
         t0 = time.perf_counter()
         request = self.comm.Isend(buf, dest=dest, tag=tag)
-        wait(request, self.timeout_s, self.ctx, lambda: f"rank {dest} to take {what}", f"rank {dest}")
+        timeout = self.timeout_s if self.send_timeout_s is None else self.send_timeout_s
+        wait(request, timeout, self.ctx, lambda: f"rank {dest} to take {what}", f"rank {dest}")
         self.send_s += time.perf_counter() - t0
         self.bytes_sent += buf.nbytes
 

@@ -1,0 +1,142 @@
+"""Shared helpers for tests that run the real CLI, with or without mpiexec.
+
+    MPIEXEC                  the mpiexec next to this Python (the mpich wheel), else the one on PATH
+    run_cli(args, ranks=2)   run ``python -m rlx_mpi ARGS`` (under ``mpiexec -n ranks`` unless
+                             ranks is None); returns the CompletedProcess with ``.elapsed`` seconds.
+                             A run past ``timeout`` has its whole process group killed and fails
+                             the test with the output so far: a hang fails, it never stalls.
+    start_cli(args, ranks=2) the same, started and not waited for: a Popen in its own session
+    kill_tree(pid)           SIGKILL a started CLI, its launcher and every rank under it
+    write_job(dir, **sections)   a job TOML from dicts: write_job(tmp_path, model={...}, run={...})
+    tiny_ckpt                session fixture: a random "tiny" Llama checkpoint (written once)
+    @pytest.mark.mpi         marks tests that launch mpiexec
+
+Subprocesses get ``OMP_NUM_THREADS=1`` and ``tests/`` on ``PYTHONPATH`` (for plug-in families).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+__all__ = ["MPIEXEC", "TESTS", "run_cli", "start_cli", "kill_tree", "write_job", "toml_text"]
+
+TESTS = Path(__file__).resolve().parent
+_near = Path(sys.executable).with_name("mpiexec")
+MPIEXEC = str(_near) if _near.exists() else shutil.which("mpiexec")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "mpi: launches the CLI under mpiexec (real MPI, several processes)")
+
+
+def _env(extra: dict | None) -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH")) if p)
+    env.update(extra or {})
+    return env
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every descendant (the launcher puts each rank in a
+    session of its own, so killing the group alone would leave the ranks running)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+        except (ValueError, OSError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def start_cli(args: list[str], ranks: int | None = None, cwd=None, env=None) -> subprocess.Popen:
+    """Start the CLI in a new session, with text pipes for stdout and stderr."""
+    cmd = [sys.executable, "-m", "rlx_mpi", *map(str, args)]
+    if ranks is not None:
+        if MPIEXEC is None:
+            pytest.skip("no mpiexec found")
+        cmd = [MPIEXEC, "-n", str(ranks), *cmd]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                            env=_env(env), start_new_session=True)
+
+
+def run_cli(args: list[str], ranks: int | None = None, timeout: float = 60, cwd=None,
+            env=None) -> subprocess.CompletedProcess:
+    """Run the CLI to completion; ``.elapsed`` is its wall time in seconds."""
+    t0 = time.monotonic()
+    proc = start_cli(args, ranks, cwd, env)
+    cmd = proc.args
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not end within {timeout} s\n--- stdout\n{out}\n--- stderr\n{err}")
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    result.elapsed = time.monotonic() - t0
+    return result
+
+
+def _value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    raise TypeError(f"write_job: cannot write {v!r} as TOML")
+
+
+def toml_text(**sections) -> str:
+    """TOML text of ``sections`` (section name -> dict of key -> value; a list of dicts is [[name]])."""
+    lines = []
+    for name, table in sections.items():
+        tables = table if isinstance(table, list) else [table]
+        for t in tables:
+            lines.append(f"[[{name}]]" if isinstance(table, list) else f"[{name}]")
+            lines += [f"{k} = {_value(v)}" for k, v in t.items()]
+            lines.append("")
+    return "\n".join(lines)
+
+
+def write_job(dir, name: str = "job.toml", **sections) -> Path:
+    """Write ``dir/name`` from ``sections`` and return its path."""
+    path = Path(dir) / name
+    path.write_text(toml_text(**sections))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """A random checkpoint of the "tiny" preset (8 layers, 8 heads / 4 kv, vocab 512, 256 positions)."""
+    from rlx_mpi.llama import PRESETS
+    from rlx_mpi.llama.init import init_random
+
+    path = tmp_path_factory.mktemp("ckpt") / "tiny.h5"
+    init_random(path, PRESETS["tiny"], seed=0)
+    return path

@@ -1,0 +1,96 @@
+"""A plug-in model family that injects faults, for the fault tests (and to exercise plug-ins).
+
+Import it through a job file (``[model] plugins = ["faulty_family"]`` with ``tests/`` on
+PYTHONPATH); it registers "faulty_llama", which is the Llama family except that the stage's
+forward on one rank and microbatch does what the environment asks:
+
+    RLX_TEST_FAULT             raise | kill | stop | hang | segv   (unset: no fault)
+    RLX_TEST_FAULT_RANK        world rank that misbehaves (default 1)
+    RLX_TEST_FAULT_MICROBATCH  microbatch it misbehaves on (default 0)
+    RLX_TEST_FAULT_STAMP       file to write time.time() to just before the fault (optional)
+
+``raise`` raises RuntimeError, ``kill`` sends itself SIGKILL, ``stop`` SIGSTOP, ``segv``
+SIGSEGV (a crash in native code), and ``hang`` sleeps for ever inside the compute.
+`write_checkpoint` writes a tiny checkpoint of the family.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from rlx_mpi import checkpoint
+from rlx_mpi.llama import FAMILY as LLAMA
+from rlx_mpi.llama import PRESETS
+from rlx_mpi.llama.init import _random_tensors
+from rlx_mpi.stage import Stage, register_family
+
+__all__ = ["FaultyFamily", "FaultyStage", "write_checkpoint", "NAME"]
+
+NAME = "faulty_llama"
+
+
+def _fault() -> None:
+    kind = os.environ.get("RLX_TEST_FAULT", "")
+    stamp = os.environ.get("RLX_TEST_FAULT_STAMP")
+    if stamp:
+        Path(stamp).write_text(repr(time.time()))
+    if kind == "raise":
+        raise RuntimeError("injected fault (RLX_TEST_FAULT=raise)")
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    elif kind == "hang":
+        while True:
+            time.sleep(3600)
+    elif kind:
+        raise ValueError(f"RLX_TEST_FAULT={kind!r}: expected raise, kill, stop, hang or segv")
+
+
+class FaultyStage(Stage):
+    """A Llama stage whose forward misbehaves on the chosen rank and microbatch."""
+
+    def __init__(self, inner: Stage, ctx):
+        self.inner, self.ctx = inner, ctx
+        self.layers, self.first, self.last = inner.layers, inner.first, inner.last
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.inner.weight_bytes
+
+    def output_spec(self, batch, seq):
+        return self.inner.output_spec(batch, seq)
+
+    def forward(self, x):
+        rank = int(os.environ.get("RLX_TEST_FAULT_RANK", "1"))
+        mb = int(os.environ.get("RLX_TEST_FAULT_MICROBATCH", "0"))
+        if self.ctx is not None and self.ctx.rank == rank and self.ctx.microbatch == mb:
+            _fault()
+        return self.inner.forward(x)
+
+
+class FaultyFamily:
+    """The Llama family under another name, with `FaultyStage` stages."""
+
+    name = NAME
+
+    def __getattr__(self, attr):  # load_config, cost, check_tp, check_inputs, expected_shapes...
+        return getattr(LLAMA, attr)
+
+    def build_stage(self, cfg, source, layers, first, last, tp, ctx=None):
+        return FaultyStage(LLAMA.build_stage(cfg, source, layers, first, last, tp, ctx), ctx)
+
+
+register_family(FaultyFamily())
+
+
+def write_checkpoint(path: str | os.PathLike, preset: str = "tiny", seed: int = 0) -> Path:
+    """A random checkpoint of ``preset``'s shape whose family attribute is "faulty_llama"."""
+    cfg = PRESETS[preset]
+    checkpoint.write_checkpoint(path, NAME, cfg.to_json(), _random_tensors(cfg, seed))
+    return Path(path)
