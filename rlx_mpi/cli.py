@@ -354,6 +354,8 @@ def entry() -> None:
     except BrokenPipeError:  # `rlx-mpi plan ... | head`: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 0
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: a traceback from each says nothing
+        code = 130
     sys.exit(code)
 
 
