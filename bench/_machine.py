@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["machine", "header", "loadavg", "cpu_busy", "wait_quiet", "save_json", "fmt_table"]
+__all__ = ["machine", "header", "loadavg", "cpu_busy", "wait_quiet", "quiet_gate", "pct", "save_json", "fmt_table"]
 
 
 def _cpu_model() -> str:
@@ -142,3 +142,17 @@ def fmt_table(head: list[str], rows: list[list[str]]) -> str:
     """A right-aligned plain-text table (pastes into Markdown as a code block)."""
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in [head, *rows])
+
+
+def pct(x: float | None) -> str:
+    """A busy fraction as a percentage, "?" when unknown."""
+    return "?" if x is None else f"{100 * x:.0f}%"
+
+
+def quiet_gate(comm, quiet: float, quiet_wait_s: float) -> float | None:
+    """Rank 0 waits for the shared host to be quiet while the others sleep (not spin) in a barrier."""
+    busy = wait_quiet(quiet, quiet_wait_s) if comm.rank == 0 and quiet_wait_s > 0 else None
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.001)
+    return busy

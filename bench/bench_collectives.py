@@ -31,7 +31,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from _machine import fmt_table, header, loadavg, machine, save_json, wait_quiet
+from _machine import fmt_table, header, loadavg, machine, pct, quiet_gate, save_json
 from rlx_mpi import ReduceKind, all_reduce
 from rlx_mpi.faults import RankContext
 
@@ -90,17 +90,6 @@ def _late(kind: str, comm, buf: np.ndarray, delay_s: float, reps: int, ctx: Rank
     return float(np.median(lats))
 
 
-def _pct(x: float | None) -> str:
-    return "?" if x is None else f"{100 * x:.0f}%"
-
-
-def _gate(comm, quiet: float, quiet_wait_s: float) -> float | None:
-    """Rank 0 waits for the shared host to be quiet while the others sleep (not spin) in a barrier."""
-    busy = wait_quiet(quiet, quiet_wait_s) if comm.rank == 0 and quiet_wait_s > 0 else None
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.001)
-    return busy
 
 
 def main() -> None:
@@ -133,7 +122,7 @@ def main() -> None:
 
     rows, results = [], []
     for nbytes in _sizes(args.min_kb, args.max_mb):
-        busy = _gate(comm, args.quiet, args.quiet_wait)
+        busy = quiet_gate(comm, args.quiet, args.quiet_wait)
         buf = np.zeros(nbytes // 4, dtype=np.float32)
         iters = int(max(3, min(2000, args.budget_mb * 2**20 // nbytes)))
         for kind in VARIANTS:  # warm-up
@@ -153,14 +142,14 @@ def main() -> None:
         rows.append([size, f"{us['deadline']:.1f}", f"{us['blocking']:.1f}", f"{us['raw']:.1f}",
                      f"{results[-1]['deadline_over_raw']:.2f}", f"{results[-1]['blocking_over_raw']:.2f}",
                      f"{nbytes / best['raw'] / 1e9:.2f}"])
-        print(f"# {size}: {iters} reductions x {args.trials} trials (CPU {_pct(busy)} busy before)", flush=True)
+        print(f"# {size}: {iters} reductions x {args.trials} trials (CPU {pct(busy)} busy before)", flush=True)
 
     if root:
         print(fmt_table(["size", "deadline_us", "blocking_us", "raw_us", "deadline/raw", "blocking/raw",
                          "raw_GB/s"], rows))
 
     late_rows, late_results = [], []
-    _gate(comm, args.quiet, args.quiet_wait)
+    quiet_gate(comm, args.quiet, args.quiet_wait)
     for kb in (int(x) for x in args.late_kb.split(",")):
         buf = np.zeros(kb * 256, dtype=np.float32)
         for ms in (float(x) for x in args.late_ms.split(",")):

@@ -22,11 +22,8 @@ import tempfile
 from pathlib import Path
 
 from _cli import default_mpiexec, ensure_checkpoint, probe_cpus, run_job, write_job
-from _machine import fmt_table, header, loadavg, machine, save_json
+from _machine import fmt_table, header, loadavg, machine, pct, save_json
 
-
-def _pct(x: float | None) -> str:
-    return "?" if x is None else f"{100 * x:.0f}%"
 
 
 def _summary(runs: list[dict]) -> dict:
@@ -90,7 +87,7 @@ def main() -> None:
                 runs[(n, m)].append(run_job(n, jobs[(n, m)], folder / "stats.json", mpiexec=args.mpiexec,
                                             quiet=args.quiet, quiet_wait_s=args.quiet_wait))
             print(f"# rep {rep + 1}/{args.reps}: " + ", ".join(
-                  f"{n}x{m} {rs[-1]['total_forward_ms']:.0f} ms ({_pct(rs[-1]['busy_before'])})"
+                  f"{n}x{m} {rs[-1]['total_forward_ms']:.0f} ms ({pct(rs[-1]['busy_before'])})"
                   for (n, m), rs in runs.items()) + " (ranks x microbatches, CPU busy before launch)", flush=True)
     res = {c: _summary(rs) for c, rs in runs.items()}
 

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from _cli import default_mpiexec, ensure_checkpoint, probe_cpus, run_job, write_job
-from _machine import fmt_table, header, loadavg, machine, save_json
+from _machine import fmt_table, header, loadavg, machine, pct, save_json
 
 CONFIGS = {  # name: (ranks, tp)
     "tp1": (1, 1),
@@ -40,9 +40,6 @@ CONFIGS = {  # name: (ranks, tp)
 def _mb(n: float) -> str:
     return f"{n / 1e6:.0f}"
 
-
-def _pct(x: float | None) -> str:
-    return "?" if x is None else f"{100 * x:.0f}%"
 
 
 def main() -> None:
@@ -85,7 +82,7 @@ def main() -> None:
                     runs[name].append(run_job(n, jobs[name], folder / "stats.json", mpiexec=args.mpiexec,
                                               quiet=args.quiet, quiet_wait_s=args.quiet_wait))
                 print(f"# seq {seq}: rep {rep + 1}/{args.reps}: " + ", ".join(
-                      f"{name} {rs[-1]['total_forward_ms']:.0f} ms (CPU {_pct(rs[-1]['busy_before'])} busy before)"
+                      f"{name} {rs[-1]['total_forward_ms']:.0f} ms (CPU {pct(rs[-1]['busy_before'])} busy before)"
                       for name, rs in runs.items()), flush=True)
             results[seq] = {name: _summary(rs) for name, rs in runs.items()}
 

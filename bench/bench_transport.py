@@ -29,7 +29,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from _machine import fmt_table, header, loadavg, machine, save_json, wait_quiet
+from _machine import fmt_table, header, loadavg, machine, pct, quiet_gate, save_json
 from rlx_mpi import transport
 from rlx_mpi.faults import RankContext
 
@@ -123,17 +123,6 @@ def _late(kind: str, comm, link: transport.Link, buf: np.ndarray, delay_s: float
     return float(np.median(lats))
 
 
-def _pct(x: float | None) -> str:
-    return "?" if x is None else f"{100 * x:.0f}%"
-
-
-def _gate(comm, quiet: float, quiet_wait_s: float) -> float | None:
-    """Rank 0 waits for the shared host to be quiet while the others sleep (not spin) in a barrier."""
-    busy = wait_quiet(quiet, quiet_wait_s) if comm.rank == 0 and quiet_wait_s > 0 else None
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.001)
-    return busy
 
 
 def main() -> None:
@@ -168,7 +157,7 @@ def main() -> None:
 
     rows, results = [], []
     for nbytes in _sizes(args.min_kb, args.max_mb):
-        busy = _gate(comm, args.quiet, args.quiet_wait)
+        busy = quiet_gate(comm, args.quiet, args.quiet_wait)
         buf = np.ones(nbytes // 4, dtype=np.float32)
         dst = np.empty_like(buf)
         iters = _iters(nbytes, args.budget_mb * 2**20)
@@ -195,14 +184,14 @@ def main() -> None:
         rows.append([size, f"{us['ours']:.1f}", f"{us['raw']:.1f}", f"{us['raw-nb']:.1f}",
                      f"{r['ours_over_raw']:.2f}", f"{r['ours_over_raw_nb']:.2f}", f"{gbs['ours']:.2f}",
                      f"{gbs['raw']:.2f}", f"{gbs['memcpy']:.2f}", f"{r['ours_over_memcpy']:.2f}"])
-        print(f"# {size}: {iters} round trips x {args.trials} trials (CPU {_pct(busy)} busy before)", flush=True)
+        print(f"# {size}: {iters} round trips x {args.trials} trials (CPU {pct(busy)} busy before)", flush=True)
 
     if comm.rank == 0:
         print(fmt_table(["size", "ours_us", "raw_us", "raw_nb_us", "ours/raw", "ours/raw_nb", "ours_GB/s",
                          "raw_GB/s", "memcpy_GB/s", "ours/memcpy"], rows))
 
     late_rows, late_results = [], []
-    _gate(comm, args.quiet, args.quiet_wait)
+    quiet_gate(comm, args.quiet, args.quiet_wait)
     for kb in (int(x) for x in args.late_kb.split(",")):
         buf = np.ones(kb * 256, dtype=np.float32)
         for ms in (float(x) for x in args.late_ms.split(",")):

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_INTERNAL, ConfigError, RlxError
+from .errors import EXIT_FAULT, EXIT_INTERNAL, ConfigError, RlxError
 
 __all__ = ["main"]
 

@@ -2,7 +2,6 @@
 single-process run, and a transformers-made model against transformers' own logits."""
 
 import json
-from pathlib import Path
 
 import h5py
 import numpy as np

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ..errors import ConfigError, InputError
 from ..placement import ModelCost
 from ..stage import ParamSource, TensorParallel
 from .config import PRESETS, LlamaConfig, expected_shapes
+
+if TYPE_CHECKING:
+    from .stage import LlamaStage
 
 __all__ = ["LlamaConfig", "LlamaStage", "PRESETS", "FAMILY", "LlamaFamily", "expected_shapes"]
 
