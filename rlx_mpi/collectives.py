@@ -30,6 +30,13 @@ def default_comm() -> Any:
     return _default_comm
 
 
+def world_ranks(comm: Any) -> list[int]:
+    """The COMM_WORLD ranks of ``comm``'s members, for messages that name them."""
+    from mpi4py import MPI
+
+    return list(comm.group.Translate_ranks(list(range(comm.size)), MPI.COMM_WORLD.group))
+
+
 def _mpi_op(kind: ReduceKind) -> Any:
     from mpi4py import MPI
 
@@ -72,7 +79,7 @@ def all_reduce(buf: np.ndarray, kind: ReduceKind = ReduceKind.SUM, *, comm: Any 
         request = comm.Iallreduce(MPI.IN_PLACE, buf, op=_mpi_op(kind))
         ctx = ctx or RankContext(rank=comm.rank, size=comm.size)
         wait(request, timeout_s, ctx, lambda: f"an all-reduce over {comm.size} tensor-parallel ranks",
-             "another rank of the tensor-parallel group")
+             lambda: f"one of world ranks {world_ranks(comm)}")
     if kind is ReduceKind.MEAN:
         buf /= comm.size
     return buf

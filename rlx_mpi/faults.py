@@ -80,7 +80,7 @@ class AgreedFailure(Exception):
 
 
 def wait(request: Any, timeout_s: float, ctx: RankContext, waiting_for: Callable[[], str],
-         suspect: str = "the rank it waits for") -> None:
+         suspect: str | Callable[[], str] = "the rank it waits for") -> None:
     """Finish ``request`` or raise `DeadlineExpired` after ``timeout_s`` seconds."""
     if request.Test():
         return
@@ -89,7 +89,8 @@ def wait(request: Any, timeout_s: float, ctx: RankContext, waiting_for: Callable
     while not request.Test():
         if time.monotonic() > deadline:
             raise DeadlineExpired(ctx.describe(), f"waited {timeout_s:.1f} s for {waiting_for()}",
-                                  f"{suspect} is stuck or dead, see its output above; if it is only slow, "
+                                  f"{suspect() if callable(suspect) else suspect} is stuck or dead, see its "
+                                  "output above; if it is only slow, "
                                   "raise [run] timeout_s")
         polls += 1
         if polls < _SPIN_POLLS:

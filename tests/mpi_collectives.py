@@ -72,6 +72,7 @@ def check_deadline():
             all_reduce(np.ones(8, np.float32), comm=comm, timeout_s=0.5)
         except DeadlineExpired as e:
             assert "waited 0.5 s for an all-reduce" in str(e), str(e)
+            assert f"one of world ranks {list(range(comm.size))} is stuck" in str(e), str(e)
         else:
             raise AssertionError("the all-reduce with a missing rank did not time out")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
-from ..collectives import ReduceKind, all_reduce
+from ..collectives import ReduceKind, all_reduce, world_ranks
 from ..stage import ParamSource, Stage, TensorParallel
 from . import model
 from .config import LlamaConfig
@@ -89,6 +89,6 @@ class LlamaStage(Stage):
         request = self.tp.comm.Iallgatherv(np.ascontiguousarray(local), [blocks, counts, displs, MPI.FLOAT])
         ctx = self.ctx or RankContext(rank=self.tp.comm.rank, size=self.tp.comm.size)
         wait(request, self.tp.timeout_s, ctx, lambda: "the vocab-sharded logits of the tensor-parallel group",
-             "another rank of the tensor-parallel group")
+             lambda: f"one of world ranks {world_ranks(self.tp.comm)}")
         parts = [blocks[d:d + c].reshape(B * T, w) for d, c, w in zip(displs, counts, widths)]
         return np.concatenate(parts, axis=1).reshape(B, T, V)  # one copy instead of two transposes
