@@ -122,11 +122,20 @@ def measure_gflops(n: int = 256, seconds: float = 0.2) -> float:
     return 2.0 * n**3 * reps / elapsed / 1e9
 
 
+def _measure_pinned(threads: int | None) -> float:
+    """Measure with this rank's share of the cores, as it will compute (ranks measure at once)."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=threads):
+        return measure_gflops()
+
+
 def probe_local(rank: int, local_rank: int, local_size: int, ckpt: str | os.PathLike | None = None,
                 gflops: bool = False) -> NodeCaps:
     """This rank's capabilities; memory and cores are divided among the ranks of the host."""
     total, available = host_memory()
     cpus = usable_cpus()
+    share = None if cpus is None else max(1, cpus // local_size)
     ckpt_ok = None if ckpt is None else (Path(ckpt).is_file() and os.access(ckpt, os.R_OK))
     gpus = list_gpus()
     return NodeCaps(
@@ -135,13 +144,13 @@ def probe_local(rank: int, local_rank: int, local_size: int, ckpt: str | os.Path
         local_rank=local_rank,
         local_size=local_size,
         # affinity is usually per host under mpiexec; a rank's share is the host's / ranks on it
-        cpus=None if cpus is None else max(1, cpus // local_size),
+        cpus=share,
         ram_total_bytes=None if total is None else total // local_size,
         ram_available_bytes=None if available is None else available // local_size,
         devices=("cpu",) + tuple(f"cuda:{i}" for i in range(len(gpus))),
         gpus=gpus,
         ckpt_readable=ckpt_ok,
-        gflops=measure_gflops() if gflops else None,
+        gflops=_measure_pinned(share) if gflops else None,
     )
 
 

@@ -341,13 +341,13 @@ def format_plan(plan: Sequence[Assignment], cost: ModelCost | None = None) -> st
     """The plan as a plain-text table, one row per stage (``rlx-mpi plan`` prints it).
 
     With ``cost``, a last line gives the model's layer count and total resident bytes."""
-    header = ("stage", "ranks", "hosts", "layers", "n_layers", "device", "est GB/rank")
+    header = ("stage", "ranks", "hosts", "layers", "n_layers", "device", "est/rank")
     rows = [header]
     for a in plan:
         hosts = ",".join(dict.fromkeys(a.hosts))  # unique, in rank order
         rows.append((str(a.stage), _ranks_str(a.ranks), hosts,
                      f"{a.layers.start}:{a.layers.stop}", str(len(a.layers)), a.device,
-                     f"{a.est_bytes / 1e9:.2f}"))
+                     _gb(a.est_bytes)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     right = {0, 4, 6}  # numeric columns
     lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w)
