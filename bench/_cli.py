@@ -15,7 +15,7 @@ from pathlib import Path
 
 from _machine import wait_quiet
 
-__all__ = ["default_mpiexec", "write_job", "run_job", "probe_cpus", "ensure_checkpoint"]
+__all__ = ["default_mpiexec", "write_job", "run_job", "probe_cpus", "ensure_checkpoint", "summarize"]
 
 
 def default_mpiexec() -> str:
@@ -88,3 +88,19 @@ def probe_cpus(ranks: int, *, mpiexec: str) -> list[int | None]:
     to threadpoolctl)."""
     proc = _launch([mpiexec, "-n", str(ranks), sys.executable, "-m", "rlx_mpi", "probe", "--json"], 300.0)
     return [c["cpus"] for c in json.loads(proc.stdout)]
+
+
+def summarize(runs: list[dict], per_rank: tuple[str, ...]) -> dict:
+    """Best and median of the launches; the ``per_rank`` stats columns come from the best launch."""
+    import statistics
+
+    best = min(runs, key=lambda r: r["total_forward_ms"])
+    ranks = sorted(best["timings"], key=lambda t: t["rank"])
+    out = {"best_ms": best["total_forward_ms"],
+           "median_ms": statistics.median(r["total_forward_ms"] for r in runs),
+           "all_ms": [r["total_forward_ms"] for r in runs],
+           "busy_before": [r["busy_before"] for r in runs],
+           "tokens": best["tokens"],
+           "layers": [f"{t['layers'][0]}:{t['layers'][1]}" for t in ranks]}
+    out.update({key: [t[key] for t in ranks] for key in per_rank})
+    return out

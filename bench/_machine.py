@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["machine", "header", "loadavg", "cpu_busy", "wait_quiet", "quiet_gate", "pct", "save_json", "fmt_table"]
+__all__ = ["machine", "header", "loadavg", "cpu_busy", "wait_quiet", "quiet_gate", "pct", "add_common_args", "save_json", "fmt_table"]
 
 
 def _cpu_model() -> str:
@@ -156,3 +156,13 @@ def quiet_gate(comm, quiet: float, quiet_wait_s: float) -> float | None:
     while not request.Test():
         time.sleep(0.001)
     return busy
+
+
+def add_common_args(ap, quiet_wait_s: float) -> None:
+    """--quiet, --quiet-wait and --json, the options every bench shares."""
+    ap.add_argument("--quiet", type=float, default=0.25,
+                    help="before each case wait until the host's CPUs are less busy than this fraction "
+                    "(other users' jobs; default 0.25)")
+    ap.add_argument("--quiet-wait", type=float, default=quiet_wait_s,
+                    help=f"longest wait for --quiet, seconds (0: never wait; default {quiet_wait_s:g})")
+    ap.add_argument("--json", metavar="OUT", help="also write the results as JSON")

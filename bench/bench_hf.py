@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _machine import fmt_table, header, loadavg, machine, save_json, wait_quiet
+from _machine import add_common_args, fmt_table, header, loadavg, machine, save_json, wait_quiet
 
 
 def build_hf(hf_dir: Path, preset: str, seed: int):
@@ -72,11 +72,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=5, help="timed forwards per variant, interleaved; best kept (default 5)")
     ap.add_argument("--hf-dir", default="/tmp/rlx_bench_hf_small", help="where to save_pretrained the model")
     ap.add_argument("--ckpt", default="/tmp/rlx_bench_hf_small.h5", help="where to write the converted checkpoint")
-    ap.add_argument("--quiet", type=float, default=0.25,
-                    help="before each case wait until the host's CPUs are less busy than this fraction (default 0.25)")
-    ap.add_argument("--quiet-wait", type=float, default=30.0,
-                    help="longest wait for --quiet, seconds (0: never wait; default 30)")
-    ap.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    add_common_args(ap, quiet_wait_s=30.0)
     args = ap.parse_args()
     seqs = [int(s) for s in args.seqs.split(",")]
     threads = [int(t) for t in args.threads.split(",")]

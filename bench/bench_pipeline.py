@@ -17,28 +17,11 @@ OVERSUBSCRIBED: their ratios measure scheduling and hand-off overhead, not speed
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 from pathlib import Path
 
-from _cli import default_mpiexec, ensure_checkpoint, probe_cpus, run_job, write_job
-from _machine import fmt_table, header, loadavg, machine, pct, save_json
-
-
-
-def _summary(runs: list[dict]) -> dict:
-    best = min(runs, key=lambda r: r["total_forward_ms"])
-    ranks = sorted(best["timings"], key=lambda t: t["rank"])
-    return {"best_ms": best["total_forward_ms"],
-            "median_ms": statistics.median(r["total_forward_ms"] for r in runs),
-            "all_ms": [r["total_forward_ms"] for r in runs],
-            "busy_before": [r["busy_before"] for r in runs],
-            "tokens": best["tokens"],
-            "layers": [f"{t['layers'][0]}:{t['layers'][1]}" for t in ranks],
-            "forward_ms": [t["forward_ms"] for t in ranks],
-            "recv_wait_ms": [t["recv_wait_ms"] for t in ranks],
-            "send_ms": [t["send_ms"] for t in ranks],
-            "peak_rss_bytes": [t["peak_rss_bytes"] for t in ranks]}
+from _cli import default_mpiexec, ensure_checkpoint, probe_cpus, run_job, summarize, write_job
+from _machine import add_common_args, fmt_table, header, loadavg, machine, pct, save_json
 
 
 def main() -> None:
@@ -51,12 +34,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
     ap.add_argument("--reps", type=int, default=3, help="launches per configuration; the best is kept (default 3)")
     ap.add_argument("--mpiexec", default=default_mpiexec(), help="launcher (default: the one next to this python)")
-    ap.add_argument("--quiet", type=float, default=0.25,
-                    help="before each launch wait until the host's CPUs are less busy than this fraction "
-                    "(other users' jobs; default 0.25)")
-    ap.add_argument("--quiet-wait", type=float, default=30.0,
-                    help="longest wait for --quiet before launching anyway, seconds (0: never wait; default 30)")
-    ap.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    add_common_args(ap, quiet_wait_s=30.0)
     args = ap.parse_args()
     rank_counts = [int(x) for x in args.ranks.split(",")]
     mbs = [int(x) for x in args.microbatches.split(",")]
@@ -89,7 +67,7 @@ def main() -> None:
             print(f"# rep {rep + 1}/{args.reps}: " + ", ".join(
                   f"{n}x{m} {rs[-1]['total_forward_ms']:.0f} ms ({pct(rs[-1]['busy_before'])})"
                   for (n, m), rs in runs.items()) + " (ranks x microbatches, CPU busy before launch)", flush=True)
-    res = {c: _summary(rs) for c, rs in runs.items()}
+    res = {c: summarize(rs, ("forward_ms", "recv_wait_ms", "send_ms", "peak_rss_bytes")) for c, rs in runs.items()}
 
     base = res[configs[0]]
     rows = []

@@ -23,12 +23,11 @@ created from the preset at --ckpt if missing (a few seconds), outside any timing
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 from pathlib import Path
 
-from _cli import default_mpiexec, ensure_checkpoint, probe_cpus, run_job, write_job
-from _machine import fmt_table, header, loadavg, machine, pct, save_json
+from _cli import default_mpiexec, ensure_checkpoint, probe_cpus, run_job, summarize, write_job
+from _machine import add_common_args, fmt_table, header, loadavg, machine, pct, save_json
 
 CONFIGS = {  # name: (ranks, tp)
     "tp1": (1, 1),
@@ -41,7 +40,6 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.0f}"
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", default="128,512", help="comma-separated sequence lengths (default 128,512)")
@@ -50,12 +48,7 @@ def main() -> None:
     ap.add_argument("--preset", default="medium", help="random preset (default medium)")
     ap.add_argument("--ckpt", default=None, help="checkpoint path (default /tmp/rlx_bench_<preset>.h5)")
     ap.add_argument("--mpiexec", default=default_mpiexec(), help="launcher (default: the one next to this python)")
-    ap.add_argument("--quiet", type=float, default=0.25,
-                    help="before each launch wait until the host's CPUs are less busy than this fraction "
-                    "(other users' jobs; default 0.25)")
-    ap.add_argument("--quiet-wait", type=float, default=30.0,
-                    help="longest wait for --quiet before launching anyway, seconds (0: never wait; default 30)")
-    ap.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    add_common_args(ap, quiet_wait_s=30.0)
     args = ap.parse_args()
     seqs = [int(s) for s in args.seqs.split(",")]
     ckpt = Path(args.ckpt or f"/tmp/rlx_bench_{args.preset}.h5")
@@ -84,7 +77,7 @@ def main() -> None:
                 print(f"# seq {seq}: rep {rep + 1}/{args.reps}: " + ", ".join(
                       f"{name} {rs[-1]['total_forward_ms']:.0f} ms (CPU {pct(rs[-1]['busy_before'])} busy before)"
                       for name, rs in runs.items()), flush=True)
-            results[seq] = {name: _summary(rs) for name, rs in runs.items()}
+            results[seq] = {name: summarize(rs, ("forward_ms", "weight_bytes", "peak_rss_bytes")) for name, rs in runs.items()}
 
     for seq, res in results.items():
         base = res["tp1"]["best_ms"]
@@ -107,21 +100,6 @@ def main() -> None:
     print(f"# load average at the end: {loadavg()}")
     save_json(args.json, {"bench": "tp", "machine": info, "preset": args.preset, "batch": args.batch,
                           "reps": args.reps, "blas_threads": threads, "results": results})
-
-
-def _summary(runs: list[dict]) -> dict:
-    """Best and median of the launches; the per-rank columns come from the best launch."""
-    best = min(runs, key=lambda r: r["total_forward_ms"])
-    ranks = sorted(best["timings"], key=lambda t: t["rank"])
-    return {"best_ms": best["total_forward_ms"],
-            "median_ms": statistics.median(r["total_forward_ms"] for r in runs),
-            "all_ms": [r["total_forward_ms"] for r in runs],
-            "busy_before": [r["busy_before"] for r in runs],
-            "tokens": best["tokens"],
-            "layers": [f"{t['layers'][0]}:{t['layers'][1]}" for t in ranks],
-            "forward_ms": [t["forward_ms"] for t in ranks],
-            "weight_bytes": [t["weight_bytes"] for t in ranks],
-            "peak_rss_bytes": [t["peak_rss_bytes"] for t in ranks]}
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from _machine import fmt_table, header, loadavg, machine, pct, quiet_gate, save_json
+from _machine import add_common_args, fmt_table, header, loadavg, machine, pct, quiet_gate, save_json
 from rlx_mpi import transport
 from rlx_mpi.faults import RankContext
 
@@ -123,8 +123,6 @@ def _late(kind: str, comm, link: transport.Link, buf: np.ndarray, delay_s: float
     return float(np.median(lats))
 
 
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--min-kb", type=int, default=4, help="smallest message in KiB (default 4)")
@@ -135,11 +133,7 @@ def main() -> None:
     ap.add_argument("--late-ms", default="0,10", help="comma-separated delays of the sender, ms (default 0,10)")
     ap.add_argument("--late-kb", default="4,2048", help="comma-separated sizes for the late table, KiB (default 4,2048)")
     ap.add_argument("--late-reps", type=int, default=9, help="messages per late case; the median is kept (default 9)")
-    ap.add_argument("--quiet", type=float, default=0.25,
-                    help="before each size wait until the host's CPUs are less busy than this fraction (default 0.25)")
-    ap.add_argument("--quiet-wait", type=float, default=20.0,
-                    help="longest wait for --quiet, seconds (0: never wait; default 20)")
-    ap.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    add_common_args(ap, quiet_wait_s=20.0)
     args = ap.parse_args()
 
     comm = MPI.COMM_WORLD.Dup()
