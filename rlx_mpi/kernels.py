@@ -12,7 +12,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["causal_softmax_", "rms_norm", "warm_up"]
+__all__ = ["causal_softmax_", "rms_norm", "attend", "warm_up"]
 
 
 @numba.njit(cache=True, fastmath=False)
@@ -75,6 +75,46 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     out = np.empty_like(x)
     _rms_norm(x.reshape(-1, x.shape[-1]), weight, np.float32(eps), out.reshape(-1, x.shape[-1]))
     return out
+
+
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray | None = None,
+           window: int = 0) -> np.ndarray:
+    """Scaled dot-product attention of ``q`` over the keys ``k``/values ``v`` (grouped-query).
+
+    q (B, nh, T, hs); k, v (B, nkv, S, hs) with nh a multiple of nkv (query head h reads kv
+    head h // (nh // nkv)); key j sits at position j (k, v may be a prefix view of a cache).
+    q_pos (B, T) int: the position of each query; key j is visible to query (b, t) when
+    ``j <= q_pos[b, t]`` and, with ``window > 0``, ``j > q_pos[b, t] - window``. None means
+    the last T positions of every sequence (q_pos[b, t] = S - T + t: plain causal prefill,
+    or a decode step). Returns y (B, T, nh, hs) float32, C-contiguous, so that
+    ``y.reshape(B, T, nh * hs)`` feeds o_proj without a copy.
+    """
+    B, nh, T, hs = q.shape
+    nkv, S = k.shape[1], k.shape[2]
+    if k.shape != (B, nkv, S, hs) or v.shape != k.shape or nh % nkv:
+        raise ValueError(f"attend: q {q.shape}, k {k.shape}, v {v.shape} do not fit "
+                         "(B, nh, T, hs) / (B, nkv, S, hs) with nh a multiple of nkv")
+    g = nh // nkv
+    qg = q.reshape(B, nkv, g * T, hs)  # the g query heads of one kv head share its keys
+    scores = (qg @ k.transpose(0, 1, 3, 2)).reshape(B, nkv, g, T, S) * np.float32(hs ** -0.5)
+    if q_pos is None and window <= 0:
+        probs = causal_softmax_(np.ascontiguousarray(scores, dtype=np.float32), S - T)
+    else:
+        if q_pos is None:
+            q_pos = np.broadcast_to(np.arange(S - T, S), (B, T))
+        q_pos = np.asarray(q_pos)
+        if q_pos.shape != (B, T) or not np.issubdtype(q_pos.dtype, np.integer):
+            raise ValueError(f"attend: q_pos must be an integer array of shape {(B, T)}, got "
+                             f"{q_pos.dtype} {q_pos.shape}")
+        j = np.arange(S)
+        visible = j[None, None, :] <= q_pos[:, :, None]  # (B, T, S)
+        if window > 0:
+            visible &= j[None, None, :] > q_pos[:, :, None] - window
+        scores = np.where(visible[:, None, None], scores, np.float32(-np.inf))
+        scores = np.exp(scores - scores.max(-1, keepdims=True))
+        probs = (scores / scores.sum(-1, keepdims=True)).astype(np.float32)
+    y = probs.reshape(B, nkv, g * T, S) @ v  # (B, nkv, g*T, hs)
+    return np.ascontiguousarray(y.reshape(B, nh, T, hs).transpose(0, 2, 1, 3))
 
 
 def warm_up() -> None:

@@ -42,3 +42,40 @@ def test_wrappers_reject_bad_arrays():
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
         kernels.causal_softmax_(ro)
+
+
+def naive_attend(q, k, v, q_pos, window=0):
+    """Per query, per head, in float64: the definition `kernels.attend` documents."""
+    B, nh, T, hs = q.shape
+    nkv, S = k.shape[1], k.shape[2]
+    y = np.zeros((B, T, nh, hs))
+    for b in range(B):
+        for h in range(nh):
+            kv = h // (nh // nkv)
+            for t in range(T):
+                p = q_pos[b, t]
+                keys = [j for j in range(S) if j <= p and (window <= 0 or j > p - window)]
+                s = np.array([q[b, h, t].astype(np.float64) @ k[b, kv, j] for j in keys]) / np.sqrt(hs)
+                w = np.exp(s - s.max())
+                w /= w.sum()
+                y[b, t, h] = sum(wi * v[b, kv, j].astype(np.float64) for wi, j in zip(w, keys))
+    return y
+
+
+@pytest.mark.parametrize("B, nh, nkv, T, S, window, pos", [
+    (2, 4, 2, 5, 5, 0, "causal"), (1, 4, 4, 1, 7, 0, "causal"), (2, 6, 2, 3, 9, 0, "causal"),
+    (3, 4, 1, 4, 8, 0, "ragged"), (2, 4, 2, 6, 6, 3, "causal"), (2, 2, 1, 1, 10, 4, "ragged")])
+def test_attend(B, nh, nkv, T, S, window, pos):
+    rng = np.random.default_rng(2)
+    hs = 8
+    q = rng.standard_normal((B, nh, T, hs)).astype(np.float32)
+    k = rng.standard_normal((B, nkv, S, hs)).astype(np.float32)
+    v = rng.standard_normal((B, nkv, S, hs)).astype(np.float32)
+    if pos == "causal":
+        q_pos, given = np.broadcast_to(np.arange(S - T, S), (B, T)), None
+    else:  # sequences of different lengths in one batch: each at its own positions
+        last = rng.integers(T - 1, S, size=B)
+        q_pos = given = (last[:, None] - np.arange(T)[::-1][None, :]).astype(np.int64)
+    got = kernels.attend(q, k, v, given, window)
+    assert got.shape == (B, T, nh, hs) and got.dtype == np.float32 and got.flags.c_contiguous
+    np.testing.assert_allclose(got, naive_attend(q, k, v, q_pos, window), atol=2e-6)

@@ -71,10 +71,7 @@ def attention(x: np.ndarray, w: LayerWeights, head_dim: int, cos: np.ndarray, si
     k = (x @ w.k_proj.T).reshape(B, T, nkv, head_dim).transpose(0, 2, 1, 3)  # (B, nkv, T, hs)
     v = (x @ w.v_proj.T).reshape(B, T, nkv, head_dim).transpose(0, 2, 1, 3)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k, v = np.repeat(k, nh // nkv, axis=1), np.repeat(v, nh // nkv, axis=1)  # grouped-query
-    scores = (q @ k.transpose(0, 1, 3, 2)) * np.float32(head_dim ** -0.5)  # (B, nh, T, T)
-    probs = kernels.causal_softmax_(scores)  # masked: query t attends to keys <= t
-    y = (probs @ v).transpose(0, 2, 1, 3).reshape(B, T, nh * head_dim)
+    y = kernels.attend(q, k, v).reshape(B, T, nh * head_dim)  # causal: query t sees keys <= t
     return reduce(y @ w.o_proj.T)  # row-parallel: partial sums over heads
 
 
