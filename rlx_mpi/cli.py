@@ -237,6 +237,10 @@ def cmd_plan(args) -> int:
                           f"has only {n} layers", f"give at most {n * tp} ranks, or a larger --tp")
     batch = args.batch or (job.run.batch if job else 1)
     seq = args.seq or (job.run.seq if job else 2048)
+    if not given and seq > cfg.max_position_embeddings:  # what `run` would refuse (shape flags carry no limit)
+        raise ConfigError("plan --seq" if args.seq else f"{job.path}: [run] seq",
+                          f"sequence length {seq} exceeds the model's maximum {cfg.max_position_embeddings} positions",
+                          f"plan at most {cfg.max_position_embeddings} tokens per sequence")
     weight_bytes = {"float32": 4, "float16": 2, "bfloat16": 2, None: 4}[args.dtype]
     cost = cfg.cost(batch, seq, weight_bytes)
     per_host = max(1, args.ranks_per_host or tp)
@@ -353,10 +357,11 @@ def _start_mpi(job: str | None) -> None:
     """
     from . import supervisor
 
-    _test_fault_before_mpi()
     limit = _startup_timeout_of(job)
     if limit is not None:
         supervisor.watch(limit, "startup_timeout_s")
+    _test_fault_before_mpi()
+    supervisor.entering_mpi()
     try:
         from mpi4py import MPI
     except ImportError as e:  # a broken mpi4py or MPI on this node: the supervisor names the rank

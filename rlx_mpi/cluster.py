@@ -137,6 +137,10 @@ class Cluster:
                 except ImportError as e:
                     raise ConfigError(f"{self.job.path}: [model] plugins", f"cannot import {module!r} ({e})",
                                       "install the module or fix PYTHONPATH on every node") from None
+                except Exception as e:  # the plug-in's own bug: one line, not a traceback per rank
+                    raise ConfigError(f"{self.job.path}: [model] plugins",
+                                      f"importing {module!r} raised {type(e).__name__}: {e}",
+                                      "fix the plug-in (run python -c 'import " + module + "' to see the traceback)") from None
             family_name, config_json = read_header(ckpt)
             self._digests = {"job": _digest(Path(self.job.path).read_bytes()),
                              "ckpt": _digest(f"{family_name}|{config_json}|{ckpt.stat().st_size}".encode())}
