@@ -159,7 +159,7 @@ def cmd_run(args) -> int:
                 f.attrs["stats"] = run.to_json()
                 f.attrs["job"] = str(Path(args.job).resolve())
 
-        write_output(checked["--out"], write)
+        write_output(checked["--out"], write, run.output.nbytes)
     return 0
 
 
