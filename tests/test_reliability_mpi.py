@@ -96,6 +96,16 @@ def hanging_plugin(d, ckpt):
     return run_job(d, ckpt, model={"plugins": ["hang_plugin"]}), {"PYTHONPATH": f"{d}{os.pathsep}{_env(None)['PYTHONPATH']}"}
 
 
+def stopping_plugin(rank: int) -> Callable:
+    """A plug-in that stops (SIGSTOP) rank ``rank`` while it is imported, mid start-up."""
+    def make(d, ckpt):
+        (d / "stop_plugin.py").write_text(f"import os, signal\nif os.environ.get('PMI_RANK') == '{rank}':\n"
+                                          "    os.kill(os.getpid(), signal.SIGSTOP)\n")
+        return (run_job(d, ckpt, model={"plugins": ["stop_plugin"]}),
+                {"PYTHONPATH": f"{d}{os.pathsep}{_env(None)['PYTHONPATH']}"})
+    return make
+
+
 def raising_plugin(d, ckpt):
     (d / "bad_plugin.py").write_text("raise RuntimeError('plug-in bug')\n")
     return run_job(d, ckpt, model={"plugins": ["bad_plugin"]}), {"PYTHONPATH": f"{d}{os.pathsep}{_env(None)['PYTHONPATH']}"}
@@ -177,6 +187,9 @@ CASES = [
          limit_s=PRE),
     Case("plugin-import-hangs", hanging_plugin, TIMEOUT, "reading the checkpoint header did not finish within 4 s",
          limit_s=PRE),
+    Case("startup-stop-rank1", stopping_plugin(1), TIMEOUT,
+         f"rank 0 ({HOST}): rank 1 did not finish reading the checkpoint header within", ranks=3, limit_s=PRE),
+    Case("startup-stop-rank0", stopping_plugin(0), TIMEOUT, f"rank 1 ({HOST}): waited", ranks=3, limit_s=PRE + 4),
     Case("job-is-fifo", lambda d, c: ["run", fifo(d, "job.toml")], BAD_INPUT, "is not a regular file"),
     Case("checkpoint-is-fifo", lambda d, c: run_job(d, fifo(d, "model.h5")), BAD_INPUT,
          "is not a regular file (a pipe or device)"),
@@ -195,6 +208,8 @@ CASES = [
          "is also the --out output"),
     Case("out-symlink-to-checkpoint", symlink_to(lambda d, local: local), BAD_INPUT, "is the checkpoint"),
     Case("out-is-directory", lambda d, c: run_job(d, c, "--out", d), BAD_INPUT, "is a directory"),
+    Case("preset-folder-unwritable", lambda d, c: ["run", job(d, "/proc/rlx/tiny.h5", model={"preset": "tiny"})],
+         BAD_INPUT, "cannot create folder /proc/rlx"),
     Case("out-folder-missing", lambda d, c: run_job(d, c, "--out", d / "no" / "out.h5"), BAD_INPUT,
          "does not exist"),
     Case("out-folder-unwritable", lambda d, c: run_job(d, c, "--json", "/proc/rlx.json"), BAD_INPUT,
@@ -225,7 +240,7 @@ CASES = [
     Case("ids-forged-header", ids_file(forged_npy), BAD_INPUT, "the header says shape (4000000000, 8)"),
     Case("ids-hdf5", ids_file(h5_ids), BAD_INPUT, "an HDF5 file, not a .npy array"),
     Case("batch-too-large", lambda d, c: run_job(d, c, run={"batch": 2**31}, placement={"reserve_ram_gb": 0.0}),
-         NO_FIT, "the model needs"),
+         NO_FIT, "GB short); add ranks, lower reserve_ram_gb"),  # no "raise --mem-gb": a flag of plan
     Case("reserve-1e300", lambda d, c: run_job(d, c, placement={"reserve_ram_gb": 1e300}), BAD_INPUT,
          "reserve_ram_gb: got 1e+300, expected a value <= 1e+06"),
     Case("plugin-raises", raising_plugin, BAD_INPUT, "importing 'bad_plugin' raised RuntimeError: plug-in bug"),
