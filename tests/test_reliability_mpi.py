@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -26,8 +26,6 @@ import numpy as np
 import pytest
 
 from conftest import MPIEXEC, TESTS, _env, kill_tree, run_cli, write_job
-from rlx_mpi.llama import PRESETS
-from rlx_mpi.llama.init import init_random
 
 pytestmark = pytest.mark.mpi
 
