@@ -31,8 +31,9 @@ pytestmark = pytest.mark.mpi
 
 OK, BAD_INPUT, NO_FIT, FAULT, TIMEOUT, LAUNCHER_KILL = 0, 2, 3, 4, 5, 9
 HOST = socket.gethostname()
-STARTUP_S = 4.0  # the test jobs' [run] startup_timeout_s
-RUN = {"seq": 8, "timeout_s": 3.0, "startup_timeout_s": STARTUP_S}
+STARTUP_S = 4.0  # [run] startup_timeout_s of the jobs whose start-up is made to stall
+RUN = {"seq": 8, "timeout_s": 3.0, "startup_timeout_s": 15.0}  # others: room for a cold numba cache on a loaded box
+SHORT = {"startup_timeout_s": STARTUP_S}
 PLACE = {"reserve_ram_gb": 0.0}
 
 
@@ -85,13 +86,13 @@ def fifo(d: Path, name: str) -> Path:
 
 def preinit(kind: str, rank: int = 1) -> Callable:
     def make(d, ckpt):
-        return run_job(d, ckpt), {"RLX_MPI_TEST_PREINIT": kind, "RLX_MPI_TEST_PREINIT_RANK": str(rank)}
+        return run_job(d, ckpt, run=SHORT), {"RLX_MPI_TEST_PREINIT": kind, "RLX_MPI_TEST_PREINIT_RANK": str(rank)}
     return make
 
 
 def hanging_plugin(d, ckpt):
     (d / "hang_plugin.py").write_text("import time\ntime.sleep(3600)\n")
-    return run_job(d, ckpt, model={"plugins": ["hang_plugin"]}), {"PYTHONPATH": f"{d}{os.pathsep}{_env(None)['PYTHONPATH']}"}
+    return run_job(d, ckpt, run=SHORT, model={"plugins": ["hang_plugin"]}), {"PYTHONPATH": f"{d}{os.pathsep}{_env(None)['PYTHONPATH']}"}
 
 
 def stopping_plugin(rank: int) -> Callable:
@@ -99,7 +100,7 @@ def stopping_plugin(rank: int) -> Callable:
     def make(d, ckpt):
         (d / "stop_plugin.py").write_text(f"import os, signal\nif os.environ.get('PMI_RANK') == '{rank}':\n"
                                           "    os.kill(os.getpid(), signal.SIGSTOP)\n")
-        return (run_job(d, ckpt, model={"plugins": ["stop_plugin"]}),
+        return (run_job(d, ckpt, run=SHORT, model={"plugins": ["stop_plugin"]}),
                 {"PYTHONPATH": f"{d}{os.pathsep}{_env(None)['PYTHONPATH']}"})
     return make
 
