@@ -96,6 +96,21 @@ def test_devices_and_fifos_are_written_through(tmp_path):
         check_output("init-model OUT", "/dev/null", stream_ok=False)
 
 
+def test_unreadable_checkpoint_says_permission_denied(tmp_path, monkeypatch):
+    """Not "cannot open as HDF5 ... copy it again" (root cannot be denied, so open() is faked)."""
+    from rlx_mpi import checkpoint
+
+    path = tmp_path / "m.h5"
+    path.write_bytes(b"x")
+
+    def denied(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(checkpoint, "open", denied, raising=False)
+    with pytest.raises(CheckpointError, match=r"cannot open the checkpoint \(permission denied\)"):
+        checkpoint.read_header(path)
+
+
 # -- bounded start-up steps and finite outputs -------------------------------------------------
 
 

@@ -153,6 +153,21 @@ def other_job_on_rank_1(d, ckpt):
     return ["MPMD", a, b], None
 
 
+def stale_checkpoint_on_rank_1(d, ckpt):
+    """Node-local copies: the same job text in two folders, rank 1's checkpoint a different model."""
+    for name, theta in (("a", None), ("b", 500000.0)):
+        (d / name).mkdir()
+        copy_ckpt(d / name, ckpt, None if theta is None else set_config(rope_theta=theta))
+        (d / name / "job.toml").write_text(toml_text_of_job())
+    return ["MPMD", d / "a" / "job.toml", d / "b" / "job.toml"], None
+
+
+def toml_text_of_job() -> str:
+    from conftest import toml_text
+
+    return toml_text(model={"checkpoint": "model.h5"}, run=RUN, placement=PLACE)
+
+
 def symlink_to(target_of: Callable) -> Callable:
     def make(d, ckpt):
         local = copy_ckpt(d, ckpt)
@@ -244,6 +259,8 @@ CASES = [
          "reserve_ram_gb: got 1e+300, expected a value <= 1e+06"),
     Case("plugin-raises", raising_plugin, BAD_INPUT, "importing 'bad_plugin' raised RuntimeError: plug-in bug"),
     Case("ranks-see-other-job", other_job_on_rank_1, BAD_INPUT, "ranks [1] see a different job file than rank 0"),
+    Case("ranks-see-other-checkpoint", stale_checkpoint_on_rank_1, BAD_INPUT,
+         "ranks [1] see a different checkpoint (header or size) than rank 0"),
     Case("format-version-string", lambda d, c: run_job(d, copy_ckpt(d, c, lambda f: f.attrs.__setitem__(
         "format_version", "1"))), BAD_INPUT, "format_version '1' (str) is not supported"),
     # 5. one accurate line
@@ -257,8 +274,14 @@ CASES = [
     Case("manual-ranges-count", lambda d, c: run_job(d, c, placement={"policy": "manual", "manual": ["0:4", "4:8"]}),
          BAD_INPUT, "2 ranges for 1 stage (1 rank / tp 1)", ranks=1),
     Case("bom-job-runs", lambda d, c: ["run", bom(job(d, c))], OK, ""),
+    Case("json-through-symlink-to-device", lambda d, c: run_job(d, c, "--json", link(d / "tty", "/dev/null")), OK, ""),
     Case("json-to-stdout-runs", lambda d, c: run_job(d, c, "--json", "/dev/stdout"), OK, ""),
 ]
+
+
+def link(path: Path, target: str) -> Path:
+    path.symlink_to(target)
+    return path
 
 
 def bom(path: Path) -> Path:
@@ -336,6 +359,33 @@ def full_disk(tmp_path_factory):
         pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip()})")
     yield where
     subprocess.run(["umount", str(where)], check=False)
+
+
+@pytest.fixture(scope="module")
+def read_only(tmp_path_factory):
+    """A read-only tmpfs (root only, like `full_disk`): root's writes are refused only here."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    where = tmp_path_factory.mktemp("ro")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=8k", "tmpfs", str(where)], capture_output=True,
+                          text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip()})")
+    yield where
+    subprocess.run(["umount", str(where)], check=False)
+
+
+def test_output_on_a_read_only_mount_is_refused_before_the_forward(tmp_path, tiny_ckpt, read_only):
+    d = tmp_path / "work"
+    d.mkdir()
+    argv = run_job(d, tiny_ckpt, "--out", read_only / "out.h5")
+    before = checksums(d, tiny_ckpt)
+    p = launch(argv, 2, None, timeout=60)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("rlx-mpi: error:")]
+    assert p.returncode == BAD_INPUT and len(errors) == 1, p.stderr
+    assert f"--out {read_only}/out.h5: cannot create a file in {read_only} (read-only filesystem)" in errors[0], p.stderr
+    assert "Traceback" not in p.stderr and p.elapsed < 20 and checksums(d, tiny_ckpt) == before, p.stderr
+    assert "total forward" not in p.stdout  # refused before the forward, not after it
 
 
 FULL = [
