@@ -343,6 +343,20 @@ def test_reliability(case: Case, tmp_path, tiny_ckpt):
     assert not changed, f"inputs changed: {changed}\n{report}"
     left = [p for p in d.rglob(".*tmp*")] + [p for p in d.rglob(".rlx-mpi-check*")]
     assert not left, f"temporary files left: {left}\n{report}"
+    assert not leftover_processes(d), f"processes left behind\n{report}"
+
+
+def leftover_processes(d: Path) -> list[int]:
+    """Processes (ranks, supervisors, the launcher) whose command line names the case's folder."""
+    time.sleep(0.3)  # the launcher's SIGKILLs are asynchronous
+    out = subprocess.run(["pgrep", "-f", str(d)], capture_output=True, text=True).stdout
+    pids = [int(x) for x in out.split() if int(x) != os.getpid()]
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    return pids
 
 
 # -- a full disk: a 8 KB tmpfs --------------------------------------------------------------------
