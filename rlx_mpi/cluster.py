@@ -65,6 +65,7 @@ class Cluster:
         self.job = job
         self.world = (comm or MPI.COMM_WORLD).Dup()
         self.ctx = RankContext(rank=self.world.rank, size=self.world.size, host=socket.gethostname(), debug=debug)
+        self.ctx.extra["deadline_setting"] = "[run] startup_timeout_s"  # until the run starts (drive)
         self.family = None
         self.model_config: Any = None
         self.batch, self.seq = job.run.batch, job.run.seq
@@ -299,6 +300,7 @@ class Cluster:
         Returns the `ClusterRun` with logits on rank 0 and None on the other ranks. Any
         exception or expired deadline on any rank is reported once and aborts the job.
         """
+        self.ctx.extra["deadline_setting"] = "[run] timeout_s"
         try:
             return self._drive(ids)
         except Exception:

@@ -124,6 +124,21 @@ def test_bounded_returns_raises_or_expires():
     assert time.monotonic() - t0 < 3
 
 
+def test_a_start_up_wait_names_startup_timeout_s():
+    from rlx_mpi.faults import wait
+
+    class Never:
+        def Test(self):  # noqa: N802
+            return False
+
+    ctx = RankContext(rank=1, size=2, host="h")
+    with pytest.raises(DeadlineExpired, match=r"raise \[run\] timeout_s$"):
+        wait(Never(), 0.05, ctx, lambda: "x")
+    ctx.extra["deadline_setting"] = "[run] startup_timeout_s"
+    with pytest.raises(DeadlineExpired, match=r"raise \[run\] startup_timeout_s$"):
+        wait(Never(), 0.05, ctx, lambda: "the probe of every rank")
+
+
 def test_check_finite():
     check_finite(np.ones((2, 3), np.float32), "x", CTX)
     with pytest.raises(RankFault, match="2 non-finite values"):
