@@ -189,6 +189,8 @@ def check_space(path: Path, nbytes: int, where: str) -> None:
     except OSError:
         return
     free = st.f_bavail * st.f_frsize
+    if st.f_blocks == 0:  # a filesystem that reports no size (some FUSE and pseudo filesystems): no verdict
+        return
     if free < nbytes + _SPACE_MARGIN:
         raise WriteFailed(where, f"no space left on the device: {_mb(nbytes)} to write, {_mb(free)} free in "
                           f"{path.parent}", "free space or choose another folder; no partial file was left")
