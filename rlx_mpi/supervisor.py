@@ -53,7 +53,9 @@ _post_fd: int | None = None  # in a supervised rank: the pipe to its supervisor
 # Signals the supervisor survives; it passes on those that end a process and that a sender may
 # have meant for the rank (launchers signal the whole process group, so the rank has the rest).
 _NOTED = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-_PASSED_ON = (signal.SIGTERM, signal.SIGHUP)
+# SIGUSR1 too: Slurm's `--signal=USR1@T` (or a user's `kill -USR1`) may reach only the launched
+# process, and `generate` treats it as "finish the step, write, exit for requeue".
+_PASSED_ON = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 _CRASHES = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT)
 _RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 
