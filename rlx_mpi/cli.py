@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None, *, supervise: bool = False) -> int:
         from .faults import supervise as fork_supervisor
 
         fork_supervisor()
-    if under_mpi and (code := _check_launch()) is not None:
+    if under_mpi and ((code := _check_pmix()) is not None or (code := _check_launch()) is not None):
         return code
     try:
         code = COMMANDS[args.command](args)
@@ -402,6 +402,38 @@ def _finish(timeout_s: float, debug: bool) -> None:
         wait(world.Ibarrier(), timeout_s, ctx, lambda: "every rank to finish", "some rank")
     except RlxError:
         report_and_abort(world, ctx, sys.exc_info(), EXIT_TIMEOUT)
+
+
+def _check_pmix() -> int | None:
+    """Exit code 2 when the launcher speaks only PMIx and the MPI library is an MPICH without it.
+
+    Note: MPICH built without PMIx (the `mpich` wheel speaks PMI-1 and PMI-2) aborts inside
+    MPI_Init under ``srun --mpi=pmix`` with a stack of internal errors on every rank. We look
+    before MPI starts: MPI_Get_library_version may be called before MPI_Init, then we start MPI
+    as mpi4py would have.
+    """
+    env = os.environ
+    if "PMIX_RANK" not in env or any(v in env for v in ("PMI_FD", "PMI_PORT", "PMI_RANK")) \
+            or "mpi4py.MPI" in sys.modules:
+        return None
+    import mpi4py
+
+    initialize, finalize = mpi4py.rc.initialize, mpi4py.rc.finalize
+    mpi4py.rc.initialize, mpi4py.rc.finalize = False, True
+    from mpi4py import MPI
+
+    mpi4py.rc.initialize, mpi4py.rc.finalize = initialize, finalize
+    version = MPI.Get_library_version()
+    if "MPICH" in version and "pmix" not in version.lower():
+        if env.get("PMIX_RANK") == "0":
+            first = " ".join(version.strip().splitlines()[0].split())
+            print(f"rlx-mpi: error: launch: the launcher speaks PMIx but this MPI ({first}) was built without it; "
+                  "launch with `srun --mpi=pmi2` (the mpich wheel speaks PMI-1 and PMI-2), or use the site's MPI "
+                  "(mpi4py built against it)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    MPI.Init_thread({"single": MPI.THREAD_SINGLE, "funneled": MPI.THREAD_FUNNELED, "serialized":
+                     MPI.THREAD_SERIALIZED}.get(str(mpi4py.rc.thread_level), MPI.THREAD_MULTIPLE))
+    return None
 
 
 def _check_launch() -> int | None:
