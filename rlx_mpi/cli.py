@@ -26,8 +26,29 @@ input ids), 3 model does not fit, 4 a rank failed at run time, 5 a rank timed ou
 docs: README.md"""
 
 
+_LAUNCH_RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+def _launch_rank() -> int | None:
+    """This process's rank as the launcher set it (before MPI starts), or None outside a launch."""
+    for var in _LAUNCH_RANK_VARS:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one ``rlx-mpi: error:`` line, printed by one rank only."""
+
+    def error(self, message: str):
+        if _launch_rank() in (None, 0):  # every rank parses the same argv: rank 0 speaks for all
+            sys.stderr.write(self.format_usage())
+            sys.stderr.write(f"rlx-mpi: error: {self.prog}: {message}; see {self.prog} --help\n")
+        sys.exit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlx-mpi", description="Pipeline- and tensor-parallel Llama inference over MPI.",
+    p = _Parser(prog="rlx-mpi", description="Pipeline- and tensor-parallel Llama inference over MPI.",
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -112,20 +133,6 @@ def _setup_mpi_logging(world, args) -> None:
     agree(world, RankContext(world.rank, world.size, host=socket.gethostname(), debug=args.debug), 60.0, setup)
 
 
-def _write_atomic(path: str, write) -> None:
-    """Write through a temporary name and rename, so no half-written file looks complete."""
-    target = Path(path)
-    if not target.parent.is_dir():
-        raise ConfigError(path, f"folder {target.parent} does not exist", "create it or choose another path")
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 # -- commands ----------------------------------------------------------------------------------
 
 
@@ -136,6 +143,8 @@ def cmd_run(args) -> int:
     from .faults import agree
     from .placement import format_plan
 
+    from .outputs import check_outputs, write_output
+
     world = MPI.COMM_WORLD
     _setup_mpi_logging(world, args)
     cx = Cluster.from_path(args.job, debug=args.debug)
@@ -144,13 +153,15 @@ def cmd_run(args) -> int:
     t = cx.job.run.timeout_s
     args.finish_timeout_s = t + (cx.world.size + 2) * max(1.0, 0.1 * t)
 
-    def check_outputs() -> None:
-        for flag, path in (("--out", args.out), ("--json", args.json)):
-            if path and world.rank == 0 and not Path(path).parent.is_dir():
-                raise ConfigError(f"{flag} {path}", f"folder {Path(path).parent} does not exist",
-                                  "create it or choose another path")
+    def outputs() -> list:  # before any compute: a bad output path must not cost the run
+        if world.rank != 0:
+            return []
+        inputs = {"the job file": args.job, "the checkpoint": cx.job.model.checkpoint,
+                  "the input ids": args.input_ids}
+        return check_outputs((("--out", args.out), ("--json", args.json)), inputs)
 
-    agree(cx.world, cx.ctx, 60.0, check_outputs)
+    checked = {o.flag: o for o in agree(cx.world, cx.ctx, cx.job.run.startup_timeout_s, outputs,
+                                        "checking the output paths")}
     ids = cx.load_inputs(args.input_ids)
     cx.probe()
     plan = cx.plan()
@@ -168,7 +179,7 @@ def cmd_run(args) -> int:
     print(run.table())
     sys.stdout.flush()
     if args.json:
-        _write_atomic(args.json, lambda tmp: tmp.write_text(run.to_json()))
+        write_output(checked["--json"], lambda tmp: tmp.write_text(run.to_json()))
     if args.out:
         import h5py
 
@@ -178,7 +189,7 @@ def cmd_run(args) -> int:
                 f.attrs["stats"] = run.to_json()
                 f.attrs["job"] = str(Path(args.job).resolve())
 
-        _write_atomic(args.out, write)
+        write_output(checked["--out"], write)
     return 0
 
 
@@ -296,7 +307,11 @@ def _check_plan_flags(args) -> None:
 
 def cmd_convert(args) -> int:
     from .llama.convert import convert_hf
+    from .outputs import check_output
 
+    src = Path(args.hf_dir)
+    inputs = {f"the source file {p.name}": p for p in (sorted(src.iterdir()) if src.is_dir() else []) if p.is_file()}
+    check_output("convert OUT", args.out, inputs, stream_ok=False)
     cfg = convert_hf(args.hf_dir, args.out, dtype=args.dtype)
     print(f"wrote {args.out}: llama, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
     return 0
@@ -308,9 +323,10 @@ def cmd_init_model(args) -> int:
 
     if args.preset not in PRESETS:
         raise ConfigError("init-model --preset", f"got {args.preset!r}", f"expected one of {sorted(PRESETS)}")
+    from .outputs import check_output
+
     out = Path(args.out)
-    if not out.parent.is_dir():
-        raise ConfigError(args.out, f"folder {out.parent} does not exist", "create it or choose another path")
+    check_output("init-model OUT", out, stream_ok=False)
     init_random(out, PRESETS[args.preset], args.seed, args.dtype)
     print(f"wrote {out}: random llama preset {args.preset!r}, seed {args.seed}")
     return 0
@@ -326,11 +342,15 @@ def main(argv: list[str] | None = None, *, supervise: bool = False) -> int:
     args = _parser().parse_args(argv)
     under_mpi = args.command in MPI_COMMANDS
     if supervise and under_mpi:
-        from .faults import supervise as fork_supervisor
+        from . import supervisor
 
-        fork_supervisor()
-    if under_mpi and ((code := _check_pmix()) is not None or (code := _check_launch()) is not None):
-        return code
+        supervisor.supervise()
+    if under_mpi:
+        if (code := _check_pmix()) is not None:
+            return code
+        _start_mpi(getattr(args, "job", None))
+        if (code := _check_launch()) is not None:
+            return code
     try:
         code = COMMANDS[args.command](args)
         if under_mpi:
@@ -363,6 +383,75 @@ def main(argv: list[str] | None = None, *, supervise: bool = False) -> int:
         print(f"rlx-mpi: error: internal error ({type(e).__name__}: {e}); please report it with the traceback above",
               file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def _start_mpi(job: str | None) -> None:
+    """Initialise MPI under the supervisor's start-up deadline, then tell it MPI is up.
+
+    The deadline is the job's ``[run] startup_timeout_s`` when the job file can be read
+    without blocking (a regular file), else the supervisor's default.
+    """
+    from . import supervisor
+
+    _test_fault_before_mpi()
+    limit = _startup_timeout_of(job)
+    if limit is not None:
+        supervisor.watch(limit, "startup_timeout_s")
+    try:
+        from mpi4py import MPI
+    except ImportError as e:  # a broken mpi4py or MPI on this node: the supervisor names the rank
+        sys.stderr.write(f"rlx-mpi: rank {_launch_rank()}: cannot import mpi4py.MPI ({e}); reinstall mpi4py "
+                         "against this node's MPI\n")
+        sys.stderr.flush()
+        os._exit(EXIT_FAULT)
+    MPI.COMM_WORLD  # noqa: B018  (initialised on import; touched so the order is plain)
+    supervisor.ready()
+
+
+def _startup_timeout_of(job: str | None) -> float | None:
+    """``[run] startup_timeout_s`` of ``job`` if it reads quickly and sanely, else None."""
+    if not job:
+        return None
+    try:
+        import stat
+
+        if not stat.S_ISREG(os.stat(job).st_mode):  # a FIFO would block: the default deadline covers it
+            return None
+        from .config import RunSection, tomllib
+
+        run = tomllib.loads(Path(job).read_text(encoding="utf-8-sig")).get("run", {})
+        value = run.get("startup_timeout_s", RunSection.startup_timeout_s) if isinstance(run, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf:
+            return float(value)
+    except Exception:  # the real load, after MPI is up, reports what is wrong with the file
+        pass
+    return None
+
+
+def _test_fault_before_mpi() -> None:
+    """Test-only fault injection before MPI_Init (tests/test_reliability_mpi.py).
+
+    ``RLX_MPI_TEST_PREINIT`` = exit0 | exit3 | kill | stop | hang, on the rank given by
+    ``RLX_MPI_TEST_PREINIT_RANK`` (default 1); it stands for a broken Python or MPI on one
+    node, the OOM killer at start-up, a SIGSTOP or a hung mount. Unset in normal use.
+    """
+    kind = os.environ.get("RLX_MPI_TEST_PREINIT")
+    if not kind or _launch_rank() != int(os.environ.get("RLX_MPI_TEST_PREINIT_RANK", "1")):
+        return
+    import signal
+    import time
+
+    if kind == "exit0":
+        os._exit(0)
+    elif kind == "exit3":
+        os._exit(3)
+    elif kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "hang":
+        while True:
+            time.sleep(3600)
 
 
 def _abort(exc_info, exit_code: int, debug: bool) -> None:
@@ -478,6 +567,9 @@ def entry() -> None:
         code = 0
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: a traceback from each says nothing
         code = 130
+    from . import supervisor
+
+    supervisor.done()  # the normal end: any other end of a rank is a fault its supervisor reports
     sys.exit(code)
 
 
