@@ -139,7 +139,7 @@ ReturnToService=2
 FirstJobId={random.randint(100_000, 9_000_000)}
 MinJobAge=3600
 KillWait=2
-InactiveLimit=0
+InactiveLimit=30
 MessageTimeout=20
 JobCompType=jobcomp/filetxt
 JobCompLoc={d}/jobcomp.txt
@@ -260,13 +260,18 @@ AllowedSwapSpace=0
     def srun(self, *args: str, timeout_s: float = 120, cwd=None, env: dict | None = None) -> subprocess.CompletedProcess:
         """A job of its own run in the foreground (srun outside an allocation)."""
         t0 = time.monotonic()
-        p = subprocess.Popen(["srun", *args], env={**self.env, **(env or {})}, cwd=cwd, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+        name = f"rlx-test-{os.getpid()}-{time.monotonic_ns()}"  # to scancel the job if srun must be killed
+        p = subprocess.Popen(["srun", f"--job-name={name}", *args], env={**self.env, **(env or {})}, cwd=cwd,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             out, err = p.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            out, err = p.communicate()
+            subprocess.run(["scancel", f"--name={name}"], env=self.env, capture_output=True, timeout=30)
+            try:
+                out, err = p.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                out, err = p.communicate()
             raise TimeoutError(f"srun {' '.join(args)} did not end within {timeout_s} s\n{out}\n{err}") from None
         result = subprocess.CompletedProcess(p.args, p.returncode, out, err)
         result.elapsed = time.monotonic() - t0
