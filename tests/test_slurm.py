@@ -195,7 +195,8 @@ def test_oom_killed_rank_ends_the_job(slurm, tmp_path, faulty_ckpt):
 
 def test_scancel_ends_everything(slurm, tmp_path, faulty_ckpt):
     job = _job(tmp_path, faulty_ckpt, "hang.toml", plugins=["faulty_family"])
-    text = job.read_text().replace(f"timeout_s = {TIMEOUT_S}", "timeout_s = 600.0")
+    text = job.read_text().replace(f"timeout_s = {TIMEOUT_S}", "timeout_s = 600.0").replace(
+        "startup_timeout_s = 60.0", "startup_timeout_s = 600.0")
     job.write_text(text)
     stamp = tmp_path / "stamp"
     jid = slurm.sbatch(str(REPO / "slurm" / "run.sbatch"), str(job), cwd=tmp_path,
