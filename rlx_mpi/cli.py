@@ -491,6 +491,32 @@ def _finish(timeout_s: float, debug: bool) -> None:
         wait(world.Ibarrier(), timeout_s, ctx, lambda: "every rank to finish", "some rank")
     except RlxError:
         report_and_abort(world, ctx, sys.exc_info(), EXIT_TIMEOUT)
+    _finalize(ctx, timeout_s)
+
+
+def _finalize(ctx, timeout_s: float) -> None:
+    """MPI_Finalize under a watchdog: a rank that dies between the barrier and here leaves the
+    others blocked in it for ever (seen across two hosts), so past ``timeout_s`` this process
+    ends itself; its supervisor names it and the launcher ends the job.
+
+    Note: faulthandler's watchdog is a C thread, so it fires while MPI_Finalize holds the GIL;
+    it can only _exit(1), hence the context posted first for the supervisor's message.
+    """
+    import faulthandler
+
+    from mpi4py import MPI
+
+    from . import supervisor
+
+    supervisor.post_context(f"{ctx.describe()} in MPI_Finalize (stuck over {timeout_s:g} s: a rank died at "
+                            "the end of the job)")
+    with open(os.devnull, "w") as devnull:
+        faulthandler.dump_traceback_later(timeout_s, exit=True, file=devnull)
+        try:
+            MPI.Finalize()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    supervisor.post_context(ctx.describe())
 
 
 def _check_pmix() -> int | None:

@@ -186,8 +186,10 @@ def test_rank_killed_mid_forward_ends_the_job_every_time(hosts, tmp_path, faulty
         assert after < TIMEOUT_S, report + "\n" + err  # before the deadline: the kill itself ended it
 
 
-def _rank_pids(job_name: str, rank: int) -> list[int]:
-    """The rank proper (the supervisor's child) of world rank ``rank`` running ``job_name``."""
+def _rank_pids(job_path: str, rank: int) -> list[int]:
+    """The rank proper (the supervisor's child) of world rank ``rank`` running ``job_path`` (a
+    full, unique path: other jobs on the machine must never match)."""
+    job_name = job_path
     found = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -215,9 +217,10 @@ def test_rank_killed_after_the_table_never_hangs(hosts, tmp_path, tiny_ckpt):
         line = ""
         while time.monotonic() - t0 < 60:
             line = p.stdout.readline()
+            print(f"trial {trial} {time.monotonic() - t0:.1f} s: {line.rstrip()}")
             if not line or line.startswith("total forward"):
                 break
-        pids = _rank_pids(job.name, 3)
+        pids = _rank_pids(str(job), 3)
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
