@@ -124,10 +124,11 @@ def test_generate_sbatch_requeues_and_resumes(slurm, tmp_path, tiny_ckpt):
         pytest.skip(reason)
     job = _job(tmp_path, tiny_ckpt)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "tokens": [1 + i, 2, 3]}) + "\n" for i in range(40)))
+    n = 200  # enough work that the signal lands mid-run on a fast machine
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "tokens": [1 + i % 100, 2, 3]}) + "\n" for i in range(n)))
     out = tmp_path / "completions.jsonl"
     jid = slurm.sbatch(str(REPO / "slurm" / "generate.sbatch"), str(job), str(prompts), str(out),
-                       "--max-new-tokens", "24", cwd=tmp_path, env=_env())
+                       "--max-new-tokens", "32", cwd=tmp_path, env=_env())
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (out.exists() and out.read_text().count("\n") >= 1):
         time.sleep(0.2)
@@ -138,7 +139,7 @@ def test_generate_sbatch_requeues_and_resumes(slurm, tmp_path, tiny_ckpt):
     assert info["JobState"] == "COMPLETED" and int(info.get("Restarts", "0")) >= 1, (info, log)
     assert "requeueing" in log, log
     ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
-    assert ids == [f"p{i}" for i in range(40)], log
+    assert ids == [f"p{i}" for i in range(n)], log
 
 
 # -- Found 1: a dead rank ends the job -----------------------------------------------------------
