@@ -113,28 +113,38 @@ def test_missing_checkpoint_is_one_line_failed_2(slurm, tmp_path):
     assert len(_errors(out)) == 1 and "absent.h5" in _errors(out)[0], out
 
 
-def _generate_available() -> str | None:
-    p = subprocess.run([PY, "-m", "rlx_mpi", "generate", "--help"], capture_output=True, text=True, timeout=60)
+def _generate_available(cwd: Path) -> str | None:
+    p = subprocess.run([PY, "-m", "rlx_mpi", "generate", "--help"], capture_output=True, text=True, timeout=60,
+                       cwd=cwd, env=_env())
     return None if p.returncode == 0 else "this rlx_mpi has no `generate` command yet (issue 9)"
 
 
 def test_generate_sbatch_requeues_and_resumes(slurm, tmp_path, tiny_ckpt):
     """SIGTERM as Slurm sends it before the time limit: exit 75, requeue, resume, every prompt once."""
-    if (reason := _generate_available()) is not None:
+    if (reason := _generate_available(tmp_path)) is not None:
         pytest.skip(reason)
     job = _job(tmp_path, tiny_ckpt)
     prompts = tmp_path / "prompts.jsonl"
-    n = 200  # enough work that the signal lands mid-run on a fast machine
+    n = 600  # enough work (~40k tokens) that the signal lands mid-run on a fast machine
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "tokens": [1 + i % 100, 2, 3]}) + "\n" for i in range(n)))
     out = tmp_path / "completions.jsonl"
     jid = slurm.sbatch(str(REPO / "slurm" / "generate.sbatch"), str(job), str(prompts), str(out),
-                       "--max-new-tokens", "32", cwd=tmp_path, env=_env())
+                       "--max-new-tokens", "64", cwd=tmp_path, env=_env())
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (out.exists() and out.read_text().count("\n") >= 1):
         time.sleep(0.2)
     # what --signal=B:TERM@120 does at the limit: SIGTERM to the batch shell only
     subprocess.run(["scancel", "--signal=TERM", "--batch", jid], env=slurm.env, check=True, timeout=30)
-    info = slurm.wait(jid, 180, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
+    # Slurm holds a requeued job back ~2 minutes (its BeginTime); start it at once instead
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        info = slurm.job(jid)
+        if int(info.get("Restarts", "0")) >= 1 or info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"):
+            break
+        time.sleep(0.3)
+    if info.get("JobState") == "PENDING":
+        slurm.scontrol("update", f"JobId={jid}", "StartTime=now", check=False)
+    info = slurm.wait(jid, 120, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
     log = (tmp_path / f"rlx-generate-{jid}.out").read_text()
     assert info["JobState"] == "COMPLETED" and int(info.get("Restarts", "0")) >= 1, (info, log)
     assert "requeueing" in log, log
