@@ -46,7 +46,7 @@ def part_bounds(n: int, part: int, parts: int) -> tuple[int, int]:
 def write_checkpoint(path: str | os.PathLike, family: str, config_json: str,
                      tensors: Iterable[tuple[str, np.ndarray]], dtype: str = "float32") -> None:
     """Write a checkpoint atomically: to a temporary name first, renamed when complete."""
-    from .outputs import write_failed
+    from .outputs import check_space, write_failed
 
     path = Path(os.path.realpath(path))  # a symlink stays a symlink: its target is replaced
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -57,7 +57,9 @@ def write_checkpoint(path: str | os.PathLike, family: str, config_json: str,
             f.attrs["family"] = family
             f.attrs["config"] = config_json
             for name, array in tensors:
-                f.create_dataset(name, data=np.asarray(array, dtype=dtype))
+                data = np.asarray(array, dtype=dtype)
+                check_space(tmp, data.nbytes, str(path))  # before HDF5 meets the full disk itself
+                f.create_dataset(name, data=data)
         os.replace(tmp, path)
     except OSError as e:  # a full disk, a quota, a read-only mount: one line, no partial file
         raise write_failed(str(path), e) from None

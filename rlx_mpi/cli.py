@@ -189,7 +189,7 @@ def cmd_run(args) -> int:
                 f.attrs["stats"] = run.to_json()
                 f.attrs["job"] = str(Path(args.job).resolve())
 
-        write_output(checked["--out"], write)
+        write_output(checked["--out"], write, run.output.nbytes)
     return 0
 
 
@@ -268,7 +268,11 @@ def cmd_plan(args) -> int:
         raise ConfigError("plan --ranks", f"{args.ranks // tp} stages ({args.ranks} ranks / tp {tp}) but the model "
                           f"has only {n} layers", f"give at most {n * tp} ranks, or a larger --tp")
     batch = args.batch or (job.run.batch if job else 1)
-    seq = args.seq or (job.run.seq if job else 2048)
+    seq = args.seq or (job.run.seq if job else (2048 if given else min(2048, cfg.max_position_embeddings)))
+    if not given and seq > cfg.max_position_embeddings:  # what `run` would refuse (shape flags carry no limit)
+        raise ConfigError("plan --seq" if args.seq else f"{job.path}: [run] seq",
+                          f"sequence length {seq} exceeds the model's maximum {cfg.max_position_embeddings} positions",
+                          f"plan at most {cfg.max_position_embeddings} tokens per sequence")
     weight_bytes = {"float32": 4, "float16": 2, "bfloat16": 2, None: 4}[args.dtype]
     cost = cfg.cost(batch, seq, weight_bytes)
     per_host = max(1, args.ranks_per_host or tp)
@@ -303,6 +307,16 @@ def _check_plan_flags(args) -> None:
         if value is not None and not (math.isfinite(value) and (value > low if low is not None else value >= 0)):
             raise ConfigError(f"plan {flag}", f"got {value}",
                               "give a finite number " + ("> 0" if low is not None else ">= 0"))
+    # Bounds far past any machine, so absurd values are refused instead of overflowing or
+    # building millions of hypothetical ranks.
+    limits = {"--ranks": (args.ranks, 1_000_000), "--ranks-per-host": (args.ranks_per_host, 1_000_000),
+              "--tp": (args.tp, 1_000_000), "--batch": (args.batch, 2**31), "--seq": (args.seq, 2**31),
+              "--hidden": (args.hidden, 2**31), "--heads": (args.heads, 2**31), "--kv-heads": (args.kv_heads, 2**31),
+              "--intermediate": (args.intermediate, 2**31), "--vocab": (args.vocab, 2**31),
+              "--mem-gb": (args.mem_gb, 1e9), "--gflops": (args.gflops, 1e12), "--reserve-gb": (args.reserve_gb, 1e6)}
+    for flag, (value, most) in limits.items():
+        if value is not None and value > most:
+            raise ConfigError(f"plan {flag}", f"got {value}", f"give at most {most:g}")
 
 
 def cmd_convert(args) -> int:
@@ -393,10 +407,11 @@ def _start_mpi(job: str | None) -> None:
     """
     from . import supervisor
 
-    _test_fault_before_mpi()
     limit = _startup_timeout_of(job)
     if limit is not None:
         supervisor.watch(limit, "startup_timeout_s")
+    _test_fault_before_mpi()
+    supervisor.entering_mpi()
     try:
         from mpi4py import MPI
     except ImportError as e:  # a broken mpi4py or MPI on this node: the supervisor names the rank

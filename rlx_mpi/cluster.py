@@ -65,6 +65,7 @@ class Cluster:
         self.job = job
         self.world = (comm or MPI.COMM_WORLD).Dup()
         self.ctx = RankContext(rank=self.world.rank, size=self.world.size, host=socket.gethostname(), debug=debug)
+        self.ctx.extra["deadline_setting"] = "[run] startup_timeout_s"  # until the run starts (drive)
         self.family = None
         self.model_config: Any = None
         self.batch, self.seq = job.run.batch, job.run.seq
@@ -141,6 +142,10 @@ class Cluster:
                 except ImportError as e:
                     raise ConfigError(f"{self.job.path}: [model] plugins", f"cannot import {module!r} ({e})",
                                       "install the module or fix PYTHONPATH on every node") from None
+                except Exception as e:  # the plug-in's own bug: one line, not a traceback per rank
+                    raise ConfigError(f"{self.job.path}: [model] plugins",
+                                      f"importing {module!r} raised {type(e).__name__}: {e}",
+                                      "fix the plug-in (run python -c 'import " + module + "' to see the traceback)") from None
             family_name, config_json = read_header(ckpt)
             self._digests = {"job": _digest(Path(self.job.path).read_bytes()),
                              "ckpt": _digest(f"{family_name}|{config_json}|{ckpt.stat().st_size}".encode())}
@@ -303,6 +308,7 @@ class Cluster:
         Returns the `ClusterRun` with logits on rank 0 and None on the other ranks. Any
         exception or expired deadline on any rank is reported once and aborts the job.
         """
+        self.ctx.extra["deadline_setting"] = "[run] timeout_s"
         try:
             return self._drive(ids)
         except Exception:

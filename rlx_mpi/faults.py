@@ -86,14 +86,17 @@ class AgreedFailure(Exception):
 
 
 def wait(request: Any, timeout_s: float, ctx: RankContext, waiting_for: Callable[[], str],
-         suspect: str | Callable[[], str] = "the rank it waits for", setting: str = "[run] timeout_s") -> None:
+         suspect: str | Callable[[], str] = "the rank it waits for", setting: str | None = None) -> None:
     """Finish ``request`` or raise `DeadlineExpired` after ``timeout_s`` seconds.
 
-    ``setting`` is the knob the message tells the user to raise if the wait is only slow.
+    ``setting`` is the knob the message tells the user to raise if the wait is only slow;
+    by default the one of the rank's phase (``ctx.extra["deadline_setting"]``: start-up
+    steps wait under ``[run] startup_timeout_s``, the run under ``[run] timeout_s``).
     """
     if request.Test():
         return
     deadline = time.monotonic() + timeout_s
+    setting = setting or ctx.extra.get("deadline_setting", "[run] timeout_s")
     polls, nap = 0, 1e-5
     while not request.Test():
         if time.monotonic() > deadline:

@@ -29,7 +29,9 @@ from typing import Callable, Iterable, Mapping
 
 from .errors import ConfigError, WriteFailed
 
-__all__ = ["Output", "check_output", "check_outputs", "write_output", "same_file", "write_failed"]
+__all__ = ["Output", "check_output", "check_outputs", "write_output", "same_file", "write_failed", "check_space"]
+
+_SPACE_MARGIN = 1 << 20  # room for HDF5's metadata beyond the raw bytes
 
 
 @dataclass(frozen=True)
@@ -175,8 +177,32 @@ def _copy_to_fd(src, fd: int) -> None:
             view = view[os.write(fd, view):]
 
 
-def write_output(out: Output, write: Callable[[Path], None]) -> None:
-    """Write ``out`` with ``write(path)``, which creates a complete file at the path it is given."""
+def check_space(path: Path, nbytes: int, where: str) -> None:
+    """Refuse to write ``nbytes`` more into ``path``'s folder when they would not fit.
+
+    Note: HDF5 that meets a full disk mid-write floods stderr from destructors and can then
+    crash (seen: a segfault in ``convert``); finding the full disk first, in Python, keeps
+    it one line. A disk that fills between this check and the write is still caught below.
+    """
+    try:
+        st = os.statvfs(path.parent)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if st.f_blocks == 0:  # a filesystem that reports no size (some FUSE and pseudo filesystems): no verdict
+        return
+    if free < nbytes + _SPACE_MARGIN:
+        raise WriteFailed(where, f"no space left on the device: {_mb(nbytes)} to write, {_mb(free)} free in "
+                          f"{path.parent}", "free space or choose another folder; no partial file was left")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def write_output(out: Output, write: Callable[[Path], None], nbytes: int = 0) -> None:
+    """Write ``out`` with ``write(path)``, which creates a complete file at the path it is given
+    (``nbytes``: about how large it will be, checked against the free space first)."""
     if out.stream:
         with tempfile.TemporaryDirectory(prefix="rlx-mpi-") as tmpdir:
             tmp = Path(tmpdir) / "out"
@@ -195,6 +221,7 @@ def write_output(out: Output, write: Callable[[Path], None]) -> None:
                 raise write_failed(out.where, e) from None
         return
     tmp = out.target.with_name(f".{out.target.name}.tmp{os.getpid()}")
+    check_space(tmp, nbytes, out.where)
     try:
         write(tmp)
         os.replace(tmp, out.target)

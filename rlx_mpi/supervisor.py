@@ -10,6 +10,7 @@ short lines the rank posts through a pipe:
 
     ctx <text>     the rank's `RankContext.describe()`, for messages
     watch <s> <by> the start-up deadline: MPI must be initialised within <s> s of launch
+    init           the rank is entering MPI_Init (where it waits for every other rank)
     ready          MPI is initialised; from here on every wait has its own deadline
     done           the rank reached the normal end of the command (any exit code)
 
@@ -17,6 +18,9 @@ The parent ends the job, naming the rank, when the child
 - dies of a signal nobody sent the parent too (the launcher's SIGTERM, a Ctrl-C are not faults);
 - exits without posting ``done`` (``os._exit(0)`` in a plug-in, an import error, a broken MPI);
 - has not posted ``ready`` when the start-up deadline passes (a stopped rank, a hung mount).
+  A rank stopped, or stuck before it even reached MPI_Init, is reported at the deadline; a
+  rank inside MPI_Init is most likely waiting for such a rank, so its parent waits a few
+  seconds more (staggered by rank) before it reports that start-up did not finish.
 Before ``ready`` the launcher only reacts to a death by signal, so the parent then kills
 itself with SIGKILL after its report (MPICH then ends the job with code 9, srun
 --kill-on-bad-exit likewise); after ``ready`` it exits with EXIT_FAULT, which the launcher
@@ -38,7 +42,7 @@ import socket
 import sys
 import time
 
-__all__ = ["supervise", "active", "post_context", "watch", "ready", "done", "default_startup_timeout_s",
+__all__ = ["supervise", "active", "post_context", "watch", "entering_mpi", "ready", "done", "default_startup_timeout_s",
            "DEFAULT_STARTUP_TIMEOUT_S", "GRACE_S"]
 
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
@@ -88,6 +92,11 @@ def post_context(text: str) -> None:
 def watch(seconds: float, by: str) -> None:
     """MPI must be initialised within ``seconds`` of launch; ``by`` names the setting."""
     _post(f"watch {seconds!r} {by}")
+
+
+def entering_mpi() -> None:
+    """The rank is about to initialise MPI (and wait there for the others)."""
+    _post("init")
 
 
 def ready() -> None:
@@ -166,7 +175,7 @@ class _Watcher:
         self.child, self.fd, self.started = child, fd, started
         self.limit_s, self.limit_by = default_startup_timeout_s(), "RLX_MPI_STARTUP_TIMEOUT_S"
         self.grace_until: float | None = None
-        self.context, self.is_ready, self.is_done = "", False, False
+        self.context, self.in_mpi, self.is_ready, self.is_done = "", False, False, False
         self.noted: set[int] = set()
         self.pending = b""
 
@@ -242,6 +251,8 @@ class _Watcher:
                     self.limit_s, self.limit_by = float(seconds), by or self.limit_by
                 except ValueError:
                     pass
+            elif kind == "init":
+                self.in_mpi = True
             elif kind == "ready":
                 self.is_ready = True
             elif kind == "done":
@@ -304,14 +315,20 @@ class _Watcher:
     def _stalled(self) -> int | None:
         """The start-up deadline passed and MPI is not up: report a stopped rank now, a waiting one later."""
         stopped = _state(self.child) in ("T", "t")
-        if not stopped and self.grace_until is None:
-            self.grace_until = time.monotonic() + GRACE_S
+        if not stopped and self.in_mpi and self.grace_until is None:
+            rank = _rank_from_env().rpartition(" ")[2]
+            self.grace_until = time.monotonic() + GRACE_S + 0.5 * min(int(rank) if rank.isdigit() else 0, 10)
             return None
         setting = ("[run] startup_timeout_s" if self.limit_by == "startup_timeout_s"
                    else f"{self.limit_by}, the start-up deadline before the job file is read")
         if stopped:
             what = f"stopped (SIGSTOP or SIGTSTP) during start-up and still stopped after {self.limit_s:g} s ({setting})"
             fix = "find what stopped it (a debugger, a Ctrl-Z, the batch system) or resume it with kill -CONT"
+        elif not self.in_mpi:
+            what = (f"stuck for {self.limit_s:g} s ({setting}) before MPI start-up, while importing Python "
+                    "packages or reading the job file")
+            fix = ("check this node's filesystems (a hung NFS/Lustre mount, a FIFO given as a file) and its Python "
+                   "installation; if start-up is only slow, raise " + setting.split(",")[0])
         else:
             what = f"MPI start-up did not finish within {self.limit_s:g} s ({setting})"
             fix = ("another rank is stuck or dead (see its line above), a filesystem is hanging, or the launcher "
