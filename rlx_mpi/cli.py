@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import EXIT_FAULT, EXIT_INTERNAL, ConfigError, RlxError
+from .errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_INTERNAL, EXIT_TIMEOUT, ConfigError, RlxError
 
 __all__ = ["main"]
 
@@ -63,11 +63,14 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--out", metavar="RESULT.h5", help="write dataset /logits float32 [batch, seq, vocab] and the stats")
     r.add_argument("--json", metavar="STATS.json", help="write the run's per-stage stats as JSON")
     r.add_argument("--plan-only", action="store_true", help="probe and plan on the launched ranks, print the plan, stop")
+    r.add_argument("--log-dir", metavar="DIR", help="one log per rank, DIR/rank-0003.log (lines prefixed with rank "
+                   "and host); only rank 0 logs to the terminal")
 
     pr = sub.add_parser("probe", help="show every launched rank's hardware (under mpiexec/srun)")
     pr.add_argument("job", nargs="?", help="optional job TOML: also checks its checkpoint is readable")
     pr.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pr.add_argument("--gflops", action="store_true", help="measure each rank's matmul speed (~0.2 s)")
+    pr.add_argument("--log-dir", metavar="DIR", help="one log per rank, DIR/rank-0003.log; only rank 0 logs to the terminal")
 
     pl = sub.add_parser("plan", help="plan placement for hypothetical ranks, without launching MPI",
                         description="Size an allocation before queueing: plan a model (a checkpoint via a job "
@@ -110,6 +113,26 @@ def _setup_logging(rank: int, debug: bool) -> None:
     logging.basicConfig(level=level, format=prefix + "%(message)s", stream=sys.stderr)
 
 
+def _setup_mpi_logging(world, args) -> None:
+    """Logging of an MPI command: `_setup_logging`, or with ``--log-dir`` one log per rank (agreed)."""
+    if getattr(args, "log_dir", None) is None:
+        _setup_logging(world.rank, args.debug)
+        return
+    import socket
+
+    from .faults import RankContext, agree
+    from .logdir import setup_rank_logging
+
+    def setup() -> None:
+        try:
+            setup_rank_logging(world.rank, world.size, args.debug, args.log_dir, args.command)
+        except OSError as e:
+            raise ConfigError(f"--log-dir {args.log_dir}", f"cannot write a log there ({e.strerror})",
+                              "give a folder every rank can write (on a filesystem every node mounts)") from None
+
+    agree(world, RankContext(world.rank, world.size, host=socket.gethostname(), debug=args.debug), 60.0, setup)
+
+
 # -- commands ----------------------------------------------------------------------------------
 
 
@@ -123,8 +146,12 @@ def cmd_run(args) -> int:
     from .outputs import check_outputs, write_output
 
     world = MPI.COMM_WORLD
-    _setup_logging(world.rank, args.debug)
+    _setup_mpi_logging(world, args)
     cx = Cluster.from_path(args.job, debug=args.debug)
+    # the end barrier's deadline (`_finish`): past every staggered deadline of the forward, so a
+    # rank stuck in the run is named by the rank waiting for it, not by the barrier
+    t = cx.job.run.timeout_s
+    args.finish_timeout_s = t + (cx.world.size + 2) * max(1.0, 0.1 * t)
 
     def outputs() -> list:  # before any compute: a bad output path must not cost the run
         if world.rank != 0:
@@ -146,6 +173,9 @@ def cmd_run(args) -> int:
     run = cx.drive(ids)
     if run is None:
         return 0
+    from .logdir import job_id
+
+    run.job_id = job_id()  # the table and the JSON name the Slurm job
     print(run.table())
     sys.stdout.flush()
     if args.json:
@@ -167,11 +197,11 @@ def cmd_probe(args) -> int:
     from mpi4py import MPI
 
     from . import transport
-    from .caps import NodeCaps, format_caps, probe_local
+    from .caps import NodeCaps, format_caps, gather_local_affinity, probe_local
     from .faults import RankContext, agree
 
     world = MPI.COMM_WORLD
-    _setup_logging(world.rank, args.debug)
+    _setup_mpi_logging(world, args)
     ctx = RankContext(rank=world.rank, size=world.size, debug=args.debug)
     ckpt = None
     if args.job:
@@ -179,7 +209,9 @@ def cmd_probe(args) -> int:
 
         ckpt = agree(world, ctx, 60.0, lambda: load_job(args.job)).model.checkpoint
     local = world.Split_type(MPI.COMM_TYPE_SHARED)
-    mine = agree(world, ctx, 120.0, lambda: probe_local(world.rank, local.rank, local.size, ckpt, args.gflops))
+    affinity = gather_local_affinity(local, 120.0, ctx)
+    mine = agree(world, ctx, 120.0, lambda: probe_local(world.rank, local.rank, local.size, ckpt, args.gflops,
+                                                        affinity))
     rows = transport.gather_json(world, mine.to_dict(), 0, 120.0, ctx, "the probe")
     if rows is not None:
         caps = [NodeCaps.from_dict(r) for r in rows]
@@ -328,9 +360,16 @@ def main(argv: list[str] | None = None, *, supervise: bool = False) -> int:
 
         supervisor.supervise()
     if under_mpi:
+        if (code := _check_pmix()) is not None:
+            return code
         _start_mpi(getattr(args, "job", None))
+        if (code := _check_launch()) is not None:
+            return code
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
+        if under_mpi:
+            _finish(getattr(args, "finish_timeout_s", _FINISH_TIMEOUT_S), args.debug)
+        return code
     except RlxError as e:
         if under_mpi:  # raised on some ranks outside an agreed step: the others may wait for ever
             _abort(sys.exc_info(), e.exit_code, args.debug)
@@ -348,6 +387,7 @@ def main(argv: list[str] | None = None, *, supervise: bool = False) -> int:
         if isinstance(e, AgreedFailure):  # every rank raised it: rank 0 speaks for all
             if _rank() == 0:
                 print(f"rlx-mpi: error: {e.line}", file=sys.stderr)
+            _finish(getattr(args, "finish_timeout_s", _FINISH_TIMEOUT_S), args.debug)
             return e.exit_code
         if under_mpi:  # a fault outside the agreed steps: report once and end every rank
             _abort(sys.exc_info(), EXIT_FAULT, True)
@@ -440,6 +480,116 @@ def _abort(exc_info, exit_code: int, debug: bool) -> None:
     world = MPI.COMM_WORLD
     report_and_abort(world, RankContext(world.rank, world.size, host=socket.gethostname(), debug=debug),
                      exc_info, exit_code)
+
+
+_FINISH_TIMEOUT_S = 60.0  # the end barrier's deadline when no job file gave [run] timeout_s
+
+
+def _finish(timeout_s: float, debug: bool) -> None:
+    """Meet every rank at a barrier under a deadline before MPI_Finalize; abort when it expires.
+
+    Note: MPI_Finalize has no deadline of its own. A rank that dies after its last message (after
+    the table, say) left the others blocked in it for ever on two hosts; a barrier first, with a
+    deadline, turns that into one error line and an abort (exit code 5).
+    """
+    import socket
+
+    from mpi4py import MPI
+
+    from .faults import RankContext, report_and_abort, wait
+
+    world = MPI.COMM_WORLD
+    if world.size == 1:
+        return
+    ctx = RankContext(world.rank, world.size, host=socket.gethostname(), debug=debug)
+    try:
+        wait(world.Ibarrier(), timeout_s, ctx, lambda: "every rank to finish", "some rank")
+    except RlxError:
+        report_and_abort(world, ctx, sys.exc_info(), EXIT_TIMEOUT)
+    _finalize(ctx, timeout_s)
+
+
+def _finalize(ctx, timeout_s: float) -> None:
+    """MPI_Finalize under a watchdog: a rank that dies between the barrier and here leaves the
+    others blocked in it for ever (seen across two hosts), so past ``timeout_s`` this process
+    ends itself; its supervisor names it and the launcher ends the job.
+
+    Note: faulthandler's watchdog is a C thread, so it fires while MPI_Finalize holds the GIL;
+    it can only _exit(1), hence the context posted first for the supervisor's message.
+    """
+    import faulthandler
+
+    from mpi4py import MPI
+
+    from . import supervisor
+
+    supervisor.post_context(f"{ctx.describe()} in MPI_Finalize (stuck over {timeout_s:g} s: a rank died at "
+                            "the end of the job)")
+    with open(os.devnull, "w") as devnull:
+        faulthandler.dump_traceback_later(timeout_s, exit=True, file=devnull)
+        try:
+            MPI.Finalize()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    supervisor.post_context(ctx.describe())
+
+
+def _check_pmix() -> int | None:
+    """Exit code 2 when the launcher speaks only PMIx and the MPI library is an MPICH without it.
+
+    Note: MPICH built without PMIx (the `mpich` wheel speaks PMI-1 and PMI-2) aborts inside
+    MPI_Init under ``srun --mpi=pmix`` with a stack of internal errors on every rank. We look
+    before MPI starts: MPI_Get_library_version may be called before MPI_Init, then we start MPI
+    as mpi4py would have.
+    """
+    env = os.environ
+    if "PMIX_RANK" not in env or any(v in env for v in ("PMI_FD", "PMI_PORT", "PMI_RANK")) \
+            or "mpi4py.MPI" in sys.modules:
+        return None
+    import mpi4py
+
+    initialize, finalize = mpi4py.rc.initialize, mpi4py.rc.finalize
+    mpi4py.rc.initialize, mpi4py.rc.finalize = False, True
+    from mpi4py import MPI
+
+    mpi4py.rc.initialize, mpi4py.rc.finalize = initialize, finalize
+    version = MPI.Get_library_version()
+    if "MPICH" in version and "pmix" not in version.lower():
+        if env.get("PMIX_RANK") == "0":
+            first = " ".join(version.strip().splitlines()[0].split())
+            print(f"rlx-mpi: error: launch: the launcher speaks PMIx but this MPI ({first}) was built without it; "
+                  "launch with `srun --mpi=pmi2` (the mpich wheel speaks PMI-1 and PMI-2), or use the site's MPI "
+                  "(mpi4py built against it)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    MPI.Init_thread({"single": MPI.THREAD_SINGLE, "funneled": MPI.THREAD_FUNNELED, "serialized":
+                     MPI.THREAD_SERIALIZED}.get(str(mpi4py.rc.thread_level), MPI.THREAD_MULTIPLE))
+    return None
+
+
+def _check_launch() -> int | None:
+    """Exit code 2 when a launcher started N > 1 tasks but MPI sees a world of 1, else None.
+
+    Note: ``srun --mpi=none`` (or a PMI the MPI library does not speak) starts N copies that
+    each believe they are the whole job: N tables, N times the work, exit 0. Only the task the
+    launcher numbers 0 prints the line, so the log shows it once.
+    """
+    from mpi4py import MPI
+
+    from .caps import launcher_tasks
+
+    said = launcher_tasks()
+    if MPI.COMM_WORLD.size != 1 or said is None:
+        return None
+    var, n = said
+    if os.environ.get("SLURM_PROCID", os.environ.get("PMI_RANK", "0")) == "0":
+        line = ConfigError("launch", f"{var}={n} says this is one of {n} tasks, but the MPI world has 1 rank "
+                           f"(every task would run the whole job alone)",
+                           "under Slurm launch with `srun --mpi=pmi2` (the mpich wheel speaks PMI-1 and PMI-2, "
+                           "not PMIx) or use the site's MPI (mpi4py built against it, e.g. `pip install "
+                           "--no-binary=mpi4py mpi4py` after `module load` of it); under mpiexec use the "
+                           "mpiexec of the MPI that mpi4py was built with").line()
+        print(f"rlx-mpi: error: {line}", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
 def _rank() -> int:

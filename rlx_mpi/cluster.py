@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import transport
-from .caps import NodeCaps, probe_local
+from .caps import NodeCaps, gather_local_affinity, mpi_versions_differ, probe_local
 from .checkpoint import H5ParamSource, read_header
 from .config import JobConfig, load_job
 from .errors import CheckpointError, ConfigError, FitError, InputError
@@ -107,6 +107,7 @@ class Cluster:
         if self._prepared:
             return
         ckpt = self.job.model.checkpoint
+        created: list[bool] = []
 
         def create() -> None:
             if self.is_root and not ckpt.exists() and self.job.model.preset:
@@ -128,8 +129,11 @@ class Cluster:
                 log.info("checkpoint %s not found: creating it from preset %r (seed %d)", ckpt, preset,
                          self.job.model.init_seed)
                 init_random(ckpt, PRESETS[preset], self.job.model.init_seed)
+                created.append(True)
 
         self._agree(create, "creating the preset checkpoint")
+        self._agree(lambda: _check_everywhere(self.world, self.ctx, ckpt, self.job.run.startup_timeout_s,
+                                              bool(created)), "checking every rank sees the checkpoint")
 
         def header() -> None:
             for module in self.job.model.plugins:
@@ -181,14 +185,18 @@ class Cluster:
         """Every rank probes itself and pins its BLAS threads; rank 0 gathers all (agreed)."""
         self.prepare()
         local = self.world.Split_type(_shared_type())
+        affinity = gather_local_affinity(local, self.job.run.startup_timeout_s, self.ctx)
         mine = self._agree(lambda: probe_local(self.world.rank, local.rank, local.size,
-                                               self.job.model.checkpoint, self.job.placement.measure_gflops),
+                                               self.job.model.checkpoint, self.job.placement.measure_gflops,
+                                               affinity),
                            "probing this rank")
         local.Free()
         _pin_threads(mine.cpus)
         gathered = transport.gather_json(self.world, mine.to_dict(), 0, self.job.run.startup_timeout_s,
                                          self.ctx, "the probe")
         self.caps = [NodeCaps.from_dict(d) for d in gathered] if gathered else [mine]
+        if gathered and (warning := mpi_versions_differ(self.caps)):
+            log.warning("%s", warning)
 
         def readable() -> None:
             bad = [c.rank for c in self.caps if c.ckpt_readable is False]
@@ -381,6 +389,47 @@ class Cluster:
         if self.topology is not None and self.topology.tp_comm is not None:
             self.topology.tp_comm.Free()
         self.world.Free()
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(out)
+
+
+def _by_host(rows: list[dict], status: str) -> str:
+    hosts: dict[str, list[int]] = {}
+    for r in rows:
+        if r["status"] == status:
+            hosts.setdefault(r["host"], []).append(r["rank"])
+    return ", ".join(f"{h} (ranks {_ranges(sorted(rs))})" for h, rs in sorted(hosts.items()))
+
+
+def _check_everywhere(world: Any, ctx: RankContext, path: Path, timeout_s: float, created: bool) -> None:
+    """Every rank checks it sees the checkpoint; rank 0 names the ranks and hosts that do not.
+
+    Note: a checkpoint on a node-local disk exists for some ranks only, and a preset's is created
+    by rank 0 on its own disk: both must fail here, naming the hosts, not later as a bare "not
+    found" on some rank. The same on every rank is left to the header read, which says what is wrong.
+    """
+    status = "ok" if path.is_file() and os.access(path, os.R_OK) else ("unreadable" if path.exists() else "missing")
+    rows = transport.gather_json(world, {"rank": world.rank, "host": ctx.host, "status": status}, 0, timeout_s,
+                                 ctx, "whether the checkpoint is visible")
+    if rows is None or len({r["status"] for r in rows}) == 1:
+        return  # the same everywhere: the header read says what is wrong, if anything
+    parts = [f"exists on {_by_host(rows, 'ok')}"] if any(r["status"] == "ok" for r in rows) else []
+    if any(r["status"] == "missing" for r in rows):
+        parts.append(f"not on {_by_host(rows, 'missing')}")
+    if any(r["status"] == "unreadable" for r in rows):
+        parts.append(f"not readable on {_by_host(rows, 'unreadable')}")
+    what = ("created from the preset by rank 0 on its own disk: " if created else "") + ", ".join(parts)
+    raise CheckpointError(str(path), what, "put it on a filesystem every node mounts (the same path on every node)")
 
 
 def _digest(data: bytes) -> str:
