@@ -21,10 +21,9 @@ The parent ends the job, naming the rank, when the child
   A rank stopped, or stuck before it even reached MPI_Init, is reported at the deadline; a
   rank inside MPI_Init is most likely waiting for such a rank, so its parent waits a few
   seconds more (staggered by rank) before it reports that start-up did not finish.
-Before ``ready`` the launcher only reacts to a death by signal, so the parent then kills
-itself with SIGKILL after its report (MPICH then ends the job with code 9, srun
---kill-on-bad-exit likewise); after ``ready`` it exits with EXIT_FAULT, which the launcher
-passes on. A waiting rank's parent gives a stopped or dead rank's parent a few seconds' grace
+Launchers react to a death by signal, not reliably to an exit code, so after its report the
+parent cancels the Slurm step (under srun) and kills itself with SIGKILL (MPICH then ends the
+job with code 9, srun --kill-on-bad-exit likewise). A waiting rank's parent gives a stopped or dead rank's parent a few seconds' grace
 to report first, so the line names the rank at fault.
 
 The deadline before the job file is read is ``RLX_MPI_STARTUP_TIMEOUT_S`` (default 600 s);
@@ -271,11 +270,25 @@ class _Watcher:
         drain(sys.stderr.fileno())
 
     def _end_job(self) -> int:
-        """Make the launcher end every rank: an exit code once MPI is up, a signal before."""
-        if self.is_ready:
-            return _EXIT_FAULT
-        # Note: MPICH's hydra ignores a non-zero exit of a process that never initialised MPI
-        # (the others then spin in MPI_Init for ever) but ends the job when one dies of a signal.
+        """Make the launcher end every rank: cancel the Slurm step, then die of SIGKILL.
+
+        Note: launchers react to a death by signal, not reliably to an exit code. MPICH's hydra
+        ignores a non-zero exit of a process that never initialised MPI (the others then spin in
+        MPI_Init for ever), and across hosts it did not end the job on an exit code after
+        MPI_Init either (5 of 5 trials ran on to the forward deadline); plain srun ends a step
+        neither on an exit code nor on a signal unless --kill-on-bad-exit is given, so under
+        Slurm the step is cancelled outright. The job's exit code is then the launcher's (9
+        under MPICH); the line above names the rank.
+        """
+        job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
+        if job and step:
+            try:
+                import subprocess
+
+                subprocess.run(["scancel", "--quiet", "--signal=KILL", f"{job}.{step}"], timeout=10,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            except (OSError, subprocess.SubprocessError):
+                pass  # no scancel on this node: the signal below still reaches srun --kill-on-bad-exit
         for sig in _NOTED:
             signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -229,7 +229,7 @@ os._exit(0)
 
 @pytest.mark.parametrize("what, status, line", [
     ("exit0", -9, "ended with exit status 0 before MPI start-up finished"),  # SIGKILL: the launcher must see it
-    ("ready-exit0", 4, "ended with exit status 0 (pid"),
+    ("ready-exit0", -9, "ended with exit status 0 (pid"),  # after MPI_Init too: an exit code is not enough
     ("done-exit3", 3, None),
     ("stop", -9, "stopped (SIGSTOP or SIGTSTP) during start-up and still stopped after 1 s ([run] startup_timeout_s)"),
     ("in-mpi", -9, "MPI start-up did not finish within 1 s"),
