@@ -256,9 +256,9 @@ def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
         lo, hi = bounds[m]
         out = stage.forward(ids[lo:hi] if a.first else x)
         want = (hi - lo,) + tuple((logits_shape if a.last else hidden_shape)[1:])
-        if out.shape != want:
-            raise RankFault(cx.ctx.describe(), f"the stage returned shape {out.shape} for microbatch {m}, expected "
-                            f"{want} from {type(cx.family).__name__}.output_spec",
+        if out.shape != want or out.dtype != np.float32:
+            raise RankFault(cx.ctx.describe(), f"the stage returned {out.dtype} {out.shape} for microbatch {m}, expected "
+                            f"float32 {want} from {type(cx.family).__name__}.output_spec",
                             "the model family's forward and output_spec disagree: fix the plug-in")
         if logits is not None:
             logits[lo:hi] = out
