@@ -43,7 +43,7 @@ from .errors import RankFault
 from .faults import RankContext, wait
 from .schedule import COMPUTE, POST_RECV, POST_SEND, WAIT_RECV, WAIT_SEND, Action, forward_schedule
 
-__all__ = ["Executor", "ExecStats", "forward", "microbatch_bounds"]
+__all__ = ["Executor", "ExecStats", "forward", "microbatch_bounds", "wire_codec", "wire_codec_by_name"]
 
 log = logging.getLogger("rlx_mpi")
 
@@ -314,12 +314,16 @@ def _spec(cx: Any, batch: int, seq: int, last: bool) -> tuple[tuple[int, ...], n
 
 
 def wire_codec(job: Any) -> Any:
-    """The job's ``[run] wire`` codec, or None (raw float32) before `wire.py` exists."""
-    name = getattr(job.run, "wire", "f32")
+    """The job's ``[run] wire`` codec."""
+    return wire_codec_by_name(job.run.wire, f"{job.path}: [run] wire")
+
+
+def wire_codec_by_name(name: str, where: str = "wire") -> Any:
+    """The codec ``name`` from `wire.py`, or None (raw float32) for f32 before `wire.py` exists."""
     try:
         from .wire import get_codec
     except ImportError:
         if name != "f32":
             raise
         return None
-    return get_codec(name, f"{job.path}: [run] wire")
+    return get_codec(name, where)
