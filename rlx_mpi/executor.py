@@ -43,7 +43,8 @@ from .errors import RankFault
 from .faults import RankContext, wait
 from .schedule import COMPUTE, POST_RECV, POST_SEND, WAIT_RECV, WAIT_SEND, Action, forward_schedule
 
-__all__ = ["Executor", "ExecStats", "forward", "microbatch_bounds", "wire_codec", "wire_codec_by_name"]
+__all__ = ["Executor", "ExecStats", "forward", "microbatch_bounds", "wire_codec", "wire_codec_by_name",
+           "wire_error_bound"]
 
 log = logging.getLogger("rlx_mpi")
 
@@ -298,7 +299,7 @@ def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
         return None
     run = ClusterRun(timings=[StageTiming.from_dict(r["timing"]) for r in rows], total_forward_ms=total_ms,
                      tokens=batch * seq, microbatches=M, output=logits)
-    run.wire = codec.name if codec is not None else "f32"
+    run.wire = codec.name
     if trace:
         run.spans = {r["timing"]["rank"]: r["spans"] for r in rows}
     return run
@@ -313,17 +314,28 @@ def _spec(cx: Any, batch: int, seq: int, last: bool) -> tuple[tuple[int, ...], n
     return tuple(shape), np.dtype(np.float32)
 
 
+def wire_error_bound(codec: Any, hops: int) -> float:
+    """Documented bound on ``max|logits - logits_f32| / max|logits_f32|`` with ``codec`` on
+    ``hops`` stage boundaries: 4 x the codec's per-element bound per hop.
+
+    Each hop rounds every hidden-state element by at most ``codec.rel_error`` (wire.py); the
+    layers after it carry that relative perturbation to the logits with a gain that RMSNorm
+    keeps O(1): measured 0.2-0.4 per hop on the random tiny and small presets (tests/
+    test_executor_mpi.py, bench/README.md). 4 leaves headroom for other weights; it is an
+    empirical bound, not a theorem: a model with large activation outliers may exceed it.
+    """
+    return 4.0 * codec.rel_error * max(hops, 0)
+
+
 def wire_codec(job: Any) -> Any:
     """The job's ``[run] wire`` codec."""
     return wire_codec_by_name(job.run.wire, f"{job.path}: [run] wire")
 
 
 def wire_codec_by_name(name: str, where: str = "wire") -> Any:
-    """The codec ``name`` from `wire.py`, or None (raw float32) for f32 before `wire.py` exists."""
-    try:
-        from .wire import get_codec
-    except ImportError:
-        if name != "f32":
-            raise
-        return None
-    return get_codec(name, where)
+    """The codec ``name`` from `wire.py`, its kernels loaded (not compiled inside a timed send)."""
+    from .wire import get_codec, warm_up
+
+    codec = get_codec(name, where)
+    warm_up()
+    return codec

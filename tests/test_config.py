@@ -88,3 +88,10 @@ def test_load_job_file_errors(tmp_path):
 def test_shipped_jobs_load():
     for path in Path(__file__).parent.parent.joinpath("jobs").glob("*.toml"):
         load_job(path)
+
+
+def test_wire_formats_match_the_codecs():
+    from rlx_mpi.config import WIRE_FORMATS
+    from rlx_mpi.wire import WIRE_FORMATS as CODECS
+
+    assert WIRE_FORMATS == CODECS

@@ -70,3 +70,21 @@ def test_protocol_only_family_runs(tmp_path):
     assert logits.shape == ref.shape
     assert np.abs(logits - ref).max() <= 1e-4 * np.abs(ref).max()
     assert len(stats["timings"]) == RANKS
+
+
+@pytest.mark.parametrize("wire", ["bf16", "f16"])
+def test_half_wire_within_bound(tmp_path, tiny_ckpt, ids, f32_one, wire):
+    from rlx_mpi.executor import wire_error_bound
+    from rlx_mpi.wire import get_codec
+
+    bound = wire_error_bound(get_codec(wire), hops=RANKS - 1)
+    for m in (1, 2, 3):
+        logits, stats, _ = run(tmp_path, f"{wire}{m}", tiny_ckpt, ids, microbatches=m, wire=wire)
+        err = np.abs(logits - f32_one).max() / np.abs(f32_one).max()
+        print(wire, m, err, bound)
+        assert 0 < err <= bound, (wire, m, err, bound)  # > 0: the codec really ran
+        assert stats["wire"] == wire
+        hidden = PRESETS["tiny"].hidden_size
+        for r in stats["timings"]:
+            if r["stage"] < RANKS - 1:
+                assert r["bytes_sent"] == BATCH * SEQ * hidden * 2  # half the bytes of f32
