@@ -70,8 +70,9 @@ class ClusterRun:
         return max((t.wall_ms for t in self.timings), default=0.0)
 
     def busy(self, t: StageTiming) -> float:
-        """Fraction of the schedule's wall time this rank spent computing."""
-        return t.forward_ms / self.span_ms if self.span_ms > 0 else float("nan")
+        """Fraction of the schedule's wall time this rank spent working (compute, pack, unpack),
+        as trace.bubble counts it."""
+        return (t.forward_ms + t.pack_ms + t.unpack_ms) / self.span_ms if self.span_ms > 0 else float("nan")
 
     @property
     def ideal_bubble(self) -> float:
