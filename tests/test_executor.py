@@ -99,3 +99,15 @@ def test_non_float32_payload_goes_raw():
     b = Executor(MailLink(box, 1), RankContext(rank=1, size=2), rank_of=lambda s: s, codec=get_codec("bf16"))
     b.run(forward_schedule(1, 2, 1), lambda m, x: got.setdefault(m, x.copy()), lambda act: ((2, 3), np.int64))
     np.testing.assert_array_equal(got[0], tokens)
+
+
+def test_trace_command_bad_input_is_one_line(tmp_path):
+    from conftest import run_cli
+
+    bad = tmp_path / "t.json"
+    bad.write_text('{"traceEvents": 3}')
+    for path in (tmp_path / "missing.json", bad):
+        proc = run_cli(["trace", path], timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        lines = [x for x in proc.stderr.splitlines() if x.strip()]
+        assert len(lines) == 1 and lines[0].startswith(f"rlx-mpi: error: {path}"), proc.stderr
