@@ -66,6 +66,10 @@ def test_chrome_trace_layout_and_json_round_trip():
     assert doc["otherData"]["lanes"] == lanes
     pack = next(e for e in xs if e["cat"] == "pack")
     assert type(pack["args"]["microbatch"]) is int  # numpy scalars made plain
+    arr = trace.chrome_trace([Span(0, "F", "compute", 0, 1, {"shape": np.array([2, 3]), "x": np.float32(0.5)})],
+                             [{"rank": np.int64(0), "stage": np.int32(0)}])
+    assert arr["traceEvents"][-1]["args"] == {"shape": [2, 3], "x": 0.5}
+    trace.validate_trace(arr)  # numpy ints in lanes made plain too
     threads = {(e["pid"], e["args"]["name"]) for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
     assert (0, "compute") in threads and (2, "recv_wait") in threads and (2, "send_wait") not in threads
     trace.validate_trace(doc)
