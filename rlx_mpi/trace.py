@@ -99,7 +99,9 @@ def chrome_trace(spans: list[Span], lanes: list[dict], meta: dict | None = None)
     other = {"generator": "rlx_mpi", "clock_origin_s": float(origin),
              "lanes": lanes}
     other.update({str(k): _plain(v) for k, v in (meta or {}).items()})
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+    # key order matters to Perfetto's streaming JSON reader: displayTimeUnit is looked for in the
+    # first chunk only, and in an event "ts" must come before any array-valued key
+    return {"displayTimeUnit": "ms", "traceEvents": events, "otherData": other}
 
 
 def _need(cond: bool, where: str, what: str) -> None:
@@ -174,14 +176,16 @@ def _write_atomic(path, write) -> None:
 def save_trace(doc: dict, path) -> None:
     """Validate ``doc`` and write it as JSON through a temporary name (never half a file)."""
     validate_trace(doc)
-    _write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(doc, allow_nan=False) + "\n"))
+    # UTF-8, not \\uXXXX escapes: Perfetto's JSON reader rejects those (a host name with an accent)
+    text = json.dumps(doc, allow_nan=False, ensure_ascii=False) + "\n"
+    _write_atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def load_trace(path) -> dict:
     """Read and validate a trace file; InputError naming the file and what is wrong."""
     fix = "pass a file written by `rlx-mpi run --trace`"
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise InputError(str(path), f"cannot read the trace ({e.strerror or e})", fix) from None
     try:

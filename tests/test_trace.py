@@ -164,6 +164,17 @@ def test_save_load_round_trip(tmp_path):
     path = tmp_path / "t.json"
     trace.save_trace(doc, path)
     assert trace.load_trace(path) == doc
+    # what Perfetto's streaming reader needs: displayTimeUnit first, "ts" before any other
+    # key of an event that could hold an array, no \\u escapes
+    text = path.read_text(encoding="utf-8")
+    assert text.startswith('{"displayTimeUnit": "ms", "traceEvents": [')
+    for e in doc["traceEvents"]:
+        keys = list(e)
+        assert "ts" not in keys or keys.index("ts") < keys.index("args")
+    accented = trace.chrome_trace([Span(0, "F0", "compute", 0.0, 1.0)], [{"rank": 0, "host": "nœud-7"}])
+    trace.save_trace(accented, tmp_path / "u.json")
+    assert "nœud-7" in (tmp_path / "u.json").read_text(encoding="utf-8")
+    assert "\\u" not in (tmp_path / "u.json").read_text(encoding="utf-8")
     assert not list(tmp_path.glob(".*tmp*"))  # no temporary left behind
     spans = trace.spans_from_trace(doc)
     want, _ = gpipe_spans()
