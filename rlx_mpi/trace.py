@@ -176,7 +176,7 @@ def _write_atomic(path, write) -> None:
 def save_trace(doc: dict, path) -> None:
     """Validate ``doc`` and write it as JSON through a temporary name (never half a file)."""
     validate_trace(doc)
-    # UTF-8, not \\uXXXX escapes: Perfetto's JSON reader rejects those (a host name with an accent)
+    # UTF-8, not \uXXXX escapes: Perfetto's JSON reader rejects those (a host name with an accent)
     text = json.dumps(doc, allow_nan=False, ensure_ascii=False) + "\n"
     _write_atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 

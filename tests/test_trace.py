@@ -165,7 +165,7 @@ def test_save_load_round_trip(tmp_path):
     trace.save_trace(doc, path)
     assert trace.load_trace(path) == doc
     # what Perfetto's streaming reader needs: displayTimeUnit first, "ts" before any other
-    # key of an event that could hold an array, no \\u escapes
+    # key of an event that could hold an array, no \u escapes
     text = path.read_text(encoding="utf-8")
     assert text.startswith('{"displayTimeUnit": "ms", "traceEvents": [')
     for e in doc["traceEvents"]:
