@@ -23,7 +23,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 from .errors import ConfigError
 
 __all__ = ["PlacementPolicy", "KvPolicy", "Precision", "ModelSection", "RunSection",
-           "PlacementSection", "RankOverride", "JobConfig", "load_job", "parse_job"]
+           "PlacementSection", "RankOverride", "JobConfig", "load_job", "parse_job", "WIRE_FORMATS"]
 
 
 class PlacementPolicy(str, enum.Enum):
@@ -77,6 +77,8 @@ class RunSection:
     """Longest any rank waits for another during the run before it names the laggard and aborts."""
     startup_timeout_s: float = 600.0
     """Deadline for the start-up collectives (probe, plan, weight loading on a slow filesystem)."""
+    wire: str = "f32"
+    """Format of the hidden states between stages: f32 (exact, no copy) | bf16 | f16 (half the bytes)."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,7 @@ def _count(n: int, noun: str) -> str:
 
 # -- loading ------------------------------------------------------------------------------------
 
+WIRE_FORMATS = ("f32", "bf16", "f16")  # the codecs of wire.py, named here so config stays import-light
 _SECTIONS = {"model": ModelSection, "run": RunSection, "placement": PlacementSection}
 _POSITIVE = {"batch", "seq", "microbatches", "tp", "timeout_s", "startup_timeout_s"}
 _NON_NEGATIVE = {"reserve_ram_gb", "init_seed", "seed", "rank"}
@@ -256,10 +259,12 @@ def _cross_check(job: JobConfig) -> None:
     if p.policy is PlacementPolicy.COMPUTE and not p.measure_gflops:
         raise ConfigError(f"{where} policy", 'policy = "compute" needs measured speeds',
                           "set measure_gflops = true or choose another policy")
-    if job.run.batch % job.run.microbatches:
+    if job.run.microbatches > job.run.batch:  # uneven splits are fine, empty microbatches are not
         raise ConfigError(f"{job.path}: [run] microbatches",
-                          f"{job.run.microbatches} does not divide batch = {job.run.batch}",
-                          "choose microbatches that divides batch")
+                          f"{job.run.microbatches} microbatches for batch = {job.run.batch}",
+                          "use at most one microbatch per sequence")
+    if job.run.wire not in WIRE_FORMATS:
+        raise ConfigError(f"{job.path}: [run] wire", f"got {job.run.wire!r}", f"expected one of {list(WIRE_FORMATS)}")
     if job.run.startup_timeout_s < job.run.timeout_s:
         raise ConfigError(f"{job.path}: [run] startup_timeout_s",
                           f"{job.run.startup_timeout_s} is shorter than timeout_s = {job.run.timeout_s}",

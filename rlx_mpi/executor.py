@@ -1,0 +1,412 @@
+"""Runs one rank's list of actions (`schedule.py`) over a `transport.Link`: the hot path.
+
+The executor knows nothing about pipelines or models. A schedule says, per action, which
+microbatch, which buffer slot and which peer stage; compute is a callback; a codec (`wire.py`)
+sits between the stage's float32 output and the bytes on the wire. So the GPipe forward and
+a decode ring (last stage -> first stage carrying sampled tokens) are two schedules of one loop.
+
+    ex = Executor(link, ctx, rank_of=lambda stage: world_rank, codec=get_codec("bf16", where))
+    stats = ex.run(actions, compute, recv_spec)
+        actions    list[schedule.Action] of this rank, in order
+        compute    (m, x) -> out | None: x is microbatch m's received input (float32 after unpack,
+                   or the raw dtype without codec), None when this rank receives nothing for m;
+                   out is what a later POST_SEND of m sends (None if never sent)
+        recv_spec  (action) -> (shape, dtype): what a POST_RECV of action.microbatch receives
+        codec_for  optional (peer stage) -> Codec | None, per link (default: the executor's codec
+                   for float32 payloads; None sends/receives the raw array, e.g. int64 tokens)
+        tag_base   added to the microbatch for the MPI tag (successive runs on one link)
+    ex.spans       [(name, cat, start_s, dur_s, args)], start_s from ``ex.origin`` (perf_counter);
+                   cat is one of trace.CATEGORIES: compute, pack, unpack, send_wait, recv_wait
+    ex.stats       ExecStats: seconds in compute/pack/unpack/recv_wait/send_wait, wall, bytes
+
+Buffers: a small pool keyed by (direction, slot), grown to the largest shape seen and viewed
+for smaller microbatches, so steady state allocates nothing. With the f32 codec a send is the
+output array itself (no copy; kept alive until its wait) and a receive lands in the pool slot
+that compute reads. Every wait goes through `Pending.wait` (faults.wait), with the link's
+staggered deadlines and the named-rank messages of the reliability work.
+
+`forward(cx, ids)` is the `rlx-mpi run` forward on a built `Cluster`: broadcast the ids, cut
+the batch into microbatches (the last ones smaller when uneven), run the GPipe schedule, route
+the logits to rank 0, gather the per-rank timings (and the trace spans) there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from . import transport
+from .errors import RankFault
+from .faults import RankContext, check_finite, wait
+from .schedule import COMPUTE, POST_RECV, POST_SEND, WAIT_RECV, WAIT_SEND, Action, forward_schedule
+
+__all__ = ["Executor", "ExecStats", "forward", "microbatch_bounds", "wire_codec", "wire_codec_by_name",
+           "wire_error_bound", "trace_document", "clock_offset"]
+
+log = logging.getLogger("rlx_mpi")
+
+SpanTuple = tuple  # (name, cat, start_s, dur_s, args)
+
+
+@dataclass
+class ExecStats:
+    """Seconds this rank spent in each kind of work during `Executor.run` calls."""
+
+    compute_s: float = 0.0
+    pack_s: float = 0.0
+    unpack_s: float = 0.0
+    recv_wait_s: float = 0.0
+    send_wait_s: float = 0.0
+    wall_s: float = 0.0  # first action to last, summed over runs
+    bytes_sent: int = 0
+
+    @property
+    def busy(self) -> float:
+        return self.compute_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _hidden(m: int) -> str:
+    return f"the hidden state of microbatch {m}"
+
+
+class Executor:
+    """One rank's action interpreter: posts, waits, packs, computes; records timings."""
+
+    def __init__(self, link: transport.Link, ctx: RankContext, *, rank_of: Callable[[int], int],
+                 codec: Any = None, what: Callable[[int], str] = _hidden, record: bool = True):
+        self.link, self.ctx, self.rank_of, self.codec, self.what = link, ctx, rank_of, codec, what
+        self.record = record
+        self.stats = ExecStats()
+        self.spans: list[SpanTuple] = []
+        self.origin = time.perf_counter()
+        self._pool: dict[tuple[str, int], np.ndarray] = {}
+
+    # -- buffers ------------------------------------------------------------------------------
+
+    def _buffer(self, key: tuple[str, int], shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A C-contiguous view of the pool buffer ``key``, grown when too small."""
+        n = int(np.prod(shape))
+        flat = self._pool.get(key)
+        if flat is None or flat.dtype != dtype or flat.size < n:
+            flat = self._pool[key] = np.empty(n, dtype=dtype)
+        return flat[:n].reshape(shape)
+
+    def _in_pool(self, a: np.ndarray) -> bool:
+        return any(np.may_share_memory(a, b) for b in self._pool.values())
+
+    def _span(self, cat: str, t0: float, t1: float, m: int) -> None:
+        """One span of category ``cat`` (trace.CATEGORIES) named like the grid: F3, pack 3..."""
+        if self.record:
+            name = f"F{m}" if cat == COMPUTE else f"{cat} {m}"
+            self.spans.append((name, cat, t0 - self.origin, t1 - t0, {"microbatch": m}))
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def run(self, actions: list[Action], compute: Callable[[int, np.ndarray | None], np.ndarray | None],
+            recv_spec: Callable[[Action], tuple[tuple[int, ...], Any]], *,
+            codec_for: Callable[[int], Any] | None = None, tag_base: int = 0) -> ExecStats:
+        """Run ``actions`` in order; see the module docstring for the callbacks."""
+        run = _Run(compute, recv_spec, codec_for, tag_base)
+        steps = {POST_RECV: self._post_recv, WAIT_RECV: self._wait_recv, COMPUTE: self._compute,
+                 POST_SEND: self._post_send, WAIT_SEND: self._wait_send}
+        start = time.perf_counter()
+        for a in actions:
+            self.ctx.microbatch = a.microbatch
+            steps[a.kind](a, run)
+        self.ctx.microbatch = None
+        self.stats.wall_s += time.perf_counter() - start
+        if run.recvs or run.sends:
+            raise RankFault(self.ctx.describe(), f"the schedule ended with receives {sorted(run.recvs)} and sends "
+                            f"{sorted(run.sends)} still posted", "this is a bug in the schedule, please report it")
+        return self.stats
+
+    def _post_recv(self, a: Action, run: "_Run") -> None:
+        shape, dtype = run.recv_spec(a)
+        shape = tuple(shape)
+        codec = self._codec(a.peer, dtype, run.codec_for)
+        buf = self._buffer(("r", a.slot), shape, np.dtype(codec.wire_dtype if codec is not None else dtype))
+        pending = self.link.irecv(buf, self.rank_of(a.peer), run.tag_base + a.microbatch, self.what(a.microbatch))
+        run.recvs[a.slot] = (a.microbatch, pending, codec, shape)
+
+    def _wait_recv(self, a: Action, run: "_Run") -> None:
+        m = a.microbatch
+        posted, pending, codec, shape = run.recvs.pop(a.slot)
+        _same(posted, m, a)
+        t0 = time.perf_counter()
+        pending.wait()
+        t1 = time.perf_counter()
+        self.stats.recv_wait_s += t1 - t0
+        self._span("recv_wait", t0, t1, m)
+        x = pending.buf
+        if codec is not None and np.dtype(codec.wire_dtype) != np.float32:  # f32 is used where it landed
+            x = codec.unpack(pending.buf, self._buffer(("u", a.slot), shape, np.float32))
+            t2 = time.perf_counter()
+            self.stats.unpack_s += t2 - t1
+            self._span("unpack", t1, t2, m)
+        run.inputs[a.slot] = x
+
+    def _compute(self, a: Action, run: "_Run") -> None:
+        m = a.microbatch
+        x = run.inputs.pop(a.slot, None)  # the slot's received data, whatever microbatch it came as
+        t0 = time.perf_counter()
+        out = run.compute(m, x)
+        t1 = time.perf_counter()
+        self.stats.compute_s += t1 - t0
+        self._span(COMPUTE, t0, t1, m)
+        if out is not None:
+            if self._in_pool(out):  # an alias of a pool buffer, posted again before this is sent
+                out = out.copy()
+            run.outputs[m] = out
+
+    def _post_send(self, a: Action, run: "_Run") -> None:
+        m = a.microbatch
+        out = run.outputs.pop(m, None)
+        if out is None:
+            raise RankFault(self.ctx.describe(), f"the schedule sends microbatch {m} but compute returned nothing "
+                            "for it", "this is a bug in the schedule or the stage, please report it")
+        if a.slot in run.sends:
+            raise RankFault(self.ctx.describe(), f"send slot {a.slot} still in flight with microbatch "
+                            f"{run.sends[a.slot][0]}", "this is a bug in the schedule, please report it")
+        codec = self._codec(a.peer, out.dtype, run.codec_for)
+        t0 = time.perf_counter()
+        if codec is None:
+            wire = np.ascontiguousarray(out)
+        else:  # f32: the output itself (kept alive in run.sends until waited); else the slot's buffer
+            src = np.ascontiguousarray(out, dtype=np.float32)
+            same = np.dtype(codec.wire_dtype) == np.float32
+            wire = codec.pack(src, None if same else self._buffer(("s", a.slot), src.shape, codec.wire_dtype))
+        t1 = time.perf_counter()
+        if wire is not out:
+            self.stats.pack_s += t1 - t0
+            self._span("pack", t0, t1, m)
+        run.sends[a.slot] = (m, self.link.isend(wire, self.rank_of(a.peer), run.tag_base + m, self.what(m)))
+        self.stats.bytes_sent += wire.nbytes
+
+    def _wait_send(self, a: Action, run: "_Run") -> None:
+        posted, pending = run.sends.pop(a.slot)
+        _same(posted, a.microbatch, a)
+        t0 = time.perf_counter()
+        pending.wait()
+        t1 = time.perf_counter()
+        self.stats.send_wait_s += t1 - t0
+        self._span("send_wait", t0, t1, a.microbatch)
+
+    def _codec(self, peer: int | None, dtype: Any, codec_for: Callable[[int], Any] | None) -> Any:
+        if codec_for is not None:
+            return codec_for(peer)
+        return self.codec if np.dtype(dtype) == np.float32 else None
+
+
+@dataclass
+class _Run:
+    """The state of one `Executor.run`: callbacks and what is posted or computed per slot."""
+
+    compute: Callable[[int, np.ndarray | None], np.ndarray | None]
+    recv_spec: Callable[[Action], tuple[tuple[int, ...], Any]]
+    codec_for: Callable[[int], Any] | None
+    tag_base: int
+    recvs: dict = field(default_factory=dict)  # slot -> (microbatch, Pending, codec, f32 shape)
+    inputs: dict = field(default_factory=dict)  # slot -> received input, unpacked
+    sends: dict = field(default_factory=dict)  # slot -> (microbatch, Pending)
+    outputs: dict = field(default_factory=dict)  # microbatch -> output not yet packed
+
+
+def _same(posted: int, m: int, a: Action) -> None:
+    if posted != m:
+        raise ValueError(f"action {a}: slot {a.slot} holds microbatch {posted}, not {m} (a schedule bug)")
+
+
+# -- the forward of `rlx-mpi run` --------------------------------------------------------------
+
+
+def microbatch_bounds(batch: int, microbatches: int) -> list[tuple[int, int]]:
+    """Row ranges of the microbatches: near-equal, the first ones one row larger when uneven."""
+    base, extra = divmod(batch, microbatches)
+    bounds, a = [], 0
+    for m in range(microbatches):
+        b = a + base + (1 if m < extra else 0)
+        bounds.append((a, b))
+        a = b
+    return bounds
+
+
+def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
+    """One forward of ``ids`` through a built `Cluster`; `ClusterRun` on rank 0, else None."""
+    from .cluster import peak_rss_bytes
+    from .stats import ClusterRun, StageTiming
+
+    job, topo, stage, a = cx.job, cx.topology, cx.stage, cx.assignment
+    timeout = job.run.timeout_s
+    if cx.is_root and ids is None:
+        ids = cx._random_ids(cx.batch, cx.seq)
+    ids = transport.bcast_array(cx.world, ids, 0, timeout, cx.ctx, "the input ids")
+    batch, seq = ids.shape
+    M = job.run.microbatches
+    if M > batch:
+        raise RankFault(cx.ctx.describe(), f"{M} microbatches for a batch of {batch}",
+                        "load_inputs should have refused this; please report it")
+    bounds = microbatch_bounds(batch, M)
+    # Note: a stuck stage stalls every stage after it (waiting to receive) and, once buffers
+    # fill, every stage before it (waiting to send). Deadlines are staggered so the rank
+    # next to the stuck one expires first and the job names the right rank: receives wait
+    # longer the later the stage, sends the earlier, and rank 0's wait for the logits,
+    # which needs the whole pipeline, longest.
+    grace = max(1.0, 0.1 * timeout)
+    link = transport.Link(cx.world, cx.ctx, timeout + topo.stage * grace,
+                          send_timeout_s=timeout + (topo.n_stages - 1 - topo.stage) * grace)
+    codec = wire_codec(job)
+    hidden_shape, _ = _spec(cx, 1, seq, last=False)
+    logits_shape, _ = _spec(cx, batch, seq, last=True)
+    logits = np.empty(logits_shape, dtype=np.float32) if a.last and topo.tp_rank == 0 else None
+
+    def rank_of(s: int) -> int:  # the matching TP rank of stage s
+        return topo.prev if s < topo.stage else topo.next
+
+    def recv_spec(act: Action):
+        lo, hi = bounds[act.microbatch]
+        return (hi - lo,) + tuple(hidden_shape[1:]), np.float32
+
+    def compute(m: int, x: np.ndarray | None) -> np.ndarray:
+        lo, hi = bounds[m]
+        out = stage.forward(ids[lo:hi] if a.first else x)
+        want = (hi - lo,) + tuple((logits_shape if a.last else hidden_shape)[1:])
+        if out.shape != want or out.dtype != np.float32:
+            raise RankFault(cx.ctx.describe(), f"the stage returned {out.dtype} {out.shape} for microbatch {m}, expected "
+                            f"float32 {want} from {type(cx.family).__name__}.output_spec",
+                            "the model family's forward and output_spec disagree: fix the plug-in")
+        if topo.tp_rank == 0:  # the first stage with NaN/Inf names itself (exit 4)
+            check_finite(out, f"the output of stage {a.stage} (microbatch {m})", cx.ctx)
+        if logits is not None:
+            logits[lo:hi] = out
+        return out
+
+    ex = Executor(link, cx.ctx, rank_of=rank_of, codec=codec, record=trace)
+    actions = forward_schedule(topo.stage, topo.n_stages, M)
+    # The trace's clock: rank 0's perf_counter, each rank's offset to it measured by ping-pong
+    # (a barrier alone was off by several ms on a loaded host: a rank descheduled on leaving it).
+    offset = clock_offset(cx.world, cx.ctx, timeout) if trace else 0.0
+    wait(cx.world.Ibarrier(), timeout, cx.ctx, lambda: "every rank to start the forward", "some rank")
+    sync = time.perf_counter()
+    ex.origin = sync
+    ex.run(actions, compute, recv_spec)
+
+    # The logits travel from the last stage to rank 0, outside the per-stage counters.
+    final = transport.Link(cx.world, cx.ctx, timeout + topo.n_stages * grace)
+    if cx.is_root and logits is None:
+        logits = np.empty(logits_shape, dtype=np.float32)
+        final.recv(logits, topo.output_rank, M, "the logits")
+    elif logits is not None and not cx.is_root:
+        final.send(logits, 0, M, "the logits")
+    total_ms = (time.perf_counter() - sync) * 1e3
+
+    st = ex.stats
+    timing = StageTiming(
+        rank=cx.world.rank, host=cx.ctx.host, stage=a.stage, tp_rank=topo.tp_rank, tp_ranks=a.ranks,
+        layers=a.layers, device=job.override_for(cx.world.rank).device, build_ms=cx.build_ms,
+        forward_ms=st.compute_s * 1e3, recv_wait_ms=st.recv_wait_s * 1e3, send_ms=st.send_wait_s * 1e3,
+        bytes_sent=link.bytes_sent, est_bytes=a.est_bytes, weight_bytes=stage.weight_bytes,
+        peak_rss_bytes=peak_rss_bytes(), pack_ms=st.pack_s * 1e3, unpack_ms=st.unpack_s * 1e3,
+        wall_ms=st.wall_s * 1e3)
+    doc: dict = {"timing": timing.to_dict()}
+    if trace:  # start-up phases (cli.py records them) too; all on rank 0's clock, from its sync
+        phases = [(name, "startup", t0 - sync, dur, {}) for name, t0, dur in getattr(cx, "phases", [])]
+        sync0 = transport.bcast_json(cx.world, sync, 0, timeout, cx.ctx, "the trace's clock origin")
+        shift = sync + offset - sync0  # local time t is t + offset on rank 0's clock
+        doc["spans"] = [[n, c, start + shift, dur, args] for n, c, start, dur, args in phases + ex.spans]
+    rows = transport.gather_json(cx.world, doc, 0, timeout + (topo.n_stages + 1) * grace, cx.ctx,
+                                 "the stage timings")
+    if not cx.is_root:
+        return None
+    run = ClusterRun(timings=[StageTiming.from_dict(r["timing"]) for r in rows], total_forward_ms=total_ms,
+                     tokens=batch * seq, microbatches=M, output=logits)
+    run.wire = codec.name
+    if trace:
+        run.spans = {r["timing"]["rank"]: r["spans"] for r in rows}
+    return run
+
+
+def clock_offset(comm: Any, ctx: RankContext, timeout_s: float, rounds: int = 8) -> float:
+    """Seconds to add to this rank's perf_counter to read rank 0's (0.0 on rank 0).
+
+    Cristian's algorithm: each rank in turn sends rank 0 an empty message and gets back rank
+    0's clock T; offset = T - midpoint of the round trip, from the fastest of ``rounds``
+    (error <= half that round trip: tens of microseconds on one host, even when loaded).
+    """
+    stamp, empty = np.zeros(1, np.float64), np.zeros(0, np.uint8)
+    best_rtt, offset = float("inf"), 0.0
+    for r in range(1, comm.size):
+        if comm.rank not in (0, r):
+            continue
+        for k in range(rounds):
+            if comm.rank == 0:
+                wait(comm.Irecv(empty, source=r, tag=7000 + k), timeout_s, ctx,
+                     lambda: f"rank {r}'s clock probe", f"rank {r}")
+                stamp[0] = time.perf_counter()
+                wait(comm.Isend(stamp, dest=r, tag=7100 + k), timeout_s, ctx,
+                     lambda: f"rank {r} to take rank 0's clock", f"rank {r}")
+            else:
+                t1 = time.perf_counter()
+                wait(comm.Isend(empty, dest=0, tag=7000 + k), timeout_s, ctx, lambda: "rank 0 to take a clock probe",
+                     "rank 0")
+                wait(comm.Irecv(stamp, source=0, tag=7100 + k), timeout_s, ctx, lambda: "rank 0's clock", "rank 0")
+                t2 = time.perf_counter()
+                if t2 - t1 < best_rtt:
+                    best_rtt, offset = t2 - t1, float(stamp[0]) - (t1 + t2) / 2
+    return offset
+
+
+def _spec(cx: Any, batch: int, seq: int, last: bool) -> tuple[tuple[int, ...], np.dtype]:
+    """The family's `output_spec`: the one place that fixes what a stage hands on."""
+    shape, dtype = cx.family.output_spec(cx.model_config, batch, seq, last)
+    if np.dtype(dtype) != np.float32:
+        raise RankFault(cx.ctx.describe(), f"{type(cx.family).__name__}.output_spec gives dtype {dtype}",
+                        "stages hand on float32 (the [run] wire codec chooses the bytes on the wire)")
+    return tuple(shape), np.dtype(np.float32)
+
+
+def trace_document(run: Any) -> dict:
+    """A `ClusterRun` gathered with ``trace=True`` as a Chrome Trace Event object (trace.py):
+    one lane per rank, start-up phases and the forward's spans on the barrier-aligned clock."""
+    from .trace import Span, chrome_trace
+
+    spans = [Span(int(rank), name, cat, start, dur, args)
+             for rank, items in run.spans.items() for name, cat, start, dur, args in items]
+    lanes = [{"rank": t.rank, "host": t.host, "stage": t.stage, "tp_rank": t.tp_rank, "layers": f"{t.layers.start}:"
+              f"{t.layers.stop}"} for t in run.timings]
+    meta = {"n_stages": run.n_stages, "microbatches": run.microbatches, "wire": run.wire,
+            "measured_bubble": run.bubble, "ideal_bubble": run.ideal_bubble, "tokens": run.tokens}
+    return chrome_trace(spans, lanes, meta)
+
+
+def wire_error_bound(codec: Any, hops: int) -> float:
+    """Documented bound on ``max|logits - logits_f32| / max|logits_f32|`` with ``codec`` on
+    ``hops`` stage boundaries: 4 x the codec's per-element bound per hop.
+
+    Each hop rounds every hidden-state element by at most ``codec.rel_error`` (wire.py); the
+    layers after it carry that relative perturbation to the logits with a gain that RMSNorm
+    keeps O(1): measured 0.2-0.4 per hop on the random tiny and small presets (tests/
+    test_executor_mpi.py, bench/README.md). 4 leaves headroom for other weights; it is an
+    empirical bound, not a theorem: a model with large activation outliers may exceed it.
+    """
+    return 4.0 * codec.rel_error * max(hops, 0)
+
+
+def wire_codec(job: Any) -> Any:
+    """The job's ``[run] wire`` codec."""
+    return wire_codec_by_name(job.run.wire, f"{job.path}: [run] wire")
+
+
+def wire_codec_by_name(name: str, where: str = "wire") -> Any:
+    """The codec ``name`` from `wire.py`, its kernels loaded (not compiled inside a timed send)."""
+    from .wire import get_codec, warm_up
+
+    codec = get_codec(name, where)
+    warm_up()
+    return codec
