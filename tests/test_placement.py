@@ -403,8 +403,8 @@ def test_format_plan():
     caps = make_caps([None] * 4, hosts=["a", "a", "b", "b"])
     plan = plan_placement(cost, caps, P.UNIFORM, grid=[[0, 1], [2, 3]])
     lines = format_plan(plan).splitlines()
-    assert lines[0].split() == ["stage", "ranks", "hosts", "layers", "n_layers", "device", "est/rank"]
-    assert lines[1].split() == ["0", "0,1", "a", "0:5", "5", "cpu", "2.50", "GB"]
-    assert lines[2].split() == ["1", "2,3", "b", "5:10", "5", "cpu", "2.50", "GB"]
+    assert lines[0].split() == ["stage", "ranks", "hosts", "layers", "n_layers", "device", "precision", "est/rank"]
+    assert lines[1].split() == ["0", "0,1", "a", "0:5", "5", "cpu", "f32", "2.50", "GB"]
+    assert lines[2].split() == ["1", "2,3", "b", "5:10", "5", "cpu", "f32", "2.50", "GB"]
     assert len(lines) == 3
     assert "10 layers" in format_plan(plan, cost).splitlines()[-1]
