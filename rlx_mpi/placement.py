@@ -92,7 +92,7 @@ class Assignment:
 # (see _balanced_counts) rather than a DP over split points.
 
 _FIX_FIT = ("add ranks, raise --mem-gb, lower reserve_ram_gb, use tensor parallelism "
-            "(tp > 1) or a lower-precision checkpoint")
+            "(tp > 1) or lower-precision weights ([run] precision = \"bf16\" or \"int8\")")
 
 
 def _gb(n: float) -> str:
