@@ -125,8 +125,9 @@ def warm_up() -> None:
 
 # -- low-precision weights (issue 10 sections 1-2) ---------------------------------------------
 # Note: storage. bf16 is kept as its uint16 bit pattern (the top half of a float32: decoding
-# is a shift), f16 as its uint16 bit pattern decoded through a 65536-entry float32 table (numba
-# has no float16 arithmetic on CPU; the table is exact and 256 KB, L2-resident), int8 as int8
+# is a shift), f16 as its uint16 bit pattern decoded with integer ops and one multiply (numba
+# has no float16 arithmetic on CPU; a 65536-entry table was measured 3x slower: a gather per
+# weight does not vectorise), int8 as int8
 # with one float32 scale per output row. Activations and accumulators stay float32.
 # Decode (a few activation rows) reads every weight once: the fused kernels below dequantise
 # inside the dot product, ``numba.prange`` over output rows (the rank's pinned numba threads),
@@ -134,8 +135,26 @@ def warm_up() -> None:
 # (many rows) is compute-bound: a tile of weight rows is dequantised into a reused float32
 # buffer and handed to BLAS (measured faster than a numba GEMM, bench/bench_precision.py).
 
-_F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 _FAST = {"reassoc", "contract"}  # lets LLVM vectorise the float32 dot-product reductions
+_F16_TO_F32 = np.float32(2.0 ** 112)  # rebias a half's exponent (15) to a float's (127); renormalises subnormals
+
+
+@numba.njit(cache=True, inline="always", fastmath=_FAST)
+def _decode_f16(h, bits):  # h (K,) uint16 f16 bits -> bits (K,) uint32 of the exact float32 values
+    special = np.uint32(0)
+    for k in range(h.shape[0]):  # sign in place, exponent and mantissa shifted into a float's
+        x = np.uint32(h[k])
+        bits[k] = ((x & np.uint32(0x8000)) << np.uint32(16)) | ((x & np.uint32(0x7FFF)) << np.uint32(13))
+        special |= np.uint32(1) if (x & np.uint32(0x7C00)) == np.uint32(0x7C00) else np.uint32(0)
+    vals = bits.view(np.float32)
+    for k in range(h.shape[0]):
+        vals[k] = vals[k] * _F16_TO_F32
+    if special:  # Inf / NaN halves (a corrupt weight): exponent all ones, mantissa kept
+        for k in range(h.shape[0]):
+            x = np.uint32(h[k])
+            if (x & np.uint32(0x7C00)) == np.uint32(0x7C00):
+                bits[k] = ((x & np.uint32(0x8000)) << np.uint32(16)) | np.uint32(0x7F800000) | (
+                    (x & np.uint32(0x3FF)) << np.uint32(13))
 
 
 @numba.njit(cache=True, parallel=True, fastmath=_FAST)
@@ -156,18 +175,20 @@ def _matvec_bf16(x, w, out, chunks):  # x (R, K) f32, w (N, K) uint16 bf16 bits,
 
 
 @numba.njit(cache=True, parallel=True, fastmath=_FAST)
-def _matvec_f16(x, w, table, out, chunks):  # w (N, K) uint16 f16 bits
+def _matvec_f16(x, w, out, chunks):  # w (N, K) uint16 f16 bits, none Inf/NaN (the wrapper's caller checks)
     r_len, k_len = x.shape
     n_len = w.shape[0]
     for c in numba.prange(chunks):
-        wv = np.empty(k_len, np.float32)
+        bits = np.empty(k_len, np.uint32)
+        wv = bits.view(np.float32)
         for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
-            for k in range(k_len):
-                wv[k] = table[w[n, k]]
+            for k in range(k_len):  # sign, exponent and mantissa moved to a float's places ...
+                h = np.uint32(w[n, k])
+                bits[k] = ((h & np.uint32(0x8000)) << np.uint32(16)) | ((h & np.uint32(0x7FFF)) << np.uint32(13))
             for r in range(r_len):
                 acc = np.float32(0.0)
                 for k in range(k_len):
-                    acc += x[r, k] * wv[k]
+                    acc += x[r, k] * (wv[k] * _F16_TO_F32)  # ... and the exponent rebiased: exact
                 out[r, n] = acc
 
 
@@ -193,10 +214,10 @@ def _dequant_bf16(w, start, out):  # rows start.. of w (N, K) uint16 -> out (n, 
 
 
 @numba.njit(cache=True)
-def _dequant_f16(w, start, table, out):
+def _dequant_f16(w, start, out):
+    bits = out.view(np.uint32)
     for i in range(out.shape[0]):
-        for k in range(out.shape[1]):
-            out[i, k] = table[w[start + i, k]]
+        _decode_f16(w[start + i], bits[i])
 
 
 @numba.njit(cache=True)
@@ -251,12 +272,13 @@ def _check_weight(fmt: str, w: np.ndarray, scale: np.ndarray | None) -> None:
 
 
 def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | None = None,
-                   out: np.ndarray | None = None) -> np.ndarray:
+                   out: np.ndarray | None = None, fused: bool = True) -> np.ndarray:
     """``x @ W.T`` for a low-precision weight ``W`` (N, K) stored as ``fmt``: x (R, K) -> (R, N) f32.
 
     Few rows (decode) run the fused dequantise-dot kernel; many rows (prefill) dequantise a
     tile of W at a time into a reused float32 buffer and call BLAS. Either way no float32
-    copy of the whole of W exists.
+    copy of the whole of W exists. ``fused=False`` forces the tiled path: the fused f16 kernel
+    assumes no Inf/NaN weights (`f16_has_special` tells; a Linear checks once at load).
     """
     _check("dequant_matmul x", x)
     _check_weight(fmt, w, scale)
@@ -265,12 +287,12 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
     R, N = x.shape[0], w.shape[0]
     if out is None:
         out = np.empty((R, N), np.float32)
-    if R <= MATVEC_ROWS:
+    if R <= MATVEC_ROWS and fused:
         chunks = min(N, 4 * numba.get_num_threads())  # a few per thread: balanced, one scratch row each
         if fmt == "bf16":
             _matvec_bf16(x, w, out, chunks)
         elif fmt == "f16":
-            _matvec_f16(x, w, _F16_TABLE, out, chunks)
+            _matvec_f16(x, w, out, chunks)
         else:
             _matvec_int8(x, w, scale, out, chunks)
         return out
@@ -284,7 +306,7 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
         if fmt == "bf16":
             _dequant_bf16(w, a, t)
         elif fmt == "f16":
-            _dequant_f16(w, a, _F16_TABLE, t)
+            _dequant_f16(w, a, t)
         else:
             _dequant_int8(w, scale, a, t)
         p = part[:, :b - a]
@@ -294,6 +316,11 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
 
 
 MATVEC_ROWS = 8  # up to this many activation rows the fused kernel beats dequantise + BLAS
+
+
+def f16_has_special(w: np.ndarray) -> bool:
+    """Whether any float16 bit pattern in ``w`` is Inf or NaN (exponent bits all ones)."""
+    return bool(((w & np.uint16(0x7C00)) == np.uint16(0x7C00)).any())
 
 
 def dequantize(w: np.ndarray, fmt: str, scale: np.ndarray | None = None, rows: np.ndarray | None = None) -> np.ndarray:
@@ -307,7 +334,7 @@ def dequantize(w: np.ndarray, fmt: str, scale: np.ndarray | None = None, rows: n
     if fmt == "bf16":
         _dequant_bf16(w, 0, out)
     elif fmt == "f16":
-        _dequant_f16(w, 0, _F16_TABLE, out)
+        _dequant_f16(w, 0, out)
     else:
         _dequant_int8(w, scale, 0, out)
     return out
@@ -351,5 +378,5 @@ def warm_up_lowp() -> None:
         dequant_matmul(x2, ww, fmt, sc)
 
 
-__all__ += ["dequant_matmul", "dequantize", "to_bf16", "from_bf16", "quantize_int8", "warm_up_lowp",
+__all__ += ["dequant_matmul", "dequantize", "f16_has_special", "to_bf16", "from_bf16", "quantize_int8", "warm_up_lowp",
             "WEIGHT_FORMATS", "MATVEC_ROWS"]

@@ -73,6 +73,23 @@ def test_to_bf16_rounds_to_nearest_even():
     assert np.isnan(kernels.from_bf16(kernels.to_bf16(np.array([np.nan], np.float32)))).all()
 
 
+def test_f16_decode_is_exact_for_every_half():
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16).reshape(256, 256)  # zeros, subnormals, inf, NaN
+    got = kernels.dequantize(bits, "f16")
+    want = bits.view(np.float16).astype(np.float32)
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(got[finite], want[finite])
+    np.testing.assert_array_equal(got.view(np.uint32)[np.isinf(want)], want.view(np.uint32)[np.isinf(want)])
+    assert np.isnan(got[np.isnan(want)]).all()
+    x = np.zeros((1, 256), np.float32)
+    x[0, 1] = 1.0  # the fused path decodes finite halves the same way: column 1 of every row
+    finite_rows = bits[:120]  # rows 120.. hold exponent 31 (Inf/NaN) halves
+    assert not kernels.f16_has_special(finite_rows) and kernels.f16_has_special(bits)
+    np.testing.assert_array_equal(kernels.dequant_matmul(x, finite_rows, "f16")[0], want[:120, 1])
+    lin = Linear("f16", bits)  # Inf/NaN weights: the exact path, so they reach the output
+    assert not lin._fused and np.isnan(lin(np.ones((1, 256), np.float32))).any()
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 33])
 @pytest.mark.parametrize("n, k", [(37, 53), (130, 7), (1, 300)])
 def test_dequant_matmul_against_naive(rows, n, k):

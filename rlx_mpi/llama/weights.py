@@ -37,6 +37,8 @@ class Linear:
         if data.ndim != 2:
             raise ValueError(f"Linear: weight must be 2-D (out, in), got shape {data.shape}")
         self.precision, self.data, self.scale = precision, np.ascontiguousarray(data), scale
+        # the fused f16 kernel skips the Inf/NaN fix-up per weight: a corrupt matrix takes the exact path
+        self._fused = not (precision == "f16" and kernels.f16_has_special(self.data))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -52,7 +54,7 @@ class Linear:
         if self.precision == "f32":
             y = x2 @ self.data.T
         else:
-            y = kernels.dequant_matmul(x2, self.data, self.precision, self.scale)
+            y = kernels.dequant_matmul(x2, self.data, self.precision, self.scale, fused=self._fused)
         return y.reshape(*lead, self.data.shape[0])  # (..., out)
 
     def __getitem__(self, rows) -> np.ndarray:
