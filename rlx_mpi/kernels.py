@@ -188,14 +188,27 @@ def _matvec_f16(x, w, out, chunks):  # w (N, K) uint16 f16 bits, none Inf/NaN (t
     r_len, k_len = x.shape
     n_len = w.shape[0]
     for c in numba.prange(chunks):
+        wv = np.empty(k_len, np.float32)  # with several rows, decode each weight row once
         for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
+            if r_len == 1:
+                acc = np.float32(0.0)
+                for k in range(k_len):
+                    acc += x[0, k] * _f16_value(w[n, k])
+                out[0, n] = acc
+                continue
+            for k in range(k_len):
+                wv[k] = _f16_value(w[n, k])
             for r in range(r_len):
                 acc = np.float32(0.0)
-                for k in range(k_len):  # sign, exponent, mantissa moved to a float's places, exponent rebiased
-                    h = np.uint32(w[n, k])
-                    f = _as_f32(((h & np.uint32(0x8000)) << np.uint32(16)) | ((h & np.uint32(0x7FFF)) << np.uint32(13)))
-                    acc += x[r, k] * (f * _F16_TO_F32)
+                for k in range(k_len):
+                    acc += x[r, k] * wv[k]
                 out[r, n] = acc
+
+
+@numba.njit(cache=True, inline="always", fastmath=_FAST)
+def _f16_value(bits):  # finite float16 bits -> float32: sign, exponent, mantissa moved, exponent rebiased
+    h = np.uint32(bits)
+    return _as_f32(((h & np.uint32(0x8000)) << np.uint32(16)) | ((h & np.uint32(0x7FFF)) << np.uint32(13))) * _F16_TO_F32
 
 
 @numba.njit(cache=True, parallel=True, fastmath=_FAST)
