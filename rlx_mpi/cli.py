@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     for flag in ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab"):
         shape.add_argument(f"--{flag}", type=int)
     shape.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                       help="weight precision for the memory estimate (default float32, what rlx_mpi computes in)")
+                       help="weight precision for the memory estimate, the same as --precision f32|f16|bf16")
     shape.add_argument("--tied", action="store_true", help="LM head shares the embedding matrix")
     pl.add_argument("--precision", help="weight precision in memory: f32 | bf16 | f16 | int8 for every rank, or a "
                     "comma list with one per rank (default: the job's [run]/[[rank]] precision, else --dtype's)")
@@ -230,9 +230,8 @@ def cmd_plan(args) -> int:
                           f"has only {n} layers", f"give at most {n * tp} ranks, or a larger --tp")
     batch = args.batch or (job.run.batch if job else 1)
     seq = args.seq or (job.run.seq if job else 2048)
-    precision = _plan_precision(args.precision, args.ranks, job)
-    weight_bytes = {"float32": 4, "float16": 2, "bfloat16": 2, None: 4}[args.dtype if precision is None else None]
-    cost = cfg.cost(batch, seq, weight_bytes)
+    precision = _plan_precision(args.precision or args.dtype, args.ranks, job)
+    cost = cfg.cost(batch, seq)  # priced in f32; each rank's precision scales its weight bytes
     per_host = max(1, args.ranks_per_host or tp)
     mem = None if args.mem_gb is None else int(args.mem_gb * 1e9)
     caps = [NodeCaps(rank=r, host=f"host{r // per_host}", local_rank=r % per_host, local_size=per_host, cpus=None,
@@ -245,7 +244,7 @@ def cmd_plan(args) -> int:
     manual = job.placement.manual if job and policy is PlacementPolicy.MANUAL else None
     plan = plan_placement(cost, caps, policy, int(reserve * 1e9) if mem is not None else 0, grid=grid, manual=manual,
                           precision=precision)
-    held = ",".join(dict.fromkeys(precision)) if precision else (args.dtype or "float32")
+    held = ",".join(dict.fromkeys(precision)) if precision else "f32"
     print(f"model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads "
           f"({cfg.num_key_value_heads} kv), vocab {cfg.vocab_size}; {held} weights; "
           f"batch {batch} x seq {seq}; policy {policy.value}; {args.ranks} ranks = {len(grid)} stages x tp {tp}")
