@@ -38,7 +38,7 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "READ_DTYPES", "write_checkpoint", "read_
 FORMAT = "rlx_mpi"
 FORMAT_VERSION = 1
 READ_DTYPES = ("float32", "float16", "bfloat16")  # what read() returns; bfloat16 as uint16 bit patterns
-_CONVERT_ROWS_BYTES = 16 << 20  # a converting read goes through float32 blocks of about this size
+_CONVERT_ROWS_BYTES = 4 << 20  # a converting read goes through float32 blocks of about this size (peak RSS)
 
 
 def part_bounds(n: int, part: int, parts: int) -> tuple[int, int]:

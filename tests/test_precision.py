@@ -87,10 +87,11 @@ def test_f16_decode_is_exact_for_every_half():
     assert not kernels.f16_has_special(finite_rows) and kernels.f16_has_special(bits)
     np.testing.assert_array_equal(kernels.dequant_matmul(x, finite_rows, "f16")[0], want[:120, 1])
     lin = Linear("f16", bits)  # Inf/NaN weights: the exact path, so they reach the output
-    assert not lin._fused and np.isnan(lin(np.ones((1, 256), np.float32))).any()
+    with np.errstate(invalid="ignore", over="ignore"):  # Inf - Inf inside BLAS: the point of the test
+        assert not lin._fused and np.isnan(lin(np.ones((1, 256), np.float32))).any()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 33])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 33])  # both sides of MATVEC_ROWS = 16
 @pytest.mark.parametrize("n, k", [(37, 53), (130, 7), (1, 300)])
 def test_dequant_matmul_against_naive(rows, n, k):
     w = RNG.standard_normal((n, k)).astype(np.float32)
