@@ -55,6 +55,7 @@ class ClusterRun:
     tokens: int
     microbatches: int = 1
     output: np.ndarray | None = field(default=None, repr=False)
+    job_id: str | None = None  # the Slurm job id, when there is one
 
     @property
     def tokens_per_s(self) -> float:
@@ -75,11 +76,14 @@ class ClusterRun:
         lines.append(f"total forward {self.total_forward_ms:.1f} ms for {self.tokens} tokens "
                      f"({self.microbatches} microbatch{'es' if self.microbatches != 1 else ''}): "
                      f"{self.tokens_per_s:.1f} tokens/s")
+        if self.job_id:
+            lines.append(f"slurm job {self.job_id}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {"timings": [t.to_dict() for t in self.timings], "total_forward_ms": self.total_forward_ms,
-                "tokens": self.tokens, "microbatches": self.microbatches, "tokens_per_s": self.tokens_per_s}
+                "tokens": self.tokens, "microbatches": self.microbatches, "tokens_per_s": self.tokens_per_s,
+                "job_id": self.job_id}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
