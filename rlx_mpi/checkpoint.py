@@ -13,8 +13,10 @@ Layout (``format_version`` 1)::
 
 Linear weights keep Hugging Face's ``[out_features, in_features]`` orientation, so a
 tensor-parallel rank reads a contiguous block of rows (column-parallel) or columns
-(row-parallel) with one hyperslab read. Weights are stored as float32 or float16 and read as
-float32. Files are opened read-only with HDF5 file locking off, which shared filesystems
+(row-parallel) with one hyperslab read. Weights are stored as float32, float16 or bfloat16
+and read as whichever of those the rank asks for (``read(..., dtype=)``). HDF5 has no bfloat16
+type: a bfloat16 tensor is a uint16 dataset (the top 16 bits of each float32) with the
+attribute ``dtype = "bfloat16"``. Files are opened read-only with HDF5 file locking off, which shared filesystems
 (Lustre, GPFS, NFS) need when many ranks open one file.
 """
 
@@ -30,10 +32,13 @@ import numpy as np
 
 from .errors import CheckpointError
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "write_checkpoint", "read_header", "H5ParamSource", "part_bounds"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "READ_DTYPES", "write_checkpoint", "read_header", "H5ParamSource",
+           "part_bounds"]
 
 FORMAT = "rlx_mpi"
 FORMAT_VERSION = 1
+READ_DTYPES = ("float32", "float16", "bfloat16")  # what read() returns; bfloat16 as uint16 bit patterns
+_CONVERT_ROWS_BYTES = 4 << 20  # a converting read goes through float32 blocks of about this size (peak RSS)
 
 
 def part_bounds(n: int, part: int, parts: int) -> tuple[int, int]:
@@ -57,9 +62,16 @@ def write_checkpoint(path: str | os.PathLike, family: str, config_json: str,
             f.attrs["family"] = family
             f.attrs["config"] = config_json
             for name, array in tensors:
-                data = np.asarray(array, dtype=dtype)
+                if dtype == "bfloat16":  # HDF5 has no bfloat16: its bit patterns as uint16, marked
+                    from .kernels import to_bf16
+
+                    data = to_bf16(np.asarray(array, dtype=np.float32))
+                else:
+                    data = np.asarray(array, dtype=dtype)
                 check_space(tmp, data.nbytes, str(path))  # before HDF5 meets the full disk itself
-                f.create_dataset(name, data=data)
+                ds = f.create_dataset(name, data=data)
+                if dtype == "bfloat16":
+                    ds.attrs["dtype"] = "bfloat16"
         os.replace(tmp, path)
     except OSError as e:  # a full disk, a quota, a read-only mount: one line, no partial file
         raise write_failed(str(path), e) from None
@@ -149,7 +161,7 @@ class H5ParamSource:
             raise CheckpointError(where, "tensor missing", "the checkpoint is incomplete; re-convert it") from None
         if not isinstance(ds, h5py.Dataset):
             raise CheckpointError(where, "is a group, not a tensor", "re-convert the checkpoint")
-        if ds.dtype.kind != "f":
+        if ds.dtype.kind != "f" and not _is_bf16(ds):
             raise CheckpointError(where, f"dtype {ds.dtype} is not floating point", "re-convert the checkpoint")
         want = self.expect.get(name)
         if want is not None and tuple(ds.shape) != tuple(want):
@@ -160,20 +172,60 @@ class H5ParamSource:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._dataset(name).shape)
 
-    def read(self, name: str, *, axis: int | None = None, part: int = 0, parts: int = 1) -> np.ndarray:
+    def read(self, name: str, *, axis: int | None = None, part: int = 0, parts: int = 1,
+             dtype: str = "float32") -> np.ndarray:
+        """Tensor ``name`` (or its ``part``-th slice along ``axis``) as ``dtype``: "float32",
+        "float16" or "bfloat16" (uint16 bit patterns). A conversion goes block by block, so it
+        never holds a float32 copy of a whole large tensor."""
+        if dtype not in READ_DTYPES:
+            raise ValueError(f"H5ParamSource.read: dtype {dtype!r} is not one of {READ_DTYPES}")
         ds = self._dataset(name)
-        index: tuple = ()
+        index = [slice(None)] * ds.ndim
         if axis is not None and parts > 1:
-            a, b = part_bounds(ds.shape[axis], part, parts)
-            index = tuple(slice(a, b) if d == axis else slice(None) for d in range(ds.ndim))
+            index[axis] = slice(*part_bounds(ds.shape[axis], part, parts))
+        stored = "bfloat16" if _is_bf16(ds) else str(ds.dtype)
         try:
-            out = ds[index] if index else ds[()]
+            if stored == dtype or (dtype == "float32" and ds.ndim < 2):
+                out = self._convert(ds[tuple(index)] if ds.ndim else ds[()], stored, dtype)
+            else:
+                out = self._read_blocks(ds, index, stored, dtype)
         except OSError as e:
             raise CheckpointError(f"{self.path}: /{name}", f"read failed ({e})",
                                   "the file may be truncated; re-create it") from None
-        out = np.ascontiguousarray(out, dtype=np.float32)
-        if self.check_finite and not np.isfinite(out).all():
+        if self.check_finite and not _finite(out, dtype):
             raise CheckpointError(f"{self.path}: /{name}", "contains NaN or Inf values",
                                   "the weights are corrupt; re-convert from the source model")
         self.bytes_read += out.nbytes
         return out
+
+    def _read_blocks(self, ds: h5py.Dataset, index: list, stored: str, dtype: str) -> np.ndarray:
+        """Read and convert a 2-D (or larger) tensor a block of leading rows at a time."""
+        rows = range(*index[0].indices(ds.shape[0]))
+        shape = (len(rows), *(len(range(*s.indices(n))) for s, n in zip(index[1:], ds.shape[1:])))
+        out = np.empty(shape, np.uint16 if dtype == "bfloat16" else dtype)
+        per_row = max(1, int(np.prod(shape[1:])) * 4)
+        step = max(1, _CONVERT_ROWS_BYTES // per_row)
+        for a in range(0, len(rows), step):
+            b = min(len(rows), a + step)
+            block = ds[(slice(rows.start + a, rows.start + b), *index[1:])]
+            out[a:b] = self._convert(block, stored, dtype)
+        return out
+
+    @staticmethod
+    def _convert(raw: np.ndarray, stored: str, dtype: str) -> np.ndarray:
+        from .kernels import from_bf16, to_bf16
+
+        if stored == dtype:
+            return np.ascontiguousarray(raw)
+        f32 = from_bf16(raw) if stored == "bfloat16" else np.asarray(raw, dtype=np.float32)
+        return to_bf16(f32) if dtype == "bfloat16" else np.ascontiguousarray(f32, dtype=dtype)
+
+
+def _finite(a: np.ndarray, dtype: str) -> bool:
+    if dtype == "bfloat16":  # exponent bits all ones: Inf or NaN
+        return not ((a & np.uint16(0x7F80)) == np.uint16(0x7F80)).any()
+    return bool(np.isfinite(a).all())
+
+
+def _is_bf16(ds: h5py.Dataset) -> bool:
+    return ds.dtype == np.uint16 and ds.attrs.get("dtype") == "bfloat16"

@@ -99,19 +99,23 @@ def _parser() -> argparse.ArgumentParser:
     for flag in ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab"):
         shape.add_argument(f"--{flag}", type=int)
     shape.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                       help="weight precision for the memory estimate (default float32, what rlx_mpi computes in)")
+                       help="weight precision for the memory estimate, the same as --precision f32|f16|bf16")
     shape.add_argument("--tied", action="store_true", help="LM head shares the embedding matrix")
+    pl.add_argument("--precision", help="weight precision in memory: f32 | bf16 | f16 | int8 for every rank, or a "
+                    "comma list with one per rank (default: the job's [run]/[[rank]] precision, else --dtype's)")
 
     c = sub.add_parser("convert", help="convert a Hugging Face Llama directory to an rlx_mpi HDF5 checkpoint")
     c.add_argument("hf_dir", help="directory with config.json and *.safetensors")
     c.add_argument("out", help="output .h5 file")
-    c.add_argument("--dtype", choices=["float32", "float16"], default="float32", help="storage precision (default float32)")
+    c.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                   help="storage precision (default float32; bfloat16 is stored as uint16, see README)")
 
     i = sub.add_parser("init-model", help="write a random Llama checkpoint from a preset")
     i.add_argument("out", help="output .h5 file")
     i.add_argument("--preset", default="tiny", help="tiny | small | medium (default tiny)")
     i.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    i.add_argument("--dtype", choices=["float32", "float16"], default="float32", help="storage precision (default float32)")
+    i.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                   help="storage precision (default float32; bfloat16 is stored as uint16, see README)")
     return p
 
 
@@ -351,8 +355,8 @@ def cmd_plan(args) -> int:
         raise ConfigError("plan --seq" if args.seq else f"{job.path}: [run] seq",
                           f"sequence length {seq} exceeds the model's maximum {cfg.max_position_embeddings} positions",
                           f"plan at most {cfg.max_position_embeddings} tokens per sequence")
-    weight_bytes = {"float32": 4, "float16": 2, "bfloat16": 2, None: 4}[args.dtype]
-    cost = cfg.cost(batch, seq, weight_bytes)
+    precision = _plan_precision(args.precision or args.dtype, args.ranks, job)
+    cost = cfg.cost(batch, seq)  # priced in f32; each rank's precision scales its weight bytes
     per_host = max(1, args.ranks_per_host or tp)
     mem = None if args.mem_gb is None else int(args.mem_gb * 1e9)
     caps = [NodeCaps(rank=r, host=f"host{r // per_host}", local_rank=r % per_host, local_size=per_host, cpus=None,
@@ -363,12 +367,35 @@ def cmd_plan(args) -> int:
         policy = PlacementPolicy.UNIFORM
     reserve = args.reserve_gb if args.reserve_gb is not None else (job.placement.reserve_ram_gb if job else 1.0)
     manual = job.placement.manual if job and policy is PlacementPolicy.MANUAL else None
-    plan = plan_placement(cost, caps, policy, int(reserve * 1e9) if mem is not None else 0, grid=grid, manual=manual)
+    plan = plan_placement(cost, caps, policy, int(reserve * 1e9) if mem is not None else 0, grid=grid, manual=manual,
+                          precision=precision)
+    held = ",".join(dict.fromkeys(precision)) if precision else "f32"
     print(f"model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads "
-          f"({cfg.num_key_value_heads} kv), vocab {cfg.vocab_size}; {args.dtype or 'float32'} weights; "
+          f"({cfg.num_key_value_heads} kv), vocab {cfg.vocab_size}; {held} weights; "
           f"batch {batch} x seq {seq}; policy {policy.value}; {args.ranks} ranks = {len(grid)} stages x tp {tp}")
     print(format_plan(plan, cost))
     return 0
+
+
+def _plan_precision(flag: str | None, ranks: int, job) -> list[str] | None:
+    """Each rank's weight precision for ``plan``: --precision, else the job's, else None (--dtype)."""
+    from .config import _PRECISION_ALIASES, Precision
+
+    if flag is None:
+        if job is None or not (job.run.precision is not Precision.F32 or any(o.precision for o in job.ranks)):
+            return None
+        return [job.precision_for(r).value for r in range(ranks)]
+    names = [_PRECISION_ALIASES.get(p.strip(), p.strip()) for p in flag.split(",")]
+    choices = [p.value for p in Precision]
+    bad = [p for p in names if p not in choices]
+    if bad:
+        raise ConfigError("plan --precision", f"got {bad[0]!r}", f"expected one of {choices}, or a comma list of them")
+    if len(names) == 1:
+        return names * ranks
+    if len(names) != ranks:
+        raise ConfigError("plan --precision", f"{len(names)} precisions for {ranks} ranks",
+                          "give one precision for all ranks or exactly one per rank")
+    return names
 
 
 def _check_plan_flags(args) -> None:

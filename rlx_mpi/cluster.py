@@ -53,6 +53,14 @@ def _pin_threads(cpus: int | None) -> None:
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(limits=cpus)
+    _pin_numba_threads(cpus)
+
+
+def _pin_numba_threads(cpus: int) -> None:
+    """The low-precision matvec kernels use numba's threads: the same share as BLAS's."""
+    import numba
+
+    numba.set_num_threads(max(1, min(cpus, numba.config.NUMBA_NUM_THREADS)))
 
 
 class Cluster:
@@ -224,9 +232,10 @@ class Cluster:
                 return []
             grid = make_grid([c.host for c in self.caps], p.tp)
             devices = {self.job.override_for(g[0]).device for g in grid}
+            precision = [self.job.precision_for(r).value for r in range(len(self.caps))]
             try:
                 return plan_placement(cost, self.caps, p.policy, int(p.reserve_ram_gb * 1e9), grid=grid,
-                                      manual=p.manual or None, device=",".join(sorted(devices)))
+                                      manual=p.manual or None, device=",".join(sorted(devices)), precision=precision)
             except FitError as e:  # --mem-gb is a flag of `plan`, not of a run
                 raise FitError(e.where, e.what, (e.fix or "").replace("raise --mem-gb, ", "")) from None
 
@@ -256,13 +265,26 @@ class Cluster:
             with H5ParamSource(self.job.model.checkpoint, expect, self.job.model.check_finite) as src:
                 tp = TensorParallel(rank=topo.tp_rank, size=topo.tp, comm=topo.tp_comm if topo.tp > 1 else None,
                                     timeout_s=self.job.run.timeout_s)
-                stage = self.family.build_stage(self.model_config, src, a.layers, a.first, a.last, tp, self.ctx)
+                stage = self.family.build_stage(self.model_config, src, a.layers, a.first, a.last, tp, self.ctx,
+                                                **self._precision_kwargs())
             self.build_ms = (time.perf_counter() - t0) * 1e3
             return stage
 
         self.stage = self._agree(load, "loading the weights")
         log.debug("[rank %d stage %d] built layers %s in %.1f ms", self.world.rank, a.stage, a.layers, self.build_ms)
         return self.stage
+
+    def _precision_kwargs(self) -> dict:
+        """``precision=`` for build_stage; omitted at f32 so families without it keep working."""
+        precision = self.job.precision_for(self.world.rank).value
+        if precision == "f32":
+            return {}
+        import inspect
+
+        if "precision" not in inspect.signature(self.family.build_stage).parameters:
+            raise ConfigError(f"{self.job.path}: precision", f"rank {self.world.rank} asks for {precision} but model "
+                              f"family {self.family.name!r} builds float32 stages only", 'use precision = "f32"')
+        return {"precision": precision}
 
     def load_inputs(self, path: str | os.PathLike | None) -> np.ndarray | None:
         """Rank 0 reads (or draws from the job's seed) the input ids and checks them (agreed)."""

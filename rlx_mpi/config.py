@@ -44,9 +44,22 @@ class KvPolicy(str, enum.Enum):
 
 
 class Precision(str, enum.Enum):
-    """Weight precision a rank computes in. Per-rank lower precision is on the roadmap."""
+    """How a rank holds its weights (activations are always float32): converted at load from
+    whatever the checkpoint stores. int8 is symmetric with one scale per output channel."""
 
-    FLOAT32 = "float32"
+    F32 = "f32"
+    BF16 = "bf16"
+    F16 = "f16"
+    INT8 = "int8"
+    FLOAT32 = "f32"  # an alias: the seed's name
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Resident bytes per weight (int8's per-row scales are under 1% and left out)."""
+        return {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "int8": 1.0}[self.value]
+
+
+_PRECISION_ALIASES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # numpy-style spellings
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,8 @@ class RunSection:
     """Deadline for the start-up collectives (probe, plan, weight loading on a slow filesystem)."""
     wire: str = "f32"
     """Format of the hidden states between stages: f32 (exact, no copy) | bf16 | f16 (half the bytes)."""
+    precision: Precision = Precision.F32
+    """f32 | bf16 | f16 | int8: how every rank holds its weights, unless [[rank]] precision overrides."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +115,8 @@ class RankOverride:
     rank: int
     """World rank this override applies to."""
     device: str = "cpu"
-    precision: Precision = Precision.FLOAT32
+    precision: Precision | None = None
+    """This rank's weight precision; None: the job's [run] precision."""
     kv_cache: KvPolicy = KvPolicy.NONE
 
 
@@ -124,6 +140,10 @@ class JobConfig:
             if o.rank == rank:
                 return o
         return RankOverride(rank=rank)
+
+    def precision_for(self, rank: int) -> Precision:
+        """The weight precision of world rank ``rank``: its [[rank]] override, else [run] precision."""
+        return self.override_for(rank).precision or self.run.precision
 
     def check_world(self, world_size: int) -> None:
         """Cross-check the job against the number of ranks actually launched."""
@@ -319,6 +339,8 @@ def _coerce(name: str, type_name: str, value: Any, where: str, job_path: Path) -
     enums = {"PlacementPolicy": PlacementPolicy, "KvPolicy": KvPolicy, "Precision": Precision}
     if t in enums:
         choices = [m.value for m in enums[t]]
+        if t == "Precision" and isinstance(value, str):
+            value = _PRECISION_ALIASES.get(value, value)
         if value not in choices:
             raise ConfigError(where, f"got {value!r}", f"expected one of {choices}")
         return enums[t](value)

@@ -313,7 +313,7 @@ def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
         forward_ms=st.compute_s * 1e3, recv_wait_ms=st.recv_wait_s * 1e3, send_ms=st.send_wait_s * 1e3,
         bytes_sent=link.bytes_sent, est_bytes=a.est_bytes, weight_bytes=stage.weight_bytes,
         peak_rss_bytes=peak_rss_bytes(), pack_ms=st.pack_s * 1e3, unpack_ms=st.unpack_s * 1e3,
-        wall_ms=st.wall_s * 1e3)
+        wall_ms=st.wall_s * 1e3, precision=job.precision_for(cx.world.rank).value)
     doc: dict = {"timing": timing.to_dict()}
     if trace:  # start-up phases (cli.py records them) too; all on rank 0's clock, from its sync
         phases = [(name, "startup", t0 - sync, dur, {}) for name, t0, dur in getattr(cx, "phases", [])]

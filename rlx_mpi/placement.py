@@ -14,7 +14,7 @@ from fractions import Fraction
 from typing import Sequence
 
 from .caps import NodeCaps
-from .config import PlacementPolicy
+from .config import PlacementPolicy, Precision
 from .errors import ConfigError, FitError
 
 __all__ = ["ModelCost", "Assignment", "plan_placement", "format_plan"]
@@ -35,11 +35,18 @@ class ModelCost:
     act_bytes: int  # activation working set of one stage
     tokens: int = 1  # batch * seq of the forward being planned
 
-    def stage_bytes(self, layers: range, first: bool, last: bool) -> int:
-        """Resident bytes of a stage holding ``layers`` (whole stage, all TP shards)."""
+    def stage_bytes(self, layers: range, first: bool, last: bool, weight_scale: float = 1.0) -> int:
+        """Resident bytes of a stage holding ``layers`` (whole stage, all TP shards);
+        ``weight_scale`` scales the weights (not KV cache or activations) for a rank that holds
+        them in another precision than the cost was priced in."""
         n = len(layers)
-        return (n * (self.layer_bytes + self.kv_bytes_per_layer) + self.act_bytes
-                + (self.embed_bytes if first else 0) + (self.head_bytes if last else 0))
+        weights = n * self.layer_bytes + (self.embed_bytes if first else 0) + (self.head_bytes if last else 0)
+        weights = weights if weight_scale == 1.0 else int(weights * weight_scale)
+        return weights + n * self.kv_bytes_per_layer + self.act_bytes
+
+    def layer_cost_bytes(self, weight_scale: float = 1.0) -> int:
+        """Bytes one more layer adds to a stage."""
+        return (self.layer_bytes if weight_scale == 1.0 else int(self.layer_bytes * weight_scale)) + self.kv_bytes_per_layer
 
     def stage_flops(self, layers: range, last: bool) -> float:
         """FLOPs of one forward through a stage (all TP shards together)."""
@@ -59,17 +66,19 @@ class Assignment:
     est_bytes: int  # estimated resident bytes per rank (stage bytes / tp)
     first: bool
     last: bool
+    precision: str = "f32"  # weight precision of the stage's ranks, e.g. "bf16" or "f32,int8" when mixed
 
     def to_dict(self) -> dict:
         return {"stage": self.stage, "ranks": list(self.ranks), "hosts": list(self.hosts),
                 "layers": [self.layers.start, self.layers.stop], "device": self.device,
-                "est_bytes": self.est_bytes, "first": self.first, "last": self.last}
+                "est_bytes": self.est_bytes, "first": self.first, "last": self.last,
+                "precision": self.precision}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Assignment":
         return cls(stage=d["stage"], ranks=tuple(d["ranks"]), hosts=tuple(d["hosts"]),
                    layers=range(*d["layers"]), device=d["device"], est_bytes=d["est_bytes"],
-                   first=d["first"], last=d["last"])
+                   first=d["first"], last=d["last"], precision=d.get("precision", "f32"))
 
 
 # Note: the planner's model of a stage.
@@ -85,7 +94,7 @@ class Assignment:
 MAX_LAYERS = 100_000  # 100x the deepest real decoders; planning it takes ~0.1 s
 
 _FIX_FIT = ("add ranks, raise --mem-gb, lower reserve_ram_gb, use tensor parallelism "
-            "(tp > 1) or a lower-precision checkpoint")
+            "(tp > 1) or lower-precision weights ([run] precision = \"bf16\" or \"int8\")")
 
 
 def _gb(n: float) -> str:
@@ -144,13 +153,31 @@ def _speeds(caps: Sequence[NodeCaps], stages: list[tuple[int, ...]]) -> list[flo
     return [float(sum(g)) for g in flops]
 
 
-def _max_layers(cost: ModelCost, cap: int | None, first: bool, last: bool) -> int:
+def _weight_scales(precision: Sequence[str] | None, stages: list[tuple[int, ...]]) -> list[float]:
+    """Per stage, the mean over its ranks of (bytes per weight / 4): the cost is priced in
+    float32, and a stage's memory is the sum of its ranks' (each holds 1/tp of the weights)."""
+    if precision is None:
+        return [1.0] * len(stages)
+    per_rank = [Precision(_PRECISION_NAMES.get(p, p)).bytes_per_param / 4.0 for p in precision]
+    return [sum(per_rank[r] for r in g) / len(g) for g in stages]
+
+
+_PRECISION_NAMES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def _stage_precision(precision: Sequence[str] | None, ranks: tuple[int, ...]) -> str:
+    if precision is None:
+        return "f32"
+    return ",".join(dict.fromkeys(_PRECISION_NAMES.get(precision[r], precision[r]) for r in ranks))
+
+
+def _max_layers(cost: ModelCost, cap: int | None, first: bool, last: bool, scale: float = 1.0) -> int:
     """Most layers (at most n_layers) a stage of capacity ``cap`` can hold; < 1 if none."""
     L = cost.n_layers
     if cap is None:
         return L
-    fixed = cost.stage_bytes(range(0), first, last)
-    per = cost.layer_bytes + cost.kv_bytes_per_layer
+    fixed = cost.stage_bytes(range(0), first, last, scale)
+    per = cost.layer_cost_bytes(scale)
     if fixed > cap:
         return -1
     if per <= 0:
@@ -248,10 +275,13 @@ def _check_manual(manual: Sequence[range] | None, L: int, S: int) -> list[int]:
 
 
 def _no_fit_balanced(cost: ModelCost, stages: list[tuple[int, ...]],
-                     capacities: list[int | None], max_layers: list[int]) -> FitError:
+                     capacities: list[int | None], max_layers: list[int],
+                     scales: list[float] | None = None) -> FitError:
     S, L = len(stages), cost.n_layers
-    need = sum(cost.stage_bytes(range(0), s == 0, s == S - 1) for s in range(S)) + L * (
-        cost.layer_bytes + cost.kv_bytes_per_layer)
+    scales = scales or [1.0] * S
+    mean = sum(scales) / S  # the layers' bytes at the stages' average precision
+    need = sum(cost.stage_bytes(range(0), s == 0, s == S - 1, scales[s]) for s in range(S)) + L * (
+        cost.layer_cost_bytes(mean))
     known = [c for c in capacities if c is not None]
     have = (f"the {S} stages have {_gb(sum(known))}" if len(known) == S else
             f"the {len(known)} stages of known memory have {_gb(sum(known))}")
@@ -260,26 +290,29 @@ def _no_fit_balanced(cost: ModelCost, stages: list[tuple[int, ...]],
         head += f" ({_gb(need - sum(known))} short)"
     small = [s for s in range(S) if max_layers[s] < 1]
     if small:
-        one = {s: cost.stage_bytes(range(1), s == 0, s == S - 1) for s in small}
+        one = {s: cost.stage_bytes(range(1), s == 0, s == S - 1, scales[s]) for s in small}
         cap = {s: capacities[s] or 0 for s in small}  # known: unknown stages never lack room
         s = max(small, key=lambda s: (one[s] - cap[s], -s))  # the worst, earliest on ties
         what = (f"{head}; stage {s} (ranks {_ranks_str(stages[s])}) has {_gb(cap[s])} "
                 f"but one layer there needs {_gb(one[s])} ({_gb(one[s] - cap[s])} short)")
     else:
         what = (f"{head}; the stages hold at most {sum(max_layers)} of the {L} layers "
-                f"(one layer is {_gb(cost.layer_bytes + cost.kv_bytes_per_layer)})")
+                f"(one layer is {_gb(cost.layer_cost_bytes(mean))})")
     return FitError("placement", what, _FIX_FIT)
 
 
 def plan_placement(cost: ModelCost, caps: Sequence[NodeCaps], policy: PlacementPolicy,
                    reserve_bytes: int = 0, *, grid: Sequence[Sequence[int]] | None = None,
-                   manual: Sequence[range] | None = None, device: str = "cpu") -> list[Assignment]:
+                   manual: Sequence[range] | None = None, device: str = "cpu",
+                   precision: Sequence[str] | None = None) -> list[Assignment]:
     """Split ``cost.n_layers`` layers into contiguous ranges, one per stage of ``grid``.
 
     ``caps`` holds one NodeCaps per world rank (index = rank); ``grid`` lists the stages in
     pipeline order, each the world ranks of its tensor-parallel group (default: one rank per
     stage, ``[[0], [1], ...]``); ``reserve_bytes`` is kept free on every rank; ``manual``
-    is used by the manual policy only. Raises ConfigError for a bad grid or manual ranges and
+    is used by the manual policy only; ``precision`` gives each world rank's weight precision
+    ("f32", "bf16", "f16", "int8"; default all f32, which is what ``cost`` is priced in), so a
+    16-bit stage counts half the weight bytes and can take more layers. Raises ConfigError for a bad grid or manual ranges and
     FitError when a stage would not fit its memory.
 
     >>> # 4 ranks, tp=2: stage 0 = ranks 0,1, stage 1 = ranks 2,3
@@ -301,20 +334,24 @@ def plan_placement(cost: ModelCost, caps: Sequence[NodeCaps], policy: PlacementP
     if S > L:
         raise ConfigError("placement", f"{S} stages but the model has only {L} layers",
                           f"use at most {L} stages (ranks / tp)")
+    if precision is not None and len(precision) != len(caps):
+        raise ConfigError("placement", f"{len(precision)} precisions for {len(caps)} ranks",
+                          "give one precision per world rank")
     capacities = _capacities(caps, stages, reserve_bytes)
     speeds = _speeds(caps, stages)
-    max_layers = [_max_layers(cost, capacities[s], s == 0, s == S - 1) for s in range(S)]
+    scales = _weight_scales(precision, stages)
+    max_layers = [_max_layers(cost, capacities[s], s == 0, s == S - 1, scales[s]) for s in range(S)]
     fits = all(m >= 1 for m in max_layers) and sum(max_layers) >= L
 
     if policy is PlacementPolicy.BALANCED:
         if not fits:
-            raise _no_fit_balanced(cost, stages, capacities, max_layers)
+            raise _no_fit_balanced(cost, stages, capacities, max_layers, scales)
         counts = _balanced_counts(cost, max_layers, speeds or [1.0] * S)
     elif policy is PlacementPolicy.UNIFORM:
         counts = _uniform_counts(L, S)
     elif policy is PlacementPolicy.MEMORY:
-        counts = (_uniform_counts(L, S) if any(c is None for c in capacities)
-                  else _proportional(L, capacities))  # type: ignore[arg-type]
+        counts = (_uniform_counts(L, S) if any(c is None for c in capacities)  # layers that fit, not bytes:
+                  else _proportional(L, [Fraction(c) / Fraction(scales[s]) for s, c in enumerate(capacities)]))
     elif policy is PlacementPolicy.COMPUTE:
         counts = _uniform_counts(L, S) if speeds is None else _proportional(L, speeds)
     else:
@@ -327,7 +364,7 @@ def plan_placement(cost: ModelCost, caps: Sequence[NodeCaps], policy: PlacementP
         layers = range(start, start + n)
         start += n
         first, last = s == 0, s == S - 1
-        need = cost.stage_bytes(layers, first, last)
+        need = cost.stage_bytes(layers, first, last, scales[s])
         cap = capacities[s]
         if cap is not None and need > cap:
             fix = ("placement policy 'balanced' fits this model on these ranks" if fits
@@ -338,7 +375,7 @@ def plan_placement(cost: ModelCost, caps: Sequence[NodeCaps], policy: PlacementP
                            f"({_gb(need - cap)} short) under policy '{policy.value}'", fix)
         plan.append(Assignment(stage=s, ranks=g, hosts=tuple(caps[r].host for r in g),
                                layers=layers, device=device, est_bytes=-(-need // tp),
-                               first=first, last=last))
+                               first=first, last=last, precision=_stage_precision(precision, g)))
     return plan
 
 
@@ -346,15 +383,15 @@ def format_plan(plan: Sequence[Assignment], cost: ModelCost | None = None) -> st
     """The plan as a plain-text table, one row per stage (``rlx-mpi plan`` prints it).
 
     With ``cost``, a last line gives the model's layer count and total resident bytes."""
-    header = ("stage", "ranks", "hosts", "layers", "n_layers", "device", "est/rank")
+    header = ("stage", "ranks", "hosts", "layers", "n_layers", "device", "precision", "est/rank")
     rows = [header]
     for a in plan:
         hosts = ",".join(dict.fromkeys(a.hosts))  # unique, in rank order
         rows.append((str(a.stage), _ranks_str(a.ranks), hosts,
                      f"{a.layers.start}:{a.layers.stop}", str(len(a.layers)), a.device,
-                     _gb(a.est_bytes)))
+                     a.precision, _gb(a.est_bytes)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    right = {0, 4, 6}  # numeric columns
+    right = {0, 4, 7}  # numeric columns
     lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w)
                        for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
     if cost is not None:

@@ -31,9 +31,14 @@ class ParamSource(Protocol):
 
     ``read(name)`` returns the whole tensor; with ``axis`` it returns only the ``part``-th of
     ``parts`` near-equal slices along that axis, so a tensor-parallel rank never holds the rest.
+    ``dtype`` is what the caller will hold: "float32" (the default), "float16", or "bfloat16"
+    (as uint16 bit patterns); a source converts tensor by tensor, so a 16-bit rank never needs
+    a float32 copy of the model. Only ranks whose precision is not f32 pass ``dtype``: a source
+    written before it existed still serves f32 ranks.
     """
 
-    def read(self, name: str, *, axis: int | None = None, part: int = 0, parts: int = 1) -> np.ndarray: ...
+    def read(self, name: str, *, axis: int | None = None, part: int = 0, parts: int = 1,
+             dtype: str = "float32") -> np.ndarray: ...
 
     def shape(self, name: str) -> tuple[int, ...]: ...
 
@@ -97,7 +102,9 @@ class ModelFamily(Protocol):
     def build_stage(self, config: Any, source: ParamSource, layers: range, first: bool, last: bool,
                     tp: TensorParallel, ctx: Any) -> Stage:
         """The stage for ``layers``; ``ctx`` is the rank's `faults.RankContext` (for messages and
-        for deadlines of the TP collectives; a stage may ignore it)."""
+        for deadlines of the TP collectives; a stage may ignore it). For a rank whose precision
+        is not f32 it is also called with ``precision=`` ("bf16" | "f16" | "int8"); a family
+        without that keyword is refused for such ranks."""
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

@@ -32,6 +32,7 @@ class StageTiming:
     pack_ms: float = 0.0  # encoding outputs to the wire format (0 with f32: no copy)
     unpack_ms: float = 0.0  # decoding received inputs to float32
     wall_ms: float = 0.0  # from the common start of the forward to this rank's last action
+    precision: str = "f32"  # how this rank holds its weights (f32 | bf16 | f16 | int8)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -93,16 +94,16 @@ class ClusterRun:
         return self.tokens / (self.total_forward_ms / 1e3) if self.total_forward_ms > 0 else float("nan")
 
     def table(self) -> str:
-        head = ("stage", "rank", "host", "tp", "layers", "device", "build_ms", "forward_ms",
+        head = ("stage", "rank", "host", "tp", "layers", "device", "precision", "build_ms", "forward_ms",
                 "recv_wait_ms", "send_ms", "busy", "sent_MB", "est_MB", "weights_MB", "peak_rss_MB")
         rows = [head]
         for t in sorted(self.timings, key=lambda t: (t.stage, t.tp_rank)):
             tp = ",".join(map(str, t.tp_ranks)) if len(t.tp_ranks) > 1 else "-"
             rows.append((str(t.stage), str(t.rank), t.host, tp, f"{t.layers.start}:{t.layers.stop}", t.device,
-                         f"{t.build_ms:.1f}", f"{t.forward_ms:.1f}", f"{t.recv_wait_ms:.1f}", f"{t.send_ms:.1f}",
+                         t.precision, f"{t.build_ms:.1f}", f"{t.forward_ms:.1f}", f"{t.recv_wait_ms:.1f}", f"{t.send_ms:.1f}",
                          f"{100 * self.busy(t):.0f}%", _mb(t.bytes_sent), _mb(t.est_bytes), _mb(t.weight_bytes), _mb(t.peak_rss_bytes)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        lines = ["  ".join(c.rjust(w) if i not in (2, 5) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        lines = ["  ".join(c.rjust(w) if i not in (2, 5, 6) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
                  for r in rows]
         lines.append(f"total forward {self.total_forward_ms:.1f} ms for {self.tokens} tokens "
                      f"({self.microbatches} microbatch{'es' if self.microbatches != 1 else ''}): "

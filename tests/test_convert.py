@@ -309,5 +309,5 @@ def test_refuses_missing_output_directory(tmp_path):
 
 
 def test_refuses_unknown_output_dtype(tmp_path):
-    with pytest.raises(ConfigError, match="'bfloat16' is not a checkpoint dtype"):
-        convert_hf(UNTIED, tmp_path / "m.h5", dtype="bfloat16")
+    with pytest.raises(ConfigError, match="'float8' is not a checkpoint dtype"):
+        convert_hf(UNTIED, tmp_path / "m.h5", dtype="float8")

@@ -403,8 +403,34 @@ def test_format_plan():
     caps = make_caps([None] * 4, hosts=["a", "a", "b", "b"])
     plan = plan_placement(cost, caps, P.UNIFORM, grid=[[0, 1], [2, 3]])
     lines = format_plan(plan).splitlines()
-    assert lines[0].split() == ["stage", "ranks", "hosts", "layers", "n_layers", "device", "est/rank"]
-    assert lines[1].split() == ["0", "0,1", "a", "0:5", "5", "cpu", "2.50", "GB"]
-    assert lines[2].split() == ["1", "2,3", "b", "5:10", "5", "cpu", "2.50", "GB"]
+    assert lines[0].split() == ["stage", "ranks", "hosts", "layers", "n_layers", "device", "precision", "est/rank"]
+    assert lines[1].split() == ["0", "0,1", "a", "0:5", "5", "cpu", "f32", "2.50", "GB"]
+    assert lines[2].split() == ["1", "2,3", "b", "5:10", "5", "cpu", "f32", "2.50", "GB"]
     assert len(lines) == 3
     assert "10 layers" in format_plan(plan, cost).splitlines()[-1]
+
+
+# -- per-rank precision --------------------------------------------------------------------
+
+def test_bf16_stage_takes_more_layers_when_memory_binds():
+    cost = make_cost(n_layers=12, layer_bytes=GB)  # priced in f32
+    caps = make_caps([5 * GB, 10 * GB])
+    with pytest.raises(FitError):  # all f32: 15 GB hold 15 of 16 layers
+        plan_placement(make_cost(n_layers=16, layer_bytes=GB), caps, P.BALANCED)
+    plan = plan_placement(cost, make_caps([5 * GB, 5 * GB]), P.BALANCED, precision=["f32", "bf16"])
+    assert counts(plan) == [5, 7]  # equal speeds would give 6/6; stage 0 fits only 5 f32 layers
+    assert [a.precision for a in plan] == ["f32", "bf16"]
+    assert plan[1].est_bytes == 7 * GB // 2
+    plan = plan_placement(cost, make_caps([5 * GB, 5 * GB]), P.MEMORY, precision=["int8", "bf16"])
+    assert counts(plan) == [8, 4]  # layers that fit: 20 and 10
+
+
+def test_mixed_tp_group_counts_mean_bytes_and_names_both():
+    cost = make_cost(n_layers=4, layer_bytes=GB)
+    plan = plan_placement(cost, make_caps([None] * 4), P.UNIFORM, grid=[[0, 1], [2, 3]],
+                          precision=["f32", "int8", "bf16", "bf16"])
+    assert [a.precision for a in plan] == ["f32,int8", "bf16"]
+    assert plan[0].est_bytes == int(2 * GB * 0.625) // 2 and plan[1].est_bytes == GB // 2
+    assert Assignment.from_dict(plan[0].to_dict()) == plan[0]
+    with pytest.raises(ConfigError, match="3 precisions for 4 ranks"):
+        plan_placement(cost, make_caps([None] * 4), P.UNIFORM, precision=["f32"] * 3)

@@ -69,10 +69,10 @@ class LlamaFamily:
                              "tokenize with this model's tokenizer")
 
     def build_stage(self, cfg: LlamaConfig, source: ParamSource, layers: range, first: bool, last: bool,
-                    tp: TensorParallel, ctx=None) -> "LlamaStage":
+                    tp: TensorParallel, ctx=None, precision: str = "f32") -> "LlamaStage":
         from .stage import LlamaStage
 
-        return LlamaStage(cfg, source, layers, first, last, tp, ctx)
+        return LlamaStage(cfg, source, layers, first, last, tp, ctx, precision)
 
 
 FAMILY = LlamaFamily()

@@ -340,11 +340,11 @@ def convert_hf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, dtype:
                config_name: str = "config.json") -> LlamaConfig:
     """Convert the Hugging Face Llama in ``hf_dir`` to the checkpoint ``out_path`` (atomically).
 
-    ``dtype`` ("float32" or "float16") is the storage dtype of the output; reads are float32
-    either way. Returns the model's `LlamaConfig`.
+    ``dtype`` ("float32", "float16" or "bfloat16") is the storage dtype of the output; a
+    bfloat16 source written as bfloat16 is copied exactly. Returns the model's `LlamaConfig`.
     """
-    if dtype not in ("float32", "float16"):
-        raise ConfigError("dtype", f"{dtype!r} is not a checkpoint dtype", "use float32 or float16")
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ConfigError("dtype", f"{dtype!r} is not a checkpoint dtype", "use float32, float16 or bfloat16")
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     if not hf_dir.is_dir():
         raise CheckpointError(str(hf_dir), "not a directory", "give the Hugging Face model directory")

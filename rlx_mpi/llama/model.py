@@ -8,12 +8,12 @@ group (identity when tp = 1).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from .. import kernels
+from .weights import LayerWeights, Linear
 
 __all__ = ["LayerWeights", "rms_norm", "rope_tables", "apply_rope", "attention", "mlp", "block",
            "embed", "lm_head"]
@@ -23,25 +23,6 @@ Reduce = Callable[[np.ndarray], np.ndarray]
 
 def _identity(x: np.ndarray) -> np.ndarray:
     return x
-
-
-@dataclass
-class LayerWeights:
-    """One decoder layer's weights, ``[out, in]`` like nn.Linear (this rank's shard)."""
-
-    input_layernorm: np.ndarray  # (C,)
-    q_proj: np.ndarray  # (nh*hs, C)
-    k_proj: np.ndarray  # (nkv*hs, C)
-    v_proj: np.ndarray  # (nkv*hs, C)
-    o_proj: np.ndarray  # (C, nh*hs)
-    post_attention_layernorm: np.ndarray  # (C,)
-    gate_proj: np.ndarray  # (I, C)
-    up_proj: np.ndarray  # (I, C)
-    down_proj: np.ndarray  # (C, I)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in vars(self).values())
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -67,18 +48,18 @@ def attention(x: np.ndarray, w: LayerWeights, head_dim: int, cos: np.ndarray, si
     B, T, C = x.shape
     nh = w.q_proj.shape[0] // head_dim
     nkv = w.k_proj.shape[0] // head_dim
-    q = (x @ w.q_proj.T).reshape(B, T, nh, head_dim).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
-    k = (x @ w.k_proj.T).reshape(B, T, nkv, head_dim).transpose(0, 2, 1, 3)  # (B, nkv, T, hs)
-    v = (x @ w.v_proj.T).reshape(B, T, nkv, head_dim).transpose(0, 2, 1, 3)
+    q = w.q_proj(x).reshape(B, T, nh, head_dim).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
+    k = w.k_proj(x).reshape(B, T, nkv, head_dim).transpose(0, 2, 1, 3)  # (B, nkv, T, hs)
+    v = w.v_proj(x).reshape(B, T, nkv, head_dim).transpose(0, 2, 1, 3)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     y = kernels.attend(q, k, v).reshape(B, T, nh * head_dim)  # causal: query t sees keys <= t
-    return reduce(y @ w.o_proj.T)  # row-parallel: partial sums over heads
+    return reduce(w.o_proj(y))  # row-parallel: partial sums over heads
 
 
 def mlp(x: np.ndarray, w: LayerWeights, reduce: Reduce = _identity) -> np.ndarray:
-    gate = x @ w.gate_proj.T
+    gate = w.gate_proj(x)
     silu = gate / (1.0 + np.exp(-gate))
-    return reduce((silu * (x @ w.up_proj.T)) @ w.down_proj.T)  # row-parallel over I
+    return reduce(w.down_proj(silu * w.up_proj(x)))  # row-parallel over I
 
 
 def block(x: np.ndarray, w: LayerWeights, head_dim: int, eps: float, cos: np.ndarray,
@@ -87,9 +68,9 @@ def block(x: np.ndarray, w: LayerWeights, head_dim: int, eps: float, cos: np.nda
     return x + mlp(rms_norm(x, w.post_attention_layernorm, eps), w, reduce)
 
 
-def embed(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+def embed(ids: np.ndarray, table: np.ndarray | Linear) -> np.ndarray:
     return table[ids]  # (B, T) -> (B, T, C)
 
 
-def lm_head(x: np.ndarray, norm: np.ndarray, head: np.ndarray, eps: float) -> np.ndarray:
-    return rms_norm(x, norm, eps) @ head.T  # (B, T, V) or this rank's vocab slice
+def lm_head(x: np.ndarray, norm: np.ndarray, head: Linear, eps: float) -> np.ndarray:
+    return head(rms_norm(x, norm, eps))  # (B, T, V) or this rank's vocab slice

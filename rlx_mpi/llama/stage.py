@@ -15,6 +15,7 @@ from .. import kernels
 from ..collectives import ReduceKind, all_reduce, world_ranks
 from ..stage import ParamSource, Stage, TensorParallel
 from . import model
+from .weights import PRECISIONS, read_linear
 from .config import LlamaConfig
 
 __all__ = ["LlamaStage"]
@@ -25,17 +26,26 @@ _REPLICATED = ("input_layernorm", "post_attention_layernorm")
 
 
 class LlamaStage(Stage):
-    """Layers ``layers`` of a Llama model; embeds on the first stage, norm + head on the last."""
+    """Layers ``layers`` of a Llama model; embeds on the first stage, norm + head on the last.
+
+    ``precision`` (f32 | bf16 | f16 | int8) is how this rank holds its projection, embedding
+    and head matrices, converted tensor by tensor at load; norms and activations stay f32.
+    """
 
     def __init__(self, cfg: LlamaConfig, source: ParamSource, layers: range, first: bool, last: bool,
-                 tp: TensorParallel = TensorParallel(), ctx=None):
+                 tp: TensorParallel = TensorParallel(), ctx=None, precision: str = "f32"):
+        if precision not in PRECISIONS:
+            raise ValueError(f"LlamaStage: precision {precision!r} is not one of {PRECISIONS}")
         self.cfg, self.layers, self.first, self.last, self.tp, self.ctx = cfg, layers, first, last, tp, ctx
+        self.precision = precision
         kernels.warm_up()
+        if precision != "f32":
+            kernels.warm_up_lowp()
 
-        def shard(name: str, axis: int | None) -> np.ndarray:
-            return source.read(name, axis=axis, part=tp.rank, parts=tp.size)
+        def shard(name: str, axis: int | None):
+            return read_linear(source, name, precision, axis=axis, part=tp.rank, parts=tp.size)
 
-        self.embed_tokens = source.read("embed_tokens") if first else None
+        self.embed_tokens = read_linear(source, "embed_tokens", precision) if first else None
         self.blocks = []
         for n in layers:
             w = {k: source.read(f"layers/{n}/{k}") for k in _REPLICATED}
@@ -44,12 +54,15 @@ class LlamaStage(Stage):
             self.blocks.append(model.LayerWeights(**w))
         self.norm = source.read("norm") if last else None
         head = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
-        self.head = shard(head, 0) if last else None  # (V/tp, C)
+        if last and cfg.tie_word_embeddings and first and tp.size == 1:
+            self.head = self.embed_tokens  # one matrix serves both ends: hold it once
+        else:
+            self.head = shard(head, 0) if last else None  # (V/tp, C)
 
     @property
     def weight_bytes(self) -> int:
-        arrays = [self.embed_tokens, self.norm, self.head]
-        return sum(a.nbytes for a in arrays if a is not None) + sum(b.nbytes for b in self.blocks)
+        arrays = {id(a): a for a in (self.embed_tokens, self.norm, self.head) if a is not None}  # tied: once
+        return sum(a.nbytes for a in arrays.values()) + sum(b.nbytes for b in self.blocks)
 
     def _reduce(self, partial: np.ndarray) -> np.ndarray:
         if self.tp.size == 1:

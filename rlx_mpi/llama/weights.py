@@ -1,0 +1,120 @@
+"""Linear layers that multiply themselves, in the precision the rank holds its weights in.
+
+``Linear(x)`` maps float32 activations ``(..., in)`` to float32 ``(..., out)`` whatever the
+storage: f32 (one BLAS GEMM over all B*T rows), bf16 / f16 (uint16 bit patterns) or int8 with
+symmetric per-output-row scales computed at load. Low-precision weights are multiplied by
+the fused kernels in `rlx_mpi.kernels` and never expanded to a float32 copy of the matrix.
+A `Linear` also answers ``table[ids]`` (float32 rows), so one object serves as the
+embedding table and, with tied embeddings, as the LM head.
+
+Note: under tensor parallelism a row-parallel shard (o_proj, down_proj: a slice of the
+input columns) gets int8 scales from its own columns only; that is at least as accurate as
+the whole row's scale and needs no communication at load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import kernels
+
+__all__ = ["PRECISIONS", "Linear", "make_linear", "read_linear", "LayerWeights"]
+
+PRECISIONS = ("f32", "bf16", "f16", "int8")
+# What ParamSource.read is asked for: the storage closest to the rank's format, so a 16-bit
+# rank never holds a float32 copy of a tensor it can read as 16 bits.
+_READ_DTYPE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "int8": "float32"}
+
+
+class Linear:
+    """``y = x @ W.T`` with ``W`` (out, in) stored as ``precision``."""
+
+    def __init__(self, precision: str, data: np.ndarray, scale: np.ndarray | None = None):
+        if precision not in PRECISIONS:
+            raise ValueError(f"Linear: precision {precision!r} is not one of {PRECISIONS}")
+        if data.ndim != 2:
+            raise ValueError(f"Linear: weight must be 2-D (out, in), got shape {data.shape}")
+        self.precision, self.data, self.scale = precision, np.ascontiguousarray(data), scale
+        # the fused f16 kernel skips the Inf/NaN fix-up per weight: a corrupt matrix takes the exact path
+        self._fused = not (precision == "f16" and kernels.f16_has_special(self.data))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape  # (out, in)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + (self.scale.nbytes if self.scale is not None else 0)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        lead, c = x.shape[:-1], x.shape[-1]
+        x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, c)  # (B*T, in): one GEMM, not B
+        if self.precision == "f32":
+            y = x2 @ self.data.T
+        else:
+            y = kernels.dequant_matmul(x2, self.data, self.precision, self.scale, fused=self._fused)
+        return y.reshape(*lead, self.data.shape[0])  # (..., out)
+
+    def __getitem__(self, rows) -> np.ndarray:
+        """float32 rows of W (an embedding lookup): ``table[ids]`` for ids of any shape."""
+        if self.precision == "f32":
+            return self.data[rows]
+        ids = np.asarray(rows)
+        return kernels.dequantize(self.data, self.precision, self.scale, ids).reshape(*ids.shape, -1)
+
+    def to_f32(self) -> np.ndarray:
+        """The float32 matrix this layer multiplies by (tests and references only)."""
+        return self.data if self.precision == "f32" else kernels.dequantize(self.data, self.precision, self.scale)
+
+
+def make_linear(w: np.ndarray, precision: str) -> Linear:
+    """A `Linear` of ``w`` (out, in) in ``precision``, converting from whatever ``w`` is.
+
+    ``w`` is float32, float16, or uint16 holding bfloat16 bit patterns (what
+    ``ParamSource.read(..., dtype="bfloat16")`` returns)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"make_linear: precision {precision!r} is not one of {PRECISIONS}")
+    if w.dtype == np.uint16 and precision == "bf16":
+        return Linear("bf16", w)
+    if w.dtype == np.float16 and precision == "f16":
+        return Linear("f16", w.view(np.uint16))
+    w32 = kernels.from_bf16(w) if w.dtype == np.uint16 else np.ascontiguousarray(w, dtype=np.float32)
+    if precision == "f32":
+        return Linear("f32", w32)
+    if precision == "bf16":
+        return Linear("bf16", kernels.to_bf16(w32))
+    if precision == "f16":
+        return Linear("f16", w32.astype(np.float16).view(np.uint16))
+    return Linear("int8", *kernels.quantize_int8(w32))
+
+
+def read_linear(source, name: str, precision: str, **slicing) -> Linear:
+    """Read tensor ``name`` (optionally a TP slice) straight into a `Linear` of ``precision``.
+
+    f32 ranks call ``source.read`` exactly as before (a ParamSource without the ``dtype``
+    keyword keeps working for them)."""
+    if precision == "f32":
+        return make_linear(source.read(name, **slicing), "f32")
+    return make_linear(source.read(name, dtype=_READ_DTYPE[precision], **slicing), precision)
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights (this rank's shard): norms as float32 arrays, the seven
+    projections as `Linear` (``[out, in]`` like nn.Linear)."""
+
+    input_layernorm: np.ndarray  # (C,)
+    q_proj: Linear  # (nh*hs, C)
+    k_proj: Linear  # (nkv*hs, C)
+    v_proj: Linear  # (nkv*hs, C)
+    o_proj: Linear  # (C, nh*hs)
+    post_attention_layernorm: np.ndarray  # (C,)
+    gate_proj: Linear  # (I, C)
+    up_proj: Linear  # (I, C)
+    down_proj: Linear  # (C, I)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in vars(self).values())
