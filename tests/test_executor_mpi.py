@@ -48,7 +48,9 @@ def test_uneven_microbatches_f32_equal_one_microbatch(tmp_path, tiny_ckpt, ids, 
     for m in (2, 3):
         logits, stats, proc = run(tmp_path, f"m{m}", tiny_ckpt, ids, microbatches=m, wire="f32")
         assert logits.shape == f32_one.shape
-        assert np.abs(logits - f32_one).max() <= 1e-6
+        # not bit for bit: each projection is one (rows, C) @ W.T GEMM and OpenBLAS picks its
+        # kernel (and summation order) by the row count, which the microbatch size changes
+        assert np.abs(logits - f32_one).max() <= 1e-5
         assert stats["microbatches"] == m and stats["wire"] == "f32"
         # f32 sends the stage's own output: no packing time, and the hidden bytes exactly
         hidden = PRESETS["tiny"].hidden_size
