@@ -52,6 +52,9 @@ def _pin_threads(cpus: int | None) -> None:
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(limits=cpus)
+    from . import kernels
+
+    kernels.set_threads(cpus)  # numba's prange kernels get the same share as BLAS
 
 
 class Cluster:

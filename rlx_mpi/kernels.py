@@ -14,7 +14,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["causal_softmax_", "rms_norm", "silu_mul_", "rope", "attend", "set_threads", "warm_up"]
+__all__ = ["causal_softmax_", "rms_norm", "silu_mul_", "rope", "attend", "attend_workspace_bytes", "set_threads", "warm_up"]
 
 
 @numba.njit(cache=True, fastmath=False)
@@ -285,6 +285,13 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray | None
     return y
 
 
+def attend_workspace_bytes(batch: int, heads: int, seq: int, head_dim: int) -> int:
+    """Bytes `attend` holds besides its inputs and output: one block's scores, the query-block
+    copy, the accumulator and the running max/sum (the planner's estimate; O(seq^0) per head)."""
+    bq, bk = min(seq, _Q_BLOCK), min(seq, _K_BLOCK)
+    return batch * heads * bq * (bk + 2 * head_dim + 2) * 4
+
+
 def _query_block(q, k, v, pos, window, scale, y, t0) -> None:
     """One block of queries (B, nh, bq, hs) over the key blocks it can see, into y[:, t0:]."""
     B, nh, bq, hs = q.shape
@@ -302,6 +309,7 @@ def _query_block(q, k, v, pos, window, scale, y, t0) -> None:
         s = qb @ k[:, :, j0:j1].transpose(0, 1, 3, 2)  # (B, nkv, g*bq, bk)
         _online_block(s.reshape(B, nh, bq, j1 - j0), pos, j0, window, scale, m, l, acc)
         acc_g += s @ v[:, :, j0:j1]  # (B, nkv, g*bq, hs)
+        del s  # before the next block's scores are allocated: one block alive at a time
     _finish(acc, l, y, t0)
 
 

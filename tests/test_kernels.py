@@ -210,3 +210,24 @@ def test_silu_mul():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="differ"):
         kernels.silu_mul_(gate, up[..., :5].copy())
+
+
+def test_attend_memory_follows_the_planner_estimate():
+    """The peak numpy allocation of a prefill is the block workspace, not the (B, nh, T, S) scores."""
+    import tracemalloc
+
+    from rlx_mpi.llama.config import PRESETS
+
+    B, nh, nkv, T, hs = 1, 8, 4, 1500, 32
+    q, k, v = _qkv(np.random.default_rng(9), B, nh, nkv, T, T, hs)
+    kernels.attend(q[:, :, :200], k[:, :, :200], v[:, :, :200])  # warm
+    tracemalloc.start()
+    y = kernels.attend(q, k, v)
+    peak = tracemalloc.get_traced_memory()[1] - y.nbytes
+    tracemalloc.stop()
+    estimate = kernels.attend_workspace_bytes(B, nh, T, hs)
+    assert peak <= 1.5 * estimate, (peak, estimate)
+    assert estimate < B * nh * T * T * 4 / 10  # far below the materialised scores
+    cfg = PRESETS["medium"]  # and the planner's activation estimate grows linearly in seq now
+    act = [cfg.cost(1, s).act_bytes for s in (2048, 4096, 8192)]
+    assert act[2] - act[1] == 2 * (act[1] - act[0])
