@@ -90,4 +90,5 @@ def embed(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
 
 
 def lm_head(x: np.ndarray, norm: np.ndarray, head: np.ndarray, eps: float) -> np.ndarray:
-    return rms_norm(x, norm, eps) @ head.T  # (B, T, V) or this rank's vocab slice
+    B, T, C = x.shape  # one (B*T, C) GEMM: numpy runs (B, T, C) @ W.T as B smaller ones
+    return (rms_norm(x, norm, eps).reshape(B * T, C) @ head.T).reshape(B, T, -1)  # (B, T, V) or a vocab slice
