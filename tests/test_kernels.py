@@ -114,7 +114,6 @@ def test_attend_tiny_blocks(monkeypatch, B, nh, nkv, T, S, window, pos):
     """Blocks of 4 queries x 8 keys: many blocks, partial edges, skipped and masked key blocks."""
     monkeypatch.setattr(kernels, "_Q_BLOCK", 4)
     monkeypatch.setattr(kernels, "_K_BLOCK", 8)
-    monkeypatch.setattr(kernels, "_ROWS_MAX", 0)
     rng = np.random.default_rng(3)
     q, k, v = _qkv(rng, B, nh, nkv, T, S, 6, scale=2.0)  # large logits: the running max moves
     if pos == "causal":
