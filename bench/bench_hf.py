@@ -187,8 +187,12 @@ def main() -> None:
             rows.append([str(t), f"{batch}x{seq}", f"{best['hf']:.1f}", f"{best['ours']:.1f}", f"{med['hf']:.1f}",
                          f"{med['ours']:.1f}", f"{best['ours'] / best['hf']:.2f}", f"{diff:.1e}", f"{scale:.1f}"]
                         + ([f"{best['ours_flat']:.1f}", f"{best['ours_flat'] / best['hf']:.2f}"] if args.flat_gemm else []))
-            print(f"# threads {t}, shape {batch}x{seq} done (CPU {'?' if busy is None else f'{100 * busy:.0f}%'} busy "
-                  "before it)", flush=True)
+            flat = f", flat/hf {best['ours_flat'] / best['hf']:.2f}" if args.flat_gemm else ""
+            print(f"# threads {t}, shape {batch}x{seq}: ours/hf {best['ours'] / best['hf']:.2f}{flat} (best ms: "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in best.items())
+                  + f"; CPU {'?' if busy is None else f'{100 * busy:.0f}%'} busy before it)", flush=True)
+            save_json(args.json, {"bench": "hf", "machine": info, "preset": args.preset, "trials": args.trials,
+                                  "partial": True, "results": results})  # a killed run keeps its cases
     print(fmt_table(["threads", "BxT", "hf_best_ms", "ours_best_ms", "hf_med_ms", "ours_med_ms", "ours/hf",
                      "max_abs_diff", "max_abs_logit"] + (["flat_best_ms", "flat/hf"] if args.flat_gemm else []), rows))
     print(f"# load average at the end: {loadavg()}")

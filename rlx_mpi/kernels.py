@@ -3,9 +3,9 @@
 Each fuses what numpy does in several passes over memory with a temporary per pass
 (measured in bench/bench_kernels.py). The ``_`` kernels do no validation and no allocation;
 the public wrappers check dtype, shape and contiguity and allocate; a caller with other
-dtypes gets an error that says what to pass. The older kernels are single-threaded; the newer ones run `numba.prange` over
-rows or (batch, head) on the rank's share of cores, pinned with BLAS's in
-`cluster._pin_threads` (`set_threads`).
+dtypes gets an error that says what to pass. The softmax and RMSNorm kernels are
+single-threaded; the newer ones run `numba.prange` over rows or (batch, head) on the rank's
+share of cores, pinned with BLAS's in `cluster._pin_threads` (`set_threads`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["causal_softmax_", "rms_norm", "silu_mul_", "rope", "attend", "attend_workspace_bytes", "set_threads", "warm_up"]
+__all__ = ["causal_softmax_", "rms_norm", "silu_mul_", "rope", "attend", "attend_workspace_bytes", "set_threads",
+           "warm_up"]
 
 
 @numba.njit(cache=True, fastmath=False)
