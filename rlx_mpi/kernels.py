@@ -3,15 +3,21 @@
 Each fuses what numpy does in several passes over memory with a temporary per pass
 (measured in bench/bench_kernels.py). The ``_`` kernels do no validation and no allocation;
 the public wrappers check dtype, shape and contiguity and allocate; a caller with other
-dtypes gets an error that says what to pass. The softmax and RMSNorm kernels are
-single-threaded; the newer ones run `numba.prange` over rows or (batch, head) on the rank's
-share of cores, pinned with BLAS's in `cluster._pin_threads` (`set_threads`).
+dtypes gets an error that says what to pass. Kernels run on the calling thread (see the
+threads note below): the rank's cores belong to its BLAS threads.
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+
+# Note: threads. The kernels are written with `numba.prange` but compiled serial: measured on a
+# 2-core host with 2 BLAS threads, alternating numba's OpenMP pool with OpenBLAS's threads (each
+# spins after its region) made blocked attention 5.5x slower than the serial kernels, which
+# match the old materialising attention's time. BLAS threads are the rank's parallelism; flip
+# this to try again (`set_threads` pins numba's pool with BLAS's in `cluster._pin_threads`).
+_PARALLEL = False
 
 __all__ = ["causal_softmax_", "rms_norm", "silu_mul_", "rope", "attend", "attend_workspace_bytes", "set_threads",
            "warm_up"]
@@ -52,7 +58,7 @@ def _rms_norm(x, weight, eps, out):  # x (N, C) float32
             out[i, j] = weight[j] * (x[i, j] * scale)
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True, parallel=_PARALLEL)
 def _silu_mul(gate, up):  # gate, up (N, I) float32: gate <- silu(gate) * up
     n, width = gate.shape
     for i in numba.prange(n):
@@ -61,7 +67,7 @@ def _silu_mul(gate, up):  # gate, up (N, I) float32: gate <- silu(gate) * up
             gate[i, j] = x / (np.float32(1.0) + np.exp(-x)) * up[i, j]
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True, parallel=_PARALLEL)
 def _rope(x, cos, sin, out):  # x (B, H, T, hs) any strides, cos/sin (1 or B, T, hs) -> out contiguous
     B, H, T, hs = x.shape
     half = hs // 2
@@ -109,15 +115,16 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 # the max grows), so the working set is O(block x block) per head however long the sequence.
 # BLAS does the two products of a block (q @ k.T, p @ v: most of the FLOPs); numba does the
 # masking, exponentials and bookkeeping in one pass over the block's scores. Key blocks wholly
-# in a query block's causal future (or before its window) are skipped, which halves the FLOPs of
-# a causal prefill. A decode step (one query per head) takes the same path: measured at S = 512
+# in a query block's causal future (or before its window) are skipped (close to half
+# the FLOPs of a long causal prefill). A decode step (one query per head) takes the same path: measured at S = 512
 # to 4096, it beat both a numba pass per (b, head) (2-4x: strided K/V views do not vectorise)
 # and one key block spanning the whole cache (3x at 4096).
-_Q_BLOCK = 128  # queries per head per block: g * 128 rows per GEMM under grouped-query
-_K_BLOCK = 512  # keys per block: a block's scores are B * nh * 128 * 512 * 4 B (4 MB at B nh = 16)
+_Q_BLOCK = 512  # queries per head per block: g * 512 rows per GEMM under grouped-query
+_K_BLOCK = 1024  # keys per block: a block's scores are B * nh * 512 * 1024 * 4 B (32 MB at B nh = 16)
+# (128 x 512 blocks: 4x as many BLAS calls, each too small for 2 threads to pay off: slower)
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True, parallel=_PARALLEL)
 def _online_block(s, pos, j0, window, scale, m, l, acc):  # s (B, H, bq, bk) scores -> probs
     """Mask, scale and exponentiate one key block in place; update m, l and rescale acc."""
     B, H, bq, bk = s.shape
@@ -151,7 +158,7 @@ def _online_block(s, pos, j0, window, scale, m, l, acc):  # s (B, H, bq, bk) sco
             l[b, h, i] += total
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True, parallel=_PARALLEL)
 def _finish(acc, l, y, t0):  # acc (B, H, bq, hs) / l -> y[:, t0:t0+bq] (B, T, H, hs)
     B, H, bq, hs = acc.shape
     for bh in numba.prange(B * H):

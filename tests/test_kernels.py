@@ -126,9 +126,9 @@ def test_attend_tiny_blocks(monkeypatch, B, nh, nkv, T, S, window, pos):
 
 
 @pytest.mark.parametrize("B, nh, nkv, T, S, window", [
-    (1, 4, 2, 300, 300, 0),  # 3 query blocks, causal prefill
-    (2, 2, 1, 130, 1100, 0),  # 3 key blocks, queries at the end of a long prefix
-    (1, 2, 2, 257, 1300, 200),  # sliding window across key-block edges
+    (1, 4, 2, 1100, 1100, 0),  # 3 query blocks x 2 key blocks, causal prefill
+    (2, 2, 1, 130, 2500, 0),  # 3 key blocks, queries at the end of a long prefix
+    (1, 2, 2, 600, 1300, 300),  # sliding window across block edges
     (1, 8, 2, 1, 3000, 0),  # decode: one query, long cache
     (3, 4, 4, 2, 777, 100)])  # decode of 2 tokens with a window
 def test_attend_long(B, nh, nkv, T, S, window):
@@ -217,7 +217,7 @@ def test_attend_memory_follows_the_planner_estimate():
 
     from rlx_mpi.llama.config import PRESETS
 
-    B, nh, nkv, T, hs = 1, 8, 4, 1500, 32
+    B, nh, nkv, T, hs = 1, 4, 2, 3000, 32
     q, k, v = _qkv(np.random.default_rng(9), B, nh, nkv, T, T, hs)
     kernels.attend(q[:, :, :200], k[:, :, :200], v[:, :, :200])  # warm
     tracemalloc.start()
