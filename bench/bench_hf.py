@@ -1,6 +1,7 @@
 """Our single-process forward vs Hugging Face transformers on the same converted model.
 
     /work/torchvenv/bin/python bench/bench_hf.py [--seqs 128,512] [--threads 1,2] [--trials 5] [--json OUT]
+    /work/torchvenv/bin/python bench/bench_hf.py --preset medium --shapes 1x512,16x128,8x512 --trials 3
 
 (The torch venv needs rlx_mpi and its deps: ``pip install numpy h5py numba mpi4py
 threadpoolctl`` and ``pip install --no-deps -e .``; no MPI library is needed, nothing here
@@ -12,10 +13,10 @@ It builds a ``LlamaForCausalLM`` with the shape of our ``small`` preset (8 layer
 and the difference below means something), ``save_pretrained``s it to --hf-dir, converts it
 with ``rlx_mpi.llama.convert.convert_hf`` and builds our ``LlamaStage`` over all layers.
 
-Then, for each thread count and sequence length (batch 1, the same random ids), it times
-transformers (float32, eager attention, ``use_cache=False``, ``torch.inference_mode``,
-``torch.set_num_threads(t)``) and ours (threadpoolctl limited to t BLAS threads; our numba
-kernels are single-threaded), interleaved, best of --trials after a warm-up, and prints
+Then, for each thread count and shape (batch x seq; --seqs alone means batch 1; the same
+random ids for both), it times transformers (float32, eager attention, ``use_cache=False``,
+``torch.inference_mode``, ``torch.set_num_threads(t)``) and ours (threadpoolctl limited to t
+BLAS threads, and our numba kernels to t threads), interleaved, best of --trials after a warm-up, and prints
 ours/HF (< 1: ours is faster) and the largest absolute logits difference.
 """
 
@@ -64,30 +65,71 @@ def build_hf(hf_dir: Path, preset: str, seed: int):
     return model
 
 
+def flat_gemm_patch():
+    """Patch model.attention/mlp so every projection is one (B*T, C) @ W.T GEMM, as the Linear
+    objects of issue 10 section 1 do (numpy runs (B, T, C) @ W.T as B GEMMs). Returns an undo."""
+    from rlx_mpi import kernels
+    from rlx_mpi.llama import model
+
+    saved = (model.attention, model.mlp)
+
+    def attention(x, w, head_dim, cos, sin, reduce=model._identity):
+        B, T, C = x.shape
+        x2 = x.reshape(B * T, C)
+        nh, nkv = w.q_proj.shape[0] // head_dim, w.k_proj.shape[0] // head_dim
+        q = (x2 @ w.q_proj.T).reshape(B, T, nh, head_dim).transpose(0, 2, 1, 3)
+        k = (x2 @ w.k_proj.T).reshape(B, T, nkv, head_dim).transpose(0, 2, 1, 3)
+        v = (x2 @ w.v_proj.T).reshape(B, T, nkv, head_dim).transpose(0, 2, 1, 3)
+        q, k = model.apply_rope(q, cos, sin), model.apply_rope(k, cos, sin)
+        y = kernels.attend(q, k, v).reshape(B * T, nh * head_dim)
+        return reduce((y @ w.o_proj.T).reshape(B, T, C))
+
+    def mlp(x, w, reduce=model._identity):
+        B, T, C = x.shape
+        x2 = x.reshape(B * T, C)
+        silu = kernels.silu_mul_(x2 @ w.gate_proj.T, x2 @ w.up_proj.T)
+        return reduce((silu @ w.down_proj.T).reshape(B, T, C))
+
+    model.attention, model.mlp = attention, mlp
+
+    def undo():
+        model.attention, model.mlp = saved
+    return undo
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small", help="shape of the model (default small)")
     ap.add_argument("--seqs", default="128,512", help="comma-separated sequence lengths (default 128,512)")
+    ap.add_argument("--shapes", default=None,
+                    help="comma-separated BATCHxSEQ shapes, e.g. 1x512,16x128,8x512 (overrides --seqs)")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     ap.add_argument("--trials", type=int, default=5, help="timed forwards per variant, interleaved; best kept (default 5)")
-    ap.add_argument("--hf-dir", default="/tmp/rlx_bench_hf_small", help="where to save_pretrained the model")
-    ap.add_argument("--ckpt", default="/tmp/rlx_bench_hf_small.h5", help="where to write the converted checkpoint")
+    ap.add_argument("--hf-dir", default=None, help="where to save_pretrained the model (/tmp/rlx_bench_hf_PRESET)")
+    ap.add_argument("--ckpt", default=None, help="where to write the converted checkpoint (/tmp/rlx_bench_hf_PRESET.h5)")
+    ap.add_argument("--flat-gemm", action="store_true",
+                    help="also time ours with every projection as one (B*T, C) GEMM (see flat_gemm_patch)")
     add_common_args(ap, quiet_wait_s=30.0)
     args = ap.parse_args()
-    seqs = [int(s) for s in args.seqs.split(",")]
+    if args.shapes:
+        shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+    else:
+        shapes = [(1, int(s)) for s in args.seqs.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
 
     import torch
     import transformers  # noqa: F401 (version in the header)
     from threadpoolctl import threadpool_limits
 
+    from rlx_mpi import kernels
     from rlx_mpi.checkpoint import H5ParamSource
     from rlx_mpi.llama import LlamaStage
     from rlx_mpi.llama.convert import convert_hf
 
     transformers.utils.logging.disable_progress_bar()
     info = machine()
-    hf_dir, ckpt = Path(args.hf_dir), Path(args.ckpt)
+    hf_dir = Path(args.hf_dir or f"/tmp/rlx_bench_hf_{args.preset}")
+    ckpt = Path(args.ckpt or f"/tmp/rlx_bench_hf_{args.preset}.h5")
     hf_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     model = build_hf(hf_dir, args.preset, seed=0)
@@ -95,15 +137,15 @@ def main() -> None:
     with H5ParamSource(ckpt) as src:
         stage = LlamaStage(cfg, src, range(cfg.num_hidden_layers), True, True)
     setup_s = time.perf_counter() - t0
-    print(header(f"bench_hf: transformers vs rlx_mpi LlamaStage, one process, {args.preset}-preset shape, batch 1",
+    print(header(f"bench_hf: transformers vs rlx_mpi LlamaStage, one process, {args.preset}-preset shape",
                  info, f"model built, saved ({hf_dir}), converted ({ckpt}) and loaded in {setup_s:.1f} s; "
                  f"best of {args.trials} interleaved forwards after a warm-up; HF: eager attention, use_cache=False"))
 
     rng = np.random.default_rng(1234)
     rows, results = [], []
     for t in threads:
-        for seq in seqs:
-            ids = rng.integers(0, cfg.vocab_size, (1, seq), dtype=np.int64)
+        for batch, seq in shapes:
+            ids = rng.integers(0, cfg.vocab_size, (batch, seq), dtype=np.int64)
             ids_t = torch.from_numpy(ids)
 
             def hf():
@@ -112,30 +154,47 @@ def main() -> None:
                     return model(input_ids=ids_t, use_cache=False).logits
 
             def ours():
+                getattr(kernels, "set_threads", lambda n: None)(t)  # (absent before blocked attention)
                 with threadpool_limits(limits=t):
                     return stage.forward(ids)
+
+            def ours_flat():
+                undo = flat_gemm_patch()
+                try:
+                    return ours()
+                finally:
+                    undo()
 
             busy = wait_quiet(args.quiet, args.quiet_wait) if args.quiet_wait > 0 else None
             diff = float(np.abs(ours() - hf().numpy()).max())  # also the warm-up of both
             scale = float(np.abs(hf().numpy()).max())
-            times = {"hf": [], "ours": []}
+            variants = [("hf", hf), ("ours", ours)] + ([("ours_flat", ours_flat)] if args.flat_gemm else [])
+            flat_diff = float(np.abs(ours_flat() - hf().numpy()).max()) if args.flat_gemm else None
+            times = {name: [] for name, _ in variants}
             for _ in range(args.trials):
-                for name, fn in (("hf", hf), ("ours", ours)):
+                for name, fn in variants:
                     time.sleep(0.05)  # let the other library's spinning worker threads go idle
                     start = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - start)
             best = {k: min(v) * 1e3 for k, v in times.items()}
             med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-            results.append({"threads": t, "seq": seq, "best_ms": best, "median_ms": med,
+            results.append({"threads": t, "batch": batch, "seq": seq, "best_ms": best, "median_ms": med,
                             "ours_over_hf": best["ours"] / best["hf"], "max_abs_diff": diff, "max_abs_logit": scale,
+                            "ours_flat_over_hf": best["ours_flat"] / best["hf"] if args.flat_gemm else None,
+                            "flat_max_abs_diff": flat_diff,
                             "busy_before": busy})
-            rows.append([str(t), str(seq), f"{best['hf']:.1f}", f"{best['ours']:.1f}", f"{med['hf']:.1f}",
-                         f"{med['ours']:.1f}", f"{best['ours'] / best['hf']:.2f}", f"{diff:.1e}", f"{scale:.1f}"])
-            print(f"# threads {t}, seq {seq} done (CPU {'?' if busy is None else f'{100 * busy:.0f}%'} busy "
-                  "before it)", flush=True)
-    print(fmt_table(["threads", "seq", "hf_best_ms", "ours_best_ms", "hf_med_ms", "ours_med_ms", "ours/hf",
-                     "max_abs_diff", "max_abs_logit"], rows))
+            rows.append([str(t), f"{batch}x{seq}", f"{best['hf']:.1f}", f"{best['ours']:.1f}", f"{med['hf']:.1f}",
+                         f"{med['ours']:.1f}", f"{best['ours'] / best['hf']:.2f}", f"{diff:.1e}", f"{scale:.1f}"]
+                        + ([f"{best['ours_flat']:.1f}", f"{best['ours_flat'] / best['hf']:.2f}"] if args.flat_gemm else []))
+            flat = f", flat/hf {best['ours_flat'] / best['hf']:.2f}" if args.flat_gemm else ""
+            print(f"# threads {t}, shape {batch}x{seq}: ours/hf {best['ours'] / best['hf']:.2f}{flat} (best ms: "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in best.items())
+                  + f"; CPU {'?' if busy is None else f'{100 * busy:.0f}%'} busy before it)", flush=True)
+            save_json(args.json, {"bench": "hf", "machine": info, "preset": args.preset, "trials": args.trials,
+                                  "partial": True, "results": results})  # a killed run keeps its cases
+    print(fmt_table(["threads", "BxT", "hf_best_ms", "ours_best_ms", "hf_med_ms", "ours_med_ms", "ours/hf",
+                     "max_abs_diff", "max_abs_logit"] + (["flat_best_ms", "flat/hf"] if args.flat_gemm else []), rows))
     print(f"# load average at the end: {loadavg()}")
     save_json(args.json, {"bench": "hf", "machine": info, "preset": args.preset, "trials": args.trials,
                           "model_config": json.loads(cfg.to_json()), "results": results})

@@ -53,14 +53,9 @@ def _pin_threads(cpus: int | None) -> None:
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(limits=cpus)
-    _pin_numba_threads(cpus)
+    from . import kernels
 
-
-def _pin_numba_threads(cpus: int) -> None:
-    """The low-precision matvec kernels use numba's threads: the same share as BLAS's."""
-    import numba
-
-    numba.set_num_threads(max(1, min(cpus, numba.config.NUMBA_NUM_THREADS)))
+    kernels.set_threads(cpus)  # numba's prange kernels get the same share as BLAS
 
 
 class Cluster:

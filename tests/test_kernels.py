@@ -79,3 +79,154 @@ def test_attend(B, nh, nkv, T, S, window, pos):
     got = kernels.attend(q, k, v, given, window)
     assert got.shape == (B, T, nh, hs) and got.dtype == np.float32 and got.flags.c_contiguous
     np.testing.assert_allclose(got, naive_attend(q, k, v, q_pos, window), atol=2e-6)
+
+
+def dense_attend(q, k, v, q_pos, window=0):
+    """The same definition in float64, vectorised per (b, head) (for shapes too big for the loop)."""
+    B, nh, T, hs = q.shape
+    nkv, S = k.shape[1], k.shape[2]
+    j = np.arange(S)
+    visible = j[None, None, :] <= q_pos[:, :, None]  # (B, T, S)
+    if window > 0:
+        visible &= j[None, None, :] > q_pos[:, :, None] - window
+    y = np.zeros((B, T, nh, hs))
+    for b in range(B):
+        for h in range(nh):
+            kv = h // (nh // nkv)
+            s = q[b, h].astype(np.float64) @ k[b, kv].astype(np.float64).T / np.sqrt(hs)
+            s = np.where(visible[b], s, -np.inf)
+            w = np.exp(s - s.max(-1, keepdims=True))
+            y[b, :, h] = (w / w.sum(-1, keepdims=True)) @ v[b, kv].astype(np.float64)
+    return y
+
+
+def _qkv(rng, B, nh, nkv, T, S, hs, scale=1.0):
+    q = (rng.standard_normal((B, nh, T, hs)) * scale).astype(np.float32)
+    k = (rng.standard_normal((B, nkv, S, hs)) * scale).astype(np.float32)
+    v = rng.standard_normal((B, nkv, S, hs)).astype(np.float32)
+    return q, k, v
+
+
+@pytest.mark.parametrize("B, nh, nkv, T, S, window, pos", [
+    (1, 3, 1, 7, 7, 0, "causal"), (2, 4, 2, 13, 21, 0, "causal"), (2, 2, 2, 11, 11, 5, "causal"),
+    (3, 4, 2, 9, 30, 7, "ragged"), (1, 2, 1, 17, 17, 1, "causal"), (2, 6, 3, 5, 40, 0, "ragged")])
+def test_attend_tiny_blocks(monkeypatch, B, nh, nkv, T, S, window, pos):
+    """Blocks of 4 queries x 8 keys: many blocks, partial edges, skipped and masked key blocks."""
+    monkeypatch.setattr(kernels, "_Q_BLOCK", 4)
+    monkeypatch.setattr(kernels, "_K_BLOCK", 8)
+    rng = np.random.default_rng(3)
+    q, k, v = _qkv(rng, B, nh, nkv, T, S, 6, scale=2.0)  # large logits: the running max moves
+    if pos == "causal":
+        q_pos, given = np.broadcast_to(np.arange(S - T, S), (B, T)), None
+    else:
+        last = rng.integers(T - 1, S, size=B)
+        q_pos = given = (last[:, None] - np.arange(T)[::-1][None, :]).astype(np.int64)
+    np.testing.assert_allclose(kernels.attend(q, k, v, given, window), naive_attend(q, k, v, q_pos, window),
+                               atol=3e-6)
+
+
+@pytest.mark.parametrize("B, nh, nkv, T, S, window", [
+    (1, 4, 2, 1100, 1100, 0),  # 3 query blocks x 2 key blocks, causal prefill
+    (2, 2, 1, 130, 2500, 0),  # 3 key blocks, queries at the end of a long prefix
+    (1, 2, 2, 600, 1300, 300),  # sliding window across block edges
+    (1, 8, 2, 1, 3000, 0),  # decode: one query, long cache
+    (3, 4, 4, 2, 777, 100)])  # decode of 2 tokens with a window
+def test_attend_long(B, nh, nkv, T, S, window):
+    rng = np.random.default_rng(4)
+    q, k, v = _qkv(rng, B, nh, nkv, T, S, 16)
+    q_pos = np.broadcast_to(np.arange(S - T, S), (B, T))
+    got = kernels.attend(q, k, v, None, window)
+    np.testing.assert_allclose(got, dense_attend(q, k, v, q_pos, window), atol=2e-6)
+
+
+@pytest.mark.parametrize("T", [1, 3, 40])
+def test_attend_strided_cache_view(T):
+    """k/v as a prefix of a bigger cache (strided along S and B), q from a transposed projection."""
+    rng = np.random.default_rng(5)
+    B, nh, nkv, hs, S, cap = 2, 4, 2, 8, 37, 64
+    cache_k = rng.standard_normal((B, nkv, cap, hs)).astype(np.float32)
+    cache_v = rng.standard_normal((B, nkv, cap, hs)).astype(np.float32)
+    k, v = cache_k[:, :, :S], cache_v[:, :, :S]
+    q = rng.standard_normal((B, T, nh, hs)).astype(np.float32).transpose(0, 2, 1, 3)  # (B, nh, T, hs) view
+    q_pos = np.stack([np.arange(S - T, S) % S, np.arange(T) * 7 % S]).astype(np.int64)  # any order
+    got = kernels.attend(q, k, v, q_pos)
+    assert got.flags.c_contiguous and got.shape == (B, T, nh, hs)
+    np.testing.assert_allclose(got, dense_attend(q, k, v, q_pos), atol=2e-6)
+
+
+def test_attend_matches_materialised_scores():
+    """Within float32 rounding of the old (B, nh, T, S) implementation at a model-like shape."""
+    rng = np.random.default_rng(6)
+    B, nh, nkv, T, hs = 2, 8, 4, 600, 64
+    q, k, v = _qkv(rng, B, nh, nkv, T, T, hs)
+    g = nh // nkv
+    scores = (q.reshape(B, nkv, g * T, hs) @ k.transpose(0, 1, 3, 2)).reshape(B, nkv, g, T, T) * np.float32(hs ** -0.5)
+    probs = kernels.causal_softmax_(np.ascontiguousarray(scores), 0)
+    old = (probs.reshape(B, nkv, g * T, T) @ v).reshape(B, nh, T, hs).transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(kernels.attend(q, k, v), old, atol=1e-6, rtol=1e-5)
+
+
+def test_attend_rejects_bad_input():
+    q, kv = np.zeros((1, 2, 3, 4), np.float32), np.zeros((1, 1, 3, 4), np.float32)
+    with pytest.raises(TypeError, match="float32"):
+        kernels.attend(q.astype(np.float64), kv, kv)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.attend(q, kv[..., :2], kv)
+    with pytest.raises(ValueError, match="negative"):
+        kernels.attend(q, kv, kv, np.array([[-1, 0, 1]]))
+    with pytest.raises(ValueError, match="q_pos"):
+        kernels.attend(q, kv, kv, np.zeros((1, 2), np.int64))
+
+
+def naive_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def test_rope():
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 7, 5, 10)).astype(np.float32).transpose(0, 2, 1, 3)  # (3, 5, 7, 10) strided
+    cos, sin = (rng.standard_normal((7, 10)).astype(np.float32) for _ in range(2))
+    got = kernels.rope(x, cos, sin)
+    assert got.flags.c_contiguous and got.shape == x.shape
+    np.testing.assert_array_equal(got, naive_rope(x, cos, sin))  # same float32 operations
+    cos_b, sin_b = (rng.standard_normal((3, 1, 7, 10)).astype(np.float32) for _ in range(2))
+    np.testing.assert_array_equal(kernels.rope(x, cos_b, sin_b), naive_rope(x, cos_b, sin_b))
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.rope(x, cos[:6], sin[:6])
+    with pytest.raises(TypeError, match="float32"):
+        kernels.rope(x.astype(np.float64), cos, sin)
+
+
+def test_silu_mul():
+    rng = np.random.default_rng(8)
+    gate = (rng.standard_normal((3, 4, 37)) * 6).astype(np.float32)
+    up = rng.standard_normal((3, 4, 37)).astype(np.float32)
+    g64 = gate.astype(np.float64)
+    want = g64 / (1 + np.exp(-g64)) * up
+    got = kernels.silu_mul_(gate.copy(), up)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="differ"):
+        kernels.silu_mul_(gate, up[..., :5].copy())
+
+
+def test_attend_memory_follows_the_planner_estimate():
+    """The peak numpy allocation of a prefill is the block workspace, not the (B, nh, T, S) scores."""
+    import tracemalloc
+
+    from rlx_mpi.llama.config import PRESETS
+
+    B, nh, nkv, T, hs = 1, 4, 2, 3000, 32
+    q, k, v = _qkv(np.random.default_rng(9), B, nh, nkv, T, T, hs)
+    kernels.attend(q[:, :, :200], k[:, :, :200], v[:, :, :200])  # warm
+    tracemalloc.start()
+    y = kernels.attend(q, k, v)
+    peak = tracemalloc.get_traced_memory()[1] - y.nbytes
+    tracemalloc.stop()
+    estimate = kernels.attend_workspace_bytes(B, nh, T, hs)
+    assert peak <= 1.5 * estimate, (peak, estimate)
+    assert estimate < B * nh * T * T * 4 / 10  # far below the materialised scores
+    cfg = PRESETS["medium"]  # and the planner's activation estimate grows linearly in seq now
+    act = [cfg.cost(1, s).act_bytes for s in (2048, 4096, 8192)]
+    assert act[2] - act[1] == 2 * (act[1] - act[0])

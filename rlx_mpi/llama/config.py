@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
+from ..kernels import attend_workspace_bytes
 from ..placement import ModelCost
 
 __all__ = ["LlamaConfig", "PRESETS", "expected_shapes"]
@@ -111,7 +112,7 @@ class LlamaConfig:
             head_flops_per_token=2.0 * v * h,
             kv_bytes_per_layer=2 * tokens * self.kv_dim * 4,
             act_bytes=tokens * 4 * (3 * h + 2 * self.intermediate_size + v)
-            + batch * self.num_attention_heads * seq * seq * 4,
+            + attend_workspace_bytes(batch, self.num_attention_heads, seq, self.head_dim),  # blocked: no seq^2
             tokens=tokens,
         )
 

@@ -38,9 +38,7 @@ def rope_tables(seq: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.n
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    half = x.shape[-1] // 2
-    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    return kernels.rope(x, cos, sin)  # x * cos + rotate_half(x) * sin, fused; C-contiguous (B, H, T, hs)
 
 
 def attention(x: np.ndarray, w: LayerWeights, head_dim: int, cos: np.ndarray, sin: np.ndarray,
@@ -58,8 +56,8 @@ def attention(x: np.ndarray, w: LayerWeights, head_dim: int, cos: np.ndarray, si
 
 def mlp(x: np.ndarray, w: LayerWeights, reduce: Reduce = _identity) -> np.ndarray:
     gate = w.gate_proj(x)
-    silu = gate / (1.0 + np.exp(-gate))
-    return reduce(w.down_proj(silu * w.up_proj(x)))  # row-parallel over I
+    silu = kernels.silu_mul_(gate, w.up_proj(x))  # silu(gate) * up, in place: no temporaries
+    return reduce(w.down_proj(silu))  # row-parallel over I
 
 
 def block(x: np.ndarray, w: LayerWeights, head_dim: int, eps: float, cos: np.ndarray,
