@@ -28,11 +28,10 @@ from .caps import NodeCaps, probe_local
 from .checkpoint import H5ParamSource, read_header
 from .config import JobConfig, load_job
 from .errors import CheckpointError, ConfigError, InputError
-from .faults import RankContext, agree, report_and_abort, wait
+from .faults import RankContext, agree, report_and_abort
 from .placement import Assignment, ModelCost, plan_placement
-from .schedule import FORWARD, RECV, SEND, forward_schedule
 from .stage import Stage, TensorParallel, get_family
-from .stats import ClusterRun, StageTiming
+from .stats import ClusterRun
 from .topology import Topology, make_grid
 
 __all__ = ["Cluster", "peak_rss_bytes"]
@@ -72,6 +71,7 @@ class Cluster:
         self.stage: Stage | None = None
         self.build_ms = 0.0
         self._prepared = False
+        self.phases: list[tuple[str, float, float]] = []  # start-up (name, perf_counter start, seconds) for the trace
 
     # -- start-up (agreed) ---------------------------------------------------------------------
 
@@ -252,85 +252,25 @@ class Cluster:
 
     # -- the run (faults abort) ----------------------------------------------------------------
 
-    def drive(self, ids: np.ndarray | None = None) -> ClusterRun | None:
+    def drive(self, ids: np.ndarray | None = None, *, trace: bool = False) -> ClusterRun | None:
         """One forward of ``ids`` [batch, seq] (given on rank 0) through the stages.
 
         Returns the `ClusterRun` with logits on rank 0 and None on the other ranks. Any
-        exception or expired deadline on any rank is reported once and aborts the job.
+        exception or expired deadline on any rank is reported once and aborts the job. The run
+        loop is `executor.forward`; ``trace`` also gathers every rank's spans on rank 0.
         """
         try:
-            return self._drive(ids)
+            return self._drive(ids, trace)
         except Exception:
             report_and_abort(self.world, self.ctx, sys.exc_info())
             raise
 
-    def _drive(self, ids: np.ndarray | None) -> ClusterRun | None:
+    def _drive(self, ids: np.ndarray | None, trace: bool = False) -> ClusterRun | None:
         if self.stage is None:
             self.build()
-        job, topo, stage, a = self.job, self.topology, self.stage, self.assignment
-        timeout = job.run.timeout_s
-        if self.is_root and ids is None:
-            ids = self._random_ids(self.batch, self.seq)
-        ids = transport.bcast_array(self.world, ids, 0, timeout, self.ctx, "the input ids")
-        batch, seq = ids.shape
-        microbatches = job.run.microbatches
-        mb = batch // microbatches
-        # Note: a stuck stage stalls every stage after it (waiting to receive) and, once buffers
-        # fill, every stage before it (waiting to send). Deadlines are staggered so the rank
-        # next to the stuck one expires first and the job names the right rank: receives wait
-        # longer the later the stage, sends the earlier, and rank 0's wait for the logits,
-        # which needs the whole pipeline, longest.
-        grace = max(1.0, 0.1 * timeout)
-        link = transport.Link(self.world, self.ctx, timeout + topo.stage * grace,
-                              send_timeout_s=timeout + (topo.n_stages - 1 - topo.stage) * grace)
-        in_buf = None
-        if not a.first:  # shapes fixed from the plan: the previous stage's output
-            in_buf = np.empty(*self.family.output_spec(self.model_config, mb, seq, last=False))
-        out_shape, out_dtype = stage.output_spec(batch, seq)
-        logits = np.empty(out_shape, dtype=out_dtype) if a.last and topo.tp_rank == 0 else None
+        from .executor import forward
 
-        wait(self.world.Ibarrier(), timeout, self.ctx, lambda: "every rank to start the forward", "some rank")
-        start = time.perf_counter()
-        forward_s = 0.0
-        out = None
-        for action in forward_schedule(topo.stage, topo.n_stages, microbatches):
-            m = action.microbatch
-            self.ctx.microbatch = m
-            if action.kind == RECV:
-                link.recv(in_buf, topo.prev, m, f"the hidden state of microbatch {m}")
-            elif action.kind == FORWARD:
-                x = ids[m * mb:(m + 1) * mb] if a.first else in_buf
-                t0 = time.perf_counter()
-                out = stage.forward(x)
-                forward_s += time.perf_counter() - t0
-                if logits is not None:
-                    logits[m * mb:(m + 1) * mb] = out
-            elif action.kind == SEND:
-                link.send(np.ascontiguousarray(out, dtype=np.float32), topo.next, m,
-                          f"the hidden state of microbatch {m}")
-        self.ctx.microbatch = None
-
-        # The logits travel from the last stage to rank 0, outside the per-stage counters.
-        final = transport.Link(self.world, self.ctx, timeout + topo.n_stages * grace)
-        if self.is_root and logits is None:
-            logits = np.empty(*self.family.output_spec(self.model_config, batch, seq, last=True))
-            final.recv(logits, topo.output_rank, microbatches, "the logits")
-        elif logits is not None and not self.is_root:
-            final.send(logits, 0, microbatches, "the logits")
-        total_ms = (time.perf_counter() - start) * 1e3
-
-        timing = StageTiming(
-            rank=self.world.rank, host=self.ctx.host, stage=a.stage, tp_rank=topo.tp_rank, tp_ranks=a.ranks,
-            layers=a.layers, device=self.job.override_for(self.world.rank).device, build_ms=self.build_ms,
-            forward_ms=forward_s * 1e3, recv_wait_ms=link.recv_wait_s * 1e3, send_ms=link.send_s * 1e3,
-            bytes_sent=link.bytes_sent, est_bytes=a.est_bytes, weight_bytes=stage.weight_bytes,
-            peak_rss_bytes=peak_rss_bytes())
-        rows = transport.gather_json(self.world, timing.to_dict(), 0, timeout + (topo.n_stages + 1) * grace,
-                                     self.ctx, "the stage timings")
-        if not self.is_root:
-            return None
-        return ClusterRun(timings=[StageTiming.from_dict(r) for r in rows], total_forward_ms=total_ms,
-                          tokens=batch * seq, microbatches=microbatches, output=logits)
+        return forward(self, ids, trace=trace)
 
     def close(self) -> None:
         if self.topology is not None and self.topology.tp_comm is not None:

@@ -29,6 +29,9 @@ class StageTiming:
     est_bytes: int  # the planner's estimate of resident bytes
     weight_bytes: int  # weights this rank actually holds
     peak_rss_bytes: int  # measured high-water mark of the process
+    pack_ms: float = 0.0  # encoding outputs to the wire format (0 with f32: no copy)
+    unpack_ms: float = 0.0  # decoding received inputs to float32
+    wall_ms: float = 0.0  # from the common start of the forward to this rank's last action
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -54,6 +57,8 @@ class ClusterRun:
     tokens: int
     microbatches: int = 1
     output: np.ndarray | None = field(default=None, repr=False)
+    wire: str = "f32"  # the [run] wire format
+    spans: dict | None = field(default=None, repr=False)  # rank -> [[name, cat, start_s, dur_s, args]] with --trace
 
     @property
     def tokens_per_s(self) -> float:

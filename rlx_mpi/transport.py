@@ -15,7 +15,7 @@ import numpy as np
 from .errors import RankFault
 from .faults import RankContext, wait
 
-__all__ = ["Link", "bcast_json", "gather_json", "bcast_array"]
+__all__ = ["Link", "Pending", "bcast_json", "gather_json", "bcast_array"]
 
 
 @dataclass
@@ -53,6 +53,61 @@ class Link:
             raise RankFault(self.ctx.describe(), f"expected {buf.nbytes} bytes of {what} from rank {source}, "
                             f"actual {got}", "the ranks disagree on the plan; this is a bug, please report it")
         return buf
+
+
+    # -- non-blocking: the executor posts early and waits late ----------------------------------
+
+    def isend(self, buf: np.ndarray, dest: int, tag: int, what: str) -> "Pending":
+        """Post a send of ``buf`` (C-contiguous, untouched until waited) to ``dest``."""
+        self.bytes_sent += buf.nbytes
+        return Pending(self, self.comm.Isend(buf, dest=dest, tag=tag), None, buf, dest, what, True)
+
+    def irecv(self, buf: np.ndarray, source: int, tag: int, what: str) -> "Pending":
+        """Post a receive of exactly ``buf.nbytes`` bytes from ``source`` into ``buf``."""
+        from mpi4py import MPI
+
+        status = MPI.Status()
+        return Pending(self, self.comm.Irecv(buf, source=source, tag=tag), status, buf, source, what, False)
+
+
+@dataclass
+class Pending:
+    """A posted send or receive; `wait` finishes it under the link's (staggered) deadline."""
+
+    link: Link
+    request: Any
+    status: Any  # MPI.Status for receives (to check the byte count), None for sends
+    buf: np.ndarray
+    peer: int
+    what: str
+    is_send: bool
+
+    def wait(self) -> float:
+        """Block until done or the deadline; returns the seconds waited (also counted on the link)."""
+        link, peer, what = self.link, self.peer, self.what
+        t0 = time.perf_counter()
+        if self.is_send:
+            timeout = link.timeout_s if link.send_timeout_s is None else link.send_timeout_s
+            wait(self.request, timeout, link.ctx, lambda: f"rank {peer} to take {what}", f"rank {peer}")
+            waited = time.perf_counter() - t0
+            link.send_s += waited
+            return waited
+        wait_status(self.request, self.status, link.timeout_s, link.ctx, lambda: f"{what} from rank {peer}",
+                    f"rank {peer}")
+        waited = time.perf_counter() - t0
+        link.recv_wait_s += waited
+        _check_count(self.status, self.buf, link.ctx, what, peer)
+        return waited
+
+
+def _check_count(status: Any, buf: np.ndarray, ctx: RankContext, what: str, source: int) -> None:
+    from mpi4py import MPI
+
+    got = status.Get_count(MPI.BYTE)
+    if got != buf.nbytes:
+        raise RankFault(ctx.describe(), f"expected {buf.nbytes} bytes of {what} from rank {source}, "
+                        f"actual {got}", "the ranks disagree on the plan or the wire format; this is a bug, "
+                        "please report it")
 
 
 def wait_status(request: Any, status: Any, timeout_s: float, ctx: RankContext, waiting_for, suspect: str) -> None:

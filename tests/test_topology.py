@@ -39,9 +39,11 @@ def test_tp_must_divide_ranks():
 
 
 def test_schedule_actions():
-    assert [str(a) for a in forward_schedule(0, 3, 2)] == ["0F0", "0S0", "0F1", "0S1"]
-    assert [str(a) for a in forward_schedule(1, 3, 2)] == ["1R0", "1F0", "1S0", "1R1", "1F1", "1S1"]
-    assert [str(a) for a in forward_schedule(2, 3, 1)] == ["2R0", "2F0"]
+    assert [str(a) for a in forward_schedule(0, 3, 2)] == ["0F0", "0pS0", "0F1", "0pS1", "0wS0", "0wS1"]
+    assert [str(a) for a in forward_schedule(1, 3, 3)] == [
+        "1pR0", "1pR1", "1wR0", "1F0", "1pR2", "1pS0", "1wR1", "1F1", "1pS1", "1wR2", "1F2", "1wS0", "1pS2",
+        "1wS1", "1wS2"]
+    assert [str(a) for a in forward_schedule(2, 3, 1)] == ["2pR0", "2wR0", "2F0"]
     assert [str(a) for a in forward_schedule(0, 1, 1)] == ["0F0"]
 
 

@@ -1,0 +1,325 @@
+"""Runs one rank's list of actions (`schedule.py`) over a `transport.Link`: the hot path.
+
+The executor knows nothing about pipelines or models. A schedule says, per action, which
+microbatch, which buffer slot and which peer stage; compute is a callback; a codec (`wire.py`)
+sits between the stage's float32 output and the bytes on the wire. So the GPipe forward and
+a decode ring (last stage -> first stage carrying sampled tokens) are two schedules of one loop.
+
+    ex = Executor(link, ctx, rank_of=lambda stage: world_rank, codec=get_codec("bf16", where))
+    stats = ex.run(actions, compute, recv_spec)
+        actions    list[schedule.Action] of this rank, in order
+        compute    (m, x) -> out | None: x is microbatch m's received input (float32 after unpack,
+                   or the raw dtype without codec), None when this rank receives nothing for m;
+                   out is what a later POST_SEND of m sends (None if never sent)
+        recv_spec  (action) -> (shape, dtype): what a POST_RECV of action.microbatch receives
+        codec_for  optional (peer stage) -> Codec | None, per link (default: the executor's codec
+                   for float32 payloads; None sends/receives the raw array, e.g. int64 tokens)
+        tag_base   added to the microbatch for the MPI tag (successive runs on one link)
+    ex.spans       [(name, cat, start_s, dur_s, args)], start_s from ``ex.origin`` (perf_counter)
+    ex.stats       ExecStats: seconds in compute/pack/unpack/recv_wait/send_wait, wall, bytes
+
+Buffers: a small pool keyed by (direction, slot), grown to the largest shape seen and viewed
+for smaller microbatches, so steady state allocates nothing. With the f32 codec a send is the
+output array itself (no copy; kept alive until its wait) and a receive lands in the pool slot
+that compute reads. Every wait goes through `Pending.wait` (faults.wait), with the link's
+staggered deadlines and the named-rank messages of the reliability work.
+
+`forward(cx, ids)` is the `rlx-mpi run` forward on a built `Cluster`: broadcast the ids, cut
+the batch into microbatches (the last ones smaller when uneven), run the GPipe schedule, route
+the logits to rank 0, gather the per-rank timings (and the trace spans) there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from . import transport
+from .errors import RankFault
+from .faults import RankContext, wait
+from .schedule import COMPUTE, POST_RECV, POST_SEND, WAIT_RECV, WAIT_SEND, Action, forward_schedule
+
+__all__ = ["Executor", "ExecStats", "forward", "microbatch_bounds"]
+
+log = logging.getLogger("rlx_mpi")
+
+SpanTuple = tuple  # (name, cat, start_s, dur_s, args)
+
+
+@dataclass
+class ExecStats:
+    """Seconds this rank spent in each kind of work during `Executor.run` calls."""
+
+    compute_s: float = 0.0
+    pack_s: float = 0.0
+    unpack_s: float = 0.0
+    recv_wait_s: float = 0.0
+    send_wait_s: float = 0.0
+    wall_s: float = 0.0  # first action to last, summed over runs
+    bytes_sent: int = 0
+
+    @property
+    def busy(self) -> float:
+        return self.compute_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _hidden(m: int) -> str:
+    return f"the hidden state of microbatch {m}"
+
+
+class Executor:
+    """One rank's action interpreter: posts, waits, packs, computes; records timings."""
+
+    def __init__(self, link: transport.Link, ctx: RankContext, *, rank_of: Callable[[int], int],
+                 codec: Any = None, what: Callable[[int], str] = _hidden, record: bool = True):
+        self.link, self.ctx, self.rank_of, self.codec, self.what = link, ctx, rank_of, codec, what
+        self.record = record
+        self.stats = ExecStats()
+        self.spans: list[SpanTuple] = []
+        self.origin = time.perf_counter()
+        self._pool: dict[tuple[str, int], np.ndarray] = {}
+
+    # -- buffers ------------------------------------------------------------------------------
+
+    def _buffer(self, key: tuple[str, int], shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A C-contiguous view of the pool buffer ``key``, grown when too small."""
+        n = int(np.prod(shape))
+        flat = self._pool.get(key)
+        if flat is None or flat.dtype != dtype or flat.size < n:
+            flat = self._pool[key] = np.empty(n, dtype=dtype)
+        return flat[:n].reshape(shape)
+
+    def _in_pool(self, a: np.ndarray) -> bool:
+        return any(np.may_share_memory(a, b) for b in self._pool.values())
+
+    def _span(self, name: str, cat: str, t0: float, t1: float, m: int) -> None:
+        if self.record:
+            self.spans.append((name, cat, t0 - self.origin, t1 - t0, {"microbatch": m}))
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def run(self, actions: list[Action], compute: Callable[[int, np.ndarray | None], np.ndarray | None],
+            recv_spec: Callable[[Action], tuple[tuple[int, ...], Any]], *,
+            codec_for: Callable[[int], Any] | None = None, tag_base: int = 0) -> ExecStats:
+        """Run ``actions`` in order; see the module docstring for the callbacks."""
+        st, link, ctx = self.stats, self.link, self.ctx
+        recvs: dict[int, tuple[int, transport.Pending, Any, tuple, Any]] = {}  # slot -> (m, pending, codec, shape, dtype)
+        inputs: dict[int, tuple[int, np.ndarray]] = {}  # slot -> (m, received input)
+        sends: dict[int, tuple[int, transport.Pending]] = {}  # slot -> (m, pending)
+        outputs: dict[int, np.ndarray] = {}  # m -> computed output not yet packed
+        start = time.perf_counter()
+        for a in actions:
+            m, ctx.microbatch = a.microbatch, a.microbatch
+            tag = tag_base + m
+            if a.kind == POST_RECV:
+                shape, dtype = recv_spec(a)
+                codec = self._codec(a.peer, dtype, codec_for)
+                wire_dtype = codec.wire_dtype if codec is not None else dtype
+                buf = self._buffer(("r", a.slot), tuple(shape), np.dtype(wire_dtype))
+                recvs[a.slot] = (m, link.irecv(buf, self.rank_of(a.peer), tag, self.what(m)), codec, tuple(shape), dtype)
+            elif a.kind == WAIT_RECV:
+                mm, pending, codec, shape, dtype = recvs.pop(a.slot)
+                _same(mm, m, a)
+                t0 = time.perf_counter()
+                pending.wait()
+                t1 = time.perf_counter()
+                st.recv_wait_s += t1 - t0
+                self._span("recv_wait", "wait", t0, t1, m)
+                x = pending.buf
+                if codec is not None and np.dtype(codec.wire_dtype) != np.float32:
+                    x = codec.unpack(pending.buf, self._buffer(("u", a.slot), shape, np.float32))
+                    t2 = time.perf_counter()
+                    st.unpack_s += t2 - t1
+                    self._span("unpack", "wire", t1, t2, m)
+                inputs[a.slot] = (m, x)
+            elif a.kind == COMPUTE:
+                x = None
+                if a.slot in inputs:  # the slot's received data, whatever microbatch it came as
+                    x = inputs.pop(a.slot)[1]
+                t0 = time.perf_counter()
+                out = compute(m, x)
+                t1 = time.perf_counter()
+                st.compute_s += t1 - t0
+                self._span("compute", "compute", t0, t1, m)
+                if out is not None:
+                    if self._in_pool(out):  # the slot is posted again before this output is sent
+                        out = out.copy()
+                    outputs[m] = out
+            elif a.kind == POST_SEND:
+                out = outputs.pop(m, None)
+                if out is None:
+                    raise RankFault(ctx.describe(), f"the schedule sends microbatch {m} but compute returned nothing "
+                                    "for it", "this is a bug in the schedule or the stage, please report it")
+                codec = self._codec(a.peer, out.dtype, codec_for)
+                t0 = time.perf_counter()
+                if codec is None:
+                    wire = np.ascontiguousarray(out)
+                else:
+                    src = np.ascontiguousarray(out, dtype=np.float32)
+                    same = np.dtype(codec.wire_dtype) == np.float32
+                    wire = codec.pack(src, None if same else self._buffer(("s", a.slot), src.shape, codec.wire_dtype))
+                t1 = time.perf_counter()
+                if wire is not out:
+                    st.pack_s += t1 - t0
+                    self._span("pack", "wire", t0, t1, m)
+                if a.slot in sends:
+                    raise RankFault(ctx.describe(), f"send slot {a.slot} still in flight with microbatch "
+                                    f"{sends[a.slot][0]}", "this is a bug in the schedule, please report it")
+                sends[a.slot] = (m, link.isend(wire, self.rank_of(a.peer), tag, self.what(m)))
+                st.bytes_sent += wire.nbytes
+            elif a.kind == WAIT_SEND:
+                mm, pending = sends.pop(a.slot)
+                _same(mm, m, a)
+                t0 = time.perf_counter()
+                pending.wait()
+                t1 = time.perf_counter()
+                st.send_wait_s += t1 - t0
+                self._span("send_wait", "wait", t0, t1, m)
+            else:
+                raise ValueError(f"unknown action kind {a.kind!r}")
+        ctx.microbatch = None
+        st.wall_s += time.perf_counter() - start
+        if recvs or sends:
+            raise RankFault(ctx.describe(), f"the schedule ended with receives {sorted(recvs)} and sends "
+                            f"{sorted(sends)} still posted", "this is a bug in the schedule, please report it")
+        return st
+
+    def _codec(self, peer: int | None, dtype: Any, codec_for: Callable[[int], Any] | None) -> Any:
+        if codec_for is not None:
+            return codec_for(peer)
+        return self.codec if np.dtype(dtype) == np.float32 else None
+
+
+def _same(posted: int, m: int, a: Action) -> None:
+    if posted != m:
+        raise ValueError(f"action {a}: slot {a.slot} holds microbatch {posted}, not {m} (a schedule bug)")
+
+
+# -- the forward of `rlx-mpi run` --------------------------------------------------------------
+
+
+def microbatch_bounds(batch: int, microbatches: int) -> list[tuple[int, int]]:
+    """Row ranges of the microbatches: near-equal, the first ones one row larger when uneven."""
+    base, extra = divmod(batch, microbatches)
+    bounds, a = [], 0
+    for m in range(microbatches):
+        b = a + base + (1 if m < extra else 0)
+        bounds.append((a, b))
+        a = b
+    return bounds
+
+
+def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
+    """One forward of ``ids`` through a built `Cluster`; `ClusterRun` on rank 0, else None."""
+    from .cluster import peak_rss_bytes
+    from .stats import ClusterRun, StageTiming
+
+    job, topo, stage, a = cx.job, cx.topology, cx.stage, cx.assignment
+    timeout = job.run.timeout_s
+    if cx.is_root and ids is None:
+        ids = cx._random_ids(cx.batch, cx.seq)
+    ids = transport.bcast_array(cx.world, ids, 0, timeout, cx.ctx, "the input ids")
+    batch, seq = ids.shape
+    M = job.run.microbatches
+    if M > batch:
+        raise RankFault(cx.ctx.describe(), f"{M} microbatches for a batch of {batch}",
+                        "load_inputs should have refused this; please report it")
+    bounds = microbatch_bounds(batch, M)
+    # Note: a stuck stage stalls every stage after it (waiting to receive) and, once buffers
+    # fill, every stage before it (waiting to send). Deadlines are staggered so the rank
+    # next to the stuck one expires first and the job names the right rank: receives wait
+    # longer the later the stage, sends the earlier, and rank 0's wait for the logits,
+    # which needs the whole pipeline, longest.
+    grace = max(1.0, 0.1 * timeout)
+    link = transport.Link(cx.world, cx.ctx, timeout + topo.stage * grace,
+                          send_timeout_s=timeout + (topo.n_stages - 1 - topo.stage) * grace)
+    codec = wire_codec(job)
+    hidden_shape, _ = _spec(cx, 1, seq, last=False)
+    logits_shape, _ = _spec(cx, batch, seq, last=True)
+    logits = np.empty(logits_shape, dtype=np.float32) if a.last and topo.tp_rank == 0 else None
+
+    def rank_of(s: int) -> int:  # the matching TP rank of stage s
+        return topo.prev if s < topo.stage else topo.next
+
+    def recv_spec(act: Action):
+        lo, hi = bounds[act.microbatch]
+        return (hi - lo,) + tuple(hidden_shape[1:]), np.float32
+
+    def compute(m: int, x: np.ndarray | None) -> np.ndarray:
+        lo, hi = bounds[m]
+        out = stage.forward(ids[lo:hi] if a.first else x)
+        want = (hi - lo,) + tuple((logits_shape if a.last else hidden_shape)[1:])
+        if out.shape != want:
+            raise RankFault(cx.ctx.describe(), f"the stage returned shape {out.shape} for microbatch {m}, expected "
+                            f"{want} from {type(cx.family).__name__}.output_spec",
+                            "the model family's forward and output_spec disagree: fix the plug-in")
+        if logits is not None:
+            logits[lo:hi] = out
+        return out
+
+    ex = Executor(link, cx.ctx, rank_of=rank_of, codec=codec, record=trace)
+    actions = forward_schedule(topo.stage, topo.n_stages, M)
+    wait(cx.world.Ibarrier(), timeout, cx.ctx, lambda: "every rank to start the forward", "some rank")
+    sync = time.perf_counter()  # every rank leaves the barrier at about the same moment: the trace's zero
+    ex.origin = sync
+    ex.run(actions, compute, recv_spec)
+
+    # The logits travel from the last stage to rank 0, outside the per-stage counters.
+    final = transport.Link(cx.world, cx.ctx, timeout + topo.n_stages * grace)
+    if cx.is_root and logits is None:
+        logits = np.empty(logits_shape, dtype=np.float32)
+        final.recv(logits, topo.output_rank, M, "the logits")
+    elif logits is not None and not cx.is_root:
+        final.send(logits, 0, M, "the logits")
+    total_ms = (time.perf_counter() - sync) * 1e3
+
+    st = ex.stats
+    timing = StageTiming(
+        rank=cx.world.rank, host=cx.ctx.host, stage=a.stage, tp_rank=topo.tp_rank, tp_ranks=a.ranks,
+        layers=a.layers, device=job.override_for(cx.world.rank).device, build_ms=cx.build_ms,
+        forward_ms=st.compute_s * 1e3, recv_wait_ms=st.recv_wait_s * 1e3, send_ms=st.send_wait_s * 1e3,
+        bytes_sent=link.bytes_sent, est_bytes=a.est_bytes, weight_bytes=stage.weight_bytes,
+        peak_rss_bytes=peak_rss_bytes(), pack_ms=st.pack_s * 1e3, unpack_ms=st.unpack_s * 1e3,
+        wall_ms=st.wall_s * 1e3)
+    doc: dict = {"timing": timing.to_dict()}
+    if trace:
+        phases = [(name, "startup", t0 - sync, dur, {}) for name, t0, dur in getattr(cx, "phases", [])]
+        doc["spans"] = [list(s) for s in phases + ex.spans]
+    rows = transport.gather_json(cx.world, doc, 0, timeout + (topo.n_stages + 1) * grace, cx.ctx,
+                                 "the stage timings")
+    if not cx.is_root:
+        return None
+    run = ClusterRun(timings=[StageTiming.from_dict(r["timing"]) for r in rows], total_forward_ms=total_ms,
+                     tokens=batch * seq, microbatches=M, output=logits)
+    run.wire = codec.name if codec is not None else "f32"
+    if trace:
+        run.spans = {r["timing"]["rank"]: r["spans"] for r in rows}
+    return run
+
+
+def _spec(cx: Any, batch: int, seq: int, last: bool) -> tuple[tuple[int, ...], np.dtype]:
+    """The family's `output_spec`: the one place that fixes what a stage hands on."""
+    shape, dtype = cx.family.output_spec(cx.model_config, batch, seq, last)
+    if np.dtype(dtype) != np.float32:
+        raise RankFault(cx.ctx.describe(), f"{type(cx.family).__name__}.output_spec gives dtype {dtype}",
+                        "stages hand on float32 (the [run] wire codec chooses the bytes on the wire)")
+    return tuple(shape), np.dtype(np.float32)
+
+
+def wire_codec(job: Any) -> Any:
+    """The job's ``[run] wire`` codec, or None (raw float32) before `wire.py` exists."""
+    name = getattr(job.run, "wire", "f32")
+    try:
+        from .wire import get_codec
+    except ImportError:
+        if name != "f32":
+            raise
+        return None
+    return get_codec(name, f"{job.path}: [run] wire")
