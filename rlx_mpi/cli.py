@@ -43,6 +43,26 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--json", metavar="STATS.json", help="write the run's per-stage stats as JSON")
     r.add_argument("--plan-only", action="store_true", help="probe and plan on the launched ranks, print the plan, stop")
 
+    g = sub.add_parser("generate", help="complete a file of prompts across the launched ranks (under mpiexec/srun)",
+                       description="Read JSON-lines prompts ({\"id\", \"tokens\"} or {\"id\", \"text\"}), generate "
+                       "across the pipeline with a KV cache, append one JSON line per completed prompt to --out. "
+                       "A rerun of the same command skips the ids already there. SIGTERM/SIGINT/SIGUSR1 finish "
+                       "the current step, write what is complete and exit with code 75 (requeue). Flags "
+                       "override the job's [generate] section. Example: mpiexec -n 2 rlx-mpi generate "
+                       "jobs/tiny.toml --prompts p.jsonl --out c.jsonl",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("job", help="job TOML file (see jobs/)")
+    g.add_argument("--prompts", metavar="PROMPTS.jsonl", help="prompt file (default: [generate] prompts)")
+    g.add_argument("--out", metavar="COMPLETIONS.jsonl", help="output, appended to and resumed (default: [generate] out)")
+    g.add_argument("--max-new-tokens", type=int, metavar="N", help="new tokens per prompt at most")
+    g.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default); else sample")
+    g.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, metavar="P", help="sample within probability mass P (1 = off)")
+    g.add_argument("--seed", type=int, metavar="S", help="seed of the draws (default: [generate] seed, else [run] seed)")
+    g.add_argument("--eos-id", type=int, metavar="ID", help="end-of-sequence token (default: the tokenizer's)")
+    g.add_argument("--batch", type=int, metavar="B", help="sequences per group")
+    g.add_argument("--groups", type=int, metavar="G", help="groups in flight (0 = one per stage)")
+
     pr = sub.add_parser("probe", help="show every launched rank's hardware (under mpiexec/srun)")
     pr.add_argument("job", nargs="?", help="optional job TOML: also checks its checkpoint is readable")
     pr.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -149,6 +169,58 @@ def cmd_run(args) -> int:
                 f.attrs["job"] = str(Path(args.job).resolve())
 
         _write_atomic(args.out, write)
+    return 0
+
+
+def _generate_options(args, job):
+    """The job's [generate] section under the command-line flags, checked."""
+    from .generation import GenerateOptions
+    from .sampling import SamplingParams
+
+    sec = job.generate
+    pick = lambda flag, value: value if flag is None else flag  # noqa: E731
+    prompts = args.prompts or (str(sec.prompts) if sec.prompts else None)
+    out = args.out or (str(sec.out) if sec.out else None)
+    if not prompts:
+        raise ConfigError("generate --prompts", "no prompt file given", "pass --prompts FILE or set [generate] prompts")
+    if not out:
+        raise ConfigError("generate --out", "no output file given", "pass --out FILE or set [generate] out")
+    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--top-k", args.top_k, 0),
+                             ("--seed", args.seed, 0), ("--eos-id", args.eos_id, 0), ("--batch", args.batch, 1),
+                             ("--groups", args.groups, 0)):
+        if value is not None and value < low:
+            raise ConfigError(f"generate {flag}", f"got {value}", f"give an integer >= {low}")
+    seed = pick(args.seed, sec.seed if sec.seed is not None else job.run.seed)
+    sampling = SamplingParams(pick(args.temperature, sec.temperature), pick(args.top_k, sec.top_k),
+                              pick(args.top_p, sec.top_p), seed).check("generate")
+    return GenerateOptions(prompts=Path(prompts), out=Path(out), max_new_tokens=pick(args.max_new_tokens, sec.max_new_tokens),
+                           sampling=sampling, eos_id=pick(args.eos_id, sec.eos_id), batch=pick(args.batch, sec.batch),
+                           groups=pick(args.groups, sec.groups), sync_s=sec.sync_s)
+
+
+def cmd_generate(args) -> int:
+    from mpi4py import MPI
+
+    from .cluster import Cluster
+    from .generation import generate
+    from .journal import REQUEUE_EXIT
+
+    world = MPI.COMM_WORLD
+    _setup_logging(world.rank, args.debug)
+    cx = Cluster.from_path(args.job, debug=args.debug)
+    opts = cx._agree(lambda: _generate_options(args, cx.job))
+    result = generate(cx, opts)
+    if result is None:
+        return 0
+    if cx.is_root:
+        print(result.table())
+        sys.stdout.flush()
+    if result.stopped_by:
+        if cx.is_root:
+            print(f"rlx-mpi: stopped by {result.stopped_by} after the current step: "
+                  f"{result.done_before + result.done_now} of {result.total} prompts are in {opts.out}; "
+                  f"run the same command again to resume (exit code {REQUEUE_EXIT})", file=sys.stderr)
+        return REQUEUE_EXIT
     return 0
 
 
@@ -284,8 +356,8 @@ def cmd_init_model(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "probe": cmd_probe, "plan": cmd_plan, "convert": cmd_convert, "init-model": cmd_init_model}
-MPI_COMMANDS = {"run", "probe"}
+COMMANDS = {"run": cmd_run, "generate": cmd_generate, "probe": cmd_probe, "plan": cmd_plan, "convert": cmd_convert, "init-model": cmd_init_model}
+MPI_COMMANDS = {"run", "generate", "probe"}
 
 
 def main(argv: list[str] | None = None, *, supervise: bool = False) -> int:
