@@ -1,0 +1,198 @@
+"""``rlx-mpi generate`` under a real mpiexec: greedy tokens across rank counts and tensor
+parallelism against transformers and the single-process loop, KV policies, sampling
+reproducibility, and stop signals / kill -9 followed by a resume."""
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import kill_tree, run_cli, start_cli, write_job
+from rlx_mpi.checkpoint import H5ParamSource
+from rlx_mpi.journal import REQUEUE_EXIT
+from rlx_mpi.kv_cache import KvSpec
+from rlx_mpi.llama import PRESETS, LlamaStage
+from rlx_mpi.llama.convert import convert_hf
+from test_generation import cached_greedy, forward_greedy
+
+pytestmark = pytest.mark.mpi
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def write_prompts(path, prompts):
+    path.write_text("".join(json.dumps({"id": pid, "tokens": list(map(int, t))}) + "\n" for pid, t in prompts))
+    return path
+
+
+def rows_of(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def without_ms(rows):
+    return [{k: v for k, v in r.items() if k != "ms"} for r in rows]
+
+
+def generate(tmp_path, ckpt, ranks, prompts_path, out, *flags, run=None, placement=None, ranks_cfg=None,
+             timeout=120, name="job.toml"):
+    sections = {"model": {"checkpoint": str(ckpt)}, "run": {"timeout_s": 30.0, **(run or {})},
+                "placement": {"reserve_ram_gb": 0.0, **(placement or {})}}
+    if ranks_cfg:
+        sections["rank"] = ranks_cfg
+    job = write_job(tmp_path, name, **sections)
+    return run_cli(["generate", job, "--prompts", prompts_path, "--out", out, *flags], ranks=ranks, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def hf_ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf") / "m.h5"
+    convert_hf(FIXTURES / "hf_tiny_llama", out)
+    return out
+
+
+@pytest.mark.parametrize("ranks, tp", [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)])
+def test_greedy_equals_transformers_across_ranks(tmp_path, hf_ckpt, ranks, tp):
+    ref = json.loads((FIXTURES / "hf_tiny_llama" / "generate.json").read_text())
+    prompts = write_prompts(tmp_path / "p.jsonl", [(f"r{i}", p) for i, p in enumerate(ref["prompts"])])
+    out = tmp_path / "c.jsonl"
+    proc = generate(tmp_path, hf_ckpt, ranks, prompts, out, "--max-new-tokens", ref["max_new_tokens"],
+                    placement={"tp": tp})
+    assert proc.returncode == 0, proc.stderr
+    rows = rows_of(out)
+    assert [r["tokens"] for r in rows] == ref["tokens"]
+    assert [r["id"] for r in rows] == ["r0", "r1"]
+    assert all(r["finish_reason"] == "length" and r["new_tokens"] == ref["max_new_tokens"] for r in rows)
+    assert [r["prompt_tokens"] for r in rows] == [len(p) for p in ref["prompts"]]
+    assert "prefill_ms" in proc.stdout and "kv_MB" in proc.stdout  # the per-stage summary
+
+
+MIXED = [(f"m{i}", np.random.default_rng(i).integers(0, 512, n)) for i, n in enumerate([3, 11, 6, 1, 8, 4, 9])]
+
+
+@pytest.fixture(scope="module")
+def tiny_stage(tiny_ckpt):
+    with H5ParamSource(tiny_ckpt) as src:
+        return LlamaStage(PRESETS["tiny"], src, range(8), True, True)
+
+
+@pytest.mark.parametrize("kv, ranks, batch", [("full", 2, 2), ("none", 2, 3), ("full", 3, 1)])
+def test_continuous_batching_equals_single_process(tmp_path, tiny_ckpt, tiny_stage, kv, ranks, batch):
+    """7 prompts of mixed lengths through groups of `batch` slots: slots are reused as rows end;
+    every row equals that prompt generated alone by a plain forward per token."""
+    prompts = write_prompts(tmp_path / "p.jsonl", MIXED)
+    out = tmp_path / "c.jsonl"
+    proc = generate(tmp_path, tiny_ckpt, ranks, prompts, out, "--max-new-tokens", 7, "--batch", batch,
+                    run={"kv_cache": kv})
+    assert proc.returncode == 0, proc.stderr
+    assert [r["tokens"] for r in rows_of(out)] == [forward_greedy(tiny_stage, t, 7) for _, t in MIXED]
+
+
+def test_window_and_per_rank_override(tmp_path, tiny_ckpt, tiny_stage):
+    """window:4 on every rank equals the single-process windowed loop; a [[rank]] override
+    gives the stages different policies (window on stage 0, full on stage 1 = a mixed model),
+    which must differ from both uniform ones."""
+    prompts = write_prompts(tmp_path / "p.jsonl", MIXED[:3])
+    want = cached_greedy(tiny_stage, [t for _, t in MIXED[:3]], 9, KvSpec("window", 4))
+    proc = generate(tmp_path, tiny_ckpt, 2, prompts, tmp_path / "w.jsonl", "--max-new-tokens", 9,
+                    run={"kv_cache": "window:4"})
+    assert proc.returncode == 0, proc.stderr
+    assert [r["tokens"] for r in rows_of(tmp_path / "w.jsonl")] == want
+    proc = generate(tmp_path, tiny_ckpt, 2, prompts, tmp_path / "mix.jsonl", "--max-new-tokens", 9,
+                    ranks_cfg=[{"rank": 0, "kv_cache": "window:4"}])
+    assert proc.returncode == 0, proc.stderr
+    assert "window:4" in proc.stdout and " full " in proc.stdout
+    mixed = [r["tokens"] for r in rows_of(tmp_path / "mix.jsonl")]
+    assert mixed != want and mixed != [forward_greedy(tiny_stage, t, 9) for _, t in MIXED[:3]]
+
+
+def test_sampled_run_reproduces_across_layouts(tmp_path, tiny_ckpt):
+    prompts = write_prompts(tmp_path / "p.jsonl", MIXED)
+    flags = ("--max-new-tokens", 6, "--temperature", 0.9, "--top-k", 40, "--top-p", 0.95, "--seed", 11)
+    a, b, c = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
+    for out, ranks, batch in ((a, 2, 2), (b, 2, 2), (c, 1, 5)):
+        proc = generate(tmp_path, tiny_ckpt, ranks, prompts, out, *flags, "--batch", batch)
+        assert proc.returncode == 0, proc.stderr
+    assert without_ms(rows_of(a)) == without_ms(rows_of(b)) == without_ms(rows_of(c))
+    greedy = tmp_path / "g.jsonl"
+    generate(tmp_path, tiny_ckpt, 1, prompts, greedy, "--max-new-tokens", 6)
+    assert without_ms(rows_of(a)) != without_ms(rows_of(greedy))  # it did sample
+
+
+# -- stop and resume --------------------------------------------------------------------------
+
+LONG = [(f"q{i}", np.random.default_rng(100 + i).integers(0, 512, int(2 + i % 13))) for i in range(40)]
+LONG_FLAGS = ("--max-new-tokens", 30, "--batch", 2)
+
+
+@pytest.fixture(scope="module")
+def long_run(tmp_path_factory, tiny_ckpt):
+    d = tmp_path_factory.mktemp("long")
+    prompts = write_prompts(d / "p.jsonl", LONG)
+    proc = generate(d, tiny_ckpt, 2, prompts, d / "full.jsonl", *LONG_FLAGS)
+    assert proc.returncode == 0, proc.stderr
+    return d, prompts, without_ms(rows_of(d / "full.jsonl"))
+
+
+def start_and_wait_rows(job, prompts, out, rows: int, timeout: float = 60.0):
+    proc = start_cli(["generate", job, "--prompts", prompts, "--out", out, *LONG_FLAGS], ranks=2)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if out.exists() and out.read_bytes().count(b"\n") >= rows:
+            return proc
+        if proc.poll() is not None:
+            break
+        time.sleep(0.01)
+    kill_tree(proc.pid)
+    o, e = proc.communicate()
+    pytest.fail(f"no {rows} rows in {out} in time (exit {proc.returncode})\n{e}")
+
+
+def check_lines(out):
+    """Every line but possibly a torn last one (kill -9) is a whole JSON row."""
+    data = out.read_bytes()
+    lines = data.split(b"\n")
+    for line in lines[:-1]:
+        json.loads(line)
+    return len(lines) - 1
+
+
+@pytest.mark.parametrize("after_rows", [1, 15])
+def test_sigterm_finishes_the_step_and_resume_equals_uninterrupted(tmp_path, tiny_ckpt, long_run, after_rows):
+    d, prompts, want = long_run
+    out = tmp_path / "c.jsonl"
+    job = write_job(tmp_path, model={"checkpoint": str(tiny_ckpt)}, run={"timeout_s": 30.0},
+                    placement={"reserve_ram_gb": 0.0})
+    proc = start_and_wait_rows(job, prompts, out, after_rows)
+    proc.send_signal(signal.SIGTERM)  # to mpiexec, which passes it to every rank
+    o, e = proc.communicate(timeout=60)
+    assert proc.returncode == REQUEUE_EXIT, e
+    assert "stopped by SIGTERM" in e and "resume" in e
+    assert "Traceback" not in e
+    first = check_lines(out)
+    assert out.read_bytes().endswith(b"\n") and after_rows <= first < len(LONG)
+    proc = run_cli(["generate", job, "--prompts", prompts, "--out", out, *LONG_FLAGS], ranks=2, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert without_ms(rows_of(out)) == want
+    # a third run finds everything done and leaves the file alone
+    before = out.read_bytes()
+    proc = run_cli(["generate", job, "--prompts", prompts, "--out", out, *LONG_FLAGS], ranks=2, timeout=60)
+    assert proc.returncode == 0 and out.read_bytes() == before, proc.stderr
+
+
+@pytest.mark.parametrize("after_rows", [2, 20])
+def test_kill_9_loses_only_rows_in_flight(tmp_path, tiny_ckpt, long_run, after_rows):
+    d, prompts, want = long_run
+    out = tmp_path / "c.jsonl"
+    job = write_job(tmp_path, model={"checkpoint": str(tiny_ckpt)}, run={"timeout_s": 30.0},
+                    placement={"reserve_ram_gb": 0.0})
+    proc = start_and_wait_rows(job, prompts, out, after_rows)
+    kill_tree(proc.pid)
+    proc.communicate(timeout=30)
+    assert check_lines(out) >= after_rows
+    proc = run_cli(["generate", job, "--prompts", prompts, "--out", out, *LONG_FLAGS], ranks=2, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = rows_of(out)
+    assert len({r["id"] for r in rows}) == len(rows)  # no duplicates
+    assert without_ms(rows) == want
