@@ -339,6 +339,9 @@ def cmd_convert(args) -> int:
 
     cfg = convert_hf(args.hf_dir, args.out, dtype=args.dtype)
     print(f"wrote {args.out}: llama, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
+    tok = Path(args.out).with_name(f"{Path(args.out).stem}.tokenizer.json")
+    if tok.is_file():  # copied by convert_hf: text prompts work with `generate`
+        print(f"wrote {tok}: the model's tokenizer")
     return 0
 
 

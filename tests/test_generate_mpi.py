@@ -196,3 +196,67 @@ def test_kill_9_loses_only_rows_in_flight(tmp_path, tiny_ckpt, long_run, after_r
     rows = rows_of(out)
     assert len({r["id"] for r in rows}) == len(rows)  # no duplicates
     assert without_ms(rows) == want
+
+
+def test_text_prompts_through_the_converted_tokenizer_and_eos(tmp_path):
+    """convert copies tokenizer.json beside the checkpoint; text prompts are encoded with it,
+    completions decoded; an end-of-sequence id ends a row early with finish_reason "stop"."""
+    tokenizers = pytest.importorskip("tokenizers", reason="the optional 'tokenizers' package (extra 'text') "
+                                     "is not installed")
+    from tokenizers import models, pre_tokenizers
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for f in (FIXTURES / "hf_tiny_llama").iterdir():
+        if f.name in ("config.json", "model.safetensors"):
+            (hf / f.name).symlink_to(f)
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, 256)}}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(hf / "tokenizer.json"))
+    ckpt = tmp_path / "m.h5"
+    proc = run_cli(["convert", hf, ckpt], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "m.tokenizer.json").is_file()
+
+    ref = json.loads((FIXTURES / "hf_tiny_llama" / "generate.json").read_text())
+    texts = [" ".join(f"w{t}" if t else "<unk>" for t in p) for p in ref["prompts"]]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"t{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    eos = ref["tokens"][0][2]  # the third greedy token of the first prompt
+    out = tmp_path / "c.jsonl"
+    proc = generate(tmp_path, ckpt, 2, prompts, out, "--max-new-tokens", ref["max_new_tokens"], "--eos-id", eos)
+    assert proc.returncode == 0, proc.stderr
+    rows = rows_of(out)
+    assert rows[0]["tokens"] == ref["tokens"][0][:3] and rows[0]["finish_reason"] == "stop"
+    n1 = ref["tokens"][1].index(eos) + 1 if eos in ref["tokens"][1] else len(ref["tokens"][1])
+    assert rows[1]["tokens"] == ref["tokens"][1][:n1]
+    for r in rows:
+        assert r["text"] == tok.decode(r["tokens"]) and r["text"].startswith("w")
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("dup", "p.jsonl:2"), ("bad_token", "p.jsonl:1"), ("out_is_input", "is the input file"),
+    ("no_prompts", "--prompts"), ("bad_kv", "kv_cache"), ("bad_top_p", "top_p"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_ckpt, case, needle):
+    prompts = tmp_path / "p.jsonl"
+    lines = ['{"id": "a", "tokens": [1, 2]}', '{"id": "b", "tokens": [3]}']
+    if case == "dup":
+        lines[1] = '{"id": "a", "tokens": [3]}'
+    if case == "bad_token":
+        lines[0] = '{"id": "a", "tokens": [1, 99999]}'
+    prompts.write_text("\n".join(lines) + "\n")
+    out = prompts if case == "out_is_input" else tmp_path / "c.jsonl"
+    run = {"kv_cache": "window:0"} if case == "bad_kv" else None
+    job = write_job(tmp_path, model={"checkpoint": str(tiny_ckpt)}, run={"timeout_s": 30.0, **(run or {})})
+    args = ["generate", job, "--out", out] + ([] if case == "no_prompts" else ["--prompts", prompts])
+    if case == "bad_top_p":
+        args += ["--temperature", 1.0, "--top-p", 1.5]
+    before = prompts.read_bytes()
+    proc = run_cli(args, ranks=2, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("rlx-mpi: error:")]
+    assert len(errors) == 1 and needle in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert prompts.read_bytes() == before
