@@ -15,7 +15,7 @@ from pathlib import Path
 
 from _machine import wait_quiet
 
-__all__ = ["default_mpiexec", "write_job", "run_job", "probe_cpus", "ensure_checkpoint", "summarize"]
+__all__ = ["default_mpiexec", "write_job", "run_job", "run_warm", "probe_cpus", "ensure_checkpoint", "summarize"]
 
 
 def default_mpiexec() -> str:
@@ -36,7 +36,8 @@ def ensure_checkpoint(path: Path, preset: str) -> bool:
 
 
 def write_job(folder: Path, name: str, *, checkpoint: Path, preset: str, batch: int, seq: int,
-              microbatches: int = 1, tp: int = 1, policy: str = "balanced", timeout_s: float = 600.0) -> Path:
+              microbatches: int = 1, tp: int = 1, policy: str = "balanced", timeout_s: float = 600.0,
+              wire: str = "f32") -> Path:
     path = folder / f"{name}.toml"
     path.write_text(f"""# written by bench/ ({name})
 [model]
@@ -47,6 +48,7 @@ preset = "{preset}"
 batch = {batch}
 seq = {seq}
 microbatches = {microbatches}
+wire = "{wire}"
 timeout_s = {timeout_s}
 startup_timeout_s = {max(timeout_s, 600.0)}
 
@@ -67,8 +69,10 @@ def _launch(cmd: list[str], timeout_s: float) -> subprocess.CompletedProcess:
 
 
 def run_job(ranks: int, job: Path, stats: Path, *, mpiexec: str, timeout_s: float = 900.0,
-            quiet: float = 1.0, quiet_wait_s: float = 0.0) -> dict:
-    """One `rlx_mpi run` launch; returns its ``--json`` stats document.
+            quiet: float = 1.0, quiet_wait_s: float = 0.0, prefix: list[str] | None = None,
+            extra: list[str] | None = None) -> dict:
+    """One `rlx_mpi run` launch; returns its ``--json`` stats document. ``prefix`` goes before
+    the launcher (e.g. ``["taskset", "-c", "0"]`` for one core), ``extra`` after the job.
 
     With ``quiet_wait_s`` it first waits up to that long for the host's CPUs to be less than
     ``quiet`` busy (other users' jobs); the busy fraction seen is stored as ``busy_before``.
@@ -76,11 +80,21 @@ def run_job(ranks: int, job: Path, stats: Path, *, mpiexec: str, timeout_s: floa
     busy = wait_quiet(quiet, quiet_wait_s) if quiet_wait_s > 0 else None
     if stats.exists():
         stats.unlink()
-    _launch([mpiexec, "-n", str(ranks), sys.executable, "-m", "rlx_mpi", "run", str(job), "--json", str(stats)],
-            timeout_s)
+    _launch([*(prefix or []), mpiexec, "-n", str(ranks), sys.executable, "-m", "rlx_mpi", "run", str(job),
+             "--json", str(stats), *(extra or [])], timeout_s)
     doc = json.loads(stats.read_text())
     doc["busy_before"] = busy
     return doc
+
+
+def run_warm(ranks: int, job: Path, out: Path, *, mpiexec: str, reps: int, timeout_s: float = 1800.0,
+             prefix: list[str] | None = None, python: str | None = None) -> list[dict]:
+    """Start-up once, then ``reps`` warm forwards (bench/_drive.py); the stats of each, cold first."""
+    if out.exists():
+        out.unlink()
+    _launch([*(prefix or []), mpiexec, "-n", str(ranks), python or sys.executable,
+             str(Path(__file__).with_name("_drive.py")), str(job), "--reps", str(reps), "--out", str(out)], timeout_s)
+    return json.loads(out.read_text())
 
 
 def probe_cpus(ranks: int, *, mpiexec: str) -> list[int | None]:

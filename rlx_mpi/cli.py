@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 from .errors import EXIT_FAULT, EXIT_INTERNAL, ConfigError, RlxError
@@ -42,6 +43,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--out", metavar="RESULT.h5", help="write dataset /logits float32 [batch, seq, vocab] and the stats")
     r.add_argument("--json", metavar="STATS.json", help="write the run's per-stage stats as JSON")
     r.add_argument("--plan-only", action="store_true", help="probe and plan on the launched ranks, print the plan, stop")
+    r.add_argument("--trace", metavar="TRACE.json", help="write every rank's timeline (start-up phases; compute, pack, "
+                   "unpack, send/recv waits per microbatch) as Chrome Trace Event JSON: opens in ui.perfetto.dev")
+
+    t = sub.add_parser("trace", help="summarise a --trace file, or draw it as a Gantt chart (plain, no MPI)")
+    t.add_argument("trace", help="TRACE.json written by rlx-mpi run --trace")
+    t.add_argument("--png", metavar="GANTT.png", help="draw one row per rank (needs matplotlib: pip install 'rlx_mpi[plot]')")
+    t.add_argument("--title", help="title of the picture (default: the file name)")
 
     g = sub.add_parser("generate", help="complete a file of prompts across the launched ranks (under mpiexec/srun)",
                        description="Read JSON-lines prompts ({\"id\", \"tokens\"} or {\"id\", \"text\"}), generate "
@@ -133,30 +141,41 @@ def cmd_run(args) -> int:
     from .faults import agree
     from .placement import format_plan
 
+    started = time.perf_counter()
     world = MPI.COMM_WORLD
     _setup_logging(world.rank, args.debug)
     cx = Cluster.from_path(args.job, debug=args.debug)
 
     def check_outputs() -> None:
-        for flag, path in (("--out", args.out), ("--json", args.json)):
+        for flag, path in (("--out", args.out), ("--json", args.json), ("--trace", args.trace)):
             if path and world.rank == 0 and not Path(path).parent.is_dir():
                 raise ConfigError(f"{flag} {path}", f"folder {Path(path).parent} does not exist",
                                   "create it or choose another path")
 
     agree(cx.world, cx.ctx, 60.0, check_outputs)
-    ids = cx.load_inputs(args.input_ids)
-    cx.probe()
-    plan = cx.plan()
+    phase = _phases(cx, started)
+    with phase("load inputs"):
+        ids = cx.load_inputs(args.input_ids)
+    with phase("probe"):
+        cx.probe()
+    with phase("plan"):
+        plan = cx.plan()
     if args.plan_only:
         if cx.is_root:
             print(format_plan(plan, cx.cost()))
         return 0
-    cx.build()
-    run = cx.drive(ids)
+    with phase("build"):
+        cx.build()
+    run = cx.drive(ids, trace=bool(args.trace))
     if run is None:
         return 0
     print(run.table())
     sys.stdout.flush()
+    if args.trace:
+        from .executor import trace_document
+        from .trace import save_trace
+
+        save_trace(trace_document(run), args.trace)
     if args.json:
         _write_atomic(args.json, lambda tmp: tmp.write_text(run.to_json()))
     if args.out:
@@ -222,6 +241,67 @@ def cmd_generate(args) -> int:
                   f"run the same command again to resume (exit code {REQUEUE_EXIT})", file=sys.stderr)
         return REQUEUE_EXIT
     return 0
+
+
+def _phases(cx, started: float):
+    """A context manager factory recording start-up phases (perf_counter) for the trace; the
+    first, "start", covers MPI init and the job file."""
+    import contextlib
+
+    cx.phases.append(("start", started, time.perf_counter() - started))
+
+    @contextlib.contextmanager
+    def phase(name: str):
+        t0 = time.perf_counter()
+        yield
+        cx.phases.append((name, t0, time.perf_counter() - t0))
+
+    return phase
+
+
+def cmd_trace(args) -> int:
+    """Summarise a trace file and, with --png, draw it."""
+    from .trace import gantt_png, load_trace
+
+    doc = load_trace(args.trace)
+    print(_trace_summary(doc))
+    if args.png:
+        if not Path(args.png).parent.is_dir():
+            raise ConfigError(f"--png {args.png}", f"folder {Path(args.png).parent} does not exist",
+                              "create it or choose another path")
+        if Path(args.png).resolve() == Path(args.trace).resolve():
+            raise ConfigError(f"--png {args.png}", "is the input trace", "choose another output path")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError("--png", "matplotlib is not installed",
+                              "pip install 'rlx_mpi[plot]' (or matplotlib) to draw the Gantt chart") from None
+        _write_atomic(args.png, lambda tmp: gantt_png(doc, str(tmp), title=args.title or Path(args.trace).name))
+        print(f"wrote {args.png}")
+    return 0
+
+
+def _trace_summary(doc: dict) -> str:
+    """Per lane: milliseconds in each category; then the measured bubble beside the ideal."""
+    from .trace import bubble, spans_from_trace
+
+    names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("ph") == "M"
+             and e.get("name") == "process_name"}
+    spans = spans_from_trace(doc)
+    lines = []
+    for pid in sorted(names):
+        totals: dict[str, float] = {}
+        for sp in spans:
+            if sp.rank == pid:
+                totals[sp.cat] = totals.get(sp.cat, 0.0) + sp.dur_s * 1e3
+        lines.append(f"{names[pid]}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in totals.items()))
+    other = doc.get("otherData", {})
+    if isinstance(other.get("n_stages"), int) and isinstance(other.get("microbatches"), int):
+        b = bubble(spans, other["n_stages"], other["microbatches"])
+        lines.append(f"bubble {100 * b['measured_bubble']:.1f}% measured (busy = compute + pack + unpack), "
+                     f"{100 * b['ideal_bubble']:.1f}% ideal (p-1)/(M+p-1) for p = {b['n_stages']}, "
+                     f"M = {b['microbatches']}; window {b['window_s'] * 1e3:.1f} ms")
+    return "\n".join(lines)
 
 
 def cmd_probe(args) -> int:
@@ -359,7 +439,8 @@ def cmd_init_model(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "generate": cmd_generate, "probe": cmd_probe, "plan": cmd_plan, "convert": cmd_convert, "init-model": cmd_init_model}
+COMMANDS = {"run": cmd_run, "generate": cmd_generate, "probe": cmd_probe, "plan": cmd_plan, "convert": cmd_convert,
+            "init-model": cmd_init_model, "trace": cmd_trace}
 MPI_COMMANDS = {"run", "generate", "probe"}
 
 

@@ -202,7 +202,7 @@ class Cluster:
 
         def load() -> Stage:
             t0 = time.perf_counter()
-            expect = self.family.expected_shapes(self.model_config) if hasattr(self.family, "expected_shapes") else None
+            expect = self.family.expected_shapes(self.model_config)
             with H5ParamSource(self.job.model.checkpoint, expect, self.job.model.check_finite) as src:
                 tp = TensorParallel(rank=topo.tp_rank, size=topo.tp, comm=topo.tp_comm if topo.tp > 1 else None,
                                     timeout_s=self.job.run.timeout_s)
@@ -235,9 +235,9 @@ class Cluster:
                                  "save the ids with np.save(path, ids) as an integer array") from None
             self.family.check_inputs(self.model_config, ids, where)
             mb = self.job.run.microbatches
-            if ids.shape[0] % mb:
-                raise InputError(where, f"batch {ids.shape[0]} is not divisible by [run] microbatches = {mb}",
-                                 "change microbatches or the batch size")
+            if ids.shape[0] < mb:  # uneven splits are fine (the last microbatches one row smaller)
+                raise InputError(where, f"batch {ids.shape[0]} is smaller than [run] microbatches = {mb}",
+                                 "lower microbatches to at most the number of sequences")
             return ids.astype(np.int64)
 
         ids = self._agree(load)

@@ -24,7 +24,8 @@ from .errors import ConfigError
 from .kv_cache import KvSpec
 
 __all__ = ["PlacementPolicy", "KvPolicy", "Precision", "ModelSection", "RunSection",
-           "PlacementSection", "RankOverride", "GenerateSection", "JobConfig", "load_job", "parse_job"]
+           "PlacementSection", "RankOverride", "GenerateSection", "JobConfig", "load_job", "parse_job",
+           "WIRE_FORMATS"]
 
 
 class PlacementPolicy(str, enum.Enum):
@@ -79,6 +80,8 @@ class RunSection:
     """Longest any rank waits for another during the run before it names the laggard and aborts."""
     startup_timeout_s: float = 600.0
     """Deadline for the start-up collectives (probe, plan, weight loading on a slow filesystem)."""
+    wire: str = "f32"
+    """Format of the hidden states between stages: f32 (exact, no copy) | bf16 | f16 (half the bytes)."""
     kv_cache: KvSpec = KvSpec("full")
     """Generation's KV cache: "none" (recompute the prefix), "full", or "window:W" (sliding-window
     attention over the last W positions: a different model from the checkpoint's)."""
@@ -199,6 +202,7 @@ class JobConfig:
 
 # -- loading ------------------------------------------------------------------------------------
 
+WIRE_FORMATS = ("f32", "bf16", "f16")  # the codecs of wire.py, named here so config stays import-light
 _SECTIONS = {"model": ModelSection, "run": RunSection, "placement": PlacementSection, "generate": GenerateSection}
 _POSITIVE = {"batch", "seq", "microbatches", "tp", "timeout_s", "startup_timeout_s", "max_new_tokens", "sync_s"}
 _NON_NEGATIVE = {"reserve_ram_gb", "init_seed", "seed", "rank", "temperature", "top_k", "groups", "eos_id"}
@@ -270,10 +274,12 @@ def _cross_check(job: JobConfig) -> None:
     if p.policy is PlacementPolicy.COMPUTE and not p.measure_gflops:
         raise ConfigError(f"{where} policy", 'policy = "compute" needs measured speeds',
                           "set measure_gflops = true or choose another policy")
-    if job.run.batch % job.run.microbatches:
+    if job.run.microbatches > job.run.batch:  # uneven splits are fine, empty microbatches are not
         raise ConfigError(f"{job.path}: [run] microbatches",
-                          f"{job.run.microbatches} does not divide batch = {job.run.batch}",
-                          "choose microbatches that divides batch")
+                          f"{job.run.microbatches} microbatches for batch = {job.run.batch}",
+                          "use at most one microbatch per sequence")
+    if job.run.wire not in WIRE_FORMATS:
+        raise ConfigError(f"{job.path}: [run] wire", f"got {job.run.wire!r}", f"expected one of {list(WIRE_FORMATS)}")
     if job.run.startup_timeout_s < job.run.timeout_s:
         raise ConfigError(f"{job.path}: [run] startup_timeout_s",
                           f"{job.run.startup_timeout_s} is shorter than timeout_s = {job.run.timeout_s}",

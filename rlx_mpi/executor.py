@@ -15,7 +15,8 @@ a decode ring (last stage -> first stage carrying sampled tokens) are two schedu
         codec_for  optional (peer stage) -> Codec | None, per link (default: the executor's codec
                    for float32 payloads; None sends/receives the raw array, e.g. int64 tokens)
         tag_base   added to the microbatch for the MPI tag (successive runs on one link)
-    ex.spans       [(name, cat, start_s, dur_s, args)], start_s from ``ex.origin`` (perf_counter)
+    ex.spans       [(name, cat, start_s, dur_s, args)], start_s from ``ex.origin`` (perf_counter);
+                   cat is one of trace.CATEGORIES: compute, pack, unpack, send_wait, recv_wait
     ex.stats       ExecStats: seconds in compute/pack/unpack/recv_wait/send_wait, wall, bytes
 
 Buffers: a small pool keyed by (direction, slot), grown to the largest shape seen and viewed
@@ -43,7 +44,8 @@ from .errors import RankFault
 from .faults import RankContext, wait
 from .schedule import COMPUTE, POST_RECV, POST_SEND, WAIT_RECV, WAIT_SEND, Action, forward_schedule
 
-__all__ = ["Executor", "ExecStats", "forward", "microbatch_bounds"]
+__all__ = ["Executor", "ExecStats", "forward", "microbatch_bounds", "wire_codec", "wire_codec_by_name",
+           "wire_error_bound", "trace_document"]
 
 log = logging.getLogger("rlx_mpi")
 
@@ -99,8 +101,10 @@ class Executor:
     def _in_pool(self, a: np.ndarray) -> bool:
         return any(np.may_share_memory(a, b) for b in self._pool.values())
 
-    def _span(self, name: str, cat: str, t0: float, t1: float, m: int) -> None:
+    def _span(self, cat: str, t0: float, t1: float, m: int) -> None:
+        """One span of category ``cat`` (trace.CATEGORIES) named like the grid: F3, pack 3..."""
         if self.record:
+            name = f"F{m}" if cat == COMPUTE else f"{cat} {m}"
             self.spans.append((name, cat, t0 - self.origin, t1 - t0, {"microbatch": m}))
 
     # -- the loop -----------------------------------------------------------------------------
@@ -131,13 +135,13 @@ class Executor:
                 pending.wait()
                 t1 = time.perf_counter()
                 st.recv_wait_s += t1 - t0
-                self._span("recv_wait", "wait", t0, t1, m)
+                self._span("recv_wait", t0, t1, m)
                 x = pending.buf
                 if codec is not None and np.dtype(codec.wire_dtype) != np.float32:
                     x = codec.unpack(pending.buf, self._buffer(("u", a.slot), shape, np.float32))
                     t2 = time.perf_counter()
                     st.unpack_s += t2 - t1
-                    self._span("unpack", "wire", t1, t2, m)
+                    self._span("unpack", t1, t2, m)
                 inputs[a.slot] = (m, x)
             elif a.kind == COMPUTE:
                 x = None
@@ -147,7 +151,7 @@ class Executor:
                 out = compute(m, x)
                 t1 = time.perf_counter()
                 st.compute_s += t1 - t0
-                self._span("compute", "compute", t0, t1, m)
+                self._span(COMPUTE, t0, t1, m)
                 if out is not None:
                     if self._in_pool(out):  # the slot is posted again before this output is sent
                         out = out.copy()
@@ -168,7 +172,7 @@ class Executor:
                 t1 = time.perf_counter()
                 if wire is not out:
                     st.pack_s += t1 - t0
-                    self._span("pack", "wire", t0, t1, m)
+                    self._span("pack", t0, t1, m)
                 if a.slot in sends:
                     raise RankFault(ctx.describe(), f"send slot {a.slot} still in flight with microbatch "
                                     f"{sends[a.slot][0]}", "this is a bug in the schedule, please report it")
@@ -181,7 +185,7 @@ class Executor:
                 pending.wait()
                 t1 = time.perf_counter()
                 st.send_wait_s += t1 - t0
-                self._span("send_wait", "wait", t0, t1, m)
+                self._span("send_wait", t0, t1, m)
             else:
                 raise ValueError(f"unknown action kind {a.kind!r}")
         ctx.microbatch = None
@@ -256,9 +260,9 @@ def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
         lo, hi = bounds[m]
         out = stage.forward(ids[lo:hi] if a.first else x)
         want = (hi - lo,) + tuple((logits_shape if a.last else hidden_shape)[1:])
-        if out.shape != want:
-            raise RankFault(cx.ctx.describe(), f"the stage returned shape {out.shape} for microbatch {m}, expected "
-                            f"{want} from {type(cx.family).__name__}.output_spec",
+        if out.shape != want or out.dtype != np.float32:
+            raise RankFault(cx.ctx.describe(), f"the stage returned {out.dtype} {out.shape} for microbatch {m}, expected "
+                            f"float32 {want} from {type(cx.family).__name__}.output_spec",
                             "the model family's forward and output_spec disagree: fix the plug-in")
         if logits is not None:
             logits[lo:hi] = out
@@ -289,7 +293,7 @@ def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
         peak_rss_bytes=peak_rss_bytes(), pack_ms=st.pack_s * 1e3, unpack_ms=st.unpack_s * 1e3,
         wall_ms=st.wall_s * 1e3)
     doc: dict = {"timing": timing.to_dict()}
-    if trace:
+    if trace:  # start-up phases (cli.py records them) on the same clock: negative times
         phases = [(name, "startup", t0 - sync, dur, {}) for name, t0, dur in getattr(cx, "phases", [])]
         doc["spans"] = [list(s) for s in phases + ex.spans]
     rows = transport.gather_json(cx.world, doc, 0, timeout + (topo.n_stages + 1) * grace, cx.ctx,
@@ -298,7 +302,7 @@ def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
         return None
     run = ClusterRun(timings=[StageTiming.from_dict(r["timing"]) for r in rows], total_forward_ms=total_ms,
                      tokens=batch * seq, microbatches=M, output=logits)
-    run.wire = codec.name if codec is not None else "f32"
+    run.wire = codec.name
     if trace:
         run.spans = {r["timing"]["rank"]: r["spans"] for r in rows}
     return run
@@ -313,13 +317,42 @@ def _spec(cx: Any, batch: int, seq: int, last: bool) -> tuple[tuple[int, ...], n
     return tuple(shape), np.dtype(np.float32)
 
 
+def trace_document(run: Any) -> dict:
+    """A `ClusterRun` gathered with ``trace=True`` as a Chrome Trace Event object (trace.py):
+    one lane per rank, start-up phases and the forward's spans on the barrier-aligned clock."""
+    from .trace import Span, chrome_trace
+
+    spans = [Span(int(rank), name, cat, start, dur, args)
+             for rank, items in run.spans.items() for name, cat, start, dur, args in items]
+    lanes = [{"rank": t.rank, "host": t.host, "stage": t.stage, "tp_rank": t.tp_rank, "layers": f"{t.layers.start}:"
+              f"{t.layers.stop}"} for t in run.timings]
+    meta = {"n_stages": run.n_stages, "microbatches": run.microbatches, "wire": run.wire,
+            "measured_bubble": run.bubble, "ideal_bubble": run.ideal_bubble, "tokens": run.tokens}
+    return chrome_trace(spans, lanes, meta)
+
+
+def wire_error_bound(codec: Any, hops: int) -> float:
+    """Documented bound on ``max|logits - logits_f32| / max|logits_f32|`` with ``codec`` on
+    ``hops`` stage boundaries: 4 x the codec's per-element bound per hop.
+
+    Each hop rounds every hidden-state element by at most ``codec.rel_error`` (wire.py); the
+    layers after it carry that relative perturbation to the logits with a gain that RMSNorm
+    keeps O(1): measured 0.2-0.4 per hop on the random tiny and small presets (tests/
+    test_executor_mpi.py, bench/README.md). 4 leaves headroom for other weights; it is an
+    empirical bound, not a theorem: a model with large activation outliers may exceed it.
+    """
+    return 4.0 * codec.rel_error * max(hops, 0)
+
+
 def wire_codec(job: Any) -> Any:
-    """The job's ``[run] wire`` codec, or None (raw float32) before `wire.py` exists."""
-    name = getattr(job.run, "wire", "f32")
-    try:
-        from .wire import get_codec
-    except ImportError:
-        if name != "f32":
-            raise
-        return None
-    return get_codec(name, f"{job.path}: [run] wire")
+    """The job's ``[run] wire`` codec."""
+    return wire_codec_by_name(job.run.wire, f"{job.path}: [run] wire")
+
+
+def wire_codec_by_name(name: str, where: str = "wire") -> Any:
+    """The codec ``name`` from `wire.py`, its kernels loaded (not compiled inside a timed send)."""
+    from .wire import get_codec, warm_up
+
+    codec = get_codec(name, where)
+    warm_up()
+    return codec

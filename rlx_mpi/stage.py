@@ -2,8 +2,15 @@
 (`ParamSource`). A model family implements `ModelFamily`; rlx_mpi ships "llama".
 
 Note: a stage never talks to its pipeline neighbours; the schedule (`schedule.py`) decides
-the order of receives, computes and sends, and the driver (`driver.py`) moves the bytes.
-The only communication inside a stage is the tensor-parallel collective it is handed.
+the order of receives, computes and sends, and the executor (`executor.py`) moves the bytes
+and encodes them in the job's wire format. The only communication inside a stage is the
+tensor-parallel collective it is handed.
+
+The contract, exactly as the core uses it (a family implementing only this works; see
+tests/protocol_family.py): rlx_mpi calls ``load_config``, ``check_tp``, ``cost``,
+``check_inputs``, ``expected_shapes``, ``output_spec`` and ``build_stage(config, source,
+layers, first, last, tp, ctx)`` on the family, and ``forward`` and ``weight_bytes`` on the
+stage (``layers``, ``first``, ``last`` are read for messages).
 """
 
 from __future__ import annotations
@@ -45,16 +52,14 @@ class Stage(abc.ABC):
     """What one rank computes for its layer range.
 
     The first stage takes int64 ids ``[batch, seq]``; the others take the previous stage's
-    output. The last stage returns logits ``[batch, seq, vocab]`` (on every TP rank).
+    output. Every stage returns float32 of the shape its family's ``output_spec`` gives: the
+    hidden state, or on the last stage logits ``[batch, seq, vocab]`` (on every TP rank).
+    ``forward`` may be called with a smaller batch for the last microbatch of an uneven split.
     """
 
     layers: range
     first: bool
     last: bool
-
-    @abc.abstractmethod
-    def output_spec(self, batch: int, seq: int) -> tuple[tuple[int, ...], np.dtype]:
-        """Shape and dtype of ``forward``'s result; fixes the wire buffers at setup."""
 
     @abc.abstractmethod
     def forward(self, x: np.ndarray) -> np.ndarray:
@@ -94,13 +99,22 @@ class ModelFamily(Protocol):
 
     def check_tp(self, config: Any, tp: int, where: str) -> None: ...
 
-    def output_spec(self, config: Any, batch: int, seq: int, last: bool) -> tuple[tuple[int, ...], np.dtype]:
-        """What a stage sends on (hidden state) or, for the last, returns (logits)."""
+    def expected_shapes(self, config: Any) -> dict[str, tuple[int, ...]] | None:
+        """Every tensor the checkpoint must hold, by name, checked at load; None skips the check."""
 
-    def check_inputs(self, config: Any, ids: np.ndarray, where: str) -> None: ...
+    def output_spec(self, config: Any, batch: int, seq: int, last: bool) -> tuple[tuple[int, ...], np.dtype]:
+        """The one place that fixes what a stage hands on: shape and dtype (float32) of
+        ``forward``'s result, the hidden state or, with ``last``, the logits. Receive buffers are
+        sized from it before anything arrives; the job's ``[run] wire`` codec (not the family)
+        chooses the bytes on the wire."""
+
+    def check_inputs(self, config: Any, ids: np.ndarray, where: str) -> None:
+        """Raise `InputError` naming ``where`` if ``ids`` are not valid input ids."""
 
     def build_stage(self, config: Any, source: ParamSource, layers: range, first: bool, last: bool,
-                    tp: TensorParallel) -> Stage: ...
+                    tp: TensorParallel, ctx: Any) -> Stage:
+        """The stage for ``layers``; ``ctx`` is the rank's `faults.RankContext` (for messages and
+        for deadlines of the TP collectives; a stage may ignore it)."""
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

@@ -61,29 +61,58 @@ class ClusterRun:
     spans: dict | None = field(default=None, repr=False)  # rank -> [[name, cat, start_s, dur_s, args]] with --trace
 
     @property
+    def n_stages(self) -> int:
+        return len({t.stage for t in self.timings})
+
+    @property
+    def span_ms(self) -> float:
+        """The schedule's wall time: from the common start to the last rank's last action."""
+        return max((t.wall_ms for t in self.timings), default=0.0)
+
+    def busy(self, t: StageTiming) -> float:
+        """Fraction of the schedule's wall time this rank spent working (compute, pack, unpack),
+        as trace.bubble counts it."""
+        return (t.forward_ms + t.pack_ms + t.unpack_ms) / self.span_ms if self.span_ms > 0 else float("nan")
+
+    @property
+    def ideal_bubble(self) -> float:
+        """GPipe's idle fraction with equal stages and free communication: (p-1)/(M+p-1)."""
+        p = self.n_stages
+        return (p - 1) / (self.microbatches + p - 1)
+
+    @property
+    def bubble(self) -> float:
+        """Measured idle fraction: 1 - mean busy fraction over the stages."""
+        if not self.timings or self.span_ms <= 0:
+            return float("nan")
+        return 1.0 - sum(self.busy(t) for t in self.timings) / len(self.timings)
+
+    @property
     def tokens_per_s(self) -> float:
         return self.tokens / (self.total_forward_ms / 1e3) if self.total_forward_ms > 0 else float("nan")
 
     def table(self) -> str:
         head = ("stage", "rank", "host", "tp", "layers", "device", "build_ms", "forward_ms",
-                "recv_wait_ms", "send_ms", "sent_MB", "est_MB", "weights_MB", "peak_rss_MB")
+                "recv_wait_ms", "send_ms", "busy", "sent_MB", "est_MB", "weights_MB", "peak_rss_MB")
         rows = [head]
         for t in sorted(self.timings, key=lambda t: (t.stage, t.tp_rank)):
             tp = ",".join(map(str, t.tp_ranks)) if len(t.tp_ranks) > 1 else "-"
             rows.append((str(t.stage), str(t.rank), t.host, tp, f"{t.layers.start}:{t.layers.stop}", t.device,
                          f"{t.build_ms:.1f}", f"{t.forward_ms:.1f}", f"{t.recv_wait_ms:.1f}", f"{t.send_ms:.1f}",
-                         _mb(t.bytes_sent), _mb(t.est_bytes), _mb(t.weight_bytes), _mb(t.peak_rss_bytes)))
+                         f"{100 * self.busy(t):.0f}%", _mb(t.bytes_sent), _mb(t.est_bytes), _mb(t.weight_bytes), _mb(t.peak_rss_bytes)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(c.rjust(w) if i not in (2, 5) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
                  for r in rows]
         lines.append(f"total forward {self.total_forward_ms:.1f} ms for {self.tokens} tokens "
                      f"({self.microbatches} microbatch{'es' if self.microbatches != 1 else ''}): "
-                     f"{self.tokens_per_s:.1f} tokens/s")
+                     f"{self.tokens_per_s:.1f} tokens/s; bubble {100 * self.bubble:.1f}% "
+                     f"(ideal (p-1)/(M+p-1) = {100 * self.ideal_bubble:.1f}%); wire {self.wire}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {"timings": [t.to_dict() for t in self.timings], "total_forward_ms": self.total_forward_ms,
-                "tokens": self.tokens, "microbatches": self.microbatches, "tokens_per_s": self.tokens_per_s}
+                "tokens": self.tokens, "microbatches": self.microbatches, "tokens_per_s": self.tokens_per_s,
+                "wire": self.wire, "span_ms": self.span_ms, "bubble": self.bubble, "ideal_bubble": self.ideal_bubble}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

@@ -63,9 +63,6 @@ class FaultyStage(Stage):
     def weight_bytes(self) -> int:
         return self.inner.weight_bytes
 
-    def output_spec(self, batch, seq):
-        return self.inner.output_spec(batch, seq)
-
     def forward(self, x):
         rank = int(os.environ.get("RLX_TEST_FAULT_RANK", "1"))
         mb = int(os.environ.get("RLX_TEST_FAULT_MICROBATCH", "0"))

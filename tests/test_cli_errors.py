@@ -132,8 +132,8 @@ CASES = [
          "[run] timeout_s: got 0.0, expected a value > 0"),
     Case("bad-policy", lambda d, c: run_args(d, c, placement={"policy": "fastest"}), BAD_INPUT,
          "[placement] policy: got 'fastest'"),
-    Case("microbatches-vs-batch", lambda d, c: run_args(d, c, run={"batch": 3, "microbatches": 2}), BAD_INPUT,
-         "[run] microbatches: 2 does not divide batch = 3"),
+    Case("microbatches-vs-batch", lambda d, c: run_args(d, c, run={"batch": 3, "microbatches": 4}), BAD_INPUT,
+         "[run] microbatches: 4 microbatches for batch = 3"),
     Case("missing-model", raw_job("[run]\nseq = 8\n"), BAD_INPUT, "missing section [model]"),
     # -- placement against the launched ranks and the model ---------------------------------------
     Case("manual-gap", lambda d, c: run_args(d, c, placement={"policy": "manual", "manual": ["0:3", "4:8"]}),
@@ -191,9 +191,9 @@ CASES = [
          "ids.npy: not a readable .npy array"),
     Case("ids-not-npy", lambda d, c: run_args(d, c) + ["--input-ids", text_file(d / "ids.txt")], BAD_INPUT,
          "ids.txt: not a readable .npy array"),
-    Case("ids-vs-microbatches", lambda d, c: run_args(d, c, ids=np.zeros((3, 4), np.int64),
+    Case("ids-vs-microbatches", lambda d, c: run_args(d, c, ids=np.zeros((1, 4), np.int64),
                                                       run={"batch": 2, "microbatches": 2}),
-         BAD_INPUT, "batch 3 is not divisible by [run] microbatches = 2"),
+         BAD_INPUT, "batch 1 is smaller than [run] microbatches = 2"),
     # -- output files ---------------------------------------------------------------------------
     Case("out-folder-missing", lambda d, c: ["run", job(d, c), "--out", d / "no" / "out.h5"], BAD_INPUT,
          "/no/out.h5: folder"),

@@ -35,7 +35,8 @@ def test_seed_for_is_distinct_and_reproducible():
     ({"run": {"batch": True}}, "[run] batch", "expected an integer"),
     ({"run": {"timeout_s": "10"}}, "[run] timeout_s", "expected a number"),
     ({"run": {"timeout_s": float("nan")}}, "[run] timeout_s", "finite"),
-    ({"run": {"batch": 3, "microbatches": 2}}, "[run] microbatches", "does not divide batch = 3"),
+    ({"run": {"batch": 3, "microbatches": 4}}, "[run] microbatches", "4 microbatches for batch = 3"),
+    ({"run": {"wire": "int8"}}, "[run] wire", "got 'int8'"),
     ({"run": {"timeout_s": 100.0, "startup_timeout_s": 10.0}}, "startup_timeout_s", "shorter"),
     ({"run": {"sequence": 4}}, "[run] sequence", "unknown key"),
     ({"placement": {"policy": "fastest"}}, "[placement] policy", "'fastest'"),
@@ -87,3 +88,10 @@ def test_load_job_file_errors(tmp_path):
 def test_shipped_jobs_load():
     for path in Path(__file__).parent.parent.joinpath("jobs").glob("*.toml"):
         load_job(path)
+
+
+def test_wire_formats_match_the_codecs():
+    from rlx_mpi.config import WIRE_FORMATS
+    from rlx_mpi.wire import WIRE_FORMATS as CODECS
+
+    assert WIRE_FORMATS == CODECS

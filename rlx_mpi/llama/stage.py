@@ -52,9 +52,6 @@ class LlamaStage(Stage):
         arrays = [self.embed_tokens, self.norm, self.head]
         return sum(a.nbytes for a in arrays if a is not None) + sum(b.nbytes for b in self.blocks)
 
-    def output_spec(self, batch: int, seq: int) -> tuple[tuple[int, ...], np.dtype]:
-        return (batch, seq, self.cfg.vocab_size if self.last else self.cfg.hidden_size), np.dtype(np.float32)
-
     def _reduce(self, partial: np.ndarray) -> np.ndarray:
         if self.tp.size == 1:
             return partial

@@ -1,0 +1,103 @@
+"""A model family written only to the documented `rlx_mpi.ModelFamily` / `Stage` contract.
+
+Nothing here comes from the Llama family: if the core calls anything the Protocol does not
+document (or passes other arguments), a run of this family fails. The model is a residual
+tanh MLP: ``h = E[ids]; h = h + tanh(h @ W_i) for each layer; logits = h @ H``, so a naive
+numpy `reference` checks the pipeline's logits. Import it through ``[model] plugins =
+["protocol_family"]`` with tests/ on PYTHONPATH; `write_checkpoint` makes a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from rlx_mpi import checkpoint
+from rlx_mpi.errors import ConfigError, InputError
+from rlx_mpi.placement import ModelCost
+from rlx_mpi.stage import Stage, register_family
+
+__all__ = ["NAME", "ProtoFamily", "write_checkpoint", "reference"]
+
+NAME = "proto_mlp"
+
+
+class ProtoStage(Stage):
+    def __init__(self, cfg, source, layers, first, last):
+        self.layers, self.first, self.last = layers, first, last
+        self.embed = source.read("embed") if first else None
+        self.ws = [source.read(f"layers/{i}/w") for i in layers]
+        self.head = source.read("head") if last else None
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(a.nbytes for a in [self.embed, self.head, *self.ws] if a is not None)
+
+    def forward(self, x):
+        h = self.embed[x] if self.first else x  # (B, T, C)
+        for w in self.ws:
+            h = h + np.tanh(h @ w)
+        return (h @ self.head if self.last else h).astype(np.float32)
+
+
+class ProtoFamily:
+    name = NAME
+
+    def load_config(self, config_json, where):
+        cfg = json.loads(config_json)
+        if set(cfg) != {"vocab", "hidden", "layers"}:
+            raise ConfigError(where, f"config keys {sorted(cfg)}", "expected vocab, hidden, layers")
+        return cfg
+
+    def cost(self, cfg, batch, seq):
+        H, V, L = cfg["hidden"], cfg["vocab"], cfg["layers"]
+        return ModelCost(n_layers=L, layer_bytes=4 * H * H, layer_flops_per_token=2.0 * H * H,
+                         embed_bytes=4 * V * H, head_bytes=4 * V * H, head_flops_per_token=2.0 * V * H,
+                         kv_bytes_per_layer=0, act_bytes=4 * batch * seq * max(H, V), tokens=batch * seq)
+
+    def check_tp(self, cfg, tp, where):
+        if tp != 1:
+            raise ConfigError(where, f"tp = {tp}", "this family has no tensor parallelism: use tp = 1")
+
+    def expected_shapes(self, cfg):
+        H, V = cfg["hidden"], cfg["vocab"]
+        return {"embed": (V, H), "head": (H, V), **{f"layers/{i}/w": (H, H) for i in range(cfg["layers"])}}
+
+    def output_spec(self, cfg, batch, seq, last):
+        return (batch, seq, cfg["vocab"] if last else cfg["hidden"]), np.dtype(np.float32)
+
+    def check_inputs(self, cfg, ids, where):
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= cfg["vocab"]:
+            raise InputError(where, "bad ids", f"integer [batch, seq] in [0, {cfg['vocab']})")
+
+    def build_stage(self, cfg, source, layers, first, last, tp, ctx):
+        return ProtoStage(cfg, source, layers, first, last)
+
+
+register_family(ProtoFamily())
+
+
+def _tensors(cfg, seed):
+    rng = np.random.default_rng(seed)
+    H, V = cfg["hidden"], cfg["vocab"]
+    yield "embed", rng.standard_normal((V, H)).astype(np.float32)
+    for i in range(cfg["layers"]):
+        yield f"layers/{i}/w", (rng.standard_normal((H, H)) / np.sqrt(H)).astype(np.float32)
+    yield "head", rng.standard_normal((H, V)).astype(np.float32)
+
+
+def write_checkpoint(path: str | os.PathLike, vocab=50, hidden=24, layers=6, seed=0) -> dict:
+    cfg = {"vocab": vocab, "hidden": hidden, "layers": layers}
+    checkpoint.write_checkpoint(path, NAME, json.dumps(cfg), _tensors(cfg, seed))
+    return cfg
+
+
+def reference(cfg, ids, seed=0) -> np.ndarray:
+    """The logits in float64 numpy, from the same random tensors."""
+    t = {k: v.astype(np.float64) for k, v in _tensors(cfg, seed)}
+    h = t["embed"][ids]
+    for i in range(cfg["layers"]):
+        h = h + np.tanh(h @ t[f"layers/{i}/w"])
+    return h @ t["head"]

@@ -1,0 +1,90 @@
+"""The executor under a real mpiexec: uneven microbatches x wire formats against a one-
+microbatch f32 run, a plug-in family written only to the documented Protocol, and the trace."""
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import run_cli, write_job
+from rlx_mpi.llama import PRESETS
+
+pytestmark = pytest.mark.mpi
+
+RANKS = 3
+BATCH, SEQ = 5, 11  # 5 rows: M = 2 -> 3 + 2, M = 3 -> 2 + 2 + 1
+
+
+def run(tmp_path, name, ckpt, ids, ranks=RANKS, plugins=(), extra_args=(), **run_keys):
+    d = tmp_path / name
+    d.mkdir()
+    np.save(d / "ids.npy", ids)
+    model = {"checkpoint": str(ckpt)}
+    if plugins:
+        model["plugins"] = list(plugins)
+    job = write_job(d, model=model, run={"timeout_s": 30.0, "batch": ids.shape[0], **run_keys},
+                    placement={"reserve_ram_gb": 0.0})
+    proc = run_cli(["run", job, "--input-ids", d / "ids.npy", "--out", d / "out.h5", "--json", d / "stats.json",
+                    *extra_args], ranks=ranks, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    with h5py.File(d / "out.h5", "r") as f:
+        logits = f["logits"][()]
+    return logits, json.loads((d / "stats.json").read_text()), proc
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return np.random.default_rng(8).integers(0, PRESETS["tiny"].vocab_size, (BATCH, SEQ))
+
+
+@pytest.fixture(scope="module")
+def f32_one(tmp_path_factory, tiny_ckpt, ids):
+    """The reference: f32 wire, one microbatch."""
+    return run(tmp_path_factory.mktemp("ref"), "ref", tiny_ckpt, ids, microbatches=1)[0]
+
+
+def test_uneven_microbatches_f32_equal_one_microbatch(tmp_path, tiny_ckpt, ids, f32_one):
+    for m in (2, 3):
+        logits, stats, proc = run(tmp_path, f"m{m}", tiny_ckpt, ids, microbatches=m, wire="f32")
+        assert logits.shape == f32_one.shape
+        assert np.abs(logits - f32_one).max() <= 1e-6
+        assert stats["microbatches"] == m and stats["wire"] == "f32"
+        # f32 sends the stage's own output: no packing time, and the hidden bytes exactly
+        hidden = PRESETS["tiny"].hidden_size
+        for r in stats["timings"]:
+            if r["stage"] < RANKS - 1:
+                assert r["bytes_sent"] == BATCH * SEQ * hidden * 4
+                assert r["pack_ms"] == 0.0
+        assert "bubble" in proc.stdout
+
+
+def test_protocol_only_family_runs(tmp_path):
+    from protocol_family import reference, write_checkpoint
+
+    ckpt = tmp_path / "proto.h5"
+    cfg = write_checkpoint(ckpt)
+    ids = np.random.default_rng(1).integers(0, cfg["vocab"], (3, 7))
+    logits, stats, _ = run(tmp_path, "proto", ckpt, ids, plugins=["protocol_family"], microbatches=2)
+    ref = reference(cfg, ids)
+    assert logits.shape == ref.shape
+    assert np.abs(logits - ref).max() <= 1e-4 * np.abs(ref).max()
+    assert len(stats["timings"]) == RANKS
+
+
+@pytest.mark.parametrize("wire", ["bf16", "f16"])
+def test_half_wire_within_bound(tmp_path, tiny_ckpt, ids, f32_one, wire):
+    from rlx_mpi.executor import wire_error_bound
+    from rlx_mpi.wire import get_codec
+
+    bound = wire_error_bound(get_codec(wire), hops=RANKS - 1)
+    for m in (1, 2, 3):
+        logits, stats, _ = run(tmp_path, f"{wire}{m}", tiny_ckpt, ids, microbatches=m, wire=wire)
+        err = np.abs(logits - f32_one).max() / np.abs(f32_one).max()
+        print(wire, m, err, bound)
+        assert 0 < err <= bound, (wire, m, err, bound)  # > 0: the codec really ran
+        assert stats["wire"] == wire
+        hidden = PRESETS["tiny"].hidden_size
+        for r in stats["timings"]:
+            if r["stage"] < RANKS - 1:
+                assert r["bytes_sent"] == BATCH * SEQ * hidden * 2  # half the bytes of f32
