@@ -37,7 +37,7 @@ from .sampling import SamplingParams, prompt_key, sample
 from .schedule import COMPUTE, POST_RECV, POST_SEND, WAIT_RECV, WAIT_SEND, Action
 
 __all__ = ["PREFILL", "DECODE", "STOP", "Seq", "Step", "Scheduler", "decode_step_actions", "token_return_actions",
-           "DecodeRing", "GenStats"]
+           "DecodeRing", "GenStats", "GenerateOptions", "GenerateResult", "generate", "kv_cost"]
 
 log = logging.getLogger("rlx_mpi")
 
@@ -381,6 +381,19 @@ class GenerateResult:
         return "\n".join(out)
 
 
+def kv_cost(cost: Any, specs: list[KvSpec], max_seq: int) -> Any:
+    """The family's `ModelCost` for (slots, max_seq) with its KV term cut to what the policies keep.
+
+    The family prices K and V of every layer for batch x seq tokens; ``none`` keeps no
+    positions and ``window:W`` keeps W, so the planner (and the fit check) see the real cache.
+    The largest policy of any rank counts, as one layer's bytes are the same on every stage.
+    """
+    import dataclasses
+
+    kept = max(s.cache_len(max_seq) for s in specs)
+    return dataclasses.replace(cost, kv_bytes_per_layer=cost.kv_bytes_per_layer * kept // max_seq)
+
+
 def generate(cx: Any, opts: GenerateOptions, *, argv_inputs: tuple = ()) -> GenerateResult | None:
     """The whole ``generate`` job on every rank of a `Cluster` (start-up included).
 
@@ -405,8 +418,6 @@ def generate(cx: Any, opts: GenerateOptions, *, argv_inputs: tuple = ()) -> Gene
 
 def _start(cx: Any, opts: GenerateOptions, inputs: tuple):
     """Agreed start-up: prompts + journal on rank 0, then probe, plan (with KV bytes), build."""
-    import dataclasses
-
     from .journal import Journal
     from .prompts import load_tokenizer, read_prompts
 
@@ -444,10 +455,7 @@ def _start(cx: Any, opts: GenerateOptions, inputs: tuple):
     cx.probe()
     # The planner sees the KV cache: the family's cost counts K and V of every layer for
     # batch x seq tokens; scale that to what the policy keeps (none: 0, window: W positions).
-    cost = cx.cost()
-    kv_len = max(job.kv_for(r).cache_len(cx.seq) for r in range(cx.world.size))
-    cost = dataclasses.replace(cost, kv_bytes_per_layer=cost.kv_bytes_per_layer * kv_len // cx.seq)
-    cx.plan(cost)
+    cx.plan(kv_cost(cx.cost(), [job.kv_for(r) for r in range(cx.world.size)], cx.seq))
 
     def same_kv() -> None:
         from .errors import ConfigError

@@ -158,17 +158,18 @@ def check_lines(out):
     return len(lines) - 1
 
 
-@pytest.mark.parametrize("after_rows", [1, 15])
-def test_sigterm_finishes_the_step_and_resume_equals_uninterrupted(tmp_path, tiny_ckpt, long_run, after_rows):
+@pytest.mark.parametrize("sig, after_rows", [(signal.SIGTERM, 1), (signal.SIGUSR1, 15)])
+def test_stop_signal_finishes_the_step_and_resume_equals_uninterrupted(tmp_path, tiny_ckpt, long_run, sig,
+                                                                        after_rows):
     d, prompts, want = long_run
     out = tmp_path / "c.jsonl"
     job = write_job(tmp_path, model={"checkpoint": str(tiny_ckpt)}, run={"timeout_s": 30.0},
                     placement={"reserve_ram_gb": 0.0})
     proc = start_and_wait_rows(job, prompts, out, after_rows)
-    proc.send_signal(signal.SIGTERM)  # to mpiexec, which passes it to every rank
+    proc.send_signal(sig)  # to mpiexec, which passes it to every rank (as Slurm's --signal does)
     o, e = proc.communicate(timeout=60)
     assert proc.returncode == REQUEUE_EXIT, e
-    assert "stopped by SIGTERM" in e and "resume" in e
+    assert f"stopped by {signal.Signals(sig).name}" in e and "resume" in e
     assert "Traceback" not in e
     first = check_lines(out)
     assert out.read_bytes().endswith(b"\n") and after_rows <= first < len(LONG)

@@ -237,3 +237,29 @@ def test_scheduler_recompute_prefills_whole_sequences():
     s.complete(step, np.array([9]))
     step = s.next_step(0)
     assert step.kind == PREFILL and step.ids.tolist() == [[1, 2, 3, 9]]
+
+
+def test_planner_sees_the_kv_cache():
+    """KV bytes per layer are 2 (K, V) x slots x positions kept x kv width x 4 bytes, and a
+    plan that fits without the cache does not fit with it."""
+    from rlx_mpi.caps import NodeCaps
+    from rlx_mpi.config import PlacementPolicy
+    from rlx_mpi.errors import FitError
+    from rlx_mpi.generation import kv_cost
+    from rlx_mpi.placement import plan_placement
+
+    cfg = PRESETS["small"]
+    slots, seq = 16, 1024
+    base = cfg.cost(slots, seq)
+    per_layer = 2 * slots * seq * cfg.kv_dim * 4
+    assert kv_cost(base, [KvSpec("full")], seq).kv_bytes_per_layer == per_layer
+    assert kv_cost(base, [KvSpec("window", 128), KvSpec("window", 256)], seq).kv_bytes_per_layer == per_layer // 4
+    assert kv_cost(base, [KvSpec("none")], seq).kv_bytes_per_layer == 0
+    none, full = kv_cost(base, [KvSpec("none")], seq), kv_cost(base, [KvSpec("full")], seq)
+    need = none.stage_bytes(range(cfg.num_hidden_layers), True, True)
+    assert full.stage_bytes(range(cfg.num_hidden_layers), True, True) - need == cfg.num_hidden_layers * per_layer
+    caps = [NodeCaps(rank=0, host="h", local_rank=0, local_size=1, cpus=2, ram_total_bytes=need + 10**6,
+                     ram_available_bytes=need + 10**6)]
+    plan_placement(none, caps, PlacementPolicy.BALANCED, 0, grid=[[0]])
+    with pytest.raises(FitError):
+        plan_placement(full, caps, PlacementPolicy.BALANCED, 0, grid=[[0]])
