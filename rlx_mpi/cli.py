@@ -70,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--eos-id", type=int, metavar="ID", help="end-of-sequence token (default: the tokenizer's)")
     g.add_argument("--batch", type=int, metavar="B", help="sequences per group")
     g.add_argument("--groups", type=int, metavar="G", help="groups in flight (0 = one per stage)")
+    g.add_argument("--json", metavar="STATS.json", help="write the run's per-rank stats and totals as JSON")
 
     pr = sub.add_parser("probe", help="show every launched rank's hardware (under mpiexec/srun)")
     pr.add_argument("job", nargs="?", help="optional job TOML: also checks its checkpoint is readable")
@@ -209,6 +210,11 @@ def _generate_options(args, job):
                              ("--groups", args.groups, 0)):
         if value is not None and value < low:
             raise ConfigError(f"generate {flag}", f"got {value}", f"give an integer >= {low}")
+    if args.json and not Path(args.json).parent.is_dir():
+        raise ConfigError(f"--json {args.json}", f"folder {Path(args.json).parent} does not exist",
+                          "create it or choose another path")
+    if args.json and Path(args.json).resolve() in (Path(prompts).resolve(), Path(out).resolve()):
+        raise ConfigError(f"--json {args.json}", "is the prompt or output file", "choose another path")
     seed = pick(args.seed, sec.seed if sec.seed is not None else job.run.seed)
     sampling = SamplingParams(pick(args.temperature, sec.temperature), pick(args.top_k, sec.top_k),
                               pick(args.top_p, sec.top_p), seed).check("generate")
@@ -234,6 +240,8 @@ def cmd_generate(args) -> int:
     if cx.is_root:
         print(result.table())
         sys.stdout.flush()
+        if args.json:
+            _write_atomic(args.json, lambda tmp: tmp.write_text(json.dumps(result.to_dict(), indent=2)))
     if result.stopped_by:
         if cx.is_root:
             print(f"rlx-mpi: stopped by {result.stopped_by} after the current step: "

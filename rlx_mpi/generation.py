@@ -361,6 +361,11 @@ class GenerateResult:
     wall_s: float
     stopped_by: str | None  # a signal name when stopped early
 
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
     def table(self) -> str:
         head = ("stage", "rank", "tp", "layers", "kv", "prefill_ms", "decode_ms", "sample_ms", "recv_wait_ms",
                 "send_ms", "kv_MB", "weights_MB", "peak_rss_MB")
