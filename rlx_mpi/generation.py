@@ -475,7 +475,16 @@ def _start(cx: Any, opts: GenerateOptions, inputs: tuple):
     cx._agree(same_kv)
     cx.build()
     kv = job.kv_for(cx.world.rank)
-    kv_bytes = cx._agree(lambda: cx.stage.reset(slots, cx.seq, kv))
+    def reset() -> int:
+        try:
+            return cx.stage.reset(slots, cx.seq, kv)
+        except NotImplementedError as e:
+            from .errors import ConfigError
+
+            raise ConfigError(f"{job.model.checkpoint}: family {cx.family.name!r}", str(e),
+                              "generate needs a family whose Stage implements reset, prefill and decode") from None
+
+    kv_bytes = cx._agree(reset)
     recompute = any(job.kv_for(r).recompute for r in range(cx.world.size))
     return doc, holder, groups, kv, kv_bytes, recompute
 

@@ -261,3 +261,41 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_ckpt, case, needle):
     assert len(errors) == 1 and needle in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
     assert prompts.read_bytes() == before
+
+
+# -- faults during generation -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def faulty_ckpt(tmp_path_factory):
+    import faulty_family
+
+    return faulty_family.write_checkpoint(tmp_path_factory.mktemp("faulty") / "faulty.h5")
+
+
+@pytest.mark.parametrize("fault, code", [("raise", 4), ("hang", 5)])
+def test_fault_in_a_decode_step_names_the_rank(tmp_path, faulty_ckpt, fault, code):
+    prompts = write_prompts(tmp_path / "p.jsonl", MIXED[:2])
+    job = write_job(tmp_path, model={"checkpoint": str(faulty_ckpt), "plugins": ["faulty_family"]},
+                    run={"timeout_s": 3.0, "startup_timeout_s": 60.0})
+    env = {"RLX_TEST_FAULT": fault, "RLX_TEST_FAULT_RANK": "1", "RLX_TEST_FAULT_MICROBATCH": "1",
+           "RLX_TEST_FAULT_DECODE": "1"}
+    t0 = time.monotonic()
+    proc = run_cli(["generate", job, "--prompts", prompts, "--out", tmp_path / "c.jsonl", "--batch", 1,
+                    "--max-new-tokens", 5], ranks=2, timeout=90, env=env)
+    assert proc.returncode == code, proc.stderr
+    if fault == "raise":  # the rank that raised reports itself, with its context
+        assert "rank 1 (" in proc.stderr and "stage 1" in proc.stderr and "injected fault" in proc.stderr
+    else:  # a stuck rank says nothing: the rank waiting for it names it
+        assert "rank 1 is stuck or dead" in proc.stderr
+    assert time.monotonic() - t0 < 60
+
+
+def test_family_without_generation_is_one_line(tmp_path, faulty_ckpt):
+    prompts = write_prompts(tmp_path / "p.jsonl", MIXED[:2])
+    job = write_job(tmp_path, model={"checkpoint": str(faulty_ckpt), "plugins": ["faulty_family"]})
+    proc = run_cli(["generate", job, "--prompts", prompts, "--out", tmp_path / "c.jsonl"], ranks=2, timeout=60,
+                   env={"RLX_TEST_NO_GENERATE": "1"})
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("rlx-mpi: error:")]
+    assert len(errors) == 1 and "does not support generation" in errors[0], proc.stderr
