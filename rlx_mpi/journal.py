@@ -71,6 +71,9 @@ class Journal:
         self.path = Path(path)
         self.sync_s = sync_s
         self._prompts = list(prompts)
+        if [p.index for p in self._prompts] != list(range(len(self._prompts))) or \
+                len({p.id for p in self._prompts}) != len(self._prompts):
+            raise ValueError("prompts must be read_prompts' list: indices 0..n-1, unique ids")
         self._check_path(inputs)
         self._fd = self._open()
         try:
@@ -92,9 +95,14 @@ class Journal:
         where = f"output {self.path}"
         if self.path.is_dir():
             raise InputError(where, "is a directory", "give a file path for the completions")
+        if self.path.exists() and not self.path.is_file():  # opening a FIFO or device can block or harm
+            raise InputError(where, "is not a regular file (a pipe, a device)",
+                             "give a file path: the job resumes from what the file holds")
         if not self.path.parent.is_dir():
             raise InputError(where, f"the folder {self.path.parent} does not exist", "create it first")
         for inp in inputs:
+            if inp is None:
+                continue
             inp = Path(inp)
             same = self.path.resolve() == inp.resolve()
             if not same and self.path.exists() and inp.exists():

@@ -282,3 +282,24 @@ def test_numpy_values_in_a_row_are_written_as_plain_json(tmp_path):
         with pytest.raises(ValueError):
             j.complete(0, {})
     assert out.read_bytes() == b'{"id":"p0","tokens":[0,1,2],"new_tokens":3,"ms":1.5}\n'
+
+
+def test_empty_output_starts_and_a_finished_one_has_nothing_pending(tmp_path):
+    ps, out = prompts(3), tmp_path / "out.jsonl"
+    out.write_bytes(b"")
+    with Journal(out, ps, inputs=[None]) as j:
+        assert len(j.pending) == 3
+        for p in ps:
+            j.complete(p.index, row(p.index))
+    with Journal(out, ps) as j:
+        assert j.pending == [] and j.done == {"p0", "p1", "p2"}
+    assert out.read_bytes() == expected_bytes(ps)
+    with pytest.raises(ValueError, match="unique ids"):
+        Journal(tmp_path / "o2.jsonl", ps + ps[:1])
+
+
+def test_a_pipe_is_refused_without_opening_it(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match="not a regular file"):
+        Journal(fifo, prompts(1))  # opening it for reading would block: it must not be opened
