@@ -47,7 +47,13 @@ _ROW_START = b'{"id":"'  # every row begins so (id first, compact JSON): a torn 
 
 
 class Stopped(RlxError):
-    """The job was asked to stop (a signal); what was complete is written. Rerun to resume."""
+    """The job was asked to stop (a signal); what was complete is written. Rerun to resume.
+
+    Raise it where every rank agrees (inside `rlx_mpi.faults.agree`, which turns it into one
+    `AgreedFailure` on every rank: rank 0 prints the line and all exit with `REQUEUE_EXIT`);
+    raised on one rank alone, the CLI takes it for a fault and aborts the job, though still
+    with this exit code.
+    """
 
     exit_code = REQUEUE_EXIT
 
@@ -65,6 +71,9 @@ class Journal:
         self.path = Path(path)
         self.sync_s = sync_s
         self._prompts = list(prompts)
+        if [p.index for p in self._prompts] != list(range(len(self._prompts))) or \
+                len({p.id for p in self._prompts}) != len(self._prompts):
+            raise ValueError("prompts must be read_prompts' list: indices 0..n-1, unique ids")
         self._check_path(inputs)
         self._fd = self._open()
         try:
@@ -86,9 +95,14 @@ class Journal:
         where = f"output {self.path}"
         if self.path.is_dir():
             raise InputError(where, "is a directory", "give a file path for the completions")
+        if self.path.exists() and not self.path.is_file():  # opening a FIFO or device can block or harm
+            raise InputError(where, "is not a regular file (a pipe, a device)",
+                             "give a file path: the job resumes from what the file holds")
         if not self.path.parent.is_dir():
             raise InputError(where, f"the folder {self.path.parent} does not exist", "create it first")
         for inp in inputs:
+            if inp is None:
+                continue
             inp = Path(inp)
             same = self.path.resolve() == inp.resolve()
             if not same and self.path.exists() and inp.exists():
@@ -187,7 +201,7 @@ class Journal:
             raise ValueError(f"row id {row['id']!r} is not prompt {index}'s id {pid!r}")
         # allow_nan=False: a NaN in a row is a bug upstream, never something to write down
         line = json.dumps({"id": pid, **row}, ensure_ascii=False, allow_nan=False,
-                          separators=(",", ":")).encode("utf-8") + b"\n"
+                          separators=(",", ":"), default=_plain).encode("utf-8") + b"\n"
         self._held[index] = (pid, line)
         while self._next in self._held:
             self._ready.append(self._held.pop(self._next))
@@ -195,7 +209,11 @@ class Journal:
         self.flush()
 
     def flush(self, force: bool = False) -> None:
-        """Write the lines that are ready; fsync if ``sync_s`` has passed (always if ``force``)."""
+        """Write the lines that are ready; fsync if ``sync_s`` has passed (always if ``force``).
+
+        `complete` calls it; call it once per decode step too, so that rows written in a burst
+        are fsynced within ``sync_s`` even when no more prompts finish for a while.
+        """
         if self._fd is None:
             raise ValueError(f"journal {self.path} is closed")
         if self._ready:
@@ -248,6 +266,13 @@ class Journal:
     def __repr__(self) -> str:
         return (f"Journal({str(self.path)!r}, done={len(self.done)}/{len(self._prompts)}, "
                 f"held={len(self._held)})")
+
+
+def _plain(obj):
+    """numpy scalars and arrays as JSON numbers and lists (a row's tokens often are numpy)."""
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    raise TypeError(f"a {type(obj).__name__} cannot go into a JSON row")
 
 
 def _lines(f) -> Iterable[bytes]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -78,7 +79,8 @@ def test_sigterm_from_outside_lets_the_loop_finish_its_step_and_exit_with_the_re
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     try:
-        assert proc.stdout.readline() == "ready\n"
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready and proc.stdout.readline() == "ready\n"
         time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=20)
