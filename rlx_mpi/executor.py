@@ -45,7 +45,7 @@ from .faults import RankContext, wait
 from .schedule import COMPUTE, POST_RECV, POST_SEND, WAIT_RECV, WAIT_SEND, Action, forward_schedule
 
 __all__ = ["Executor", "ExecStats", "forward", "microbatch_bounds", "wire_codec", "wire_codec_by_name",
-           "wire_error_bound", "trace_document"]
+           "wire_error_bound", "trace_document", "clock_offset"]
 
 log = logging.getLogger("rlx_mpi")
 
@@ -270,8 +270,11 @@ def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
 
     ex = Executor(link, cx.ctx, rank_of=rank_of, codec=codec, record=trace)
     actions = forward_schedule(topo.stage, topo.n_stages, M)
+    # The trace's clock: rank 0's perf_counter, each rank's offset to it measured by ping-pong
+    # (a barrier alone was off by several ms on a loaded host: a rank descheduled on leaving it).
+    offset = clock_offset(cx.world, cx.ctx, timeout) if trace else 0.0
     wait(cx.world.Ibarrier(), timeout, cx.ctx, lambda: "every rank to start the forward", "some rank")
-    sync = time.perf_counter()  # every rank leaves the barrier at about the same moment: the trace's zero
+    sync = time.perf_counter()
     ex.origin = sync
     ex.run(actions, compute, recv_spec)
 
@@ -293,9 +296,11 @@ def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
         peak_rss_bytes=peak_rss_bytes(), pack_ms=st.pack_s * 1e3, unpack_ms=st.unpack_s * 1e3,
         wall_ms=st.wall_s * 1e3)
     doc: dict = {"timing": timing.to_dict()}
-    if trace:  # start-up phases (cli.py records them) on the same clock: negative times
+    if trace:  # start-up phases (cli.py records them) too; all on rank 0's clock, from its sync
         phases = [(name, "startup", t0 - sync, dur, {}) for name, t0, dur in getattr(cx, "phases", [])]
-        doc["spans"] = [list(s) for s in phases + ex.spans]
+        sync0 = transport.bcast_json(cx.world, sync, 0, timeout, cx.ctx, "the trace's clock origin")
+        shift = sync + offset - sync0  # local time t is t + offset on rank 0's clock
+        doc["spans"] = [[n, c, start + shift, dur, args] for n, c, start, dur, args in phases + ex.spans]
     rows = transport.gather_json(cx.world, doc, 0, timeout + (topo.n_stages + 1) * grace, cx.ctx,
                                  "the stage timings")
     if not cx.is_root:
@@ -306,6 +311,36 @@ def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
     if trace:
         run.spans = {r["timing"]["rank"]: r["spans"] for r in rows}
     return run
+
+
+def clock_offset(comm: Any, ctx: RankContext, timeout_s: float, rounds: int = 8) -> float:
+    """Seconds to add to this rank's perf_counter to read rank 0's (0.0 on rank 0).
+
+    Cristian's algorithm: each rank in turn sends rank 0 an empty message and gets back rank
+    0's clock T; offset = T - midpoint of the round trip, from the fastest of ``rounds``
+    (error <= half that round trip: tens of microseconds on one host, even when loaded).
+    """
+    stamp, empty = np.zeros(1, np.float64), np.zeros(0, np.uint8)
+    best_rtt, offset = float("inf"), 0.0
+    for r in range(1, comm.size):
+        if comm.rank not in (0, r):
+            continue
+        for k in range(rounds):
+            if comm.rank == 0:
+                wait(comm.Irecv(empty, source=r, tag=7000 + k), timeout_s, ctx,
+                     lambda: f"rank {r}'s clock probe", f"rank {r}")
+                stamp[0] = time.perf_counter()
+                wait(comm.Isend(stamp, dest=r, tag=7100 + k), timeout_s, ctx,
+                     lambda: f"rank {r} to take rank 0's clock", f"rank {r}")
+            else:
+                t1 = time.perf_counter()
+                wait(comm.Isend(empty, dest=0, tag=7000 + k), timeout_s, ctx, lambda: "rank 0 to take a clock probe",
+                     "rank 0")
+                wait(comm.Irecv(stamp, source=0, tag=7100 + k), timeout_s, ctx, lambda: "rank 0's clock", "rank 0")
+                t2 = time.perf_counter()
+                if t2 - t1 < best_rtt:
+                    best_rtt, offset = t2 - t1, float(stamp[0]) - (t1 + t2) / 2
+    return offset
 
 
 def _spec(cx: Any, batch: int, seq: int, last: bool) -> tuple[tuple[int, ...], np.dtype]:

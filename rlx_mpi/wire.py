@@ -42,6 +42,7 @@ WIRE_FORMATS = ("f32", "bf16", "f16")
 
 _U = np.uint32
 
+
 @numba.njit(cache=True)
 def _pack_bf16(src, dst):  # src (N,) uint32 = float32 bits, dst (N,) uint16 = bf16 bits
     for i in range(src.size):

@@ -88,3 +88,45 @@ def test_half_wire_within_bound(tmp_path, tiny_ckpt, ids, f32_one, wire):
         for r in stats["timings"]:
             if r["stage"] < RANKS - 1:
                 assert r["bytes_sent"] == BATCH * SEQ * hidden * 2  # half the bytes of f32
+
+
+def test_trace_one_lane_per_rank_and_gantt(tmp_path, tiny_ckpt, ids):
+    from conftest import run_cli
+    from rlx_mpi.trace import bubble, load_trace, spans_from_trace, validate_trace
+
+    path = tmp_path / "trace.json"
+    _, stats, _ = run(tmp_path, "tr", tiny_ckpt, ids, extra_args=["--trace", path], microbatches=3, wire="bf16")
+    doc = json.loads(path.read_text())
+    validate_trace(doc)
+    lanes = {e["pid"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert lanes == set(range(RANKS))
+    spans = spans_from_trace(load_trace(path))
+    for r in range(RANKS):
+        mine = [s for s in spans if s.rank == r]
+        computes = sorted(s.args["microbatch"] for s in mine if s.cat == "compute")
+        assert computes == [0, 1, 2]
+        assert {"build", "probe"} <= {s.name for s in mine if s.cat == "startup"}
+        if r > 0:
+            assert sorted(s.args["microbatch"] for s in mine if s.cat == "recv_wait") == [0, 1, 2]
+            assert sum(s.cat == "unpack" for s in mine) == 3
+        if r < RANKS - 1:
+            assert sum(s.cat == "pack" for s in mine) == 3
+            assert sorted(s.args["microbatch"] for s in mine if s.cat == "send_wait") == [0, 1, 2]
+    # on one clock: a stage computes microbatch m only after the previous stage did
+    first = {(s.rank, s.args["microbatch"]): s for s in spans if s.cat == "compute"}
+    for r in range(1, RANKS):
+        for m in range(3):
+            assert first[(r, m)].start_s >= first[(r - 1, m)].start_s + first[(r - 1, m)].dur_s - 1e-3
+    b = bubble(spans, RANKS, 3)
+    assert b["ideal_bubble"] == pytest.approx(2 / 5)
+    # the trace subcommand: a summary, and a clear answer about the picture
+    png = tmp_path / "gantt.png"
+    proc = run_cli(["trace", path, "--png", png], timeout=60)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert proc.returncode == 2 and "matplotlib is not installed" in proc.stderr, proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "bubble" in proc.stdout and "rank 2" in proc.stdout
