@@ -36,7 +36,7 @@ from .kv_cache import KvSpec
 from .sampling import SamplingParams, prompt_key, sample
 from .schedule import COMPUTE, POST_RECV, POST_SEND, WAIT_RECV, WAIT_SEND, Action
 
-__all__ = ["PREFILL", "DECODE", "STOP", "Seq", "Step", "Scheduler", "decode_step_actions", "token_return_actions",
+__all__ = ["PREFILL", "DECODE", "STOP", "Seq", "Step", "Scheduler", "decode_step_actions",
            "DecodeRing", "GenStats", "GenerateOptions", "GenerateResult", "generate", "kv_cost"]
 
 log = logging.getLogger("rlx_mpi")
@@ -78,6 +78,7 @@ class Step:
     ids: np.ndarray  # (n, T) int64: stage 0's input
     header: np.ndarray  # int64 (_HEAD + _ROW * batch,)
     tokens: np.ndarray | None = None  # (n,) once sampled
+    pending: Any = None  # the posted receive of the tokens (pipelines of 2+ stages)
 
 
 def make_header(kind: int, group: int, T: int, slots, lengths, keys, index, size: int) -> np.ndarray:
@@ -181,12 +182,6 @@ def decode_step_actions(stage: int, n_stages: int, group: int) -> list[Action]:
     return acts
 
 
-def token_return_actions(n_stages: int, group: int) -> list[Action]:
-    """Stage 0 takes a group's sampled tokens from the last stage and completes the step."""
-    last = n_stages - 1
-    return [Action(0, POST_RECV, group, 0, last), Action(0, WAIT_RECV, group, 0, last), Action(0, COMPUTE, group, 0)]
-
-
 # -- running it on the ranks ---------------------------------------------------------------------
 
 
@@ -222,8 +217,6 @@ class DecodeRing:
 
         what = lambda g: f"the hidden state of group {g}"  # noqa: E731
         self.ex = Executor(self.link, cx.ctx, rank_of=rank_of, codec=codec, what=what, record=False)
-        self.ex_ring = Executor(self.ring, cx.ctx, rank_of=rank_of, codec=None, record=False,
-                                what=lambda g: f"the sampled tokens of group {g}")
         self.hidden = cx.model_config.hidden_size
         self.stats = GenStats()
 
@@ -278,6 +271,10 @@ class DecodeRing:
                 return out
 
             self.ex.run(decode_step_actions(0, self.n_stages, g), compute, lambda a: None, tag_base=_TAG_HIDDEN)
+            if self.n_stages > 1:  # post the receive of its tokens now: the last stage's send
+                # then never depends on MPI buffering it (no cycle in the ring under rendezvous)
+                step.pending = self.ring.irecv(np.empty(len(step.rows), np.int64), self.topo.grid[-1][self.topo.tp_rank],
+                                               _TAG_HIDDEN + g, f"the sampled tokens of group {g}")
             in_flight.append(step)
 
         for g in range(sched.groups):
@@ -285,13 +282,9 @@ class DecodeRing:
         while in_flight:
             step = in_flight.popleft()
             if step.tokens is None:  # the ring: tokens from the last stage
-                n = len(step.rows)
-
-                def take(_m, x, step=step):
-                    step.tokens = np.array(x, np.int64)
-
-                self.ex_ring.run(token_return_actions(self.n_stages, step.group), take,
-                                 lambda a, n=n: ((n,), np.int64), tag_base=_TAG_HIDDEN)
+                self.ctx.microbatch = step.group
+                step.pending.wait()
+                step.tokens = step.pending.buf
             on_done(sched.complete(step, step.tokens))
             if not sched.stopping and stop_now():
                 sched.stopping = stopped = True
@@ -549,7 +542,7 @@ def _run(cx: Any, opts: GenerateOptions, doc: dict, holder: dict, groups: int, k
     mine = {"rank": cx.world.rank, "stage": a.stage, "tp_rank": topo.tp_rank, "tp_ranks": list(a.ranks),
             "layers": [a.layers.start, a.layers.stop], "kv": str(kv), "prefill_s": st.prefill_s,
             "decode_s": st.decode_s, "sample_s": st.sample_s,
-            "recv_wait_s": ex.recv_wait_s + ring.ex_ring.stats.recv_wait_s,
+            "recv_wait_s": ex.recv_wait_s + ring.ring.recv_wait_s,
             "send_wait_s": ex.send_wait_s, "kv_bytes": kv_bytes, "weight_bytes": cx.stage.weight_bytes,
             "peak_rss_bytes": peak_rss_bytes(), "stopped": bool(stopped) if topo.stage == 0 else False,
             "signal": stop.signal_name}
