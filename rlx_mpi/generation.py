@@ -34,10 +34,9 @@ from . import transport
 from .executor import Executor, wire_codec
 from .kv_cache import KvSpec
 from .sampling import SamplingParams, prompt_key, sample
-from .schedule import COMPUTE, POST_RECV, POST_SEND, WAIT_RECV, WAIT_SEND, Action
+from .schedule import Action, decode_step_actions
 
-__all__ = ["PREFILL", "DECODE", "STOP", "Seq", "Step", "Scheduler", "decode_step_actions",
-           "DecodeRing", "GenStats", "GenerateOptions", "GenerateResult", "generate", "kv_cost"]
+__all__ = ["PREFILL", "DECODE", "STOP", "Seq", "Step", "Scheduler", "DecodeRing", "GenStats", "GenerateOptions", "GenerateResult", "generate", "kv_cost"]
 
 log = logging.getLogger("rlx_mpi")
 
@@ -163,23 +162,6 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         return not self.queue and all(r is None for g in self.rows for r in g)
-
-
-# -- the schedules of one step (plain data, for the executor) ------------------------------------
-
-
-def decode_step_actions(stage: int, n_stages: int, group: int) -> list[Action]:
-    """One step of ``group`` on ``stage``: receive (not on stage 0), compute, send on.
-
-    The last stage's send goes to stage 0: the sampled tokens, closing the ring."""
-    acts = []
-    if stage > 0:
-        acts += [Action(stage, POST_RECV, group, 0, stage - 1), Action(stage, WAIT_RECV, group, 0, stage - 1)]
-    acts.append(Action(stage, COMPUTE, group, 0))
-    if n_stages > 1:
-        peer = (stage + 1) % n_stages
-        acts += [Action(stage, POST_SEND, group, 0, peer), Action(stage, WAIT_SEND, group, 0, peer)]
-    return acts
 
 
 # -- running it on the ranks ---------------------------------------------------------------------

@@ -263,3 +263,23 @@ def test_planner_sees_the_kv_cache():
     plan_placement(none, caps, PlacementPolicy.BALANCED, 0, grid=[[0]])
     with pytest.raises(FitError):
         plan_placement(full, caps, PlacementPolicy.BALANCED, 0, grid=[[0]])
+
+
+@pytest.mark.parametrize("n_stages, groups", [(2, 1), (2, 2), (3, 3), (4, 2), (4, 6)])
+def test_decode_ring_never_deadlocks(n_stages, groups):
+    """Under rendezvous semantics (a send completes only once its receive is posted) the ring
+    completes every step; one group never overlaps with itself, two or more groups do.
+
+    Note what this also shows: each step's send is waited before the next step is received,
+    so under rendezvous at most two neighbouring stages compute at once however many groups are
+    in flight; messages under MPI's eager limit (decode hidden states are batch x hidden x 4
+    bytes) do not wait. Deferring the send waits across steps is left for later."""
+    from rlx_mpi.schedule import COMPUTE, decode_ring, simulate
+
+    rounds = 4
+    steps = simulate([decode_ring(s, n_stages, groups, rounds) for s in range(n_stages)])
+    computes = [{a.stage for a in step if a.kind == COMPUTE and not (a.stage == 0 and a.microbatch >= groups * rounds)}
+                for step in steps]
+    assert sum(len(c) for step in steps for c in [[a for a in step if a.kind == COMPUTE]]) == \
+        n_stages * groups * rounds + groups  # + stage 0 completing the last round
+    assert max(map(len, computes)) == (1 if groups == 1 else 2)
