@@ -16,8 +16,12 @@ through every stage, so stage 0 receives tokens in the order it issued the steps
 Stopping: stage 0 stops admitting prompts (all prompts done, or a stop signal agreed by the
 first stage's TP ranks), drains the steps in flight, then sends a STOP header down the
 pipeline; every rank leaves its loop after the same step. The hidden states move through the
-`executor.Executor` (codec, buffer pool, timings), the headers over the same `transport.Link`;
-every wait has the run's deadline and names the rank waited for.
+`executor.Executor` (codec, buffer pool, timings), one step's actions at a time
+(`schedule.decode_step_actions`; `schedule.decode_ring` writes the whole order out for
+`schedule.simulate`); the headers, and the tokens whose receive stage 0 posts as soon as it
+has sent a step, go over the same `transport.Link`. Every wait has the run's deadline and
+names the rank waited for. Each step's send is waited before the stage takes the next step,
+so hidden states past MPI's eager limit hand over synchronously (see the ring test).
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from .kv_cache import KvSpec
 from .sampling import SamplingParams, prompt_key, sample
 from .schedule import Action, decode_step_actions
 
-__all__ = ["PREFILL", "DECODE", "STOP", "Seq", "Step", "Scheduler", "DecodeRing", "GenStats", "GenerateOptions", "GenerateResult", "generate", "kv_cost"]
+__all__ = ["PREFILL", "DECODE", "STOP", "Seq", "Step", "Scheduler", "make_header", "read_header", "DecodeRing",
+           "GenStats", "GenerateOptions", "GenerateResult", "generate", "kv_cost"]
 
 log = logging.getLogger("rlx_mpi")
 
