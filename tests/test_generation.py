@@ -283,3 +283,23 @@ def test_decode_ring_never_deadlocks(n_stages, groups):
     assert sum(len(c) for step in steps for c in [[a for a in step if a.kind == COMPUTE]]) == \
         n_stages * groups * rounds + groups  # + stage 0 completing the last round
     assert max(map(len, computes)) == (1 if groups == 1 else 2)
+
+
+def test_generate_section_and_kv_cache_in_the_job_file(tmp_path):
+    from rlx_mpi.config import parse_job
+
+    raw = {"model": {"checkpoint": "m.h5"}, "run": {"kv_cache": "window:8"},
+           "generate": {"prompts": "p.jsonl", "out": "out/c.jsonl", "max_new_tokens": 5, "temperature": 0.7,
+                        "top_k": 3, "top_p": 0.9, "seed": 4, "eos_id": 2, "batch": 2, "groups": 3},
+           "rank": [{"rank": 1, "kv_cache": "none"}]}
+    job = parse_job(raw, tmp_path / "job.toml")
+    g = job.generate
+    assert g.prompts == tmp_path / "p.jsonl" and g.out == tmp_path / "out" / "c.jsonl"
+    assert (g.max_new_tokens, g.temperature, g.top_k, g.top_p, g.seed, g.eos_id, g.batch, g.groups) == \
+        (5, 0.7, 3, 0.9, 4, 2, 2, 3)
+    assert job.kv_for(0) == KvSpec("window", 8) and job.kv_for(1) == KvSpec("none")
+    assert parse_job({"model": {"checkpoint": "m.h5"}}, tmp_path / "j.toml").kv_for(0) == KvSpec("full")
+    for section, key, value, needle in (("generate", "max_new_tokens", 0, "> 0"), ("generate", "top_k", -1, ">= 0"),
+                                        ("generate", "what", 1, "unknown key"), ("run", "kv_cache", "all", "window:W")):
+        with pytest.raises(ConfigError, match=needle):
+            parse_job({"model": {"checkpoint": "m.h5"}, section: {key: value}}, tmp_path / "j.toml")
