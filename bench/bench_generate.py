@@ -121,7 +121,7 @@ def bench_preset(preset: str, args, folder: Path, mpiexec: str) -> dict:
                 wait_quiet(args.quiet, args.quiet_wait)
                 walls[label][n].append(run_generate(ranks, job, prompts[seqs], folder / "out.jsonl",
                                                     folder / "stats.json", n, batch, groups, mpiexec, prefix))
-        print(f"  {preset}: trial {trial + 1}/{args.trials} done (load {loadavg()})", file=sys.stderr)
+        print(f"  {preset}: trial {trial + 1}/{args.trials} done (load {loadavg()})", file=sys.stderr, flush=True)
     rows = {}
     for label, ranks, seqs, batch, groups, _ in CASES:
         w1, wn = statistics.median(walls[label][1]), statistics.median(walls[label][args.new])
@@ -132,14 +132,17 @@ def bench_preset(preset: str, args, folder: Path, mpiexec: str) -> dict:
     bound = bw / decode_bytes(cfg)
     doc = {"preset": preset, "cases": rows, "gemv_bandwidth_GBs": bw / 1e9, "decode_bytes": decode_bytes(cfg),
            "bound_tok_s_batch1": bound}
-    if torch_py:
-        proc = subprocess.run([torch_py, str(HERE / "_hf_generate.py"), "time", "--hf-dir", str(folder / f"hf_{preset}"),
-                               "--threads", "2", "--prompt-len", str(args.prompt_len), "--new", str(args.new),
-                               "--trials", str(args.trials)], check=True, capture_output=True, text=True)
-        hf = json.loads(proc.stdout.strip().splitlines()[-1])
-        for b, r in hf["batches"].items():
-            r["decode_tok_s"] = int(b) * (args.new - 1) / max(r["wall_n"] - r["wall_1"], 1e-9)
-            r["prefill_tok_s"] = int(b) * args.prompt_len / r["wall_1"]
+    if torch_py:  # 2 threads (as our 1 rank) and 1 thread (as our taskset case)
+        hf = {}
+        for threads in (2, 1):
+            proc = subprocess.run([torch_py, str(HERE / "_hf_generate.py"), "time", "--hf-dir",
+                                   str(folder / f"hf_{preset}"), "--threads", str(threads), "--prompt-len",
+                                   str(args.prompt_len), "--new", str(args.new), "--trials", str(args.trials)],
+                                  check=True, capture_output=True, text=True)
+            hf[threads] = json.loads(proc.stdout.strip().splitlines()[-1])
+            for b, r in hf[threads]["batches"].items():
+                r["decode_tok_s"] = int(b) * (args.new - 1) / max(r["wall_n"] - r["wall_1"], 1e-9)
+                r["prefill_tok_s"] = int(b) * args.prompt_len / r["wall_1"]
         doc["transformers"] = hf
     one1, one8 = rows[CASES[0][0]], rows[CASES[1][0]]
     two1, two8 = rows[CASES[2][0]], rows[CASES[3][0]]
@@ -155,10 +158,12 @@ def bench_preset(preset: str, args, folder: Path, mpiexec: str) -> dict:
         "1 rank x 1 thread batch 1 decode / bandwidth bound (2 threads)": solo1["decode_tok_s"] / bound,
     }
     if hf:
-        for b, mine in (("1", one1), ("8", one8)):
-            theirs = hf["batches"][b]
-            doc["ratios"][f"ours / transformers decode, batch {b}"] = mine["decode_tok_s"] / theirs["decode_tok_s"]
-            doc["ratios"][f"ours / transformers prefill, batch {b}"] = mine["prefill_tok_s"] / theirs["prefill_tok_s"]
+        for threads, cases in ((2, (("1", one1), ("8", one8))), (1, (("1", solo1), ("8", solo8)))):
+            for b, mine in cases:
+                theirs = hf[threads]["batches"][b]
+                what = f"batch {b}, {threads} thread{'s' if threads > 1 else ''}"
+                doc["ratios"][f"ours / transformers decode, {what}"] = mine["decode_tok_s"] / theirs["decode_tok_s"]
+                doc["ratios"][f"ours / transformers prefill, {what}"] = mine["prefill_tok_s"] / theirs["prefill_tok_s"]
     return doc
 
 
@@ -181,14 +186,18 @@ def main() -> None:
             docs.append(doc)
             head = ["case", "decode tok/s", "prefill tok/s"]
             table = [[k, f"{v['decode_tok_s']:.1f}", f"{v['prefill_tok_s']:.1f}"] for k, v in doc["cases"].items()]
-            for b, r in doc.get("transformers", {}).get("batches", {}).items():
-                table.append([f"transformers generate, batch {b}, 2 threads", f"{r['decode_tok_s']:.1f}",
-                              f"{r['prefill_tok_s']:.1f}"])
+            for threads, hf in doc.get("transformers", {}).items():
+                for b, r in hf["batches"].items():
+                    table.append([f"transformers generate, batch {b}, {threads} thread(s)", f"{r['decode_tok_s']:.1f}",
+                                  f"{r['prefill_tok_s']:.1f}"])
             print(f"\n{preset}: bandwidth bound at batch 1 {doc['bound_tok_s_batch1']:.1f} tok/s "
                   f"({doc['decode_bytes'] / 1e6:.0f} MB per step at {doc['gemv_bandwidth_GBs']:.1f} GB/s)")
             print(fmt_table(head, table))
             for k, v in doc["ratios"].items():
                 print(f"  {k}: {v:.2f}")
+            sys.stdout.flush()
+            save_json(args.json, {"machine": info, "loadavg_end": loadavg(), "new": args.new,  # after each preset
+                                  "prompt_len": args.prompt_len, "trials": args.trials, "presets": docs})
     save_json(args.json, {"machine": info, "loadavg_end": loadavg(), "new": args.new, "prompt_len": args.prompt_len,
                           "trials": args.trials, "presets": docs})
 
