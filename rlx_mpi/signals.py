@@ -8,6 +8,13 @@ finishes the step it is in, the journal is closed, and the job exits with
 `rlx_mpi.journal.REQUEUE_EXIT`. Nothing is done inside the handler, so a signal cannot land
 in the middle of a write or an MPI call. A second SIGINT is not a request any more: it acts
 as it would without us (a KeyboardInterrupt), for the user who does not want to wait.
+
+Under MPICH's mpiexec a signal to the launcher reaches every rank (measured: SIGTERM, SIGINT
+and SIGUSR1 alike), and SIGTERM often twice, once more through the rank's supervisor
+(`rlx_mpi.faults.supervise`); call `StopRequest.restore` before exiting, which then ignores
+the late copy instead of letting it kill the rank on its way out with the requeue code.
+A signal sent to a supervisor alone (not its process group) is passed on for SIGTERM and
+SIGHUP only: SIGUSR1 sent that way never reaches the rank.
 """
 
 from __future__ import annotations
@@ -55,8 +62,16 @@ class StopRequest:
             signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
 
     def restore(self) -> None:
-        """Put back the handlers that were there before `install`."""
+        """Put back the handlers that were there before `install`.
+
+        Once a stop was requested, SIGTERM and SIGUSR1 are ignored instead: the launcher and
+        the rank's supervisor may each deliver the same signal, and a late copy must not kill
+        a rank that is exiting cleanly with the requeue code (Python puts the default action
+        back at exit, so leaving our handler would not do). SIGINT gets its old handler back.
+        """
         for sig, previous in self._previous.items():
+            if self.requested and sig != signal.SIGINT:
+                previous = signal.SIG_IGN
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
 
