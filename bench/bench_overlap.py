@@ -16,6 +16,9 @@ and reports, from the same run:
   bound      = tokens/s(2r) / (2M/(M+1) x tokens/s(1r1t)): the fraction of GPipe's ideal
                (equal stages, free communication) reached; target >= 0.95
   vs_2thread = tokens/s(2r) / tokens/s(1r2t); target >= 0.95
+  sched_eff  = (1 - measured bubble) / (1 - ideal bubble) within the 2-rank run itself: the
+               schedule against GPipe on its own compute times, so it does not depend on the
+               load during the other launches (the two ratios above do, on a shared host)
 
 Each rank's measured busy fraction and the bubble beside the ideal (p-1)/(M+p-1) come from the
 CLI's stats. Absolute times are for context: the host is shared.
@@ -86,6 +89,7 @@ def main() -> None:
                "send_ms": [t["send_ms"] for t in best["timings"]],
                "pack_ms": [t.get("pack_ms", 0.0) for t in best["timings"]]}
         if name.startswith("2r"):
+            res["sched_eff"] = (1 - res["bubble"]) / (1 - res["ideal_bubble"])
             for how, key in ((min, "best"), (statistics.median, "median")):
                 res[f"{key}_vs_bound"] = tps(name, how) / (factor * tps("1r1t", how))
                 res[f"{key}_vs_2thread"] = tps(name, how) / tps("1r2t", how)
@@ -96,11 +100,12 @@ def main() -> None:
                      f"{res.get('median_vs_2thread', float('nan')):.3f}",
                      " ".join(f"{100 * b:.0f}%" for b in res["busy"] or []),
                      f"{100 * res['bubble']:.1f}%/{100 * res['ideal_bubble']:.1f}%" if res["bubble"] is not None else "-",
+                     f"{res['sched_eff']:.3f}" if "sched_eff" in res else "-",
                      " ".join(f"{x:.0f}" for x in res["forward_ms"]), " ".join(f"{x:.0f}" for x in res["recv_wait_ms"]),
                      " ".join(f"{x:.0f}" for x in res["send_ms"])])
     print(f"\n## GPipe bound factor 2M/(M+1) = {factor:.3f} for M = {M}")
     print(fmt_table(["case", "best_tok/s", "med_tok/s", "vs_bound", "med_vs_bound", "vs_2thr", "med_vs_2thr",
-                     "busy/rank", "bubble/ideal", "fwd_ms/rank", "recv_wait_ms", "send_wait_ms"], rows))
+                     "busy/rank", "bubble/ideal", "sched_eff", "fwd_ms/rank", "recv_wait_ms", "send_wait_ms"], rows))
     print(f"# load average at the end: {loadavg()}")
     save_json(args.json, {"bench": "overlap", "machine": info, "preset": args.preset, "batch": args.batch,
                           "seq": args.seq, "microbatches": M, "reps": args.reps, "forwards": args.forwards, "bound_factor": factor,

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -113,92 +113,109 @@ class Executor:
             recv_spec: Callable[[Action], tuple[tuple[int, ...], Any]], *,
             codec_for: Callable[[int], Any] | None = None, tag_base: int = 0) -> ExecStats:
         """Run ``actions`` in order; see the module docstring for the callbacks."""
-        st, link, ctx = self.stats, self.link, self.ctx
-        recvs: dict[int, tuple[int, transport.Pending, Any, tuple, Any]] = {}  # slot -> (m, pending, codec, shape, dtype)
-        inputs: dict[int, tuple[int, np.ndarray]] = {}  # slot -> (m, received input)
-        sends: dict[int, tuple[int, transport.Pending]] = {}  # slot -> (m, pending)
-        outputs: dict[int, np.ndarray] = {}  # m -> computed output not yet packed
+        run = _Run(compute, recv_spec, codec_for, tag_base)
+        steps = {POST_RECV: self._post_recv, WAIT_RECV: self._wait_recv, COMPUTE: self._compute,
+                 POST_SEND: self._post_send, WAIT_SEND: self._wait_send}
         start = time.perf_counter()
         for a in actions:
-            m, ctx.microbatch = a.microbatch, a.microbatch
-            tag = tag_base + m
-            if a.kind == POST_RECV:
-                shape, dtype = recv_spec(a)
-                codec = self._codec(a.peer, dtype, codec_for)
-                wire_dtype = codec.wire_dtype if codec is not None else dtype
-                buf = self._buffer(("r", a.slot), tuple(shape), np.dtype(wire_dtype))
-                recvs[a.slot] = (m, link.irecv(buf, self.rank_of(a.peer), tag, self.what(m)), codec, tuple(shape), dtype)
-            elif a.kind == WAIT_RECV:
-                mm, pending, codec, shape, dtype = recvs.pop(a.slot)
-                _same(mm, m, a)
-                t0 = time.perf_counter()
-                pending.wait()
-                t1 = time.perf_counter()
-                st.recv_wait_s += t1 - t0
-                self._span("recv_wait", t0, t1, m)
-                x = pending.buf
-                if codec is not None and np.dtype(codec.wire_dtype) != np.float32:
-                    x = codec.unpack(pending.buf, self._buffer(("u", a.slot), shape, np.float32))
-                    t2 = time.perf_counter()
-                    st.unpack_s += t2 - t1
-                    self._span("unpack", t1, t2, m)
-                inputs[a.slot] = (m, x)
-            elif a.kind == COMPUTE:
-                x = None
-                if a.slot in inputs:  # the slot's received data, whatever microbatch it came as
-                    x = inputs.pop(a.slot)[1]
-                t0 = time.perf_counter()
-                out = compute(m, x)
-                t1 = time.perf_counter()
-                st.compute_s += t1 - t0
-                self._span(COMPUTE, t0, t1, m)
-                if out is not None:
-                    if self._in_pool(out):  # the slot is posted again before this output is sent
-                        out = out.copy()
-                    outputs[m] = out
-            elif a.kind == POST_SEND:
-                out = outputs.pop(m, None)
-                if out is None:
-                    raise RankFault(ctx.describe(), f"the schedule sends microbatch {m} but compute returned nothing "
-                                    "for it", "this is a bug in the schedule or the stage, please report it")
-                codec = self._codec(a.peer, out.dtype, codec_for)
-                t0 = time.perf_counter()
-                if codec is None:
-                    wire = np.ascontiguousarray(out)
-                else:
-                    src = np.ascontiguousarray(out, dtype=np.float32)
-                    same = np.dtype(codec.wire_dtype) == np.float32
-                    wire = codec.pack(src, None if same else self._buffer(("s", a.slot), src.shape, codec.wire_dtype))
-                t1 = time.perf_counter()
-                if wire is not out:
-                    st.pack_s += t1 - t0
-                    self._span("pack", t0, t1, m)
-                if a.slot in sends:
-                    raise RankFault(ctx.describe(), f"send slot {a.slot} still in flight with microbatch "
-                                    f"{sends[a.slot][0]}", "this is a bug in the schedule, please report it")
-                sends[a.slot] = (m, link.isend(wire, self.rank_of(a.peer), tag, self.what(m)))
-                st.bytes_sent += wire.nbytes
-            elif a.kind == WAIT_SEND:
-                mm, pending = sends.pop(a.slot)
-                _same(mm, m, a)
-                t0 = time.perf_counter()
-                pending.wait()
-                t1 = time.perf_counter()
-                st.send_wait_s += t1 - t0
-                self._span("send_wait", t0, t1, m)
-            else:
-                raise ValueError(f"unknown action kind {a.kind!r}")
-        ctx.microbatch = None
-        st.wall_s += time.perf_counter() - start
-        if recvs or sends:
-            raise RankFault(ctx.describe(), f"the schedule ended with receives {sorted(recvs)} and sends "
-                            f"{sorted(sends)} still posted", "this is a bug in the schedule, please report it")
-        return st
+            self.ctx.microbatch = a.microbatch
+            steps[a.kind](a, run)
+        self.ctx.microbatch = None
+        self.stats.wall_s += time.perf_counter() - start
+        if run.recvs or run.sends:
+            raise RankFault(self.ctx.describe(), f"the schedule ended with receives {sorted(run.recvs)} and sends "
+                            f"{sorted(run.sends)} still posted", "this is a bug in the schedule, please report it")
+        return self.stats
+
+    def _post_recv(self, a: Action, run: "_Run") -> None:
+        shape, dtype = run.recv_spec(a)
+        shape = tuple(shape)
+        codec = self._codec(a.peer, dtype, run.codec_for)
+        buf = self._buffer(("r", a.slot), shape, np.dtype(codec.wire_dtype if codec is not None else dtype))
+        pending = self.link.irecv(buf, self.rank_of(a.peer), run.tag_base + a.microbatch, self.what(a.microbatch))
+        run.recvs[a.slot] = (a.microbatch, pending, codec, shape)
+
+    def _wait_recv(self, a: Action, run: "_Run") -> None:
+        m = a.microbatch
+        posted, pending, codec, shape = run.recvs.pop(a.slot)
+        _same(posted, m, a)
+        t0 = time.perf_counter()
+        pending.wait()
+        t1 = time.perf_counter()
+        self.stats.recv_wait_s += t1 - t0
+        self._span("recv_wait", t0, t1, m)
+        x = pending.buf
+        if codec is not None and np.dtype(codec.wire_dtype) != np.float32:  # f32 is used where it landed
+            x = codec.unpack(pending.buf, self._buffer(("u", a.slot), shape, np.float32))
+            t2 = time.perf_counter()
+            self.stats.unpack_s += t2 - t1
+            self._span("unpack", t1, t2, m)
+        run.inputs[a.slot] = x
+
+    def _compute(self, a: Action, run: "_Run") -> None:
+        m = a.microbatch
+        x = run.inputs.pop(a.slot, None)  # the slot's received data, whatever microbatch it came as
+        t0 = time.perf_counter()
+        out = run.compute(m, x)
+        t1 = time.perf_counter()
+        self.stats.compute_s += t1 - t0
+        self._span(COMPUTE, t0, t1, m)
+        if out is not None:
+            if self._in_pool(out):  # an alias of a pool buffer, posted again before this is sent
+                out = out.copy()
+            run.outputs[m] = out
+
+    def _post_send(self, a: Action, run: "_Run") -> None:
+        m = a.microbatch
+        out = run.outputs.pop(m, None)
+        if out is None:
+            raise RankFault(self.ctx.describe(), f"the schedule sends microbatch {m} but compute returned nothing "
+                            "for it", "this is a bug in the schedule or the stage, please report it")
+        if a.slot in run.sends:
+            raise RankFault(self.ctx.describe(), f"send slot {a.slot} still in flight with microbatch "
+                            f"{run.sends[a.slot][0]}", "this is a bug in the schedule, please report it")
+        codec = self._codec(a.peer, out.dtype, run.codec_for)
+        t0 = time.perf_counter()
+        if codec is None:
+            wire = np.ascontiguousarray(out)
+        else:  # f32: the output itself (kept alive in run.sends until waited); else the slot's buffer
+            src = np.ascontiguousarray(out, dtype=np.float32)
+            same = np.dtype(codec.wire_dtype) == np.float32
+            wire = codec.pack(src, None if same else self._buffer(("s", a.slot), src.shape, codec.wire_dtype))
+        t1 = time.perf_counter()
+        if wire is not out:
+            self.stats.pack_s += t1 - t0
+            self._span("pack", t0, t1, m)
+        run.sends[a.slot] = (m, self.link.isend(wire, self.rank_of(a.peer), run.tag_base + m, self.what(m)))
+        self.stats.bytes_sent += wire.nbytes
+
+    def _wait_send(self, a: Action, run: "_Run") -> None:
+        posted, pending = run.sends.pop(a.slot)
+        _same(posted, a.microbatch, a)
+        t0 = time.perf_counter()
+        pending.wait()
+        t1 = time.perf_counter()
+        self.stats.send_wait_s += t1 - t0
+        self._span("send_wait", t0, t1, a.microbatch)
 
     def _codec(self, peer: int | None, dtype: Any, codec_for: Callable[[int], Any] | None) -> Any:
         if codec_for is not None:
             return codec_for(peer)
         return self.codec if np.dtype(dtype) == np.float32 else None
+
+
+@dataclass
+class _Run:
+    """The state of one `Executor.run`: callbacks and what is posted or computed per slot."""
+
+    compute: Callable[[int, np.ndarray | None], np.ndarray | None]
+    recv_spec: Callable[[Action], tuple[tuple[int, ...], Any]]
+    codec_for: Callable[[int], Any] | None
+    tag_base: int
+    recvs: dict = field(default_factory=dict)  # slot -> (microbatch, Pending, codec, f32 shape)
+    inputs: dict = field(default_factory=dict)  # slot -> received input, unpacked
+    sends: dict = field(default_factory=dict)  # slot -> (microbatch, Pending)
+    outputs: dict = field(default_factory=dict)  # microbatch -> output not yet packed
 
 
 def _same(posted: int, m: int, a: Action) -> None:

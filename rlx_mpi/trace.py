@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,8 +50,8 @@ class Span:
 
 
 def _plain(v):
-    """numpy scalars to Python ones, so args always serialise."""
-    return v.item() if hasattr(v, "item") and not isinstance(v, (list, dict, str)) else v
+    """numpy scalars and arrays to Python ones, so args always serialise."""
+    return v.tolist() if hasattr(v, "tolist") and not isinstance(v, (list, dict, str)) else v
 
 
 def _lane_name(lane: dict, show_tp: bool) -> str:
@@ -66,8 +67,11 @@ def chrome_trace(spans: list[Span], lanes: list[dict], meta: dict | None = None)
     ``{"rank", "host", "stage", "tp_rank"}``. ``meta`` (e.g. microbatches, n_stages, wire) goes
     into ``otherData`` beside the lanes and the clock origin in seconds."""
     ranks = [lane.get("rank") for lane in lanes]
-    if any(not isinstance(r, int) or r < 0 for r in ranks) or len(set(ranks)) != len(ranks):
+    if (any(not isinstance(r, numbers.Integral) or isinstance(r, bool) or r < 0 for r in ranks)
+            or len(set(ranks)) != len(ranks)):
         raise ValueError(f"lanes: need one dict per rank with a distinct int 'rank' >= 0, got ranks {ranks}")
+    lanes = [{k: _plain(v) for k, v in lane.items()} for lane in lanes]  # numpy ints -> int
+    spans = [s if type(s.rank) is int else Span(int(s.rank), s.name, s.cat, s.start_s, s.dur_s, s.args) for s in spans]
     for i, s in enumerate(spans):
         if s.rank not in ranks:
             raise ValueError(f"spans[{i}] ({s.name!r}): rank {s.rank} has no lane (lanes: {sorted(ranks)})")
@@ -90,12 +94,14 @@ def chrome_trace(spans: list[Span], lanes: list[dict], meta: dict | None = None)
         events.append({"ph": "M", "name": "thread_sort_index", "pid": r, "tid": tid, "args": {"sort_index": tid}})
     for s in sorted(spans, key=lambda s: (s.rank, s.start_s, -s.dur_s)):
         events.append({"ph": "X", "name": s.name, "cat": s.cat, "pid": s.rank, "tid": CATEGORIES.index(s.cat),
-                       "ts": round((s.start_s - origin) * 1e6, 3), "dur": round(s.dur_s * 1e6, 3),
+                       "ts": round(float(s.start_s - origin) * 1e6, 3), "dur": round(float(s.dur_s) * 1e6, 3),
                        "args": {str(k): _plain(v) for k, v in s.args.items()}})
-    other = {"generator": "rlx_mpi", "clock_origin_s": origin,
-             "lanes": [{k: _plain(v) for k, v in lane.items()} for lane in lanes]}
+    other = {"generator": "rlx_mpi", "clock_origin_s": float(origin),
+             "lanes": lanes}
     other.update({str(k): _plain(v) for k, v in (meta or {}).items()})
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+    # key order matters to Perfetto's streaming JSON reader: displayTimeUnit is looked for in the
+    # first chunk only, and in an event "ts" must come before any array-valued key
+    return {"displayTimeUnit": "ms", "traceEvents": events, "otherData": other}
 
 
 def _need(cond: bool, where: str, what: str) -> None:
@@ -170,14 +176,16 @@ def _write_atomic(path, write) -> None:
 def save_trace(doc: dict, path) -> None:
     """Validate ``doc`` and write it as JSON through a temporary name (never half a file)."""
     validate_trace(doc)
-    _write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(doc, allow_nan=False) + "\n"))
+    # UTF-8, not \uXXXX escapes: Perfetto's JSON reader rejects those (a host name with an accent)
+    text = json.dumps(doc, allow_nan=False, ensure_ascii=False) + "\n"
+    _write_atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def load_trace(path) -> dict:
     """Read and validate a trace file; InputError naming the file and what is wrong."""
     fix = "pass a file written by `rlx-mpi run --trace`"
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise InputError(str(path), f"cannot read the trace ({e.strerror or e})", fix) from None
     try:

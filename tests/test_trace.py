@@ -66,6 +66,10 @@ def test_chrome_trace_layout_and_json_round_trip():
     assert doc["otherData"]["lanes"] == lanes
     pack = next(e for e in xs if e["cat"] == "pack")
     assert type(pack["args"]["microbatch"]) is int  # numpy scalars made plain
+    arr = trace.chrome_trace([Span(0, "F", "compute", 0, 1, {"shape": np.array([2, 3]), "x": np.float32(0.5)})],
+                             [{"rank": np.int64(0), "stage": np.int32(0)}])
+    assert arr["traceEvents"][-1]["args"] == {"shape": [2, 3], "x": 0.5}
+    trace.validate_trace(arr)  # numpy ints in lanes made plain too
     threads = {(e["pid"], e["args"]["name"]) for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
     assert (0, "compute") in threads and (2, "recv_wait") in threads and (2, "send_wait") not in threads
     trace.validate_trace(doc)
@@ -160,6 +164,17 @@ def test_save_load_round_trip(tmp_path):
     path = tmp_path / "t.json"
     trace.save_trace(doc, path)
     assert trace.load_trace(path) == doc
+    # what Perfetto's streaming reader needs: displayTimeUnit first, "ts" before any other
+    # key of an event that could hold an array, no \u escapes
+    text = path.read_text(encoding="utf-8")
+    assert text.startswith('{"displayTimeUnit": "ms", "traceEvents": [')
+    for e in doc["traceEvents"]:
+        keys = list(e)
+        assert "ts" not in keys or keys.index("ts") < keys.index("args")
+    accented = trace.chrome_trace([Span(0, "F0", "compute", 0.0, 1.0)], [{"rank": 0, "host": "nœud-7"}])
+    trace.save_trace(accented, tmp_path / "u.json")
+    assert "nœud-7" in (tmp_path / "u.json").read_text(encoding="utf-8")
+    assert "\\u" not in (tmp_path / "u.json").read_text(encoding="utf-8")
     assert not list(tmp_path.glob(".*tmp*"))  # no temporary left behind
     spans = trace.spans_from_trace(doc)
     want, _ = gpipe_spans()
