@@ -9,8 +9,10 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["NodeCaps", "probe_local", "format_caps", "host_memory", "usable_cpus", "measure_gflops"]
+__all__ = ["NodeCaps", "probe_local", "format_caps", "host_memory", "usable_cpus", "measure_gflops", "cgroup_memory",
+           "slurm_memory", "cpu_share", "gather_local_affinity", "mpi_library", "launcher_tasks", "mpi_versions_differ"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,8 @@ class NodeCaps:
     gpus: tuple[str, ...] = ()  # names from nvidia-smi, when present
     ckpt_readable: bool | None = None
     gflops: float | None = None  # measured float32 matmul speed, when asked for
+    mpi_library: str | None = None  # first line of MPI_Get_library_version
+    job_id: str | None = None  # SLURM_JOB_ID, when launched by Slurm
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,38 +59,106 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def _cgroup_limit() -> int | None:
-    """The memory limit of this process's cgroup (v2 or v1), or None when unlimited/unknown."""
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
+# Note: a process's memory limit is that of its own cgroup (and of every ancestor: the tightest
+# wins), not the root's. Under Slurm that is the job's cgroup (`--mem`), under a container the
+# container's. /proc/self/cgroup names the cgroup; the hierarchy is mounted at /sys/fs/cgroup
+# (v2), /sys/fs/cgroup/memory (v1) or /sys/fs/cgroup/unified (v2 beside v1). Where the path is
+# not visible (a container sees its own cgroup as the mount's root) we walk up to what exists.
+_V1_FILES = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+_V2_FILES = ("memory.max", "memory.current")
+_UNLIMITED = 1 << 60
+
+
+def _own_cgroups(text: str) -> list[tuple[str, str]]:
+    """(version, path) of this process's memory cgroups from /proc/self/cgroup text."""
+    out = []
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
             continue
-        if text.isdigit() and int(text) < 1 << 60:
-            return int(text)
+        number, controllers, path = parts
+        if "memory" in controllers.split(","):
+            out.append(("v1", path))
+        elif number == "0" and controllers == "":
+            out.append(("v2", path))
+    return out
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _walk_up(mount: Path, path: str) -> list[Path]:
+    """The folder of cgroup ``path`` under ``mount`` and its ancestors up to the mount (existing ones)."""
+    parts = [p for p in path.strip("/").split("/") if p and p != ".."]
+    dirs = [mount.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+    return [d for d in dirs if d.is_dir()]
+
+
+def cgroup_memory(proc_cgroup: str | os.PathLike = "/proc/self/cgroup",
+                  sys_cgroup: str | os.PathLike = "/sys/fs/cgroup") -> tuple[int | None, int | None]:
+    """(limit, headroom) bytes of this process's own memory cgroup, v1 or v2; None when unlimited.
+
+    The limit is the tightest on the path up to the root; headroom is that cgroup's limit minus
+    its usage (what the process may still take before the OOM killer acts).
+    """
+    try:
+        text = Path(proc_cgroup).read_text()
+    except OSError:
+        return None, None
+    root = Path(sys_cgroup)
+    best: tuple[int, int | None] | None = None
+    for version, path in _own_cgroups(text):
+        limit_file, usage_file = _V1_FILES if version == "v1" else _V2_FILES
+        mounts = [root / "memory"] if version == "v1" else [root, root / "unified"]
+        for mount in mounts:
+            if not (mount / "cgroup.procs").exists():
+                continue  # not mounted here
+            for d in _walk_up(mount, path):
+                limit = _read_int(d / limit_file)  # v2's "max" (unlimited) reads as None
+                if limit is None or limit >= _UNLIMITED:
+                    continue
+                usage = _read_int(d / usage_file)
+                headroom = None if usage is None else max(limit - usage, 0)
+                if best is None or limit < best[0]:
+                    best = (limit, headroom)
+            break
+    return (None, None) if best is None else best
+
+
+def slurm_memory(env: dict | None = None) -> int | None:
+    """Bytes Slurm gave the job on this node: SLURM_MEM_PER_NODE, or SLURM_MEM_PER_CPU x its CPUs here.
+
+    The fallback where the job's cgroup is not visible or Slurm does not enforce ``--mem`` with one.
+    """
+    env = os.environ if env is None else env
+    per_node = env.get("SLURM_MEM_PER_NODE", "")
+    if per_node.isdigit() and int(per_node) > 0:
+        return int(per_node) * 2**20  # Slurm counts MiB
+    per_cpu, cpus = env.get("SLURM_MEM_PER_CPU", ""), env.get("SLURM_CPUS_ON_NODE", "")
+    if per_cpu.isdigit() and int(per_cpu) > 0:
+        return int(per_cpu) * (int(cpus) if cpus.isdigit() and int(cpus) > 0 else 1) * 2**20
     return None
 
 
-def _cgroup_usage() -> int | None:
-    for path in ("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes"):
-        try:
-            return int(Path(path).read_text().strip())
-        except (OSError, ValueError):
-            continue
-    return None
+def host_memory(env: dict | None = None, proc_cgroup: str | os.PathLike = "/proc/self/cgroup",
+                sys_cgroup: str | os.PathLike = "/sys/fs/cgroup") -> tuple[int | None, int | None]:
+    """(total, available) bytes for this process's host, honouring its cgroup's and Slurm's limits.
 
-
-def host_memory() -> tuple[int | None, int | None]:
-    """(total, available) bytes for the whole host, honouring a cgroup limit."""
+    Shared by the ranks of the host (one job's cgroup holds them all): callers divide it.
+    """
     info = _meminfo()
     total, available = info.get("MemTotal"), info.get("MemAvailable")
-    limit = _cgroup_limit()
-    if limit is not None:
+    for limit, headroom in (cgroup_memory(proc_cgroup, sys_cgroup), (slurm_memory(env), None)):
+        if limit is None:
+            continue
         total = limit if total is None else min(total, limit)
-        usage = _cgroup_usage()
-        if usage is not None:
-            headroom = max(limit - usage, 0)
-            available = headroom if available is None else min(available, headroom)
+        cap = limit if headroom is None else headroom
+        available = cap if available is None else min(available, cap)
     return total, available
 
 
@@ -95,6 +167,65 @@ def usable_cpus() -> int | None:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count()
+
+
+def cpu_share(own: frozenset[int] | None, local: list[frozenset[int]] | None, local_size: int,
+              env: dict | None = None) -> int | None:
+    """Cores this rank may use: SLURM_CPUS_PER_TASK when set, else its affinity divided among the
+    ranks of the host that have the very same affinity.
+
+    Note: under ``srun --cpu-bind`` (or ``mpiexec -bind-to core``) each rank's affinity is
+    already its own cores and dividing it again by the ranks on the host counts them twice;
+    under a plain ``mpiexec`` every rank has the whole host and must share it.
+    """
+    env = os.environ if env is None else env
+    per_task = env.get("SLURM_CPUS_PER_TASK", "")
+    if per_task.isdigit() and int(per_task) > 0 and env.get("SLURM_STEP_ID") is not None:
+        n = int(per_task)
+        return n if own is None else max(1, min(n, len(own)))
+    if own is None:
+        cpus = os.cpu_count()
+        return None if cpus is None else max(1, cpus // local_size)
+    sharing = local_size if local is None else max(1, sum(1 for a in local if a == own))
+    return max(1, len(own) // sharing)
+
+
+def own_affinity() -> frozenset[int] | None:
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def gather_local_affinity(local: Any, timeout_s: float, ctx: Any) -> list[frozenset[int]] | None:
+    """Every rank of the host's affinity (``local`` is its shared-memory communicator), raw bytes."""
+    import numpy as np
+
+    from .faults import wait
+
+    own = own_affinity()
+    width = max(1024, os.cpu_count() or 0)  # one host: the same on every local rank
+    mask = np.zeros(width, dtype=np.uint8)
+    if own is not None:
+        mask[[c for c in own if c < width]] = 1
+    everyone = np.empty((local.size, width), dtype=np.uint8)
+    wait(local.Iallgather(mask, everyone), timeout_s, ctx, lambda: "the CPU affinity of the ranks on this host",
+         "another rank on this host")
+    if own is None:
+        return None
+    return [frozenset(np.flatnonzero(row).tolist()) for row in everyone]
+
+
+def mpi_library() -> str | None:
+    """The first line of the MPI library's version (e.g. ``MPICH Version: 4.2.0``), spaces squeezed."""
+    try:
+        from mpi4py import MPI
+
+        text = MPI.Get_library_version()
+    except Exception:  # no MPI at all: say so as unknown rather than fail the probe
+        return None
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return " ".join(first.split()) or None
 
 
 def list_gpus() -> tuple[str, ...]:
@@ -131,11 +262,14 @@ def _measure_pinned(threads: int | None) -> float:
 
 
 def probe_local(rank: int, local_rank: int, local_size: int, ckpt: str | os.PathLike | None = None,
-                gflops: bool = False) -> NodeCaps:
-    """This rank's capabilities; memory and cores are divided among the ranks of the host."""
+                gflops: bool = False, local_affinity: list[frozenset[int]] | None = None) -> NodeCaps:
+    """This rank's capabilities; the host's memory, and cores the ranks share, are divided among them.
+
+    ``local_affinity``: every local rank's CPU set (`gather_local_affinity`); without it the
+    ranks of a host are assumed to share one set.
+    """
     total, available = host_memory()
-    cpus = usable_cpus()
-    share = None if cpus is None else max(1, cpus // local_size)
+    share = cpu_share(own_affinity(), local_affinity, local_size)
     ckpt_ok = None if ckpt is None else (Path(ckpt).is_file() and os.access(ckpt, os.R_OK))
     gpus = list_gpus()
     return NodeCaps(
@@ -143,7 +277,6 @@ def probe_local(rank: int, local_rank: int, local_size: int, ckpt: str | os.Path
         host=socket.gethostname(),
         local_rank=local_rank,
         local_size=local_size,
-        # affinity is usually per host under mpiexec; a rank's share is the host's / ranks on it
         cpus=share,
         ram_total_bytes=None if total is None else total // local_size,
         ram_available_bytes=None if available is None else available // local_size,
@@ -151,19 +284,59 @@ def probe_local(rank: int, local_rank: int, local_size: int, ckpt: str | os.Path
         gpus=gpus,
         ckpt_readable=ckpt_ok,
         gflops=_measure_pinned(share) if gflops else None,
+        mpi_library=mpi_library(),
+        job_id=os.environ.get("SLURM_JOB_ID") or None,
     )
 
 
+# Launchers announce the size of the job they started; an MPI world of 1 beside one of these
+# saying N > 1 means the MPI library did not understand the launcher (N separate 1-rank jobs).
+_SIZE_VARS = ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "PMIX_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+
+
+def launcher_tasks(env: dict | None = None) -> tuple[str, int] | None:
+    """(variable, N) of the first launcher variable saying this process is one of N > 1 tasks."""
+    env = os.environ if env is None else env
+    for var in _SIZE_VARS:
+        value = env.get(var, "")
+        if value.isdigit() and int(value) > 1:
+            return var, int(value)
+    return None
+
+
+def mpi_versions_differ(caps: list[NodeCaps]) -> str | None:
+    """A warning naming the ranks of each MPI library when the ranks do not all run the same one."""
+    by_version: dict[str, list[int]] = {}
+    for c in caps:
+        by_version.setdefault(c.mpi_library or "unknown", []).append(c.rank)
+    if len(by_version) < 2:
+        return None
+    parts = "; ".join(f"ranks {','.join(map(str, r))}: {v}" for v, r in sorted(by_version.items()))
+    return (f"the ranks run different MPI libraries ({parts}); build mpi4py against one MPI and load "
+            "the same module on every node")
+
+
+def _short_mpi(text: str | None) -> str:
+    return "?" if not text else text.replace(" Version:", "").replace(" version", "")
+
+
 def format_caps(caps: list[NodeCaps]) -> str:
-    """A plain-text table of probed ranks (``rlx-mpi probe``)."""
+    """A plain-text table of probed ranks (``rlx-mpi probe``), a warning if MPI libraries differ."""
 
     def gb(n: int | None) -> str:
         return "?" if n is None else f"{n / 1e9:.2f}"
 
-    head = ("rank", "host", "local", "cpus", "ram_GB", "avail_GB", "devices", "ckpt", "GFLOP/s")
+    head = ("rank", "host", "local", "cpus", "ram_GB", "avail_GB", "devices", "ckpt", "GFLOP/s", "mpi")
     rows = [head] + [(str(c.rank), c.host, f"{c.local_rank}/{c.local_size}", "?" if c.cpus is None else str(c.cpus),
                       gb(c.ram_total_bytes), gb(c.ram_available_bytes), ",".join(c.devices),
                       {None: "-", True: "ok", False: "NO"}[c.ckpt_readable],
-                      "-" if c.gflops is None else f"{c.gflops:.1f}") for c in caps]
+                      "-" if c.gflops is None else f"{c.gflops:.1f}", _short_mpi(c.mpi_library)) for c in caps]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    jobs = sorted({c.job_id for c in caps if c.job_id})
+    if jobs:
+        lines.append(f"slurm job {', '.join(jobs)}")
+    warning = mpi_versions_differ(caps)
+    if warning:
+        lines.append(f"warning: {warning}")
+    return "\n".join(lines)

@@ -46,7 +46,9 @@ def part_bounds(n: int, part: int, parts: int) -> tuple[int, int]:
 def write_checkpoint(path: str | os.PathLike, family: str, config_json: str,
                      tensors: Iterable[tuple[str, np.ndarray]], dtype: str = "float32") -> None:
     """Write a checkpoint atomically: to a temporary name first, renamed when complete."""
-    path = Path(path)
+    from .outputs import check_space, write_failed
+
+    path = Path(os.path.realpath(path))  # a symlink stays a symlink: its target is replaced
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with h5py.File(tmp, "w", locking=False) as f:
@@ -55,8 +57,12 @@ def write_checkpoint(path: str | os.PathLike, family: str, config_json: str,
             f.attrs["family"] = family
             f.attrs["config"] = config_json
             for name, array in tensors:
-                f.create_dataset(name, data=np.asarray(array, dtype=dtype))
+                data = np.asarray(array, dtype=dtype)
+                check_space(tmp, data.nbytes, str(path))  # before HDF5 meets the full disk itself
+                f.create_dataset(name, data=data)
         os.replace(tmp, path)
+    except OSError as e:  # a full disk, a quota, a read-only mount: one line, no partial file
+        raise write_failed(str(path), e) from None
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -70,6 +76,14 @@ def _open(path: Path) -> h5py.File:
     if path.is_dir():
         raise CheckpointError(where, "is a directory, not an HDF5 file",
                               "convert a Hugging Face directory first: rlx-mpi convert HF_DIR OUT.h5")
+    if not path.is_file():  # a FIFO or device would block or mislead the HDF5 reader
+        raise CheckpointError(where, "is not a regular file (a pipe or device)", "give the path of an HDF5 file")
+    try:
+        with open(path, "rb"):  # tells "permission denied" apart from a corrupt file
+            pass
+    except OSError as e:
+        raise CheckpointError(where, f"cannot open the checkpoint ({os.strerror(e.errno or 0).lower()})",
+                              "check the file's permissions (and its folder's) on every node") from None
     try:
         return h5py.File(path, "r", locking=False)
     except OSError as e:
@@ -90,9 +104,13 @@ def read_header(path: str | os.PathLike) -> tuple[str, str]:
     if attrs.get("format") != FORMAT:
         raise CheckpointError(where, "not an rlx_mpi checkpoint (no format = \"rlx_mpi\" attribute)",
                               "convert it with rlx-mpi convert, or create one with rlx-mpi init-model")
-    if attrs.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(where, f"format_version {attrs.get('format_version')} is not supported",
-                              f"this rlx_mpi reads version {FORMAT_VERSION}; re-convert the model")
+    version = attrs.get("format_version")
+    if isinstance(version, np.generic):
+        version = version.item()
+    if not isinstance(version, int) or isinstance(version, bool) or version != FORMAT_VERSION:
+        got = f"{version!r} ({type(version).__name__})" if not isinstance(version, int) else repr(version)
+        raise CheckpointError(where, f"format_version {got} is not supported",
+                              f"this rlx_mpi reads the integer version {FORMAT_VERSION}; re-convert the model")
     family, config = attrs.get("family"), attrs.get("config")
     if not isinstance(family, str) or not isinstance(config, str):
         raise CheckpointError(where, "missing family or config attribute", "re-convert the model")

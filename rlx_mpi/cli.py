@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import EXIT_FAULT, EXIT_INTERNAL, ConfigError, RlxError
+from .errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_INTERNAL, EXIT_TIMEOUT, ConfigError, RlxError
 
 __all__ = ["main"]
 
@@ -27,8 +27,29 @@ input ids), 3 model does not fit, 4 a rank failed at run time, 5 a rank timed ou
 docs: README.md"""
 
 
+_LAUNCH_RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+def _launch_rank() -> int | None:
+    """This process's rank as the launcher set it (before MPI starts), or None outside a launch."""
+    for var in _LAUNCH_RANK_VARS:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one ``rlx-mpi: error:`` line, printed by one rank only."""
+
+    def error(self, message: str):
+        if _launch_rank() in (None, 0):  # every rank parses the same argv: rank 0 speaks for all
+            sys.stderr.write(self.format_usage())
+            sys.stderr.write(f"rlx-mpi: error: {self.prog}: {message}; see {self.prog} --help\n")
+        sys.exit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlx-mpi", description="Pipeline- and tensor-parallel Llama inference over MPI.",
+    p = _Parser(prog="rlx-mpi", description="Pipeline- and tensor-parallel Llama inference over MPI.",
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -43,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--out", metavar="RESULT.h5", help="write dataset /logits float32 [batch, seq, vocab] and the stats")
     r.add_argument("--json", metavar="STATS.json", help="write the run's per-stage stats as JSON")
     r.add_argument("--plan-only", action="store_true", help="probe and plan on the launched ranks, print the plan, stop")
+    r.add_argument("--log-dir", metavar="DIR", help="one log per rank, DIR/rank-0003.log (lines prefixed with rank "
+                   "and host); only rank 0 logs to the terminal")
     r.add_argument("--trace", metavar="TRACE.json", help="write every rank's timeline (start-up phases; compute, pack, "
                    "unpack, send/recv waits per microbatch) as Chrome Trace Event JSON: opens in ui.perfetto.dev")
 
@@ -76,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("job", nargs="?", help="optional job TOML: also checks its checkpoint is readable")
     pr.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pr.add_argument("--gflops", action="store_true", help="measure each rank's matmul speed (~0.2 s)")
+    pr.add_argument("--log-dir", metavar="DIR", help="one log per rank, DIR/rank-0003.log; only rank 0 logs to the terminal")
 
     pl = sub.add_parser("plan", help="plan placement for hypothetical ranks, without launching MPI",
                         description="Size an allocation before queueing: plan a model (a checkpoint via a job "
@@ -118,18 +142,24 @@ def _setup_logging(rank: int, debug: bool) -> None:
     logging.basicConfig(level=level, format=prefix + "%(message)s", stream=sys.stderr)
 
 
-def _write_atomic(path: str, write) -> None:
-    """Write through a temporary name and rename, so no half-written file looks complete."""
-    target = Path(path)
-    if not target.parent.is_dir():
-        raise ConfigError(path, f"folder {target.parent} does not exist", "create it or choose another path")
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+def _setup_mpi_logging(world, args) -> None:
+    """Logging of an MPI command: `_setup_logging`, or with ``--log-dir`` one log per rank (agreed)."""
+    if getattr(args, "log_dir", None) is None:
+        _setup_logging(world.rank, args.debug)
+        return
+    import socket
+
+    from .faults import RankContext, agree
+    from .logdir import setup_rank_logging
+
+    def setup() -> None:
+        try:
+            setup_rank_logging(world.rank, world.size, args.debug, args.log_dir, args.command)
+        except OSError as e:
+            raise ConfigError(f"--log-dir {args.log_dir}", f"cannot write a log there ({e.strerror})",
+                              "give a folder every rank can write (on a filesystem every node mounts)") from None
+
+    agree(world, RankContext(world.rank, world.size, host=socket.gethostname(), debug=args.debug), 60.0, setup)
 
 
 # -- commands ----------------------------------------------------------------------------------
@@ -140,20 +170,27 @@ def cmd_run(args) -> int:
 
     from .cluster import Cluster
     from .faults import agree
+    from .outputs import check_outputs, write_output
     from .placement import format_plan
 
     started = time.perf_counter()
     world = MPI.COMM_WORLD
-    _setup_logging(world.rank, args.debug)
+    _setup_mpi_logging(world, args)
     cx = Cluster.from_path(args.job, debug=args.debug)
+    # the end barrier's deadline (`_finish`): past every staggered deadline of the forward, so a
+    # rank stuck in the run is named by the rank waiting for it, not by the barrier
+    t = cx.job.run.timeout_s
+    args.finish_timeout_s = t + (cx.world.size + 2) * max(1.0, 0.1 * t)
 
-    def check_outputs() -> None:
-        for flag, path in (("--out", args.out), ("--json", args.json), ("--trace", args.trace)):
-            if path and world.rank == 0 and not Path(path).parent.is_dir():
-                raise ConfigError(f"{flag} {path}", f"folder {Path(path).parent} does not exist",
-                                  "create it or choose another path")
+    def outputs() -> list:  # before any compute: a bad output path must not cost the run
+        if world.rank != 0:
+            return []
+        inputs = {"the job file": args.job, "the checkpoint": cx.job.model.checkpoint,
+                  "the input ids": args.input_ids}
+        return check_outputs((("--out", args.out), ("--json", args.json), ("--trace", args.trace)), inputs)
 
-    agree(cx.world, cx.ctx, 60.0, check_outputs)
+    checked = {o.flag: o for o in agree(cx.world, cx.ctx, cx.job.run.startup_timeout_s, outputs,
+                                        "checking the output paths")}
     phase = _phases(cx, started)
     with phase("load inputs"):
         ids = cx.load_inputs(args.input_ids)
@@ -170,15 +207,19 @@ def cmd_run(args) -> int:
     run = cx.drive(ids, trace=bool(args.trace))
     if run is None:
         return 0
+    from .logdir import job_id
+
+    run.job_id = job_id()  # the table and the JSON name the Slurm job
     print(run.table())
     sys.stdout.flush()
     if args.trace:
         from .executor import trace_document
         from .trace import save_trace
 
-        save_trace(trace_document(run), args.trace)
+        doc = trace_document(run)
+        write_output(checked["--trace"], lambda tmp: save_trace(doc, tmp))
     if args.json:
-        _write_atomic(args.json, lambda tmp: tmp.write_text(run.to_json()))
+        write_output(checked["--json"], lambda tmp: tmp.write_text(run.to_json()))
     if args.out:
         import h5py
 
@@ -188,7 +229,7 @@ def cmd_run(args) -> int:
                 f.attrs["stats"] = run.to_json()
                 f.attrs["job"] = str(Path(args.job).resolve())
 
-        _write_atomic(args.out, write)
+        write_output(checked["--out"], write, run.output.nbytes)
     return 0
 
 
@@ -274,17 +315,15 @@ def cmd_trace(args) -> int:
     doc = load_trace(args.trace)
     print(_trace_summary(doc))
     if args.png:
-        if not Path(args.png).parent.is_dir():
-            raise ConfigError(f"--png {args.png}", f"folder {Path(args.png).parent} does not exist",
-                              "create it or choose another path")
-        if Path(args.png).resolve() == Path(args.trace).resolve():
-            raise ConfigError(f"--png {args.png}", "is the input trace", "choose another output path")
+        from .outputs import check_output, write_output
+
+        out = check_output("--png", args.png, {"the trace": args.trace})
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ConfigError("--png", "matplotlib is not installed",
                               "pip install 'rlx_mpi[plot]' (or matplotlib) to draw the Gantt chart") from None
-        _write_atomic(args.png, lambda tmp: gantt_png(doc, str(tmp), title=args.title or Path(args.trace).name))
+        write_output(out, lambda tmp: gantt_png(doc, str(tmp), title=args.title or Path(args.trace).name))
         print(f"wrote {args.png}")
     return 0
 
@@ -316,11 +355,11 @@ def cmd_probe(args) -> int:
     from mpi4py import MPI
 
     from . import transport
-    from .caps import NodeCaps, format_caps, probe_local
+    from .caps import NodeCaps, format_caps, gather_local_affinity, probe_local
     from .faults import RankContext, agree
 
     world = MPI.COMM_WORLD
-    _setup_logging(world.rank, args.debug)
+    _setup_mpi_logging(world, args)
     ctx = RankContext(rank=world.rank, size=world.size, debug=args.debug)
     ckpt = None
     if args.job:
@@ -328,7 +367,9 @@ def cmd_probe(args) -> int:
 
         ckpt = agree(world, ctx, 60.0, lambda: load_job(args.job)).model.checkpoint
     local = world.Split_type(MPI.COMM_TYPE_SHARED)
-    mine = agree(world, ctx, 120.0, lambda: probe_local(world.rank, local.rank, local.size, ckpt, args.gflops))
+    affinity = gather_local_affinity(local, 120.0, ctx)
+    mine = agree(world, ctx, 120.0, lambda: probe_local(world.rank, local.rank, local.size, ckpt, args.gflops,
+                                                        affinity))
     rows = transport.gather_json(world, mine.to_dict(), 0, 120.0, ctx, "the probe")
     if rows is not None:
         caps = [NodeCaps.from_dict(r) for r in rows]
@@ -385,7 +426,11 @@ def cmd_plan(args) -> int:
         raise ConfigError("plan --ranks", f"{args.ranks // tp} stages ({args.ranks} ranks / tp {tp}) but the model "
                           f"has only {n} layers", f"give at most {n * tp} ranks, or a larger --tp")
     batch = args.batch or (job.run.batch if job else 1)
-    seq = args.seq or (job.run.seq if job else 2048)
+    seq = args.seq or (job.run.seq if job else (2048 if given else min(2048, cfg.max_position_embeddings)))
+    if not given and seq > cfg.max_position_embeddings:  # what `run` would refuse (shape flags carry no limit)
+        raise ConfigError("plan --seq" if args.seq else f"{job.path}: [run] seq",
+                          f"sequence length {seq} exceeds the model's maximum {cfg.max_position_embeddings} positions",
+                          f"plan at most {cfg.max_position_embeddings} tokens per sequence")
     weight_bytes = {"float32": 4, "float16": 2, "bfloat16": 2, None: 4}[args.dtype]
     cost = cfg.cost(batch, seq, weight_bytes)
     per_host = max(1, args.ranks_per_host or tp)
@@ -420,11 +465,25 @@ def _check_plan_flags(args) -> None:
         if value is not None and not (math.isfinite(value) and (value > low if low is not None else value >= 0)):
             raise ConfigError(f"plan {flag}", f"got {value}",
                               "give a finite number " + ("> 0" if low is not None else ">= 0"))
+    # Bounds far past any machine, so absurd values are refused instead of overflowing or
+    # building millions of hypothetical ranks.
+    limits = {"--ranks": (args.ranks, 1_000_000), "--ranks-per-host": (args.ranks_per_host, 1_000_000),
+              "--tp": (args.tp, 1_000_000), "--batch": (args.batch, 2**31), "--seq": (args.seq, 2**31),
+              "--hidden": (args.hidden, 2**31), "--heads": (args.heads, 2**31), "--kv-heads": (args.kv_heads, 2**31),
+              "--intermediate": (args.intermediate, 2**31), "--vocab": (args.vocab, 2**31),
+              "--mem-gb": (args.mem_gb, 1e9), "--gflops": (args.gflops, 1e12), "--reserve-gb": (args.reserve_gb, 1e6)}
+    for flag, (value, most) in limits.items():
+        if value is not None and value > most:
+            raise ConfigError(f"plan {flag}", f"got {value}", f"give at most {most:g}")
 
 
 def cmd_convert(args) -> int:
     from .llama.convert import convert_hf
+    from .outputs import check_output
 
+    src = Path(args.hf_dir)
+    inputs = {f"the source file {p.name}": p for p in (sorted(src.iterdir()) if src.is_dir() else []) if p.is_file()}
+    check_output("convert OUT", args.out, inputs, stream_ok=False)
     cfg = convert_hf(args.hf_dir, args.out, dtype=args.dtype)
     print(f"wrote {args.out}: llama, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
     tok = Path(args.out).with_name(f"{Path(args.out).stem}.tokenizer.json")
@@ -439,9 +498,10 @@ def cmd_init_model(args) -> int:
 
     if args.preset not in PRESETS:
         raise ConfigError("init-model --preset", f"got {args.preset!r}", f"expected one of {sorted(PRESETS)}")
+    from .outputs import check_output
+
     out = Path(args.out)
-    if not out.parent.is_dir():
-        raise ConfigError(args.out, f"folder {out.parent} does not exist", "create it or choose another path")
+    check_output("init-model OUT", out, stream_ok=False)
     init_random(out, PRESETS[args.preset], args.seed, args.dtype)
     print(f"wrote {out}: random llama preset {args.preset!r}, seed {args.seed}")
     return 0
@@ -458,11 +518,20 @@ def main(argv: list[str] | None = None, *, supervise: bool = False) -> int:
     args = _parser().parse_args(argv)
     under_mpi = args.command in MPI_COMMANDS
     if supervise and under_mpi:
-        from .faults import supervise as fork_supervisor
+        from . import supervisor
 
-        fork_supervisor()
+        supervisor.supervise()
+    if under_mpi:
+        if (code := _check_pmix()) is not None:
+            return code
+        _start_mpi(getattr(args, "job", None))
+        if (code := _check_launch()) is not None:
+            return code
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
+        if under_mpi:
+            _finish(getattr(args, "finish_timeout_s", _FINISH_TIMEOUT_S), args.debug)
+        return code
     except RlxError as e:
         if under_mpi:  # raised on some ranks outside an agreed step: the others may wait for ever
             _abort(sys.exc_info(), e.exit_code, args.debug)
@@ -480,6 +549,7 @@ def main(argv: list[str] | None = None, *, supervise: bool = False) -> int:
         if isinstance(e, AgreedFailure):  # every rank raised it: rank 0 speaks for all
             if _rank() == 0:
                 print(f"rlx-mpi: error: {e.line}", file=sys.stderr)
+            _finish(getattr(args, "finish_timeout_s", _FINISH_TIMEOUT_S), args.debug)
             return e.exit_code
         if under_mpi:  # a fault outside the agreed steps: report once and end every rank
             _abort(sys.exc_info(), EXIT_FAULT, True)
@@ -489,6 +559,76 @@ def main(argv: list[str] | None = None, *, supervise: bool = False) -> int:
         print(f"rlx-mpi: error: internal error ({type(e).__name__}: {e}); please report it with the traceback above",
               file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def _start_mpi(job: str | None) -> None:
+    """Initialise MPI under the supervisor's start-up deadline, then tell it MPI is up.
+
+    The deadline is the job's ``[run] startup_timeout_s`` when the job file can be read
+    without blocking (a regular file), else the supervisor's default.
+    """
+    from . import supervisor
+
+    limit = _startup_timeout_of(job)
+    if limit is not None:
+        supervisor.watch(limit, "startup_timeout_s")
+    _test_fault_before_mpi()
+    supervisor.entering_mpi()
+    try:
+        from mpi4py import MPI
+    except ImportError as e:  # a broken mpi4py or MPI on this node: the supervisor names the rank
+        sys.stderr.write(f"rlx-mpi: rank {_launch_rank()}: cannot import mpi4py.MPI ({e}); reinstall mpi4py "
+                         "against this node's MPI\n")
+        sys.stderr.flush()
+        os._exit(EXIT_FAULT)
+    MPI.COMM_WORLD  # noqa: B018  (initialised on import; touched so the order is plain)
+    supervisor.ready()
+
+
+def _startup_timeout_of(job: str | None) -> float | None:
+    """``[run] startup_timeout_s`` of ``job`` if it reads quickly and sanely, else None."""
+    if not job:
+        return None
+    try:
+        import stat
+
+        if not stat.S_ISREG(os.stat(job).st_mode):  # a FIFO would block: the default deadline covers it
+            return None
+        from .config import RunSection, tomllib
+
+        run = tomllib.loads(Path(job).read_text(encoding="utf-8-sig")).get("run", {})
+        value = run.get("startup_timeout_s", RunSection.startup_timeout_s) if isinstance(run, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf:
+            return float(value)
+    except Exception:  # the real load, after MPI is up, reports what is wrong with the file
+        pass
+    return None
+
+
+def _test_fault_before_mpi() -> None:
+    """Test-only fault injection before MPI_Init (tests/test_reliability_mpi.py).
+
+    ``RLX_MPI_TEST_PREINIT`` = exit0 | exit3 | kill | stop | hang, on the rank given by
+    ``RLX_MPI_TEST_PREINIT_RANK`` (default 1); it stands for a broken Python or MPI on one
+    node, the OOM killer at start-up, a SIGSTOP or a hung mount. Unset in normal use.
+    """
+    kind = os.environ.get("RLX_MPI_TEST_PREINIT")
+    if not kind or _launch_rank() != int(os.environ.get("RLX_MPI_TEST_PREINIT_RANK", "1")):
+        return
+    import signal
+    import time
+
+    if kind == "exit0":
+        os._exit(0)
+    elif kind == "exit3":
+        os._exit(3)
+    elif kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "hang":
+        while True:
+            time.sleep(3600)
 
 
 def _abort(exc_info, exit_code: int, debug: bool) -> None:
@@ -502,6 +642,116 @@ def _abort(exc_info, exit_code: int, debug: bool) -> None:
     world = MPI.COMM_WORLD
     report_and_abort(world, RankContext(world.rank, world.size, host=socket.gethostname(), debug=debug),
                      exc_info, exit_code)
+
+
+_FINISH_TIMEOUT_S = 60.0  # the end barrier's deadline when no job file gave [run] timeout_s
+
+
+def _finish(timeout_s: float, debug: bool) -> None:
+    """Meet every rank at a barrier under a deadline before MPI_Finalize; abort when it expires.
+
+    Note: MPI_Finalize has no deadline of its own. A rank that dies after its last message (after
+    the table, say) left the others blocked in it for ever on two hosts; a barrier first, with a
+    deadline, turns that into one error line and an abort (exit code 5).
+    """
+    import socket
+
+    from mpi4py import MPI
+
+    from .faults import RankContext, report_and_abort, wait
+
+    world = MPI.COMM_WORLD
+    if world.size == 1:
+        return
+    ctx = RankContext(world.rank, world.size, host=socket.gethostname(), debug=debug)
+    try:
+        wait(world.Ibarrier(), timeout_s, ctx, lambda: "every rank to finish", "some rank")
+    except RlxError:
+        report_and_abort(world, ctx, sys.exc_info(), EXIT_TIMEOUT)
+    _finalize(ctx, timeout_s)
+
+
+def _finalize(ctx, timeout_s: float) -> None:
+    """MPI_Finalize under a watchdog: a rank that dies between the barrier and here leaves the
+    others blocked in it for ever (seen across two hosts), so past ``timeout_s`` this process
+    ends itself; its supervisor names it and the launcher ends the job.
+
+    Note: faulthandler's watchdog is a C thread, so it fires while MPI_Finalize holds the GIL;
+    it can only _exit(1), hence the context posted first for the supervisor's message.
+    """
+    import faulthandler
+
+    from mpi4py import MPI
+
+    from . import supervisor
+
+    supervisor.post_context(f"{ctx.describe()} in MPI_Finalize (stuck over {timeout_s:g} s: a rank died at "
+                            "the end of the job)")
+    with open(os.devnull, "w") as devnull:
+        faulthandler.dump_traceback_later(timeout_s, exit=True, file=devnull)
+        try:
+            MPI.Finalize()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    supervisor.post_context(ctx.describe())
+
+
+def _check_pmix() -> int | None:
+    """Exit code 2 when the launcher speaks only PMIx and the MPI library is an MPICH without it.
+
+    Note: MPICH built without PMIx (the `mpich` wheel speaks PMI-1 and PMI-2) aborts inside
+    MPI_Init under ``srun --mpi=pmix`` with a stack of internal errors on every rank. We look
+    before MPI starts: MPI_Get_library_version may be called before MPI_Init, then we start MPI
+    as mpi4py would have.
+    """
+    env = os.environ
+    if "PMIX_RANK" not in env or any(v in env for v in ("PMI_FD", "PMI_PORT", "PMI_RANK")) \
+            or "mpi4py.MPI" in sys.modules:
+        return None
+    import mpi4py
+
+    initialize, finalize = mpi4py.rc.initialize, mpi4py.rc.finalize
+    mpi4py.rc.initialize, mpi4py.rc.finalize = False, True
+    from mpi4py import MPI
+
+    mpi4py.rc.initialize, mpi4py.rc.finalize = initialize, finalize
+    version = MPI.Get_library_version()
+    if "MPICH" in version and "pmix" not in version.lower():
+        if env.get("PMIX_RANK") == "0":
+            first = " ".join(version.strip().splitlines()[0].split())
+            print(f"rlx-mpi: error: launch: the launcher speaks PMIx but this MPI ({first}) was built without it; "
+                  "launch with `srun --mpi=pmi2` (the mpich wheel speaks PMI-1 and PMI-2), or use the site's MPI "
+                  "(mpi4py built against it)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    MPI.Init_thread({"single": MPI.THREAD_SINGLE, "funneled": MPI.THREAD_FUNNELED, "serialized":
+                     MPI.THREAD_SERIALIZED}.get(str(mpi4py.rc.thread_level), MPI.THREAD_MULTIPLE))
+    return None
+
+
+def _check_launch() -> int | None:
+    """Exit code 2 when a launcher started N > 1 tasks but MPI sees a world of 1, else None.
+
+    Note: ``srun --mpi=none`` (or a PMI the MPI library does not speak) starts N copies that
+    each believe they are the whole job: N tables, N times the work, exit 0. Only the task the
+    launcher numbers 0 prints the line, so the log shows it once.
+    """
+    from mpi4py import MPI
+
+    from .caps import launcher_tasks
+
+    said = launcher_tasks()
+    if MPI.COMM_WORLD.size != 1 or said is None:
+        return None
+    var, n = said
+    if os.environ.get("SLURM_PROCID", os.environ.get("PMI_RANK", "0")) == "0":
+        line = ConfigError("launch", f"{var}={n} says this is one of {n} tasks, but the MPI world has 1 rank "
+                           f"(every task would run the whole job alone)",
+                           "under Slurm launch with `srun --mpi=pmi2` (the mpich wheel speaks PMI-1 and PMI-2, "
+                           "not PMIx) or use the site's MPI (mpi4py built against it, e.g. `pip install "
+                           "--no-binary=mpi4py mpi4py` after `module load` of it); under mpiexec use the "
+                           "mpiexec of the MPI that mpi4py was built with").line()
+        print(f"rlx-mpi: error: {line}", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
 def _rank() -> int:
@@ -520,6 +770,9 @@ def entry() -> None:
         code = 0
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: a traceback from each says nothing
         code = 130
+    from . import supervisor
+
+    supervisor.done()  # the normal end: any other end of a rank is a fault its supervisor reports
     sys.exit(code)
 
 

@@ -24,11 +24,13 @@ from typing import Any
 import numpy as np
 
 from . import transport
-from .caps import NodeCaps, probe_local
+from .caps import NodeCaps, gather_local_affinity, mpi_versions_differ, probe_local
 from .checkpoint import H5ParamSource, read_header
 from .config import JobConfig, load_job
-from .errors import CheckpointError, ConfigError, InputError
-from .faults import RankContext, agree, report_and_abort
+from .errors import CheckpointError, ConfigError, FitError, InputError
+from .faults import RankContext, agree, check_finite, report_and_abort, wait
+from .outputs import check_output
+from .supervisor import default_startup_timeout_s
 from .placement import Assignment, ModelCost, plan_placement
 from .stage import Stage, TensorParallel, get_family
 from .stats import ClusterRun
@@ -62,6 +64,7 @@ class Cluster:
         self.job = job
         self.world = (comm or MPI.COMM_WORLD).Dup()
         self.ctx = RankContext(rank=self.world.rank, size=self.world.size, host=socket.gethostname(), debug=debug)
+        self.ctx.extra["deadline_setting"] = "[run] startup_timeout_s"  # until the run starts (drive)
         self.family = None
         self.model_config: Any = None
         self.batch, self.seq = job.run.batch, job.run.seq
@@ -88,10 +91,12 @@ class Cluster:
             job.check_world(world.size)
             return job
 
-        return cls(agree(world, ctx, 600.0, load), comm=comm, debug=debug)
+        # the job's own start-up deadline is not known until its file is read
+        return cls(agree(world, ctx, default_startup_timeout_s(), load, "reading the job file",
+                         "RLX_MPI_STARTUP_TIMEOUT_S"), comm=comm, debug=debug)
 
-    def _agree(self, fn):
-        return agree(self.world, self.ctx, self.job.run.startup_timeout_s, fn)
+    def _agree(self, fn, what: str = "start-up"):
+        return agree(self.world, self.ctx, self.job.run.startup_timeout_s, fn, what)
 
     @property
     def is_root(self) -> bool:
@@ -102,6 +107,7 @@ class Cluster:
         if self._prepared:
             return
         ckpt = self.job.model.checkpoint
+        created: list[bool] = []
 
         def create() -> None:
             if self.is_root and not ckpt.exists() and self.job.model.preset:
@@ -112,12 +118,22 @@ class Cluster:
                 if preset not in PRESETS:
                     raise ConfigError(f"{self.job.path}: [model] preset", f"got {preset!r}",
                                       f"expected one of {sorted(PRESETS)}")
-                ckpt.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    ckpt.parent.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise ConfigError(f"{self.job.path}: [model] checkpoint",
+                                      f"cannot create folder {ckpt.parent} ({os.strerror(e.errno or 0).lower()})",
+                                      "choose a writable folder for the preset checkpoint") from None
+                check_output(f"{self.job.path}: [model] checkpoint", ckpt, {"the job file": self.job.path},
+                             stream_ok=False)
                 log.info("checkpoint %s not found: creating it from preset %r (seed %d)", ckpt, preset,
                          self.job.model.init_seed)
                 init_random(ckpt, PRESETS[preset], self.job.model.init_seed)
+                created.append(True)
 
-        self._agree(create)
+        self._agree(create, "creating the preset checkpoint")
+        self._agree(lambda: _check_everywhere(self.world, self.ctx, ckpt, self.job.run.startup_timeout_s,
+                                              bool(created)), "checking every rank sees the checkpoint")
 
         def header() -> None:
             for module in self.job.model.plugins:
@@ -126,7 +142,13 @@ class Cluster:
                 except ImportError as e:
                     raise ConfigError(f"{self.job.path}: [model] plugins", f"cannot import {module!r} ({e})",
                                       "install the module or fix PYTHONPATH on every node") from None
+                except Exception as e:  # the plug-in's own bug: one line, not a traceback per rank
+                    raise ConfigError(f"{self.job.path}: [model] plugins",
+                                      f"importing {module!r} raised {type(e).__name__}: {e}",
+                                      "fix the plug-in (run python -c 'import " + module + "' to see the traceback)") from None
             family_name, config_json = read_header(ckpt)
+            self._digests = {"job": _digest(Path(self.job.path).read_bytes()),
+                             "ckpt": _digest(f"{family_name}|{config_json}|{ckpt.stat().st_size}".encode())}
             family = get_family(family_name)
             if family is None:
                 raise CheckpointError(str(ckpt), f"model family {family_name!r} is not registered",
@@ -136,20 +158,45 @@ class Cluster:
             self.job.check_layers(family.cost(cfg, 1, 1).n_layers, self.world.size)
             self.family, self.model_config = family, cfg
 
-        self._agree(header)
+        self._agree(header, "reading the checkpoint header")
+        self._agree_inputs_match()
         self._prepared = True
+
+    def _agree_inputs_match(self) -> None:
+        """Every rank must see the same job file and checkpoint (a stale node-local copy would
+        otherwise fail later as a garbled message or a wrong result): compare digests."""
+        rows = transport.gather_json(self.world, self._digests, 0, self.job.run.startup_timeout_s, self.ctx,
+                                     "the job file and checkpoint digests")
+
+        def same() -> None:
+            if not rows:
+                return
+            for key, what in (("job", f"{self.job.path}"), ("ckpt", f"{self.job.model.checkpoint}")):
+                differ = [r for r, row in enumerate(rows) if row[key] != rows[0][key]]
+                if differ:
+                    kind = "job file" if key == "job" else "checkpoint (header or size)"
+                    raise ConfigError(what, f"ranks {differ} see a different {kind} than rank 0",
+                                      "a stale node-local copy? give every node the same file (a shared "
+                                      "filesystem, or copy it again)")
+
+        self._agree(same, "comparing the job file and checkpoint across ranks")
 
     def probe(self) -> list[NodeCaps]:
         """Every rank probes itself and pins its BLAS threads; rank 0 gathers all (agreed)."""
         self.prepare()
         local = self.world.Split_type(_shared_type())
+        affinity = gather_local_affinity(local, self.job.run.startup_timeout_s, self.ctx)
         mine = self._agree(lambda: probe_local(self.world.rank, local.rank, local.size,
-                                               self.job.model.checkpoint, self.job.placement.measure_gflops))
+                                               self.job.model.checkpoint, self.job.placement.measure_gflops,
+                                               affinity),
+                           "probing this rank")
         local.Free()
         _pin_threads(mine.cpus)
         gathered = transport.gather_json(self.world, mine.to_dict(), 0, self.job.run.startup_timeout_s,
                                          self.ctx, "the probe")
         self.caps = [NodeCaps.from_dict(d) for d in gathered] if gathered else [mine]
+        if gathered and (warning := mpi_versions_differ(self.caps)):
+            log.warning("%s", warning)
 
         def readable() -> None:
             bad = [c.rank for c in self.caps if c.ckpt_readable is False]
@@ -158,7 +205,7 @@ class Cluster:
                 raise CheckpointError(str(self.job.model.checkpoint), f"not readable on ranks {bad} (hosts {hosts})",
                                       "put the checkpoint on a filesystem every node mounts")
 
-        self._agree(readable)
+        self._agree(readable, "checking the checkpoint is readable")
         return self.caps
 
     def cost(self) -> ModelCost:
@@ -177,10 +224,13 @@ class Cluster:
                 return []
             grid = make_grid([c.host for c in self.caps], p.tp)
             devices = {self.job.override_for(g[0]).device for g in grid}
-            return plan_placement(cost, self.caps, p.policy, int(p.reserve_ram_gb * 1e9), grid=grid,
-                                  manual=p.manual or None, device=",".join(sorted(devices)))
+            try:
+                return plan_placement(cost, self.caps, p.policy, int(p.reserve_ram_gb * 1e9), grid=grid,
+                                      manual=p.manual or None, device=",".join(sorted(devices)))
+            except FitError as e:  # --mem-gb is a flag of `plan`, not of a run
+                raise FitError(e.where, e.what, (e.fix or "").replace("raise --mem-gb, ", "")) from None
 
-        plan = self._agree(make_plan)
+        plan = self._agree(make_plan, "planning")
         doc = transport.bcast_json(self.world, [a.to_dict() for a in plan], 0, self.job.run.startup_timeout_s,
                                    self.ctx, "the plan")
         self.plan_ = [Assignment.from_dict(d) for d in doc]
@@ -210,7 +260,7 @@ class Cluster:
             self.build_ms = (time.perf_counter() - t0) * 1e3
             return stage
 
-        self.stage = self._agree(load)
+        self.stage = self._agree(load, "loading the weights")
         log.debug("[rank %d stage %d] built layers %s in %.1f ms", self.world.rank, a.stage, a.layers, self.build_ms)
         return self.stage
 
@@ -221,18 +271,11 @@ class Cluster:
         def load() -> np.ndarray | None:
             if not self.is_root:
                 return None
-            if path is None:
-                ids = self._random_ids(self.job.run.batch, self.job.run.seq)
-                self.family.check_inputs(self.model_config, ids, f"{self.job.path}: [run] batch, seq")
-                return ids
+            if path is None:  # drawn in the forward, after the planner has checked the batch fits
+                self._check_seq(self.job.run.seq, f"{self.job.path}: [run] seq")
+                return None
             where = str(path)
-            if not Path(path).is_file():
-                raise InputError(where, "input ids file not found", "give an integer .npy of shape [batch, seq]")
-            try:
-                ids = np.load(path, allow_pickle=False)
-            except (ValueError, OSError, EOFError) as e:
-                raise InputError(where, f"not a readable .npy array ({e})",
-                                 "save the ids with np.save(path, ids) as an integer array") from None
+            ids = _read_ids(Path(path), where, lambda shape: self._check_seq(shape[1], where))
             self.family.check_inputs(self.model_config, ids, where)
             mb = self.job.run.microbatches
             if ids.shape[0] < mb:  # uneven splits are fine (the last microbatches one row smaller)
@@ -240,11 +283,18 @@ class Cluster:
                                  "lower microbatches to at most the number of sequences")
             return ids.astype(np.int64)
 
-        ids = self._agree(load)
-        shape = transport.bcast_json(self.world, list(ids.shape) if ids is not None else None, 0,
+        ids = self._agree(load, "reading the input ids")
+        shape = transport.bcast_json(self.world, list(ids.shape) if ids is not None else
+                                     [self.job.run.batch, self.job.run.seq], 0,
                                      self.job.run.startup_timeout_s, self.ctx, "the input shape")
         self.batch, self.seq = shape
         return ids
+
+    def _check_seq(self, seq: int, where: str) -> None:
+        limit = getattr(self.model_config, "max_position_embeddings", None)
+        if isinstance(limit, int) and seq > limit:
+            raise InputError(where, f"sequence length {seq} exceeds the model's maximum {limit} positions",
+                             "truncate or split the sequences")
 
     def _random_ids(self, batch: int, seq: int) -> np.ndarray:
         """Input ids drawn from ``[run] seed``: the same on every launch of the job."""
@@ -259,6 +309,7 @@ class Cluster:
         exception or expired deadline on any rank is reported once and aborts the job. The run
         loop is `executor.forward`; ``trace`` also gathers every rank's spans on rank 0.
         """
+        self.ctx.extra["deadline_setting"] = "[run] timeout_s"
         try:
             return self._drive(ids, trace)
         except Exception:
@@ -276,6 +327,103 @@ class Cluster:
         if self.topology is not None and self.topology.tp_comm is not None:
             self.topology.tp_comm.Free()
         self.world.Free()
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(out)
+
+
+def _by_host(rows: list[dict], status: str) -> str:
+    hosts: dict[str, list[int]] = {}
+    for r in rows:
+        if r["status"] == status:
+            hosts.setdefault(r["host"], []).append(r["rank"])
+    return ", ".join(f"{h} (ranks {_ranges(sorted(rs))})" for h, rs in sorted(hosts.items()))
+
+
+def _check_everywhere(world: Any, ctx: RankContext, path: Path, timeout_s: float, created: bool) -> None:
+    """Every rank checks it sees the checkpoint; rank 0 names the ranks and hosts that do not.
+
+    Note: a checkpoint on a node-local disk exists for some ranks only, and a preset's is created
+    by rank 0 on its own disk: both must fail here, naming the hosts, not later as a bare "not
+    found" on some rank. The same on every rank is left to the header read, which says what is wrong.
+    """
+    status = "ok" if path.is_file() and os.access(path, os.R_OK) else ("unreadable" if path.exists() else "missing")
+    rows = transport.gather_json(world, {"rank": world.rank, "host": ctx.host, "status": status}, 0, timeout_s,
+                                 ctx, "whether the checkpoint is visible")
+    if rows is None or len({r["status"] for r in rows}) == 1:
+        return  # the same everywhere: the header read says what is wrong, if anything
+    parts = [f"exists on {_by_host(rows, 'ok')}"] if any(r["status"] == "ok" for r in rows) else []
+    if any(r["status"] == "missing" for r in rows):
+        parts.append(f"not on {_by_host(rows, 'missing')}")
+    if any(r["status"] == "unreadable" for r in rows):
+        parts.append(f"not readable on {_by_host(rows, 'unreadable')}")
+    what = ("created from the preset by rank 0 on its own disk: " if created else "") + ", ".join(parts)
+    raise CheckpointError(str(path), what, "put it on a filesystem every node mounts (the same path on every node)")
+
+
+def _digest(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _read_ids(path: Path, where: str, check_shape) -> np.ndarray:
+    """Read an integer .npy of input ids, its header checked before any data is read.
+
+    ``check_shape(shape)`` refuses shapes the model cannot take; a forged header (a shape
+    larger than the file) or a file of another kind is refused without allocating.
+    """
+    fix = "save the ids with np.save(path, ids) as an integer array [batch, seq]"
+    if not path.exists():
+        raise InputError(where, "input ids file not found", "give an integer .npy of shape [batch, seq]")
+    if not path.is_file():
+        raise InputError(where, "is not a regular file (a folder, pipe or device)", fix)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(8)
+            kinds = {b"PK\x03\x04": "a .npz archive (np.savez), not a .npy array",
+                     b"\x89HDF\r\n\x1a\n": "an HDF5 file, not a .npy array"}
+            for head, what in kinds.items():
+                if magic.startswith(head):
+                    raise InputError(where, what, fix)
+            if not magic.startswith(b"\x93NUMPY"):
+                raise InputError(where, "not a .npy file (no NUMPY header)", fix)
+            f.seek(0)
+            version = np.lib.format.read_magic(f)
+            read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+            if version not in read:
+                raise InputError(where, f".npy format version {version} is not supported", fix)
+            shape, fortran, dtype = read[version](f, max_header_size=100_000)
+            data_bytes = path.stat().st_size - f.tell()
+    except PermissionError:
+        raise InputError(where, "cannot open the input ids (permission denied)", "check the file's permissions") from None
+    except (ValueError, OSError, EOFError, SyntaxError) as e:
+        raise InputError(where, f"not a readable .npy header ({e})", fix) from None
+    if dtype.hasobject:
+        raise InputError(where, "holds Python objects (pickled data), not integers", fix)
+    if dtype.kind not in "iu":
+        raise InputError(where, f"input ids have dtype {dtype}", "save them as an integer array (np.int64)")
+    if len(shape) != 2:
+        raise InputError(where, f"input ids have shape {shape}, expected 2-D [batch, seq]",
+                         "reshape to [batch, seq], e.g. ids[None, :] for one sequence")
+    check_shape(shape)
+    need = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if need != data_bytes:
+        raise InputError(where, f"the header says shape {shape} of {dtype} ({need} bytes) but the file holds "
+                         f"{data_bytes} bytes of data", "the file is truncated or not written by np.save; save it again")
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise InputError(where, f"not a readable .npy array ({e})", fix) from None
 
 
 def _shared_type() -> int:

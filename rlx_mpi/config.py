@@ -175,7 +175,8 @@ class JobConfig:
         stages = world_size // tp
         if self.placement.policy is PlacementPolicy.MANUAL and len(self.placement.manual) != stages:
             raise ConfigError(f"{self.path}: [placement] manual",
-                              f"{len(self.placement.manual)} ranges for {stages} stages ({world_size} ranks / tp {tp})",
+                              f"{_count(len(self.placement.manual), 'range')} for {_count(stages, 'stage')} "
+                              f"({_count(world_size, 'rank')} / tp {tp})",
                               "give one range per stage or launch a matching number of ranks")
         for o in self.ranks:
             if o.rank >= world_size:
@@ -200,12 +201,22 @@ class JobConfig:
                               f'make the last range end at {n_layers}, e.g. "{manual[-1].start}:{n_layers}"')
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 # -- loading ------------------------------------------------------------------------------------
 
 WIRE_FORMATS = ("f32", "bf16", "f16")  # the codecs of wire.py, named here so config stays import-light
 _SECTIONS = {"model": ModelSection, "run": RunSection, "placement": PlacementSection, "generate": GenerateSection}
 _POSITIVE = {"batch", "seq", "microbatches", "tp", "timeout_s", "startup_timeout_s", "max_new_tokens", "sync_s"}
 _NON_NEGATIVE = {"reserve_ram_gb", "init_seed", "seed", "rank", "temperature", "top_k", "groups", "eos_id"}
+# Bounds far past any real job, so an absurd value is refused here instead of overflowing later
+# (1e300 GB as bytes is not an integer; a 1e300 s wait is too long for a thread join).
+_AT_MOST = {"batch": 2**31, "seq": 2**31, "microbatches": 2**31, "tp": 2**20, "rank": 2**31,
+            "seed": 2**63 - 1, "init_seed": 2**63 - 1, "timeout_s": 1e7, "startup_timeout_s": 1e7,
+            "reserve_ram_gb": 1e6}
+DEVICES = ("cpu",)  # [[rank]] device values that are implemented today
 
 
 def load_job(path: str | os.PathLike) -> JobConfig:
@@ -214,10 +225,16 @@ def load_job(path: str | os.PathLike) -> JobConfig:
     where = str(path)
     if not path.exists():
         raise ConfigError(where, "job file not found", "check the path (jobs/tiny.toml is the example)")
+    if not path.is_file():  # a directory, or a FIFO that would block every rank
+        raise ConfigError(where, "is not a regular file", "give the path of a TOML job file")
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(where, f"cannot read job file ({e})", "check the file's permissions and encoding") from None
+        raw = tomllib.loads(path.read_text(encoding="utf-8-sig"))  # -sig: an editor's byte-order mark is fine
+    except OSError as e:
+        raise ConfigError(where, f"cannot read job file ({os.strerror(e.errno or 0).lower()})",
+                          "check the file's permissions (and its folder's)") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(where, f"job file is not UTF-8 text ({e.reason} at byte {e.start})",
+                          "save it as UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(where, f"not valid TOML ({e})", "fix the syntax at that line") from None
     return parse_job(raw, path)
@@ -243,6 +260,10 @@ def parse_job(raw: dict[str, Any], path: Path) -> JobConfig:
     if not isinstance(overrides, list):
         raise ConfigError(f"{where}: rank", "expected an array of tables [[rank]]", "write each override as [[rank]] with rank = N")
     ranks = tuple(_build(RankOverride, o, f"{where}: [[rank]] #{i + 1}", path) for i, o in enumerate(overrides))
+    for i, o in enumerate(ranks):
+        if o.device not in DEVICES:  # a device that would be ignored, and then shown in the table
+            raise ConfigError(f"{where}: [[rank]] #{i + 1} device", f"got {o.device!r}",
+                              f"expected one of {list(DEVICES)} (the devices implemented today)")
     seen = set()
     for o in ranks:
         if o.rank in seen:
@@ -351,6 +372,8 @@ def _coerce(name: str, type_name: str, value: Any, where: str, job_path: Path) -
 
 
 def _check_range(name: str, value: float, where: str) -> None:
+    if name in _AT_MOST and value > _AT_MOST[name]:
+        raise ConfigError(where, f"got {value!r}, expected a value <= {_AT_MOST[name]:g}")
     if name in _POSITIVE and value <= 0:
         raise ConfigError(where, f"got {value!r}, expected a value > 0")
     if name in _NON_NEGATIVE and value < 0:

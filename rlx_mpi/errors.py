@@ -28,6 +28,7 @@ __all__ = [
     "FitError",
     "RankFault",
     "DeadlineExpired",
+    "WriteFailed",
     "EXIT_OK",
     "EXIT_INTERNAL",
     "EXIT_BAD_INPUT",
@@ -93,3 +94,9 @@ class DeadlineExpired(RlxError):
     """A blocking wait passed its deadline: some rank is stuck or gone."""
 
     exit_code = EXIT_TIMEOUT
+
+
+class WriteFailed(RlxError):
+    """Writing a result failed after the work was done (a full disk, a quota, an I/O error)."""
+
+    exit_code = EXIT_FAULT

@@ -41,7 +41,7 @@ import numpy as np
 
 from . import transport
 from .errors import RankFault
-from .faults import RankContext, wait
+from .faults import RankContext, check_finite, wait
 from .schedule import COMPUTE, POST_RECV, POST_SEND, WAIT_RECV, WAIT_SEND, Action, forward_schedule
 
 __all__ = ["Executor", "ExecStats", "forward", "microbatch_bounds", "wire_codec", "wire_codec_by_name",
@@ -281,6 +281,8 @@ def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
             raise RankFault(cx.ctx.describe(), f"the stage returned {out.dtype} {out.shape} for microbatch {m}, expected "
                             f"float32 {want} from {type(cx.family).__name__}.output_spec",
                             "the model family's forward and output_spec disagree: fix the plug-in")
+        if topo.tp_rank == 0:  # the first stage with NaN/Inf names itself (exit 4)
+            check_finite(out, f"the output of stage {a.stage} (microbatch {m})", cx.ctx)
         if logits is not None:
             logits[lo:hi] = out
         return out

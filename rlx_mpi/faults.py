@@ -10,15 +10,15 @@ Note: three rules, used by every command.
    the same `AgreedFailure`, so rank 0 prints one line and all exit with the same code.
 3. Anything else (an exception mid-run, an expired deadline) is reported once by the rank
    that saw it, with its context and traceback, and `abort` ends the whole job.
-4. A rank that dies of a signal can say nothing, so its `supervise` parent names it.
+4. A rank that dies, exits early or stalls before MPI is up can say nothing, so its parent
+   process (`rlx_mpi.supervisor`) names it and ends the job.
 """
 
 from __future__ import annotations
 
 import os
-import select
-import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -26,9 +26,15 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
-from .errors import EXIT_FAULT, DeadlineExpired, RlxError
+from . import supervisor
+from .errors import EXIT_FAULT, DeadlineExpired, RankFault, RlxError
+from .supervisor import supervise  # noqa: F401  (moved to supervisor.py; kept importable here)
 
-__all__ = ["RankContext", "AgreedFailure", "wait", "agree", "report_and_abort", "supervise"]
+__all__ = ["RankContext", "AgreedFailure", "wait", "agree", "bounded", "check_finite", "report_and_abort",
+           "supervise", "STARTUP_SETTING"]
+
+STARTUP_SETTING = "[run] startup_timeout_s"
+_AGREE_TAG = 32_001  # point-to-point tag of agree's flags (below MPI's guaranteed TAG_UB of 32767)
 
 T = TypeVar("T")
 
@@ -67,8 +73,8 @@ class RankContext:
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
-        if _post_fd is not None and "extra" in self.__dict__:  # fully built: keep the supervisor posted
-            _post(self.describe())
+        if supervisor.active() and "extra" in self.__dict__:  # fully built: keep the supervisor posted
+            supervisor.post_context(self.describe())
 
 
 class AgreedFailure(Exception):
@@ -80,18 +86,23 @@ class AgreedFailure(Exception):
 
 
 def wait(request: Any, timeout_s: float, ctx: RankContext, waiting_for: Callable[[], str],
-         suspect: str | Callable[[], str] = "the rank it waits for") -> None:
-    """Finish ``request`` or raise `DeadlineExpired` after ``timeout_s`` seconds."""
+         suspect: str | Callable[[], str] = "the rank it waits for", setting: str | None = None) -> None:
+    """Finish ``request`` or raise `DeadlineExpired` after ``timeout_s`` seconds.
+
+    ``setting`` is the knob the message tells the user to raise if the wait is only slow;
+    by default the one of the rank's phase (``ctx.extra["deadline_setting"]``: start-up
+    steps wait under ``[run] startup_timeout_s``, the run under ``[run] timeout_s``).
+    """
     if request.Test():
         return
     deadline = time.monotonic() + timeout_s
+    setting = setting or ctx.extra.get("deadline_setting", "[run] timeout_s")
     polls, nap = 0, 1e-5
     while not request.Test():
         if time.monotonic() > deadline:
             raise DeadlineExpired(ctx.describe(), f"waited {timeout_s:.1f} s for {waiting_for()}",
                                   f"{suspect() if callable(suspect) else suspect} is stuck or dead, see its "
-                                  "output above; if it is only slow, "
-                                  "raise [run] timeout_s")
+                                  f"output above; if it is only slow, raise {setting}")
         polls += 1
         if polls < _SPIN_POLLS:
             os.sched_yield()  # a rank sharing the core (oversubscribed) may be the one we wait for
@@ -104,42 +115,123 @@ def wait(request: Any, timeout_s: float, ctx: RankContext, waiting_for: Callable
                 os.sched_yield()
 
 
-def _bcast_text(comm: Any, text: str, root: int, timeout_s: float, ctx: RankContext) -> str:
+class _AllOf:
+    """Several requests finished together (so `wait` can put one deadline on them)."""
+
+    def __init__(self, requests: list):
+        self.requests = requests
+
+    def Test(self) -> bool:  # noqa: N802 (mpi4py's spelling)
+        from mpi4py import MPI
+
+        return MPI.Request.Testall(self.requests)
+
+
+def _bcast_text(comm: Any, text: str, root: int, timeout_s: float, ctx: RankContext, setting: str) -> str:
     """Broadcast a short string as bytes (no pickle)."""
     data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8) if comm.rank == root else None
     n = np.array([0 if data is None else data.size], dtype=np.int64)
-    wait(comm.Ibcast(n, root=root), timeout_s, ctx, lambda: f"an error message from rank {root}")
+    what = lambda: f"an error message from rank {root}"  # noqa: E731
+    wait(comm.Ibcast(n, root=root), timeout_s, ctx, what, setting=setting)
     buf = data.copy() if data is not None else np.empty(int(n[0]), dtype=np.uint8)
-    wait(comm.Ibcast(buf, root=root), timeout_s, ctx, lambda: f"an error message from rank {root}")
+    wait(comm.Ibcast(buf, root=root), timeout_s, ctx, what, setting=setting)
     return buf.tobytes().decode("utf-8")
 
 
-def agree(comm: Any, ctx: RankContext, timeout_s: float, fn: Callable[[], T]) -> T:
+def bounded(fn: Callable[[], T], timeout_s: float, ctx: RankContext, what: str,
+            setting: str = STARTUP_SETTING) -> T:
+    """``fn()``, or `DeadlineExpired` if it has not returned after ``timeout_s`` seconds.
+
+    Note: start-up work before a collective (opening the job file, the checkpoint, the input
+    ids) can block for ever on a FIFO or a hung NFS/Lustre mount, and every rank blocks on the
+    same file. No MPI deadline covers that, so the work runs in a daemon thread the caller
+    stops waiting for; the stuck thread is abandoned and the process ends soon after.
+    """
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException:  # handed to the caller's thread below
+            box["exc"] = sys.exc_info()
+
+    worker = threading.Thread(target=target, name=f"rlx-mpi {what}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise DeadlineExpired(ctx.describe(), f"{what} did not finish within {timeout_s:g} s",
+                              "a file it reads may be a FIFO or on a hung filesystem (NFS, Lustre); check the "
+                              f"paths and mounts on that node; if it is only slow, raise {setting}")
+    if "exc" in box:
+        _, exc, tb = box["exc"]
+        raise exc.with_traceback(tb)
+    return box["result"]
+
+
+def agree(comm: Any, ctx: RankContext, timeout_s: float, fn: Callable[[], T], what: str = "start-up",
+          setting: str = STARTUP_SETTING) -> T:
     """Run ``fn`` on every rank; if it raises `RlxError` on any, all raise one `AgreedFailure`.
 
-    Unexpected exceptions are faults, not bad input: they are reported and abort the job.
+    ``fn`` itself is bounded by ``timeout_s`` (see `bounded`). Unexpected exceptions are faults,
+    not bad input: they are reported and abort the job.
+
+    Note: one line naming the right rank. Every rank sends its verdict to rank 0, which waits
+    for all with a deadline a little past ``timeout_s`` (so a rank whose own ``fn`` timed out
+    is heard first) and, if some never answer, names them and aborts. The other ranks wait
+    longer for rank 0's decision, staggered by rank, so if rank 0 is the one stuck, rank 1
+    alone names it before the others give up.
     """
     failure: RlxError | None = None
     try:
-        result = fn()
+        result = bounded(fn, timeout_s, ctx, what, setting)
     except RlxError as e:
         failure, result = e, None
     except Exception:  # a bug or a broken node: no agreement possible, end the job
         report_and_abort(comm, ctx, sys.exc_info(), EXIT_FAULT)
         raise  # only reached with a fake comm in tests
-    from mpi4py import MPI
-
-    flag = np.array([comm.rank if failure else comm.size], dtype=np.int32)
-    wait(comm.Iallreduce(MPI.IN_PLACE, flag, op=MPI.MIN), timeout_s, ctx,
-         lambda: "the other ranks to finish start-up", "some rank")
-    root = int(flag[0])
-    if root == comm.size:
+    n, grace = comm.size, max(2.0, 0.1 * timeout_s)
+    mine = np.array([comm.rank if failure else n], dtype=np.int32)
+    verdict = np.array([n], dtype=np.int32)
+    if n > 1:
+        if comm.rank == 0:
+            flags = np.full(n, n, dtype=np.int32)
+            flags[0] = mine[0]
+            requests = [comm.Irecv(flags[r:r + 1], source=r, tag=_AGREE_TAG) for r in range(1, n)]
+            try:
+                wait(_AllOf(requests), timeout_s + grace, ctx, lambda: f"every rank to finish {what}",
+                     "some rank", setting)
+            except DeadlineExpired:
+                missing = [r for r, q in zip(range(1, n), requests) if not q.Test()]
+                raise DeadlineExpired(ctx.describe(), f"rank{'s' if len(missing) > 1 else ''} "
+                                      f"{', '.join(map(str, missing))} did not finish {what} within "
+                                      f"{timeout_s + grace:.1f} s", "stuck or dead, see the output above; if "
+                                      f"start-up is only slow, raise {setting}") from None
+            verdict[0] = flags.min()
+        else:
+            wait(comm.Isend(mine, dest=0, tag=_AGREE_TAG), timeout_s + grace, ctx,
+                 lambda: f"rank 0 to take this rank's result of {what}", "rank 0", setting)
+        late = timeout_s + 2 * grace + 0.5 * min(comm.rank, 10)
+        wait(comm.Ibcast(verdict, root=0), late, ctx, lambda: f"rank 0 to finish {what}", "rank 0", setting)
+    else:
+        verdict[0] = mine[0]
+    root = int(verdict[0])
+    if root == n:
         return result
     payload = f"{failure.exit_code}|{failure.line()}" if comm.rank == root else ""
-    code, _, line = _bcast_text(comm, payload, root, timeout_s, ctx).partition("|")
+    code, _, line = _bcast_text(comm, payload, root, timeout_s + 2 * grace, ctx, setting).partition("|")
     if ctx.debug and failure is not None:
         traceback.print_exception(failure, file=sys.stderr)
     raise AgreedFailure(line, int(code), root)
+
+
+def check_finite(array: np.ndarray, what: str, ctx: RankContext) -> None:
+    """Raise `RankFault` (exit 4) if ``array`` holds NaN or Inf: exit 0 means finite results."""
+    if np.isfinite(array).all():
+        return
+    bad = int(array.size - np.count_nonzero(np.isfinite(array)))
+    raise RankFault(ctx.describe(), f"{what} has {bad} non-finite values (NaN or Inf) of {array.size}",
+                    "the weights or the model config are broken (rms_norm_eps, rope_theta); set [model] "
+                    "check_finite = true to find a bad tensor, or re-convert the model")
 
 
 def report_and_abort(comm: Any, ctx: RankContext, exc_info: Any, exit_code: int = EXIT_FAULT) -> None:
@@ -159,7 +251,8 @@ def report_and_abort(comm: Any, ctx: RankContext, exc_info: Any, exit_code: int 
     sys.stderr.write("\n".join(lines) + "\n")
     sys.stderr.flush()
     sys.stdout.flush()
-    _drain(sys.stderr.fileno())
+    supervisor.drain(sys.stderr.fileno())
+    supervisor.done()  # reported: the supervisor must not report this end a second time
     from mpi4py import MPI
 
     if not isinstance(comm, MPI.Comm):  # a fake communicator in a test
@@ -171,157 +264,3 @@ def report_and_abort(comm: Any, ctx: RankContext, exc_info: Any, exit_code: int 
     # leaving the launcher to kill us: exit now, so nothing else runs or prints meanwhile.
     MPI.COMM_WORLD.Abort(exit_code)
     os._exit(exit_code)
-
-
-# -- the supervisor: name a rank that dies of a signal ------------------------------------------
-
-_post_fd: int | None = None  # in a supervised rank: the pipe to its supervisor
-# Signals the supervisor survives; it passes on those that end a process and that a sender may
-# have meant for the rank (launchers signal the whole process group, so the rank has the rest).
-_NOTED = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-_PASSED_ON = (signal.SIGTERM, signal.SIGHUP)
-_CRASHES = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT)
-_RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
-
-
-def supervise() -> None:
-    """Split this process into a supervisor and the rank proper; return in the rank.
-
-    Note: a rank killed by a signal (kill -9, the kernel's OOM killer, a crash in native code)
-    cannot report anything, and MPICH's launcher then ends the job naming only a PID (at times
-    one it killed while cleaning up). So the process the launcher started forks before MPI is
-    initialised and waits for its child, the rank, which posts its `RankContext.describe()`
-    through a pipe as it changes. If the rank dies of a signal the supervisor prints that
-    context and exits with EXIT_FAULT, which makes the launcher end the job; otherwise it exits
-    with the rank's status. A signal the supervisor got too (the launcher's SIGTERM, a Ctrl-C)
-    is no fault of the rank's and is not reported. The rank is killed if its supervisor dies
-    (PR_SET_PDEATHSIG), so killing the launched process ends the rank.
-    Linux only; ``RLX_MPI_SUPERVISE=0`` turns it off. Call it only from the process's entry
-    point, never from a library call: the caller's process becomes the supervisor.
-    """
-    global _post_fd
-    if os.environ.get("RLX_MPI_SUPERVISE", "1") == "0" or not sys.platform.startswith("linux"):
-        return
-    if "mpi4py.MPI" in sys.modules:  # MPI may be initialised: a fork now would confuse it
-        return
-    read_fd, write_fd = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    supervisor = os.getpid()
-    child = os.fork()
-    if child == 0:
-        os.close(read_fd)
-        _die_with_parent(supervisor)
-        os.set_blocking(write_fd, False)  # never stall the rank on its supervisor
-        _post_fd = write_fd
-        import faulthandler
-
-        faulthandler.enable()  # a crash in native code shows the Python stack
-        return
-    os.close(write_fd)
-    os._exit(_watch(child, read_fd))
-
-
-def _drain(fd: int, limit_s: float = 1.0) -> None:
-    """Wait (briefly) until the reader of pipe ``fd`` has taken what we wrote.
-
-    The launcher forwards our stderr and our abort by different routes; MPICH's exits on the
-    abort, and a report still sitting in the pipe would be lost.
-    """
-    import fcntl
-    import termios
-
-    deadline = time.monotonic() + limit_s
-    buf = bytearray(4)
-    while time.monotonic() < deadline:
-        try:
-            fcntl.ioctl(fd, termios.FIONREAD, buf)
-        except OSError:  # not a pipe (a file, a terminal): nothing to wait for
-            return
-        if int.from_bytes(buf, sys.byteorder) == 0:
-            return
-        time.sleep(0.002)
-
-
-def _post(text: str) -> None:
-    try:
-        os.write(_post_fd, text.encode("utf-8", "replace")[:1000] + b"\n")
-    except OSError:  # a full pipe or a gone supervisor: a message matters less than the run
-        pass
-
-
-def _die_with_parent(parent: int) -> None:
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the supervisor died before prctl took effect
-        os._exit(EXIT_FAULT)
-
-
-def _watch(child: int, fd: int) -> int:
-    """Wait for ``child`` without burning a core; return the exit code to end with."""
-    noted: set[int] = set()
-
-    def note(sig, _frame):
-        noted.add(sig)
-        if sig in _PASSED_ON:
-            try:
-                os.kill(child, sig)
-            except ProcessLookupError:
-                pass
-
-    for sig in _NOTED:
-        signal.signal(sig, note)
-    try:
-        pidfd = os.pidfd_open(child)  # readable when the child ends (Linux >= 5.3)
-    except (AttributeError, OSError):
-        pidfd = None
-    last, pending, watched = b"", b"", [fd]
-    while True:
-        ready, _, _ = select.select(watched + ([pidfd] if pidfd is not None else []), [], [],
-                                    None if pidfd is not None else 0.2)
-        if fd in ready:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                watched = []  # the rank closed the pipe (or died): only wait for it now
-            pending += chunk
-            lines = pending.split(b"\n")
-            pending = lines.pop()
-            last = lines[-1] if lines else last
-        done, status = os.waitpid(child, os.WNOHANG)
-        if done:
-            break
-    os.set_blocking(fd, False)
-    try:
-        lines = (pending + os.read(fd, 65536)).split(b"\n")
-        last = next((line for line in reversed(lines) if line), last)
-    except OSError:
-        pass
-    if not os.WIFSIGNALED(status):
-        return os.waitstatus_to_exitcode(status)
-    sig = os.WTERMSIG(status)
-    if sig in noted:  # sent to us both (the launcher, a Ctrl-C): not this rank's fault
-        return 128 + sig
-    who = last.decode("utf-8", "replace") or _rank_from_env()
-    try:
-        name = signal.Signals(sig).name
-    except ValueError:
-        name = f"signal {sig}"
-    if sig == signal.SIGKILL:
-        hint = "killed from outside: by the kernel's OOM killer (check dmesg or the job's memory limit) or a kill -9"
-    elif sig in _CRASHES:
-        hint = "crashed in native code (numpy, h5py, MPI); its Python stack is above"
-    else:
-        hint = "killed by a signal from outside the program"
-    sys.stderr.write(f"rlx-mpi: error: {who}: died of {name} (pid {child}); {hint}\n"
-                     "rlx-mpi: ending the job\n")
-    sys.stderr.flush()
-    return EXIT_FAULT
-
-
-def _rank_from_env() -> str:
-    for var in _RANK_VARS:
-        if os.environ.get(var, "").isdigit():
-            return f"rank {os.environ[var]}"
-    return "a rank"

@@ -82,6 +82,8 @@ class Assignment:
 # and on whether it is first/last; the exact balanced optimum is then found by a greedy
 # (see _balanced_counts) rather than a DP over split points.
 
+MAX_LAYERS = 100_000  # 100x the deepest real decoders; planning it takes ~0.1 s
+
 _FIX_FIT = ("add ranks, raise --mem-gb, lower reserve_ram_gb, use tensor parallelism "
             "(tp > 1) or a lower-precision checkpoint")
 
@@ -291,6 +293,9 @@ def plan_placement(cost: ModelCost, caps: Sequence[NodeCaps], policy: PlacementP
     if reserve_bytes < 0:
         raise ConfigError("placement", f"reserve_bytes is {reserve_bytes}, below 0",
                           "reserve zero or more bytes")
+    if not 0 < cost.n_layers <= MAX_LAYERS:  # the planner is linear in layers: refuse, don't compute for minutes
+        raise ConfigError("placement", f"the model has {cost.n_layers} layers",
+                          f"rlx_mpi plans 1 to {MAX_LAYERS} layers; check the model shape")
     stages = _check_grid(caps, grid)
     S, L, tp = len(stages), cost.n_layers, len(stages[0])
     if S > L:

@@ -57,6 +57,7 @@ class ClusterRun:
     tokens: int
     microbatches: int = 1
     output: np.ndarray | None = field(default=None, repr=False)
+    job_id: str | None = None  # the Slurm job id, when there is one
     wire: str = "f32"  # the [run] wire format
     spans: dict | None = field(default=None, repr=False)  # rank -> [[name, cat, start_s, dur_s, args]] with --trace
 
@@ -107,12 +108,15 @@ class ClusterRun:
                      f"({self.microbatches} microbatch{'es' if self.microbatches != 1 else ''}): "
                      f"{self.tokens_per_s:.1f} tokens/s; bubble {100 * self.bubble:.1f}% "
                      f"(ideal (p-1)/(M+p-1) = {100 * self.ideal_bubble:.1f}%); wire {self.wire}")
+        if self.job_id:
+            lines.append(f"slurm job {self.job_id}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {"timings": [t.to_dict() for t in self.timings], "total_forward_ms": self.total_forward_ms,
                 "tokens": self.tokens, "microbatches": self.microbatches, "tokens_per_s": self.tokens_per_s,
-                "wire": self.wire, "span_ms": self.span_ms, "bubble": self.bubble, "ideal_bubble": self.ideal_bubble}
+                "wire": self.wire, "span_ms": self.span_ms, "bubble": self.bubble, "ideal_bubble": self.ideal_bubble,
+                "job_id": self.job_id}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

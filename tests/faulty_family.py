@@ -4,13 +4,15 @@ Import it through a job file (``[model] plugins = ["faulty_family"]`` with ``tes
 PYTHONPATH); it registers "faulty_llama", which is the Llama family except that the stage's
 forward on one rank and microbatch does what the environment asks:
 
-    RLX_TEST_FAULT             raise | kill | stop | hang | segv   (unset: no fault)
+    RLX_TEST_FAULT             raise | kill | stop | hang | segv | exit0 | oom   (unset: no fault)
     RLX_TEST_FAULT_RANK        world rank that misbehaves (default 1)
     RLX_TEST_FAULT_MICROBATCH  microbatch it misbehaves on (default 0)
     RLX_TEST_FAULT_STAMP       file to write time.time() to just before the fault (optional)
 
 ``raise`` raises RuntimeError, ``kill`` sends itself SIGKILL, ``stop`` SIGSTOP, ``segv``
-SIGSEGV (a crash in native code), and ``hang`` sleeps for ever inside the compute.
+SIGSEGV (a crash in native code), ``hang`` sleeps for ever inside the compute, ``exit0``
+ends the process with status 0 (a library calling exit), and ``oom`` takes memory until the
+OOM killer ends it (use it under a memory limit only).
 `write_checkpoint` writes a tiny checkpoint of the family.
 """
 
@@ -45,11 +47,20 @@ def _fault() -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif kind == "segv":
         os.kill(os.getpid(), signal.SIGSEGV)
+    elif kind == "exit0":
+        os._exit(0)
     elif kind == "hang":
         while True:
             time.sleep(3600)
+    elif kind == "oom":
+        import numpy as np
+
+        hoard = []
+        for _ in range(4000):  # 200 GB at most: the limit ends it long before
+            hoard.append(np.ones(50_000_000 // 8))
+        raise RuntimeError("RLX_TEST_FAULT=oom: took 200 GB and no OOM kill came; run it under a memory limit")
     elif kind:
-        raise ValueError(f"RLX_TEST_FAULT={kind!r}: expected raise, kill, stop, hang or segv")
+        raise ValueError(f"RLX_TEST_FAULT={kind!r}: expected raise, kill, stop, hang, segv, exit0 or oom")
 
 
 class FaultyStage(Stage):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
@@ -29,7 +30,7 @@ class LlamaConfig:
     tie_word_embeddings: bool = False  # lm_head reuses embed_tokens
 
     def __post_init__(self):
-        if self.head_dim == 0:
+        if self.head_dim == 0 and isinstance(self.hidden_size, int) and isinstance(self.num_attention_heads, int):
             object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_attention_heads, 1))
 
     def validate(self, where: str) -> "LlamaConfig":
@@ -39,6 +40,14 @@ class LlamaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise CheckpointError(where, f"model config {name} = {value!r} must be a positive integer")
+        for name in ("rms_norm_eps", "rope_theta"):  # a negative or NaN value gives NaN logits
+            value = getattr(self, name)
+            if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+                    or value <= 0):
+                raise CheckpointError(where, f"model config {name} = {value!r} must be a finite number > 0")
+        if not isinstance(self.tie_word_embeddings, bool):  # "false" is a truthy string
+            raise CheckpointError(where, f"model config tie_word_embeddings = {self.tie_word_embeddings!r} "
+                                  "must be true or false (a JSON boolean)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise CheckpointError(
                 where,
@@ -58,6 +67,9 @@ class LlamaConfig:
             raw = json.loads(text)
         except ValueError as e:
             raise CheckpointError(where, f"model config is not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(where, f"model config is {type(raw).__name__} {text[:40]!r}, not a JSON object",
+                                  "re-convert the model")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:

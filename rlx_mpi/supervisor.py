@@ -1,0 +1,372 @@
+"""The pre-MPI parent of every launched rank: it names a rank that dies or stalls and ends the job.
+
+Note: why a parent process. A rank killed by a signal (kill -9, the OOM killer, a crash in
+native code) cannot report anything, and one that dies or stops *before or during MPI_Init*
+leaves the other ranks spinning in MPI_Init for ever: MPICH's launcher ends the job when a
+process dies of a signal, but not when one exits (with any status) before MPI start-up, and a
+process that exits 0 after it makes the whole job "succeed". So the process the launcher
+started forks before MPI is touched; the child is the rank, the parent waits for it and reads
+short lines the rank posts through a pipe:
+
+    ctx <text>     the rank's `RankContext.describe()`, for messages
+    watch <s> <by> the start-up deadline: MPI must be initialised within <s> s of launch
+    init           the rank is entering MPI_Init (where it waits for every other rank)
+    ready          MPI is initialised; from here on every wait has its own deadline
+    done           the rank reached the normal end of the command (any exit code)
+
+The parent ends the job, naming the rank, when the child
+- dies of a signal nobody sent the parent too (the launcher's SIGTERM, a Ctrl-C are not faults);
+- exits without posting ``done`` (``os._exit(0)`` in a plug-in, an import error, a broken MPI);
+- has not posted ``ready`` when the start-up deadline passes (a stopped rank, a hung mount).
+  A rank stopped, or stuck before it even reached MPI_Init, is reported at the deadline; a
+  rank inside MPI_Init is most likely waiting for such a rank, so its parent waits a few
+  seconds more (staggered by rank) before it reports that start-up did not finish.
+Launchers react to a death by signal, not reliably to an exit code, so after its report the
+parent cancels the Slurm step (under srun) and kills itself with SIGKILL (MPICH then ends the
+job with code 9, srun --kill-on-bad-exit likewise). A waiting rank's parent gives a stopped or dead rank's parent a few seconds' grace
+to report first, so the line names the rank at fault.
+
+The deadline before the job file is read is ``RLX_MPI_STARTUP_TIMEOUT_S`` (default 600 s);
+the rank replaces it with the job's ``[run] startup_timeout_s`` as soon as it has read it.
+Linux only; ``RLX_MPI_SUPERVISE=0`` turns it off. Call `supervise` only from the process's
+entry point, never from a library: the caller's process becomes the supervisor.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import sys
+import time
+
+__all__ = ["supervise", "active", "post_context", "watch", "entering_mpi", "ready", "done", "default_startup_timeout_s",
+           "DEFAULT_STARTUP_TIMEOUT_S", "GRACE_S"]
+
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+GRACE_S = 3.0  # a waiting rank's parent reports this much after a stopped rank's parent
+_EXIT_FAULT = 4  # errors.EXIT_FAULT, without importing the package's heavier modules here
+
+_post_fd: int | None = None  # in a supervised rank: the pipe to its supervisor
+# Signals the supervisor survives; it passes on those that end a process and that a sender may
+# have meant for the rank (launchers signal the whole process group, so the rank has the rest).
+_NOTED = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+# SIGUSR1 too: Slurm's `--signal=USR1@T` (or a user's `kill -USR1`) may reach only the launched
+# process, and `generate` treats it as "finish the step, write, exit for requeue".
+_PASSED_ON = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+_CRASHES = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT)
+_RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+def default_startup_timeout_s() -> float:
+    """The start-up deadline before the job file is read: ``RLX_MPI_STARTUP_TIMEOUT_S`` or 600 s."""
+    try:
+        value = float(os.environ.get("RLX_MPI_STARTUP_TIMEOUT_S", DEFAULT_STARTUP_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_STARTUP_TIMEOUT_S
+    return value if 0 < value < float("inf") else DEFAULT_STARTUP_TIMEOUT_S
+
+
+# -- the rank's side ---------------------------------------------------------------------------
+
+
+def active() -> bool:
+    """Is this process a supervised rank?"""
+    return _post_fd is not None
+
+
+def _post(text: str) -> None:
+    if _post_fd is None:
+        return
+    try:
+        os.write(_post_fd, text.replace("\n", " ").encode("utf-8", "replace")[:1000] + b"\n")
+    except OSError:  # a full pipe or a gone supervisor: a message matters less than the run
+        pass
+
+
+def post_context(text: str) -> None:
+    """Tell the supervisor who this rank is now (rank, host, stage, layers, microbatch)."""
+    _post(f"ctx {text}")
+
+
+def watch(seconds: float, by: str) -> None:
+    """MPI must be initialised within ``seconds`` of launch; ``by`` names the setting."""
+    _post(f"watch {seconds!r} {by}")
+
+
+def entering_mpi() -> None:
+    """The rank is about to initialise MPI (and wait there for the others)."""
+    _post("init")
+
+
+def ready() -> None:
+    """MPI is initialised: the start-up deadline is over, later waits carry their own."""
+    _post("ready")
+
+
+def done() -> None:
+    """This rank reached the normal end of its command (whatever its exit code)."""
+    _post("done")
+
+
+# -- the supervisor's side ---------------------------------------------------------------------
+
+
+def supervise() -> None:
+    """Split this process into a supervisor and the rank proper; return in the rank."""
+    global _post_fd
+    if os.environ.get("RLX_MPI_SUPERVISE", "1") == "0" or not sys.platform.startswith("linux"):
+        return
+    if "mpi4py.MPI" in sys.modules:  # MPI may be initialised: a fork now would confuse it
+        return
+    read_fd, write_fd = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    parent, started = os.getpid(), time.monotonic()
+    child = os.fork()
+    if child == 0:
+        os.close(read_fd)
+        _die_with_parent(parent)
+        os.set_blocking(write_fd, False)  # never stall the rank on its supervisor
+        _post_fd = write_fd
+        import faulthandler
+
+        faulthandler.enable()  # a crash in native code shows the Python stack
+        return
+    os.close(write_fd)
+    code = _Watcher(child, read_fd, started).run()
+    os._exit(code)
+
+
+def drain(fd: int, limit_s: float = 1.0) -> None:
+    """Wait (briefly) until the reader of pipe ``fd`` has taken what we wrote.
+
+    The launcher forwards our stderr and our end by different routes; a report still sitting
+    in the pipe when the launcher ends the job would be lost.
+    """
+    import fcntl
+    import termios
+
+    deadline = time.monotonic() + limit_s
+    buf = bytearray(4)
+    while time.monotonic() < deadline:
+        try:
+            fcntl.ioctl(fd, termios.FIONREAD, buf)
+        except OSError:  # not a pipe (a file, a terminal): nothing to wait for
+            return
+        if int.from_bytes(buf, sys.byteorder) == 0:
+            return
+        time.sleep(0.002)
+
+
+def _die_with_parent(parent: int) -> None:
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the supervisor died before prctl took effect
+        os._exit(_EXIT_FAULT)
+
+
+class _Watcher:
+    """Waits for the rank without burning a core; decides how the launched process ends."""
+
+    def __init__(self, child: int, fd: int, started: float):
+        self.child, self.fd, self.started = child, fd, started
+        self.limit_s, self.limit_by = default_startup_timeout_s(), "RLX_MPI_STARTUP_TIMEOUT_S"
+        self.grace_until: float | None = None
+        self.context, self.in_mpi, self.is_ready, self.is_done = "", False, False, False
+        self.noted: set[int] = set()
+        self.pending = b""
+
+    def run(self) -> int:
+        for sig in _NOTED:
+            signal.signal(sig, self._note)
+        try:
+            pidfd = os.pidfd_open(self.child)  # readable when the child ends (Linux >= 5.3)
+        except (AttributeError, OSError):
+            pidfd = None
+        watched = [self.fd]
+        while True:
+            timeout = None if self.is_ready else max(0.0, self._deadline() - time.monotonic())
+            if pidfd is None:
+                timeout = 0.2 if timeout is None else min(timeout, 0.2)
+            try:
+                ready_fds, _, _ = select.select(watched + ([pidfd] if pidfd is not None else []), [], [], timeout)
+            except InterruptedError:
+                ready_fds = []
+            if self.fd in ready_fds and not self._read():
+                watched = []  # the rank closed the pipe (or died): only wait for it now
+            ended, status = os.waitpid(self.child, os.WNOHANG)
+            if ended:
+                self._read_rest()
+                return self._ended(status)
+            if not self.is_ready and time.monotonic() >= self._deadline():
+                code = self._stalled()
+                if code is not None:
+                    return code
+
+    def _note(self, sig, _frame) -> None:
+        self.noted.add(sig)
+        if sig in _PASSED_ON:
+            try:
+                os.kill(self.child, sig)
+            except ProcessLookupError:
+                pass
+
+    def _deadline(self) -> float:
+        return self.grace_until if self.grace_until is not None else self.started + self.limit_s
+
+    def _read(self) -> bool:
+        try:
+            chunk = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return True
+        self._parse(chunk)
+        return bool(chunk)
+
+    def _read_rest(self) -> None:
+        os.set_blocking(self.fd, False)
+        while True:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            self._parse(chunk)
+        if self.pending:
+            self._parse(b"\n")
+
+    def _parse(self, chunk: bytes) -> None:
+        lines = (self.pending + chunk).split(b"\n")
+        self.pending = lines.pop()
+        for raw in lines:
+            kind, _, rest = raw.decode("utf-8", "replace").partition(" ")
+            if kind == "ctx":
+                self.context = rest
+            elif kind == "watch":
+                seconds, _, by = rest.partition(" ")
+                try:
+                    self.limit_s, self.limit_by = float(seconds), by or self.limit_by
+                except ValueError:
+                    pass
+            elif kind == "init":
+                self.in_mpi = True
+            elif kind == "ready":
+                self.is_ready = True
+            elif kind == "done":
+                self.is_done = True
+
+    # -- verdicts --------------------------------------------------------------------------------
+
+    def _who(self) -> str:
+        return self.context or f"{_rank_from_env()} ({socket.gethostname()})"
+
+    def _report(self, what: str, fix: str) -> None:
+        sys.stderr.write(f"rlx-mpi: error: {self._who()}: {what}; {fix}\nrlx-mpi: ending the job\n")
+        sys.stderr.flush()
+        drain(sys.stderr.fileno())
+
+    def _end_job(self) -> int:
+        """Make the launcher end every rank: cancel the Slurm step, then die of SIGKILL.
+
+        Note: launchers react to a death by signal, not reliably to an exit code. MPICH's hydra
+        ignores a non-zero exit of a process that never initialised MPI (the others then spin in
+        MPI_Init for ever), and across hosts it did not end the job on an exit code after
+        MPI_Init either (5 of 5 trials ran on to the forward deadline); plain srun ends a step
+        neither on an exit code nor on a signal unless --kill-on-bad-exit is given, so under
+        Slurm the step is cancelled outright. The job's exit code is then the launcher's (9
+        under MPICH); the line above names the rank.
+        """
+        job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
+        if job and step:
+            try:
+                import subprocess
+
+                subprocess.run(["scancel", "--quiet", "--signal=KILL", f"{job}.{step}"], timeout=10,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            except (OSError, subprocess.SubprocessError):
+                pass  # no scancel on this node: the signal below still reaches srun --kill-on-bad-exit
+        for sig in _NOTED:
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return _EXIT_FAULT  # not reached
+
+    def _ended(self, status: int) -> int:
+        phase = "" if self.is_ready else " before MPI start-up finished"
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            if sig in self.noted:  # sent to us both (the launcher, a Ctrl-C): not this rank's fault
+                return 128 + sig
+            try:
+                name = signal.Signals(sig).name
+            except ValueError:
+                name = f"signal {sig}"
+            if sig == signal.SIGKILL:
+                hint = ("killed from outside: by the kernel's OOM killer (check dmesg or the job's memory limit) "
+                        "or a kill -9")
+            elif sig in _CRASHES:
+                hint = "crashed in native code (numpy, h5py, MPI); its Python stack is above"
+            else:
+                hint = "killed by a signal from outside the program"
+            self._report(f"died of {name} (pid {self.child}){phase}", hint)
+            return self._end_job()
+        code = os.waitstatus_to_exitcode(status)
+        if self.is_done:
+            return code
+        if self.noted:  # the launcher is ending the job: the rank's early exit is its doing
+            return code or 128 + min(self.noted)
+        if not self.is_ready:
+            hint = ("its output above says why: a broken Python, MPI or package installation on that node, "
+                    "an import error, or a plug-in that exits")
+        else:
+            hint = ("a plug-in or library ended the process (exit(), os._exit()) before the job's end; "
+                    "every rank must reach the end for the result to be complete")
+        self._report(f"ended with exit status {code}{phase} (pid {self.child}), before the end of the job", hint)
+        return self._end_job()
+
+    def _stalled(self) -> int | None:
+        """The start-up deadline passed and MPI is not up: report a stopped rank now, a waiting one later."""
+        stopped = _state(self.child) in ("T", "t")
+        if not stopped and self.in_mpi and self.grace_until is None:
+            rank = _rank_from_env().rpartition(" ")[2]
+            self.grace_until = time.monotonic() + GRACE_S + 0.5 * min(int(rank) if rank.isdigit() else 0, 10)
+            return None
+        setting = ("[run] startup_timeout_s" if self.limit_by == "startup_timeout_s"
+                   else f"{self.limit_by}, the start-up deadline before the job file is read")
+        if stopped:
+            what = f"stopped (SIGSTOP or SIGTSTP) during start-up and still stopped after {self.limit_s:g} s ({setting})"
+            fix = "find what stopped it (a debugger, a Ctrl-Z, the batch system) or resume it with kill -CONT"
+        elif not self.in_mpi:
+            what = (f"stuck for {self.limit_s:g} s ({setting}) before MPI start-up, while importing Python "
+                    "packages or reading the job file")
+            fix = ("check this node's filesystems (a hung NFS/Lustre mount, a FIFO given as a file) and its Python "
+                   "installation; if start-up is only slow, raise " + setting.split(",")[0])
+        else:
+            what = f"MPI start-up did not finish within {self.limit_s:g} s ({setting})"
+            fix = ("another rank is stuck or dead (see its line above), a filesystem is hanging, or the launcher "
+                   "could not start every rank; if start-up is only slow, raise " + setting.split(",")[0])
+        self._report(what, fix)
+        try:
+            os.kill(self.child, signal.SIGKILL)
+            os.waitpid(self.child, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        return self._end_job()
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def _rank_from_env() -> str:
+    for var in _RANK_VARS:
+        if os.environ.get(var, "").isdigit():
+            return f"rank {os.environ[var]}"
+    return "a rank"
