@@ -74,6 +74,27 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--png", metavar="GANTT.png", help="draw one row per rank (needs matplotlib: pip install 'rlx_mpi[plot]')")
     t.add_argument("--title", help="title of the picture (default: the file name)")
 
+    g = sub.add_parser("generate", help="complete a file of prompts across the launched ranks (under mpiexec/srun)",
+                       description="Read JSON-lines prompts ({\"id\", \"tokens\"} or {\"id\", \"text\"}), generate "
+                       "across the pipeline with a KV cache, append one JSON line per completed prompt to --out. "
+                       "A rerun of the same command skips the ids already there. SIGTERM/SIGINT/SIGUSR1 finish "
+                       "the current step, write what is complete and exit with code 75 (requeue). Flags "
+                       "override the job's [generate] section. Example: mpiexec -n 2 rlx-mpi generate "
+                       "jobs/tiny.toml --prompts p.jsonl --out c.jsonl",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("job", help="job TOML file (see jobs/)")
+    g.add_argument("--prompts", metavar="PROMPTS.jsonl", help="prompt file (default: [generate] prompts)")
+    g.add_argument("--out", metavar="COMPLETIONS.jsonl", help="output, appended to and resumed (default: [generate] out)")
+    g.add_argument("--max-new-tokens", type=int, metavar="N", help="new tokens per prompt at most")
+    g.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default); else sample")
+    g.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, metavar="P", help="sample within probability mass P (1 = off)")
+    g.add_argument("--seed", type=int, metavar="S", help="seed of the draws (default: [generate] seed, else [run] seed)")
+    g.add_argument("--eos-id", type=int, metavar="ID", help="end-of-sequence token (default: the tokenizer's)")
+    g.add_argument("--batch", type=int, metavar="B", help="sequences per group")
+    g.add_argument("--groups", type=int, metavar="G", help="groups in flight (0 = one per stage)")
+    g.add_argument("--json", metavar="STATS.json", help="write the run's per-rank stats and totals as JSON")
+
     pr = sub.add_parser("probe", help="show every launched rank's hardware (under mpiexec/srun)")
     pr.add_argument("job", nargs="?", help="optional job TOML: also checks its checkpoint is readable")
     pr.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -213,6 +234,65 @@ def cmd_run(args) -> int:
                 f.attrs["job"] = str(Path(args.job).resolve())
 
         write_output(checked["--out"], write, run.output.nbytes)
+    return 0
+
+
+def _generate_options(args, job):
+    """The job's [generate] section under the command-line flags, checked."""
+    from .generation import GenerateOptions
+    from .sampling import SamplingParams
+
+    sec = job.generate
+    pick = lambda flag, value: value if flag is None else flag  # noqa: E731
+    prompts = args.prompts or (str(sec.prompts) if sec.prompts else None)
+    out = args.out or (str(sec.out) if sec.out else None)
+    if not prompts:
+        raise ConfigError("generate --prompts", "no prompt file given", "pass --prompts FILE or set [generate] prompts")
+    if not out:
+        raise ConfigError("generate --out", "no output file given", "pass --out FILE or set [generate] out")
+    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--top-k", args.top_k, 0),
+                             ("--seed", args.seed, 0), ("--eos-id", args.eos_id, 0), ("--batch", args.batch, 1),
+                             ("--groups", args.groups, 0)):
+        if value is not None and value < low:
+            raise ConfigError(f"generate {flag}", f"got {value}", f"give an integer >= {low}")
+    if args.json and not Path(args.json).parent.is_dir():
+        raise ConfigError(f"--json {args.json}", f"folder {Path(args.json).parent} does not exist",
+                          "create it or choose another path")
+    if args.json and Path(args.json).resolve() in (Path(prompts).resolve(), Path(out).resolve()):
+        raise ConfigError(f"--json {args.json}", "is the prompt or output file", "choose another path")
+    seed = pick(args.seed, sec.seed if sec.seed is not None else job.run.seed)
+    sampling = SamplingParams(pick(args.temperature, sec.temperature), pick(args.top_k, sec.top_k),
+                              pick(args.top_p, sec.top_p), seed).check("generate")
+    return GenerateOptions(prompts=Path(prompts), out=Path(out), max_new_tokens=pick(args.max_new_tokens, sec.max_new_tokens),
+                           sampling=sampling, eos_id=pick(args.eos_id, sec.eos_id), batch=pick(args.batch, sec.batch),
+                           groups=pick(args.groups, sec.groups), sync_s=sec.sync_s)
+
+
+def cmd_generate(args) -> int:
+    from mpi4py import MPI
+
+    from .cluster import Cluster
+    from .generation import generate
+    from .journal import REQUEUE_EXIT
+
+    world = MPI.COMM_WORLD
+    _setup_logging(world.rank, args.debug)
+    cx = Cluster.from_path(args.job, debug=args.debug)
+    opts = cx._agree(lambda: _generate_options(args, cx.job))
+    result = generate(cx, opts)
+    if result is None:
+        return 0
+    if cx.is_root:
+        print(result.table())
+        sys.stdout.flush()
+        if args.json:
+            _write_atomic(args.json, lambda tmp: tmp.write_text(json.dumps(result.to_dict(), indent=2)))
+    if result.stopped_by:
+        if cx.is_root:
+            print(f"rlx-mpi: stopped by {result.stopped_by} after the current step: "
+                  f"{result.done_before + result.done_now} of {result.total} prompts are in {opts.out}; "
+                  f"run the same command again to resume (exit code {REQUEUE_EXIT})", file=sys.stderr)
+        return REQUEUE_EXIT
     return 0
 
 
@@ -433,6 +513,9 @@ def cmd_convert(args) -> int:
     check_output("convert OUT", args.out, inputs, stream_ok=False)
     cfg = convert_hf(args.hf_dir, args.out, dtype=args.dtype)
     print(f"wrote {args.out}: llama, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
+    tok = Path(args.out).with_name(f"{Path(args.out).stem}.tokenizer.json")
+    if tok.is_file():  # copied by convert_hf: text prompts work with `generate`
+        print(f"wrote {tok}: the model's tokenizer")
     return 0
 
 
@@ -451,9 +534,9 @@ def cmd_init_model(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "probe": cmd_probe, "plan": cmd_plan, "convert": cmd_convert, "init-model": cmd_init_model,
-            "trace": cmd_trace}
-MPI_COMMANDS = {"run", "probe"}
+COMMANDS = {"run": cmd_run, "generate": cmd_generate, "probe": cmd_probe, "plan": cmd_plan, "convert": cmd_convert,
+            "init-model": cmd_init_model, "trace": cmd_trace}
+MPI_COMMANDS = {"run", "generate", "probe"}
 
 
 def main(argv: list[str] | None = None, *, supervise: bool = False) -> int:

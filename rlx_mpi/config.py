@@ -21,9 +21,11 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 from .errors import ConfigError
+from .kv_cache import KvSpec
 
 __all__ = ["PlacementPolicy", "KvPolicy", "Precision", "ModelSection", "RunSection",
-           "PlacementSection", "RankOverride", "JobConfig", "load_job", "parse_job", "WIRE_FORMATS"]
+           "PlacementSection", "RankOverride", "GenerateSection", "JobConfig", "load_job", "parse_job",
+           "WIRE_FORMATS"]
 
 
 class PlacementPolicy(str, enum.Enum):
@@ -37,10 +39,11 @@ class PlacementPolicy(str, enum.Enum):
 
 
 class KvPolicy(str, enum.Enum):
-    """Whether a rank keeps a KV cache (generation, on the roadmap); a forward needs none."""
+    """Whether a rank keeps a KV cache during generation (`kv_cache.KvSpec` adds window:W)."""
 
     NONE = "none"
     FULL = "full"
+    WINDOW = "window"
 
 
 class Precision(str, enum.Enum):
@@ -94,6 +97,9 @@ class RunSection:
     """Format of the hidden states between stages: f32 (exact, no copy) | bf16 | f16 (half the bytes)."""
     precision: Precision = Precision.F32
     """f32 | bf16 | f16 | int8: how every rank holds its weights, unless [[rank]] precision overrides."""
+    kv_cache: KvSpec = KvSpec("full")
+    """Generation's KV cache: "none" (recompute the prefix), "full", or "window:W" (sliding-window
+    attention over the last W positions: a different model from the checkpoint's)."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,36 @@ class RankOverride:
     device: str = "cpu"
     precision: Precision | None = None
     """This rank's weight precision; None: the job's [run] precision."""
-    kv_cache: KvPolicy = KvPolicy.NONE
+    kv_cache: KvSpec | None = None
+    """This rank's kv_cache instead of [run] kv_cache (the ranks of one stage must agree)."""
+
+
+@dataclass(frozen=True)
+class GenerateSection:
+    """``rlx-mpi generate`` settings; command-line flags override them."""
+
+    prompts: Path | None = None
+    """JSON-lines prompt file (--prompts)."""
+    out: Path | None = None
+    """JSON-lines completions file, appended to and resumed (--out)."""
+    max_new_tokens: int = 32
+    """New tokens per prompt at most (fewer when an end-of-sequence token comes)."""
+    temperature: float = 0.0
+    """0 = greedy; otherwise logits are divided by it before sampling."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only (0 = off)."""
+    top_p: float = 1.0
+    """Sample among the most likely tokens whose mass reaches top_p (1 = off)."""
+    seed: int | None = None
+    """Seed of the draws (default [run] seed); with the prompt id and step it fixes every draw."""
+    eos_id: int | None = None
+    """End-of-sequence token id (default: the tokenizer's, else none)."""
+    batch: int = 4
+    """Sequences per group (cache slots per group)."""
+    groups: int = 0
+    """Groups in flight; 0 = one per pipeline stage, so every stage has work during decode."""
+    sync_s: float = 2.0
+    """Completed rows are fsynced to the output at least this often."""
 
 
 @dataclass(frozen=True)
@@ -129,10 +164,15 @@ class JobConfig:
     run: RunSection = field(default_factory=RunSection)
     placement: PlacementSection = field(default_factory=PlacementSection)
     ranks: tuple[RankOverride, ...] = ()
+    generate: GenerateSection = field(default_factory=GenerateSection)
 
     def seed_for(self, rank: int) -> int:
         """A distinct, reproducible seed per rank, derived from ``run.seed``."""
         return (self.run.seed * 1_000_003 + rank) % (2**32)
+
+    def kv_for(self, rank: int) -> KvSpec:
+        """The KV cache policy of ``rank``: its [[rank]] kv_cache, else [run] kv_cache."""
+        return self.override_for(rank).kv_cache or self.run.kv_cache
 
     def override_for(self, rank: int) -> RankOverride:
         """The per-rank settings of ``rank`` (defaults when the job file names none)."""
@@ -188,16 +228,15 @@ def _count(n: int, noun: str) -> str:
 # -- loading ------------------------------------------------------------------------------------
 
 WIRE_FORMATS = ("f32", "bf16", "f16")  # the codecs of wire.py, named here so config stays import-light
-_SECTIONS = {"model": ModelSection, "run": RunSection, "placement": PlacementSection}
-_POSITIVE = {"batch", "seq", "microbatches", "tp", "timeout_s", "startup_timeout_s"}
-_NON_NEGATIVE = {"reserve_ram_gb", "init_seed", "seed", "rank"}
+_SECTIONS = {"model": ModelSection, "run": RunSection, "placement": PlacementSection, "generate": GenerateSection}
+_POSITIVE = {"batch", "seq", "microbatches", "tp", "timeout_s", "startup_timeout_s", "max_new_tokens", "sync_s"}
+_NON_NEGATIVE = {"reserve_ram_gb", "init_seed", "seed", "rank", "temperature", "top_k", "groups", "eos_id"}
 # Bounds far past any real job, so an absurd value is refused here instead of overflowing later
 # (1e300 GB as bytes is not an integer; a 1e300 s wait is too long for a thread join).
 _AT_MOST = {"batch": 2**31, "seq": 2**31, "microbatches": 2**31, "tp": 2**20, "rank": 2**31,
             "seed": 2**63 - 1, "init_seed": 2**63 - 1, "timeout_s": 1e7, "startup_timeout_s": 1e7,
             "reserve_ram_gb": 1e6}
 DEVICES = ("cpu",)  # [[rank]] device values that are implemented today
-KV_CACHES = ("none",)  # [[rank]] kv_cache values that are implemented today
 
 
 def load_job(path: str | os.PathLike) -> JobConfig:
@@ -245,9 +284,6 @@ def parse_job(raw: dict[str, Any], path: Path) -> JobConfig:
         if o.device not in DEVICES:  # a device that would be ignored, and then shown in the table
             raise ConfigError(f"{where}: [[rank]] #{i + 1} device", f"got {o.device!r}",
                               f"expected one of {list(DEVICES)} (the devices implemented today)")
-        if o.kv_cache.value not in KV_CACHES:
-            raise ConfigError(f"{where}: [[rank]] #{i + 1} kv_cache", f"got {o.kv_cache.value!r}",
-                              f"expected one of {list(KV_CACHES)} (a forward keeps no cache today)")
     seen = set()
     for o in ranks:
         if o.rank in seen:
@@ -336,6 +372,8 @@ def _coerce(name: str, type_name: str, value: Any, where: str, job_path: Path) -
             raise ConfigError(where, f"got {value!r}, expected a finite number")
         _check_range(name, value, where)
         return float(value)
+    if t == "KvSpec":
+        return KvSpec.parse(value, where)
     enums = {"PlacementPolicy": PlacementPolicy, "KvPolicy": KvPolicy, "Precision": Precision}
     if t in enums:
         choices = [m.value for m in enums[t]]

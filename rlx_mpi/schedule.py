@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["Action", "POST_RECV", "WAIT_RECV", "COMPUTE", "POST_SEND", "WAIT_SEND", "KINDS",
-           "forward_schedule", "format_grid", "format_actions", "simulate", "ScheduleError"]
+           "forward_schedule", "format_grid", "format_actions", "simulate", "ScheduleError",
+           "decode_step_actions", "decode_ring"]
 
 POST_RECV, WAIT_RECV, COMPUTE, POST_SEND, WAIT_SEND = "post_recv", "wait_recv", "compute", "post_send", "wait_send"
 KINDS = {POST_RECV: "pR", WAIT_RECV: "wR", COMPUTE: "F", POST_SEND: "pS", WAIT_SEND: "wS"}
@@ -163,3 +164,50 @@ def simulate(schedules: list[list[Action]]) -> list[list[Action]]:
         if send_slot[s] or recv_slot[s]:
             raise ScheduleError(f"stage {s} ends with buffers in flight: sends {send_slot[s]}, receives {recv_slot[s]}")
     return steps
+
+
+# -- generation: the decode ring ---------------------------------------------------------------
+# Note: decode steps are issued at run time (a group's next step depends on the tokens that
+# came back, rows end and new prompts take their slots), so `generation.DecodeRing` runs one
+# step's actions at a time; `decode_ring` is the same order written out for ``rounds`` rounds
+# of ``groups`` groups, for `simulate` and `format_actions`. Stage 0 posts the receive of a
+# step's tokens right after sending the step, so the last stage's send never waits on it.
+# (A relay first takes a small header that says the step's shape; headers are not modelled.)
+
+
+def decode_step_actions(stage: int, n_stages: int, group: int) -> list[Action]:
+    """One decode step of ``group`` on ``stage``: receive (not on stage 0), compute, send on;
+    the last stage's send goes to stage 0 (the sampled tokens), closing the ring."""
+    acts = []
+    if stage > 0:
+        acts += [Action(stage, POST_RECV, group, 0, stage - 1), Action(stage, WAIT_RECV, group, 0, stage - 1)]
+    acts.append(Action(stage, COMPUTE, group, 0))
+    if n_stages > 1:
+        peer = (stage + 1) % n_stages
+        acts += [Action(stage, POST_SEND, group, 0, peer), Action(stage, WAIT_SEND, group, 0, peer)]
+    return acts
+
+
+def decode_ring(stage: int, n_stages: int, groups: int, rounds: int) -> list[Action]:
+    """``stage``'s actions for ``rounds`` x ``groups`` decode steps; step k = round * groups + group.
+
+    Stage 0 computes step k from the tokens of step k - groups (its receive slot k % groups)."""
+    last = n_stages - 1
+    steps = groups * rounds
+    if stage > 0:
+        acts = []
+        for k in range(steps):
+            acts += [Action(stage, POST_RECV, k, 0, stage - 1), Action(stage, WAIT_RECV, k, 0, stage - 1),
+                     Action(stage, COMPUTE, k, 0), Action(stage, POST_SEND, k, 0, (stage + 1) % n_stages),
+                     Action(stage, WAIT_SEND, k, 0, (stage + 1) % n_stages)]
+        return acts
+    acts = []
+    for k in range(steps + groups):
+        if k >= groups:  # the tokens of step k - groups, then step k of that group
+            acts.append(Action(0, WAIT_RECV, k - groups, (k - groups) % groups, last))
+        acts.append(Action(0, COMPUTE, k, k % groups))
+        if k >= steps:
+            continue  # only completing the last round's tokens
+        acts += [Action(0, POST_SEND, k, 0, 1), Action(0, WAIT_SEND, k, 0, 1),
+                 Action(0, POST_RECV, k, k % groups, last)]
+    return acts

@@ -75,6 +75,23 @@ class Stage(abc.ABC):
     def weight_bytes(self) -> int:
         """Bytes of weights this rank holds."""
 
+    # Generation (``rlx-mpi generate``): optional; a family without it can still ``run``.
+    # Rows of a step are cache slots; the last stage returns logits (B, V) of each row's
+    # newest token. See `rlx_mpi.kv_cache` for the policies and `rlx_mpi.generation` for the loop.
+
+    def reset(self, slots: int, max_seq: int, kv: Any) -> int:
+        """Allocate the KV cache (`kv_cache.KvSpec`) for ``slots`` sequences of up to ``max_seq``
+        tokens; return its bytes."""
+        raise NotImplementedError(f"{type(self).__name__} does not support generation")
+
+    def prefill(self, x: np.ndarray, slots: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Positions 0..T-1 of rows ``slots`` (right-padded past ``lengths``), filling the cache."""
+        raise NotImplementedError(f"{type(self).__name__} does not support generation")
+
+    def decode(self, x: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """One new token per row at ``positions`` (B,), attending over the cache."""
+        raise NotImplementedError(f"{type(self).__name__} does not support generation")
+
 
 class ModelFamily(Protocol):
     """A model family: reads its config from a checkpoint, prices it, builds stages."""

@@ -75,11 +75,31 @@ class FaultyStage(Stage):
         return self.inner.weight_bytes
 
     def forward(self, x):
+        self._maybe_fault()
+        return self.inner.forward(x)
+
+    def _maybe_fault(self) -> None:
         rank = int(os.environ.get("RLX_TEST_FAULT_RANK", "1"))
         mb = int(os.environ.get("RLX_TEST_FAULT_MICROBATCH", "0"))
         if self.ctx is not None and self.ctx.rank == rank and self.ctx.microbatch == mb:
             _fault()
-        return self.inner.forward(x)
+
+    # generation: the same faults in a step of group RLX_TEST_FAULT_MICROBATCH (a decode step
+    # when RLX_TEST_FAULT_DECODE is set); RLX_TEST_NO_GENERATE=1 makes the family lack it
+
+    def reset(self, slots, max_seq, kv):
+        if os.environ.get("RLX_TEST_NO_GENERATE"):
+            return super().reset(slots, max_seq, kv)
+        return self.inner.reset(slots, max_seq, kv)
+
+    def prefill(self, x, slots, lengths):
+        if not os.environ.get("RLX_TEST_FAULT_DECODE"):
+            self._maybe_fault()
+        return self.inner.prefill(x, slots, lengths)
+
+    def decode(self, x, slots, positions):
+        self._maybe_fault()
+        return self.inner.decode(x, slots, positions)
 
 
 class FaultyFamily:

@@ -31,6 +31,8 @@ What it writes, for each model directory under ``tests/fixtures/``:
   no attention mask (full causal attention on both rows).
 * ``versions.json``: torch / transformers / safetensors / numpy versions.
 * ``generation_config.json``: written by ``save_pretrained`` itself; unused.
+* ``generate.json``: greedy ``generate(do_sample=False)`` tokens of two seeded prompts of
+  different lengths (see ``record_generate``; ``--generate`` adds only this file).
 
 Models (``torch.manual_seed(0)`` before each build):
 
@@ -252,9 +254,49 @@ def build(name, spec):
     return np_diff
 
 
+GENERATE_PROMPT_LENGTHS = (5, 11)  # two prompts of different lengths
+GENERATE_NEW_TOKENS = 12
+
+
+def record_generate(name):
+    """Add ``generate.json`` to an existing fixture: transformers' greedy ``generate`` tokens.
+
+    Loads the saved model (the other fixture files are left as they are), draws two prompts of
+    different lengths (seeded) and runs ``generate(do_sample=False, max_new_tokens=12)`` on each
+    alone (no padding, so no attention-mask convention is involved), eager attention, float32.
+    Run: ``/work/torchvenv/bin/python tests/make_hf_fixture.py --generate``.
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    out = os.path.join(FIXTURES, name)
+    model = LlamaForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(4321)
+    vocab = model.config.vocab_size
+    prompts, tokens = [], []
+    for n in GENERATE_PROMPT_LENGTHS:
+        ids = torch.randint(0, vocab, (1, n), generator=gen, dtype=torch.int64)
+        with torch.no_grad():
+            full = model.generate(ids, do_sample=False, max_new_tokens=GENERATE_NEW_TOKENS, min_new_tokens=GENERATE_NEW_TOKENS,
+                                  attention_mask=torch.ones_like(ids), pad_token_id=0, eos_token_id=None)
+        prompts.append(ids[0].tolist())
+        tokens.append(full[0, n:].tolist())
+    with open(os.path.join(out, "generate.json"), "w") as f:
+        json.dump({"prompts": prompts, "max_new_tokens": GENERATE_NEW_TOKENS, "tokens": tokens,
+                   "made_with": "generate(do_sample=False), eager, float32, each prompt alone"}, f, indent=1)
+        f.write("\n")
+    print(name, "generate:", tokens)
+
+
 def main():
+    if "--generate" in sys.argv:  # only add generate.json to the existing fixtures
+        for name in MODELS:
+            record_generate(name)
+        print("OK")
+        return 0
     for name, spec in MODELS.items():
         build(name, spec)
+        record_generate(name)
     print("OK")
 
 

@@ -32,7 +32,7 @@ from ..errors import CheckpointError, ConfigError
 from .config import LlamaConfig
 from .config import expected_shapes
 
-__all__ = ["convert_hf", "hf_name"]
+__all__ = ["copy_tokenizer", "convert_hf", "hf_name"]
 
 # safetensors dtype -> numpy dtype of the stored bytes (little-endian by the format's rule).
 # BF16 is stored as uint16 and widened to float32 on read.
@@ -337,11 +337,13 @@ def _tensors(plan: dict[str, _Entry], stack: contextlib.ExitStack) -> Iterator[t
 
 
 def convert_hf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, dtype: str = "float32",
-               config_name: str = "config.json") -> LlamaConfig:
+               config_name: str = "config.json", tokenizer: bool = True) -> LlamaConfig:
     """Convert the Hugging Face Llama in ``hf_dir`` to the checkpoint ``out_path`` (atomically).
 
     ``dtype`` ("float32", "float16" or "bfloat16") is the storage dtype of the output; a
-    bfloat16 source written as bfloat16 is copied exactly. Returns the model's `LlamaConfig`.
+    bfloat16 source written as bfloat16 is copied exactly. With ``tokenizer`` the directory's
+    tokenizer files are copied beside the checkpoint (see `copy_tokenizer`). Returns the
+    model's `LlamaConfig`.
     """
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ConfigError("dtype", f"{dtype!r} is not a checkpoint dtype", "use float32, float16 or bfloat16")
@@ -359,4 +361,37 @@ def convert_hf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, dtype:
     plan = _check_tensors(cfg, _index_tensors(_safetensors_files(hf_dir)), hf_dir)
     with contextlib.ExitStack() as stack:
         write_checkpoint(out_path, "llama", cfg.to_json(), _tensors(plan, stack), dtype=dtype)
+    if tokenizer:
+        copy_tokenizer(hf_dir, out_path)
     return cfg
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what `prompts.load_tokenizer` reads
+
+
+def copy_tokenizer(hf_dir: str | os.PathLike, out_path: str | os.PathLike) -> list[Path]:
+    """Copy ``hf_dir``'s tokenizer files to ``<stem>.<name>`` beside the checkpoint ``out_path``.
+
+    The stem prefix lets several models share a folder; ``generate`` finds them there. Each
+    file is written through a temporary name and renamed; a source is never a destination.
+    Returns the files written (none when the directory has no ``tokenizer.json``).
+    """
+    import shutil
+
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    if not (hf_dir / "tokenizer.json").is_file():
+        return []
+    written = []
+    for name in (*TOKENIZER_FILES, "generation_config.json"):
+        src, dst = hf_dir / name, out_path.with_name(f"{out_path.stem}.{name}")
+        if not src.is_file() or (dst.exists() and os.path.samefile(src, dst)):
+            continue
+        tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
+        try:
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        written.append(dst)
+    return written

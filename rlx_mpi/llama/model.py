@@ -14,9 +14,10 @@ import numpy as np
 
 from .. import kernels
 from .weights import LayerWeights, Linear
+from ..kv_cache import KvSpec, LayerCache, decode_kv, prefill_kv
 
-__all__ = ["LayerWeights", "rms_norm", "rope_tables", "apply_rope", "attention", "mlp", "block",
-           "embed", "lm_head"]
+__all__ = ["LayerWeights", "rms_norm", "rope_tables", "rope_at", "apply_rope", "attention", "mlp", "block",
+           "embed", "lm_head", "KvStep"]
 
 Reduce = Callable[[np.ndarray], np.ndarray]
 
@@ -37,20 +38,54 @@ def rope_tables(seq: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.n
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
+def rope_at(cos: np.ndarray, sin: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of the (P, hs) tables at ``positions`` (B, T), shaped (B, 1, T, hs) to broadcast over heads."""
+    return cos[positions][:, None], sin[positions][:, None]
+
+
+@dataclass
+class KvStep:
+    """How one generation step's attention reads and writes a layer's cache.
+
+    ``prefill``: the chunk holds positions 0..T-1 of each row (right-padded past ``lengths``);
+    otherwise one new token per row at ``positions`` (B,). ``caches`` has one `LayerCache` per
+    layer of the stage, or is None under ``kv_cache = "none"`` (the chunk is the whole prefix).
+    """
+
+    spec: KvSpec
+    slots: np.ndarray  # (B,) cache rows
+    prefill: bool
+    lengths: np.ndarray | None = None  # (B,) with prefill
+    positions: np.ndarray | None = None  # (B,) without
+    caches: list[LayerCache] | None = None
+    layer: int = 0  # index into caches, advanced by the stage
+
+    def attend_inputs(self, k: np.ndarray, v: np.ndarray):
+        cache = self.caches[self.layer] if self.caches is not None else None
+        if self.prefill:
+            return prefill_kv(cache, self.spec, k, v, self.slots, self.lengths)
+        return decode_kv(cache, self.spec, k, v, self.slots, self.positions)
+
+
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return kernels.rope(x, cos, sin)  # x * cos + rotate_half(x) * sin, fused; C-contiguous (B, H, T, hs)
 
 
 def attention(x: np.ndarray, w: LayerWeights, head_dim: int, cos: np.ndarray, sin: np.ndarray,
-              reduce: Reduce = _identity) -> np.ndarray:
+              reduce: Reduce = _identity, kv: KvStep | None = None) -> np.ndarray:
     B, T, C = x.shape
     nh = w.q_proj.shape[0] // head_dim
     nkv = w.k_proj.shape[0] // head_dim
     q = w.q_proj(x).reshape(B, T, nh, head_dim).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
     k = w.k_proj(x).reshape(B, T, nkv, head_dim).transpose(0, 2, 1, 3)  # (B, nkv, T, hs)
     v = w.v_proj(x).reshape(B, T, nkv, head_dim).transpose(0, 2, 1, 3)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    y = kernels.attend(q, k, v).reshape(B, T, nh * head_dim)  # causal: query t sees keys <= t
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # cos (T, hs), or (B, 1, T, hs) at positions
+    if kv is None:
+        y = kernels.attend(q, k, v)  # causal: query t sees keys <= t
+    else:  # generation: store this step's K/V, attend over the cached prefix
+        keys, values, q_pos, window = kv.attend_inputs(k, v)
+        y = kernels.attend(q, keys, values, q_pos, window)
+    y = y.reshape(B, T, nh * head_dim)
     return reduce(w.o_proj(y))  # row-parallel: partial sums over heads
 
 
@@ -61,8 +96,8 @@ def mlp(x: np.ndarray, w: LayerWeights, reduce: Reduce = _identity) -> np.ndarra
 
 
 def block(x: np.ndarray, w: LayerWeights, head_dim: int, eps: float, cos: np.ndarray,
-          sin: np.ndarray, reduce: Reduce = _identity) -> np.ndarray:
-    x = x + attention(rms_norm(x, w.input_layernorm, eps), w, head_dim, cos, sin, reduce)
+          sin: np.ndarray, reduce: Reduce = _identity, kv: KvStep | None = None) -> np.ndarray:
+    x = x + attention(rms_norm(x, w.input_layernorm, eps), w, head_dim, cos, sin, reduce, kv)
     return x + mlp(rms_norm(x, w.post_attention_layernorm, eps), w, reduce)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import kernels
 from ..collectives import ReduceKind, all_reduce, world_ranks
+from ..kv_cache import KvSpec, LayerCache
 from ..stage import ParamSource, Stage, TensorParallel
 from . import model
 from .weights import PRECISIONS, read_linear
@@ -80,6 +81,53 @@ class LlamaStage(Stage):
             return h
         logits = model.lm_head(h, self.norm, self.head, cfg.rms_norm_eps)  # (B, T, V/tp)
         return self._gather_vocab(logits)
+
+    # -- generation: stateful prefill / decode over a per-stage KV cache ------------------------
+
+    def reset(self, slots: int, max_seq: int, kv: KvSpec) -> int:
+        """Allocate the cache for ``slots`` sequences of up to ``max_seq`` tokens; return its bytes."""
+        cfg = self.cfg
+        nkv = cfg.num_key_value_heads // self.tp.size  # this rank's kv heads
+        length = kv.cache_len(max_seq)
+        self.kv = kv
+        self.caches = [LayerCache(slots, nkv, length, cfg.head_dim) for _ in self.layers] if length else None
+        self.rope = model.rope_tables(max_seq, cfg.head_dim, cfg.rope_theta)  # (S_max, hs) each
+        return sum(c.nbytes for c in self.caches) if self.caches else 0
+
+    def prefill(self, x: np.ndarray, slots: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Positions 0..T-1 of each row (right-padded past ``lengths``), filling the cache.
+
+        x: ids (B, T) on the first stage, else hidden (B, T, C). Returns hidden (B, T, C), or
+        on the last stage the logits (B, V) of each row's last real token.
+        """
+        B, T = x.shape[:2]
+        step = model.KvStep(self.kv, slots, True, lengths=lengths, caches=self.caches)
+        h = self._blocks(x, np.broadcast_to(np.arange(T), (B, T)), step)
+        if not self.last:
+            return h
+        return self._head(h[np.arange(B), lengths - 1][:, None])  # (B, 1, C) -> (B, V)
+
+    def decode(self, x: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """One new token per row at ``positions`` (B,): ids (B, 1) or hidden (B, 1, C) in;
+        hidden (B, 1, C) or, on the last stage, logits (B, V) out."""
+        if self.caches is None:
+            raise RuntimeError("decode without a KV cache: kv_cache = none recomputes with prefill")
+        step = model.KvStep(self.kv, slots, False, positions=positions, caches=self.caches)
+        h = self._blocks(x, positions[:, None], step)
+        return self._head(h) if self.last else h
+
+    def _blocks(self, x: np.ndarray, positions: np.ndarray, step: "model.KvStep") -> np.ndarray:
+        cfg = self.cfg
+        h = model.embed(x, self.embed_tokens) if self.first else x  # (B, T, C)
+        cos, sin = model.rope_at(*self.rope, positions)  # (B, 1, T, hs)
+        for i, w in enumerate(self.blocks):
+            step.layer = i
+            h = model.block(h, w, cfg.head_dim, cfg.rms_norm_eps, cos, sin, self._reduce, step)
+        return h
+
+    def _head(self, h: np.ndarray) -> np.ndarray:
+        logits = model.lm_head(h, self.norm, self.head, self.cfg.rms_norm_eps)  # (B, 1, V/tp)
+        return self._gather_vocab(logits)[:, 0]  # (B, V)
 
     def _gather_vocab(self, local: np.ndarray) -> np.ndarray:
         """All-gather the vocab-sharded logits so every TP rank holds (B, T, V)."""

@@ -1,0 +1,116 @@
+"""The key/value cache a stage keeps for its own layers and its tensor-parallel shard.
+
+Note: three policies (``[run] kv_cache``, per-rank ``[[rank]] kv_cache``).
+* ``none``: nothing is kept; every decode step recomputes the whole prefix (a prefill of the
+  sequence so far). Slow, exact, and the reference the cached policies are tested against.
+* ``full``: every position up to the job's longest sequence, ``[slots, nkv, S_max, hs]`` per
+  layer, preallocated at `reset` so memory is known (and planned) up front.
+* ``window:W``: sliding-window attention: a query at position p sees keys p-W+1..p. This is a
+  *different model* from the checkpoint's (as Mistral's window is), not an approximation of
+  it: tokens differ from ``full`` once a sequence is longer than W. The cache is a ring of W
+  positions (position p lives in column p % W), so memory does not grow with the sequence.
+
+A cache row ("slot") holds one sequence; a finished sequence's slot is reused by the next
+prompt without clearing: a prefill writes positions 0..len-1 and every read is masked to the
+positions the sequence has written, so stale keys are never visible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ConfigError
+
+__all__ = ["KvSpec", "LayerCache", "prefill_kv", "decode_kv"]
+
+
+@dataclass(frozen=True)
+class KvSpec:
+    """A parsed ``kv_cache`` setting: ``none``, ``full`` or ``window:W``."""
+
+    policy: str = "full"  # "none" | "full" | "window"
+    window: int = 0  # W, only with policy "window"
+
+    @classmethod
+    def parse(cls, text: object, where: str) -> "KvSpec":
+        if isinstance(text, str):
+            if text in ("none", "full"):
+                return cls(text)
+            head, _, tail = text.partition(":")
+            if head == "window" and tail.isdigit() and int(tail) > 0:
+                return cls("window", int(tail))
+        raise ConfigError(where, f"got {text!r}", 'expected "none", "full" or "window:W" with W >= 1 (e.g. "window:256")')
+
+    def __str__(self) -> str:
+        return f"window:{self.window}" if self.policy == "window" else self.policy
+
+    @property
+    def recompute(self) -> bool:
+        """True when decode steps must recompute the prefix (no cache)."""
+        return self.policy == "none"
+
+    def cache_len(self, max_seq: int) -> int:
+        """Positions a cache row holds for sequences of up to ``max_seq`` tokens."""
+        if self.policy == "none":
+            return 0
+        return min(self.window, max_seq) if self.policy == "window" else max_seq
+
+
+class LayerCache:
+    """K and V of one layer: ``(slots, nkv, L, hs)`` float32 each, allocated once."""
+
+    def __init__(self, slots: int, nkv: int, length: int, head_dim: int):
+        self.k = np.zeros((slots, nkv, length, head_dim), np.float32)
+        self.v = np.zeros_like(self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def rows(self, slots: np.ndarray, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """K, V of ``slots`` over columns 0..stop-1: a view when the slots are consecutive."""
+        a = int(slots[0])
+        if np.array_equal(slots, np.arange(a, a + len(slots))):
+            return self.k[a:a + len(slots), :, :stop], self.v[a:a + len(slots), :, :stop]
+        return self.k[slots, :, :stop], self.v[slots, :, :stop]
+
+
+def prefill_kv(cache: LayerCache | None, spec: KvSpec, k: np.ndarray, v: np.ndarray, slots: np.ndarray,
+               lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Store a prefill chunk's keys and say what its queries attend to.
+
+    k, v (B, nkv, T, hs) at positions 0..T-1 (rows right-padded past ``lengths[b]``). Returns
+    (keys, values, q_pos, window) for `kernels.attend`: the chunk itself, causal, windowed
+    under ``window:W``; padded queries see only real keys before them and are ignored later.
+    """
+    B, _, T, _ = k.shape
+    if cache is not None:
+        L = cache.k.shape[2]
+        for b in range(B):
+            n = int(lengths[b])
+            first = max(0, n - L)  # a ring keeps only the last L positions
+            cols = np.arange(first, n) % L
+            cache.k[slots[b], :, cols] = k[b, :, first:n].transpose(1, 0, 2)  # (n', nkv, hs)
+            cache.v[slots[b], :, cols] = v[b, :, first:n].transpose(1, 0, 2)
+    q_pos = np.broadcast_to(np.arange(T), (B, T))
+    return k, v, q_pos, spec.window if spec.policy == "window" else 0
+
+
+def decode_kv(cache: LayerCache, spec: KvSpec, k: np.ndarray, v: np.ndarray, slots: np.ndarray,
+              positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Store one new token per row at ``positions`` (B,) and return what its query attends to.
+
+    k, v (B, nkv, 1, hs). Full cache: keys 0..p of each row (q_pos = p). Ring of L = W
+    columns: column j holds position p - ((p - j) mod L); once a row has written L positions
+    all L columns are in its window, before that only columns 0..p are; so q_pos = min(p, L-1)
+    with a plain causal mask selects exactly the window, whatever order the ring is in.
+    """
+    L = cache.k.shape[2]
+    cols = positions % L
+    cache.k[slots, :, cols] = k[:, :, 0]
+    cache.v[slots, :, cols] = v[:, :, 0]
+    q_pos = np.minimum(positions, L - 1)[:, None]  # (B, 1)
+    keys, values = cache.rows(slots, int(q_pos.max()) + 1)
+    return keys, values, q_pos, 0
