@@ -8,13 +8,14 @@ group (identity when tp = 1).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from .. import kernels
-from .weights import LayerWeights, Linear
 from ..kv_cache import KvSpec, LayerCache, decode_kv, prefill_kv
+from .weights import LayerWeights, Linear
 
 __all__ = ["LayerWeights", "rms_norm", "rope_tables", "rope_at", "apply_rope", "attention", "mlp", "block",
            "embed", "lm_head", "KvStep"]
