@@ -139,10 +139,18 @@ def test_generate_sbatch_requeues_and_resumes(slurm, tmp_path, tiny_ckpt):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         info = slurm.job(jid)
-        if int(info.get("Restarts", "0")) >= 1 or info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"):
+        if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"):
+            break
+        # Restarts counts up while the job still shows REQUEUED/COMPLETING, where the update
+        # below would be lost and the job held back past the wait: wait for PENDING (or RUNNING)
+        if int(info.get("Restarts", "0")) >= 1 and info.get("JobState") in ("PENDING", "RUNNING"):
             break
         time.sleep(0.3)
     if info.get("JobState") == "PENDING":
+        # Not within the requeue's second: slurmd refuses a credential made no later than the
+        # second it revoked the last one in ("Job credential revoked", job FAILED); the hold
+        # back is what normally keeps the restart out of it.
+        time.sleep(1.1)
         slurm.scontrol("update", f"JobId={jid}", "StartTime=now", check=False)
     info = slurm.wait(jid, 120, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
     log = (tmp_path / f"rlx-generate-{jid}.out").read_text()
