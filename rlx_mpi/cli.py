@@ -23,7 +23,8 @@ __all__ = ["main"]
 
 EPILOG = """exit codes: 0 ok, 1 internal error, 2 bad input (command line, job file, checkpoint,
 input ids), 3 model does not fit, 4 a rank failed at run time, 5 a rank timed out waiting
-(a rank killed by a signal is named too, but the code is then the launcher's: 9 under MPICH).
+(a rank that dies, stops or ends early is named by its supervisor, which ends the job: the
+code is then the launcher's, 9 under MPICH); 75 generate stopped by a signal, rerun to resume.
 docs: README.md"""
 
 
