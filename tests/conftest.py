@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["MPIEXEC", "TESTS", "run_cli", "start_cli", "kill_tree", "write_job", "toml_text"]
+__all__ = ["MPIEXEC", "TESTS", "run_cli", "start_cli", "finish_cli", "kill_tree", "write_job", "toml_text"]
 
 TESTS = Path(__file__).resolve().parent
 _near = Path(sys.executable).with_name("mpiexec")
@@ -87,7 +87,11 @@ def run_cli(args: list[str], ranks: int | None = None, timeout: float = 60, cwd=
             env=None) -> subprocess.CompletedProcess:
     """Run the CLI to completion; ``.elapsed`` is its wall time in seconds."""
     t0 = time.monotonic()
-    proc = start_cli(args, ranks, cwd, env)
+    return finish_cli(start_cli(args, ranks, cwd, env), timeout, t0)
+
+
+def finish_cli(proc: subprocess.Popen, timeout: float, t0: float) -> subprocess.CompletedProcess:
+    """Wait for a started CLI (its own session); past ``timeout`` kill its tree and fail the test."""
     cmd = proc.args
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -25,7 +25,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import MPIEXEC, TESTS, _env, kill_tree, run_cli, write_job
+from conftest import MPIEXEC, TESTS, _env, finish_cli, run_cli, write_job
 
 pytestmark = pytest.mark.mpi
 
@@ -308,15 +308,7 @@ def launch(argv: list, ranks: int | None, env: dict | None, timeout: float):
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env),
                                 start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            out, err = proc.communicate()
-            pytest.fail(f"did not end within {timeout} s\n{err}")
-        p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-        p.elapsed = time.monotonic() - t0
-        return p
+        return finish_cli(proc, timeout, t0)
     return run_cli(argv, ranks=ranks, timeout=timeout, env=env)
 
 
