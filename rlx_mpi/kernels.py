@@ -21,6 +21,40 @@ from numba.extending import intrinsic
 # this to try again (`set_threads` pins numba's pool with BLAS's in `cluster._pin_threads`).
 _PARALLEL = False
 
+# Note: exp. numba's np.exp is a scalar libm call, and a float division carries a zero check
+# unless ``error_model="numpy"``: either keeps LLVM from vectorising a loop (SiLU measured 10x
+# slower). `_exp` is Cephes' expf (range reduction by ln 2, degree-6 polynomial, 2^n built in
+# the exponent bits): max error 0.67 ulp on [-87, 88.5] (tests/test_kernels.py), NaN stays NaN,
+# +-Inf saturate to exp(88.5) = Inf and exp(-87) (1.6e-38, ~0 next to any visible term).
+_ERR = "numpy"  # IEEE division (Inf/NaN, no ZeroDivisionError check): vectorisable loops
+
+
+@intrinsic
+def _as_f32(typingctx, bits):
+    """Reinterpret a uint32 as float32 (a register bitcast: lets the decode sit inside the dot)."""
+    sig = types.float32(types.uint32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.float32))
+
+    return sig, codegen
+
+
+@numba.njit(cache=True, inline="always")
+def _exp(x):  # float32 -> float32, vectorisable (see the note above)
+    x = np.float32(88.5) if x > np.float32(88.5) else x  # (NaN passes both clamps)
+    x = np.float32(-87.0) if x < np.float32(-87.0) else x
+    n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))  # x = n ln2 + r, |r| <= ln2 / 2
+    r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)  # ln 2 in two parts
+    p = np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * (r * r) + r + np.float32(1.0)
+    return p * _as_f32(np.uint32((np.int32(n) + np.int32(127)) << np.int32(23)))  # * 2^n
+
+
 __all__ = ["causal_softmax_", "rms_norm", "silu_mul_", "rope", "attend", "attend_workspace_bytes", "set_threads",
            "warm_up"]
 
@@ -60,13 +94,14 @@ def _rms_norm(x, weight, eps, out):  # x (N, C) float32
             out[i, j] = weight[j] * (x[i, j] * scale)
 
 
-@numba.njit(cache=True, parallel=_PARALLEL)
-def _silu_mul(gate, up):  # gate, up (N, I) float32: gate <- silu(gate) * up
+@numba.njit(cache=True, parallel=_PARALLEL, error_model=_ERR)
+def _silu_mul(gate, up):  # gate, up (N, I) float32, any row stride: gate <- silu(gate) * up
     n, width = gate.shape
     for i in numba.prange(n):
+        g, u = gate[i], up[i]
         for j in range(width):
-            x = gate[i, j]
-            gate[i, j] = x / (np.float32(1.0) + np.exp(-x)) * up[i, j]
+            x = g[j]
+            g[j] = x / (np.float32(1.0) + _exp(-x)) * u[j]
 
 
 @numba.njit(cache=True, parallel=_PARALLEL)
@@ -121,46 +156,73 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 # the FLOPs of a long causal prefill). A decode step (one query per head) takes the same path: measured at S = 512
 # to 4096, it beat both a numba pass per (b, head) (2-4x: strided K/V views do not vectorise)
 # and one key block spanning the whole cache (3x at 4096).
-_Q_BLOCK = 512  # queries per head per block: g * 512 rows per GEMM under grouped-query
-_K_BLOCK = 1024  # keys per block: a block's scores are B * nh * 512 * 1024 * 4 B (32 MB at B nh = 16)
-# (128 x 512 blocks: 4x as many BLAS calls, each too small for 2 threads to pay off: slower)
+_Q_BLOCK = 64  # queries per head per block: g * 64 rows per GEMM under grouped-query
+_K_BLOCK = 1024  # keys per block: a block's scores are B * nh * 64 * 1024 * 4 B (4 MB at B nh = 16)
+# Measured (bench/bench_kernels.py, medium heads, medium shapes, 1 and 2 threads): 64-query
+# blocks beat 512 by 1.4-1.8x at seq 512 and 1.1-1.5x at 128-2048, since a query block only
+# multiplies the keys up to its own position (the causal triangle in 64-row steps, not
+# 512); 16-32 rows are slower again (BLAS calls too small). Was 512 before the exp kernel
+# made the numba pass cheap.
 
 
-@numba.njit(cache=True, parallel=_PARALLEL)
+@numba.njit(cache=True)
+def _row_max(row):  # max of a non-empty C-contiguous float32 row
+    # as integers: LLVM vectorises an int max but not a float one (that needs function-wide
+    # no-NaN attributes). The map flips a negative float's magnitude bits, so float order is
+    # int order (-0 < +0; NaN beyond Inf: a NaN score stays NaN) and is its own inverse.
+    bits = row.view(np.int32)
+    best = np.int32(-2147483648)
+    for j in range(bits.shape[0]):
+        b = bits[j]
+        k = b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF))
+        best = k if k > best else best
+    return _as_f32(np.uint32(best ^ ((best >> np.int32(31)) & np.int32(0x7FFFFFFF))))
+
+
+@numba.njit(cache=True, error_model=_ERR, fastmath={"reassoc", "contract"})
+def _exp_row(row, scale, peak):  # row <- exp(row * scale - peak); returns the sum (SIMD lanes)
+    total = np.float32(0.0)
+    for j in range(row.shape[0]):
+        e = _exp(row[j] * scale - peak)
+        row[j] = e
+        total += e
+    return total
+
+
+@numba.njit(cache=True, parallel=_PARALLEL, error_model=_ERR, fastmath={"reassoc", "contract"})
 def _online_block(s, pos, j0, window, scale, m, l, acc):  # s (B, H, bq, bk) scores -> probs
-    """Mask, scale and exponentiate one key block in place; update m, l and rescale acc."""
+    """Mask, scale and exponentiate one key block in place; update m, l and rescale acc.
+
+    m holds each query's running max of the scaled scores. Each loop is branch-free so LLVM
+    vectorises it (reassoc: the row sum in SIMD lanes)."""
     B, H, bq, bk = s.shape
     for bh in numba.prange(B * H):
         b, h = bh // H, bh % H
         for i in range(bq):
             p = pos[b, i]
             lo = max(0, p - window + 1 - j0) if window > 0 else 0  # visible: lo <= j - j0 < hi
-            hi = min(bk, p + 1 - j0)
+            hi = max(lo, min(bk, p + 1 - j0))
             row = s[b, h, i]
-            peak = m[b, h, i]
-            for j in range(lo, hi):
-                row[j] *= scale
-                if row[j] > peak:
-                    peak = row[j]
+            old = m[b, h, i]
+            peak = max(old, _row_max(row[lo:hi]) * scale) if hi > lo else old  # scale > 0
             if peak == -np.inf:  # nothing visible yet for this query
                 row[:] = 0.0
                 continue
-            total = np.float32(0.0)
-            for j in range(lo, hi):
-                e = np.exp(row[j] - peak)
-                row[j] = e
-                total += e
+            total = _exp_row(row[lo:hi], scale, peak)  # (a slice: with bounds
+            # inside, LLVM was seen to leave the loop scalar, 4x slower)
             row[:lo] = 0.0
-            row[max(hi, lo):] = 0.0
-            if peak != m[b, h, i]:  # the max grew: earlier blocks' terms shrink by alpha
-                alpha = np.exp(m[b, h, i] - peak)  # 0 on the first visible block
+            row[hi:] = 0.0
+            if peak != old:  # the max grew: earlier blocks' terms shrink by alpha
+                alpha = _exp(old - peak) if old != -np.inf else np.float32(0.0)
                 l[b, h, i] *= alpha
-                acc[b, h, i] *= alpha
+                a = acc[b, h, i]
+                for d in range(a.shape[0]):
+                    a[d] *= alpha
                 m[b, h, i] = peak
             l[b, h, i] += total
 
 
-@numba.njit(cache=True, parallel=_PARALLEL)
+@numba.njit(cache=True, parallel=_PARALLEL, error_model=_ERR)
 def _finish(acc, l, y, t0):  # acc (B, H, bq, hs) / l -> y[:, t0:t0+bq] (B, T, H, hs)
     B, H, bq, hs = acc.shape
     for bh in numba.prange(B * H):
@@ -328,17 +390,6 @@ def _decode_f16(h, bits):  # h (K,) uint16 f16 bits -> bits (K,) uint32 of the e
             if (x & np.uint32(0x7C00)) == np.uint32(0x7C00):
                 bits[k] = ((x & np.uint32(0x8000)) << np.uint32(16)) | np.uint32(0x7F800000) | (
                     (x & np.uint32(0x3FF)) << np.uint32(13))
-
-
-@intrinsic
-def _as_f32(typingctx, bits):
-    """Reinterpret a uint32 as float32 (a register bitcast: lets the decode sit inside the dot)."""
-    sig = types.float32(types.uint32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float32))
-
-    return sig, codegen
 
 
 @numba.njit(cache=True, parallel=True, fastmath=_FAST)
