@@ -82,8 +82,8 @@ def _causal_softmax(scores, offset):  # scores (N, T, S) float32, row t sees key
                 row[s] = 0.0
 
 
-@numba.njit(cache=True)
-def _rms_norm(x, weight, eps, out):  # x (N, C) float32
+@numba.njit(cache=True, error_model=_ERR, fastmath={"reassoc", "contract"})
+def _rms_norm(x, weight, eps, out):  # x (N, C) float32; reassoc: the float64 sum in SIMD lanes
     n, c = x.shape
     for i in range(n):
         acc = 0.0  # float64: as accurate as numpy's pairwise float32 mean
@@ -258,6 +258,21 @@ def silu_mul_(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return gate
 
 
+@numba.njit(cache=True, parallel=_PARALLEL)
+def _rope_t(xt, cos, sin, out):  # xt (B, T, H, hs) C-contiguous (a projection's output) -> out (B, H, T, hs)
+    B, T, H, hs = xt.shape
+    half = hs // 2
+    per_batch = cos.shape[0] > 1
+    for bt in numba.prange(B * T):
+        b, t = bt // T, bt % T
+        c, s = (cos[b, t], sin[b, t]) if per_batch else (cos[0, t], sin[0, t])
+        for h in range(H):
+            x, o = xt[b, t, h], out[b, h, t]
+            for d in range(half):  # contiguous rows in and out: this loop vectorises
+                o[d] = x[d] * c[d] + (-x[d + half]) * s[d]
+                o[d + half] = x[d + half] * c[d + half] + x[d] * s[d + half]
+
+
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotary embedding (transformers' rotate-half layout) of x (B, H, T, hs), any strides.
 
@@ -277,7 +292,11 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         raise ValueError(f"rope: cos {cos.shape} / sin {sin.shape} do not fit x {x.shape}; pass "
                          "(T, hs) or (B, 1, T, hs) tables with an even hs")
     out = np.empty((B, H, T, hs), np.float32)
-    _rope(x, cos, sin, out)
+    xt = x.transpose(0, 2, 1, 3)
+    if xt.flags.c_contiguous and cos.flags.c_contiguous and sin.flags.c_contiguous:
+        _rope_t(xt, cos, sin, out)  # x is (B, T, H, hs) memory seen as (B, H, T, hs): the model's case
+    else:
+        _rope(x, cos, sin, out)
     return out
 
 
@@ -353,6 +372,7 @@ def warm_up() -> None:
     silu_mul_(np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
     x = np.ones((1, 2, 1, 2), np.float32)
     rope(x, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
+    rope(x.transpose(0, 2, 1, 3).copy().transpose(0, 2, 1, 3), np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
     for t in (1, 9):  # the decode path and the blocked path
         q, kv = np.ones((1, 2, t, 2), np.float32), np.ones((1, 1, 9, 2), np.float32)
         attend(q, kv, kv)

@@ -98,8 +98,14 @@ def mlp(x: np.ndarray, w: LayerWeights, reduce: Reduce = _identity) -> np.ndarra
 
 def block(x: np.ndarray, w: LayerWeights, head_dim: int, eps: float, cos: np.ndarray,
           sin: np.ndarray, reduce: Reduce = _identity, kv: KvStep | None = None) -> np.ndarray:
-    x = x + attention(rms_norm(x, w.input_layernorm, eps), w, head_dim, cos, sin, reduce, kv)
-    return x + mlp(rms_norm(x, w.post_attention_layernorm, eps), w, reduce)
+    x = _add_to(attention(rms_norm(x, w.input_layernorm, eps), w, head_dim, cos, sin, reduce, kv), x)
+    return _add_to(mlp(rms_norm(x, w.post_attention_layernorm, eps), w, reduce), x)
+
+
+def _add_to(fresh: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The residual ``x + fresh`` into ``fresh`` (a block's new output, owned here), so the
+    layer allocates no array for it; ``x`` may be a caller's buffer and is left alone."""
+    return np.add(fresh, x, out=fresh)
 
 
 def embed(ids: np.ndarray, table: np.ndarray | Linear) -> np.ndarray:
