@@ -193,6 +193,11 @@ def test_rope():
     np.testing.assert_array_equal(got, naive_rope(x, cos, sin))  # same float32 operations
     cos_b, sin_b = (rng.standard_normal((3, 1, 7, 10)).astype(np.float32) for _ in range(2))
     np.testing.assert_array_equal(kernels.rope(x, cos_b, sin_b), naive_rope(x, cos_b, sin_b))
+    # x above is (B, T, H, hs) memory (a projection's output): the contiguous-row kernel; any
+    # other layout takes the strided kernel, which must agree
+    for other in (np.ascontiguousarray(x), x[:, :, ::-1], np.repeat(x, 2, axis=-1)[..., ::2]):
+        np.testing.assert_array_equal(kernels.rope(other, cos, sin), naive_rope(other, cos, sin))
+        np.testing.assert_array_equal(kernels.rope(other, cos_b, sin_b), naive_rope(other, cos_b, sin_b))
     with pytest.raises(ValueError, match="do not fit"):
         kernels.rope(x, cos[:6], sin[:6])
     with pytest.raises(TypeError, match="float32"):
@@ -230,3 +235,51 @@ def test_attend_memory_follows_the_planner_estimate():
     cfg = PRESETS["medium"]  # and the planner's activation estimate grows linearly in seq now
     act = [cfg.cost(1, s).act_bytes for s in (2048, 4096, 8192)]
     assert act[2] - act[1] == 2 * (act[1] - act[0])
+
+
+def test_exp_kernel_within_an_ulp_of_float64_exp():
+    """The vectorisable exp behind SiLU and the online softmax (kernels._exp)."""
+    import numba
+
+    @numba.njit
+    def fill(x, out):
+        for i in range(x.shape[0]):
+            out[i] = kernels._exp(x[i])
+
+    x = np.concatenate([np.linspace(-87, 88.72, 2_000_001, dtype=np.float32),
+                        np.float32([0.0, -0.0, 1e-30, -1e-30, np.log(2), -np.log(2)])])
+    got = np.empty_like(x)
+    fill(x, got)
+    want = np.exp(x.astype(np.float64))
+    ulp = np.abs(got - want) / np.spacing(want.astype(np.float32)).astype(np.float64)
+    assert ulp.max() <= 1.0, f"max error {ulp.max():.2f} ulp at x = {x[ulp.argmax()]}"
+    special = np.float32([np.nan, np.inf, -np.inf, 100.0, -100.0, -1e30])
+    out = np.empty_like(special)
+    fill(special, out)
+    assert np.isnan(out[0]) and out[1] == np.inf and out[3] == np.inf  # exp(100) overflows float32 too
+    assert np.all((out[[2, 4, 5]] >= 0) & (out[[2, 4, 5]] < 2e-38))  # ~0: invisible beside any term
+
+
+def test_row_max_orders_floats_as_numpy_does():
+    rng = np.random.default_rng(11)
+    for n in (1, 2, 15, 16, 17, 511, 1024):
+        for scale in (1.0, 1e-30, 1e30):
+            row = (rng.standard_normal(n) * scale).astype(np.float32)
+            assert kernels._row_max(row) == row.max()
+            assert kernels._row_max(-np.abs(row)) == (-np.abs(row)).max()  # all negative
+    assert kernels._row_max(np.float32([-np.inf, -3.0])) == -3.0
+    assert kernels._row_max(np.float32([-np.inf, -np.inf])) == -np.inf
+    assert kernels._row_max(np.float32([1.0, np.inf])) == np.inf
+    top = kernels._row_max(np.float32([-0.0, 0.0]))
+    assert top == 0 and not np.signbit(top)
+    assert np.isnan(kernels._row_max(np.float32([1.0, np.nan, 2.0])))  # a NaN score reaches the output
+
+
+def test_attend_propagates_nan():
+    """A NaN query must come out NaN (the stage's finite check names it), not be masked away."""
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((1, 2, 70, 8)).astype(np.float32)
+    kv = rng.standard_normal((1, 1, 70, 8)).astype(np.float32)
+    q[0, 1, 66, 3] = np.nan
+    y = kernels.attend(q, kv, kv)
+    assert np.isnan(y[0, 66, 1]).all() and np.isfinite(np.delete(y[0], 66, axis=0)).all()

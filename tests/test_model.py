@@ -110,3 +110,20 @@ def test_causality(tmp_path):
         b = stage.forward(ids2)
     np.testing.assert_array_equal(a[:, :7], b[:, :7])
     assert np.abs(a[:, 7:] - b[:, 7:]).max() > 1e-3
+
+
+def test_block_leaves_its_input_alone(tmp_path):
+    """The residual is added into the block's fresh output: the input (an executor's receive
+    buffer on a middle stage) must come back unchanged."""
+    from rlx_mpi.llama import model
+
+    path = tmp_path / "m.h5"
+    init_random(path, CFG, seed=5)
+    with H5ParamSource(path) as src:
+        stage = LlamaStage(CFG, src, range(2), True, True)
+    x = np.random.default_rng(2).standard_normal((2, 9, CFG.hidden_size)).astype(np.float32)
+    before = x.copy()
+    cos, sin = model.rope_tables(9, CFG.head_dim, CFG.rope_theta)
+    y = model.block(x, stage.blocks[0], CFG.head_dim, CFG.rms_norm_eps, cos, sin)
+    np.testing.assert_array_equal(x, before)
+    assert not np.shares_memory(x, y) and np.abs(y - x).max() > 0
