@@ -97,6 +97,40 @@ def flat_gemm_patch():
     return undo
 
 
+def gemm_ms_hf(fn) -> tuple[float, float]:
+    """(GEMM ms, whole ms) of one transformers forward, by torch.profiler's self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    ops = {e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()}
+    return sum(ops.get(k, 0.0) for k in ("aten::mm", "aten::addmm")), sum(ops.values())
+
+
+def gemm_ms_ours(fn) -> tuple[float, float]:
+    """(GEMM ms, whole ms) of one of our forwards: time inside every Linear call (the projections
+    and the head; attention's score GEMMs count as attention, as torch's bmm does above)."""
+    from rlx_mpi.llama import weights
+
+    spent, call = [0.0], weights.Linear.__call__
+
+    def timed(self, x):
+        t0 = time.perf_counter()
+        try:
+            return call(self, x)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    weights.Linear.__call__ = timed
+    try:
+        t0 = time.perf_counter()
+        fn()
+        whole = time.perf_counter() - t0
+    finally:
+        weights.Linear.__call__ = call
+    return spent[0] * 1e3, whole * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small", help="shape of the model (default small)")
@@ -109,6 +143,10 @@ def main() -> None:
     ap.add_argument("--ckpt", default=None, help="where to write the converted checkpoint (/tmp/rlx_bench_hf_PRESET.h5)")
     ap.add_argument("--flat-gemm", action="store_true",
                     help="also time ours with every projection as one (B*T, C) GEMM (see flat_gemm_patch)")
+    ap.add_argument("--gemm-share", action="store_true",
+                    help="also profile one forward of each: time in the projection GEMMs (torch.profiler's "
+                    "aten::mm for HF, our Linear calls for ours), their GF/s, and the floor that time sets: "
+                    "our GEMM ms / HF's whole forward is the best ours/hf could be if nothing else took time")
     add_common_args(ap, quiet_wait_s=30.0)
     args = ap.parse_args()
     if args.shapes:
@@ -136,24 +174,26 @@ def main() -> None:
     cfg = convert_hf(hf_dir, ckpt)
     with H5ParamSource(ckpt) as src:
         stage = LlamaStage(cfg, src, range(cfg.num_hidden_layers), True, True)
+    C = cfg.hidden_size  # weights a token multiplies by in one layer (q, k, v, o, gate, up, down)
+    layer_params = C * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * C + 3 * C * cfg.intermediate_size
     setup_s = time.perf_counter() - t0
     print(header(f"bench_hf: transformers vs rlx_mpi LlamaStage, one process, {args.preset}-preset shape",
                  info, f"model built, saved ({hf_dir}), converted ({ckpt}) and loaded in {setup_s:.1f} s; "
                  f"best of {args.trials} interleaved forwards after a warm-up; HF: eager attention, use_cache=False"))
 
     rng = np.random.default_rng(1234)
-    rows, results = [], []
+    rows, results, pending = [], [], []
     for t in threads:
         for batch, seq in shapes:
             ids = rng.integers(0, cfg.vocab_size, (batch, seq), dtype=np.int64)
             ids_t = torch.from_numpy(ids)
 
-            def hf():
+            def hf(t=t, ids_t=ids_t):  # (bound now: --gemm-share calls these after the loops)
                 torch.set_num_threads(t)
                 with torch.inference_mode():
                     return model(input_ids=ids_t, use_cache=False).logits
 
-            def ours():
+            def ours(t=t, ids=ids):
                 getattr(kernels, "set_threads", lambda n: None)(t)  # (absent before blocked attention)
                 with threadpool_limits(limits=t):
                     return stage.forward(ids)
@@ -187,12 +227,25 @@ def main() -> None:
             rows.append([str(t), f"{batch}x{seq}", f"{best['hf']:.1f}", f"{best['ours']:.1f}", f"{med['hf']:.1f}",
                          f"{med['ours']:.1f}", f"{best['ours'] / best['hf']:.2f}", f"{diff:.1e}", f"{scale:.1f}"]
                         + ([f"{best['ours_flat']:.1f}", f"{best['ours_flat'] / best['hf']:.2f}"] if args.flat_gemm else []))
+            if args.gemm_share:  # profiled after every timing: torch.profiler was seen to slow later forwards
+                pending.append((len(results) - 1, batch, seq, hf, ours))
             flat = f", flat/hf {best['ours_flat'] / best['hf']:.2f}" if args.flat_gemm else ""
             print(f"# threads {t}, shape {batch}x{seq}: ours/hf {best['ours'] / best['hf']:.2f}{flat} (best ms: "
                   + ", ".join(f"{k} {v:.0f}" for k, v in best.items())
                   + f"; CPU {'?' if busy is None else f'{100 * busy:.0f}%'} busy before it)", flush=True)
             save_json(args.json, {"bench": "hf", "machine": info, "preset": args.preset, "trials": args.trials,
                                   "partial": True, "results": results})  # a killed run keeps its cases
+    for i, batch, seq, hf, ours in pending:
+        best = results[i]["best_ms"]
+        flops = 2 * batch * seq * (cfg.num_hidden_layers * layer_params + cfg.hidden_size * cfg.vocab_size)
+        (hg, hw), (og, ow) = gemm_ms_hf(hf), gemm_ms_ours(ours)
+        share = {"hf_gemm_ms": hg, "hf_whole_ms": hw, "ours_gemm_ms": og, "ours_whole_ms": ow,
+                 "hf_gemm_gflops": flops / hg / 1e6, "ours_gemm_gflops": flops / og / 1e6,
+                 "floor_ours_gemm_over_hf_best": og / best["hf"]}
+        results[i]["gemm_share"] = share
+        print(f"# threads {results[i]['threads']}, shape {batch}x{seq}, GEMMs: hf {hg:.0f} of {hw:.0f} ms "
+              f"({share['hf_gemm_gflops']:.1f} GF/s), ours {og:.0f} of {ow:.0f} ms ({share['ours_gemm_gflops']:.1f} "
+              f"GF/s); ours' GEMMs alone are {share['floor_ours_gemm_over_hf_best']:.2f} of HF's best forward", flush=True)
     print(fmt_table(["threads", "BxT", "hf_best_ms", "ours_best_ms", "hf_med_ms", "ours_med_ms", "ours/hf",
                      "max_abs_diff", "max_abs_logit"] + (["flat_best_ms", "flat/hf"] if args.flat_gemm else []), rows))
     print(f"# load average at the end: {loadavg()}")

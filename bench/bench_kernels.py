@@ -77,11 +77,12 @@ def numpy_rms(x, w, eps):
 
 def layer_weights(cfg, rng):
     from rlx_mpi.llama import model
+    from rlx_mpi.llama.weights import make_linear
 
     C, I = cfg.hidden_size, cfg.intermediate_size
 
-    def lin(o, i):
-        return rng.standard_normal((o, i), dtype=np.float32) * np.float32(i ** -0.5)
+    def lin(o, i):  # a float32 Linear; .data is the (o, i) matrix the raw GEMM timings use
+        return make_linear(rng.standard_normal((o, i), dtype=np.float32) * np.float32(i ** -0.5), "f32")
 
     return model.LayerWeights(
         input_layernorm=np.ones(C, np.float32), q_proj=lin(cfg.q_dim, C), k_proj=lin(cfg.kv_dim, C),
@@ -100,29 +101,29 @@ def profile(cfg, B: int, T: int, reps: int) -> dict:
     x = rng.standard_normal((B, T, C), dtype=np.float32)
     x2 = x.reshape(B * T, C)
     cos, sin = model.rope_tables(T, hs, cfg.rope_theta)
-    q = (x @ w.q_proj.T).reshape(B, T, nh, hs).transpose(0, 2, 1, 3)
-    k = (x @ w.k_proj.T).reshape(B, T, nkv, hs).transpose(0, 2, 1, 3)
-    v = (x @ w.v_proj.T).reshape(B, T, nkv, hs).transpose(0, 2, 1, 3)
+    q = (x @ w.q_proj.data.T).reshape(B, T, nh, hs).transpose(0, 2, 1, 3)
+    k = (x @ w.k_proj.data.T).reshape(B, T, nkv, hs).transpose(0, 2, 1, 3)
+    v = (x @ w.v_proj.data.T).reshape(B, T, nkv, hs).transpose(0, 2, 1, 3)
     qr, kr = kernels.rope(q, cos, sin), kernels.rope(k, cos, sin)
     y = kernels.attend(qr, kr, v).reshape(B, T, nh * hs)
-    gate, up = x @ w.gate_proj.T, x @ w.up_proj.T
+    gate, up = x @ w.gate_proj.data.T, x @ w.up_proj.data.T
     gate2, up2 = gate.copy(), up.copy()
     eps = cfg.rms_norm_eps
     r = {
-        "qkv_gemm": best_ms(lambda: (x @ w.q_proj.T, x @ w.k_proj.T, x @ w.v_proj.T), reps),
-        "qkv_gemm_flat": best_ms(lambda: (x2 @ w.q_proj.T, x2 @ w.k_proj.T, x2 @ w.v_proj.T), reps),
+        "qkv_gemm": best_ms(lambda: (x @ w.q_proj.data.T, x @ w.k_proj.data.T, x @ w.v_proj.data.T), reps),
+        "qkv_gemm_flat": best_ms(lambda: (x2 @ w.q_proj.data.T, x2 @ w.k_proj.data.T, x2 @ w.v_proj.data.T), reps),
         "rope": best_ms(lambda: (kernels.rope(q, cos, sin), kernels.rope(k, cos, sin)), reps),
         "rope_old": best_ms(lambda: (old_rope(q, cos, sin), old_rope(k, cos, sin)), reps),
         "attend": best_ms(lambda: kernels.attend(qr, kr, v), reps),
         "attend_old": best_ms(lambda: old_attend(qr, kr, v), reps),
-        "o_gemm": best_ms(lambda: y @ w.o_proj.T, reps),
-        "o_gemm_flat": best_ms(lambda: y.reshape(B * T, -1) @ w.o_proj.T, reps),
-        "gate_up_gemm": best_ms(lambda: (x @ w.gate_proj.T, x @ w.up_proj.T), reps),
-        "gate_up_gemm_flat": best_ms(lambda: (x2 @ w.gate_proj.T, x2 @ w.up_proj.T), reps),
+        "o_gemm": best_ms(lambda: y @ w.o_proj.data.T, reps),
+        "o_gemm_flat": best_ms(lambda: y.reshape(B * T, -1) @ w.o_proj.data.T, reps),
+        "gate_up_gemm": best_ms(lambda: (x @ w.gate_proj.data.T, x @ w.up_proj.data.T), reps),
+        "gate_up_gemm_flat": best_ms(lambda: (x2 @ w.gate_proj.data.T, x2 @ w.up_proj.data.T), reps),
         "silu_mul": best_ms(lambda: kernels.silu_mul_(gate2, up2), reps),  # in place: values drift, time doesn't
         "silu_mul_old": best_ms(lambda: old_silu_mul_(gate, up), reps),
-        "down_gemm": best_ms(lambda: gate @ w.down_proj.T, reps),
-        "down_gemm_flat": best_ms(lambda: gate.reshape(B * T, -1) @ w.down_proj.T, reps),
+        "down_gemm": best_ms(lambda: gate @ w.down_proj.data.T, reps),
+        "down_gemm_flat": best_ms(lambda: gate.reshape(B * T, -1) @ w.down_proj.data.T, reps),
         "rms_norm_x2": 2 * best_ms(lambda: model.rms_norm(x, w.input_layernorm, eps), reps),
         "rms_norm_x2_old": 2 * best_ms(lambda: numpy_rms(x, w.input_layernorm, eps), reps),
         "residual_x2": 2 * best_ms(lambda: x + x, reps),
@@ -223,6 +224,9 @@ def main() -> None:
     print(header(f"bench_kernels: {args.preset} preset, one layer per step; attention alone in fresh processes",
                  info, f"profile: best of {args.reps}; attention: median over {args.attn_trials} processes of "
                  f"the best of {args.attn_reps} calls"))
+    # attention first: Linux carries a process's peak RSS across fork + exec, so children
+    # spawned after the profile's large arrays would all report the parent's peak
+    attn = attn_bench(args) if args.attn_seqs else []
     profiles = []
     for t in threads:
         for B, T in shapes:
@@ -244,7 +248,6 @@ def main() -> None:
                                                           for p in profiles])
         print("per-block profile, ms (one layer; ratios: old or flattened over new, > 1 = new is faster)")
         print(fmt_table(head, rows))
-    attn = attn_bench(args) if args.attn_seqs else []
     if attn:
         rows = [[str(a["seq"]), f"{a['median']['old']['best_ms']:.0f}", f"{a['median']['new']['best_ms']:.0f}",
                  f"{a['time_new_over_old']:.2f}", f"{a['median']['old']['peak_rss'] / 2**20:.0f}",
