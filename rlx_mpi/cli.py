@@ -556,7 +556,10 @@ def main(argv: list[str] | None = None, *, supervise: bool = False) -> int:
         if (code := _check_launch()) is not None:
             return code
     try:
-        code = COMMANDS[args.command](args)
+        try:
+            code = COMMANDS[args.command](args)
+        except ImportError as e:  # numpy, numba, h5py...: the node's Python, not a bug of ours
+            raise _broken_import(e) from e
         if under_mpi:
             _finish(getattr(args, "finish_timeout_s", _FINISH_TIMEOUT_S), args.debug)
         return code
@@ -572,7 +575,7 @@ def main(argv: list[str] | None = None, *, supervise: bool = False) -> int:
     except BrokenPipeError:
         raise
     except Exception as e:
-        from .faults import AgreedFailure
+        from .faults import AgreedFailure  # (numpy-free: this also reports a rank whose numpy is broken)
 
         if isinstance(e, AgreedFailure):  # every rank raised it: rank 0 speaks for all
             if _rank() == 0:
@@ -613,6 +616,9 @@ def _start_mpi(job: str | None) -> None:
     supervisor.ready()
 
 
+STARTUP_TIMEOUT_DEFAULT_S = 600.0  # [run] startup_timeout_s's default (config.RunSection; a test keeps them equal)
+
+
 def _startup_timeout_of(job: str | None) -> float | None:
     """``[run] startup_timeout_s`` of ``job`` if it reads quickly and sanely, else None."""
     if not job:
@@ -622,10 +628,13 @@ def _startup_timeout_of(job: str | None) -> float | None:
 
         if not stat.S_ISREG(os.stat(job).st_mode):  # a FIFO would block: the default deadline covers it
             return None
-        from .config import RunSection, tomllib
+        try:  # not via .config: that imports numpy, and this runs before the rank is known to have one
+            import tomllib
+        except ModuleNotFoundError:  # Python < 3.11
+            import tomli as tomllib
 
         run = tomllib.loads(Path(job).read_text(encoding="utf-8-sig")).get("run", {})
-        value = run.get("startup_timeout_s", RunSection.startup_timeout_s) if isinstance(run, dict) else None
+        value = run.get("startup_timeout_s", STARTUP_TIMEOUT_DEFAULT_S) if isinstance(run, dict) else None
         if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf:
             return float(value)
     except Exception:  # the real load, after MPI is up, reports what is wrong with the file
@@ -722,6 +731,26 @@ def _finalize(ctx, timeout_s: float) -> None:
         finally:
             faulthandler.cancel_dump_traceback_later()
     supervisor.post_context(ctx.describe())
+
+
+def _broken_import(e: ImportError) -> RlxError:
+    """The one line for a dependency that fails to import on this rank's node."""
+    import traceback
+
+    from .errors import RankFault
+
+    name = e.name.split(".")[0] if e.name else None
+    if name is None:  # raised inside the module (a broken install): the first frame outside rlx_mpi
+        ours = Path(__file__).resolve().parent
+        for frame, _ in traceback.walk_tb(e.__traceback__):
+            f = Path(frame.f_code.co_filename)
+            if f.is_absolute() and ours not in f.resolve().parents:
+                name = f.parent.name if f.name == "__init__.py" else f.stem
+                break
+    check = f"import {name}" if name else "import rlx_mpi.cluster, rlx_mpi.llama"
+    return RankFault(f"cannot import {name or 'a dependency'}", f"{type(e).__name__}: {e}",
+                     f"this node's Python environment is broken or differs from the other nodes': run "
+                     f"`{sys.executable} -c '{check}'` there, and start every rank from the same venv")
 
 
 def _check_pmix() -> int | None:

@@ -24,8 +24,6 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
-import numpy as np
-
 from . import supervisor
 from .errors import EXIT_FAULT, DeadlineExpired, RankFault, RlxError
 from .supervisor import supervise  # noqa: F401  (moved to supervisor.py; kept importable here)
@@ -129,6 +127,7 @@ class _AllOf:
 
 def _bcast_text(comm: Any, text: str, root: int, timeout_s: float, ctx: RankContext, setting: str) -> str:
     """Broadcast a short string as bytes (no pickle)."""
+    import numpy as np  # here, not at the top: the failure path runs without numpy
     data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8) if comm.rank == root else None
     n = np.array([0 if data is None else data.size], dtype=np.int64)
     what = lambda: f"an error message from rank {root}"  # noqa: E731
@@ -181,6 +180,7 @@ def agree(comm: Any, ctx: RankContext, timeout_s: float, fn: Callable[[], T], wh
     longer for rank 0's decision, staggered by rank, so if rank 0 is the one stuck, rank 1
     alone names it before the others give up.
     """
+    import numpy as np  # here, not at the top: the failure path runs without numpy
     failure: RlxError | None = None
     try:
         result = bounded(fn, timeout_s, ctx, what, setting)
@@ -226,6 +226,7 @@ def agree(comm: Any, ctx: RankContext, timeout_s: float, fn: Callable[[], T], wh
 
 def check_finite(array: np.ndarray, what: str, ctx: RankContext) -> None:
     """Raise `RankFault` (exit 4) if ``array`` holds NaN or Inf: exit 0 means finite results."""
+    import numpy as np  # here, not at the top: the failure path runs without numpy
     if np.isfinite(array).all():
         return
     bad = int(array.size - np.count_nonzero(np.isfinite(array)))

@@ -246,3 +246,23 @@ def test_supervisor_verdicts(what, status, line):
     else:
         assert len(errors) == 1 and errors[0].startswith("rlx-mpi: error: rank 3 (") and line in errors[0], p.stderr
     assert time.monotonic() - t0 < 10
+
+
+def test_the_launch_path_imports_no_numpy():
+    """Everything a rank runs before and around its supervisor's fork, and the code that
+    reports a failure, must work on a node whose numpy (numba, h5py) is broken or hangs on
+    import: the package __init__ is lazy (PEP 562), faults imports numpy where it uses it."""
+    code = ("import sys, rlx_mpi, rlx_mpi.cli, rlx_mpi.supervisor, rlx_mpi.faults, rlx_mpi.errors\n"
+            "print(sorted(m for m in ('numpy', 'numba', 'h5py', 'mpi4py') if m in sys.modules))\n"
+            "from rlx_mpi import Cluster, all_reduce, RlxError, plan_placement\n"
+            "print(sorted(n for n in rlx_mpi.__all__ if not hasattr(rlx_mpi, n)))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "[]", out  # nothing heavy imported
+    assert out[1] == "[]", out  # and every public name still resolves
+
+
+def test_the_pre_mpi_startup_default_is_the_configs():
+    from rlx_mpi.cli import STARTUP_TIMEOUT_DEFAULT_S
+    from rlx_mpi.config import RunSection
+
+    assert STARTUP_TIMEOUT_DEFAULT_S == RunSection.startup_timeout_s

@@ -90,6 +90,34 @@ def preinit(kind: str, rank: int = 1) -> Callable:
     return make
 
 
+_BROKEN_NUMPY = """\
+# a numpy that is broken on rank 1 only (a node's bad site-packages or hung file system);
+# elsewhere it steps aside and loads the real one in its place
+import os, sys
+if os.environ.get("PMI_RANK") == "1":
+    if {kind!r} == "hang":
+        import time
+        time.sleep(3600)
+    raise ImportError("numpy: a broken installation on this node (test)")
+_here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+del sys.modules["numpy"]
+import numpy  # the real one: the import system hands it to whoever imported us
+"""
+
+
+def broken_numpy(kind: str) -> Callable:
+    """Rank 1's numpy hangs or raises at import: before the lazy package __init__, that import
+    ran before the supervisor's fork and hung the launcher for ever."""
+    def make(d, ckpt):
+        shadow = d / "shadow" / "numpy"
+        shadow.mkdir(parents=True)
+        (shadow / "__init__.py").write_text(_BROKEN_NUMPY.format(kind=kind))
+        return run_job(d, ckpt, run=SHORT), {"PYTHONPATH": f"{d / 'shadow'}{os.pathsep}{_env(None)['PYTHONPATH']}",
+                                             "RLX_MPI_STARTUP_TIMEOUT_S": str(STARTUP_S)}  # (before the job is read)
+    return make
+
+
 def hanging_plugin(d, ckpt):
     (d / "hang_plugin.py").write_text("import time\ntime.sleep(3600)\n")
     return run_job(d, ckpt, run=SHORT, model={"plugins": ["hang_plugin"]}), {"PYTHONPATH": f"{d}{os.pathsep}{_env(None)['PYTHONPATH']}"}
@@ -197,6 +225,9 @@ CASES = [
     Case("preinit-kill", preinit("kill"), LAUNCHER_KILL, "rank 1 (" + HOST + "): died of SIGKILL", limit_s=PRE),
     Case("preinit-stop", preinit("stop"), LAUNCHER_KILL, "rank 1 (" + HOST + "): stopped (SIGSTOP",
          ranks=3, limit_s=PRE),
+    Case("numpy-import-hangs-rank1", broken_numpy("hang"), TIMEOUT, "rank 1 did not finish reading the job file",
+         limit_s=PRE),
+    Case("numpy-import-fails-rank1", broken_numpy("raise"), FAULT, "rank 1 (" + HOST + "): cannot import numpy: ImportError: numpy: a broken"),
     Case("preinit-hang-rank0", preinit("hang", rank=0), LAUNCHER_KILL, "rank 0 (" + HOST + "): stuck for 4 s",
          limit_s=PRE),
     Case("plugin-import-hangs", hanging_plugin, TIMEOUT, "reading the checkpoint header did not finish within 4 s",
