@@ -125,6 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     shape.add_argument("--tied", action="store_true", help="LM head shares the embedding matrix")
     pl.add_argument("--precision", help="weight precision in memory: f32 | bf16 | f16 | int8 for every rank, or a "
                     "comma list with one per rank (default: the job's [run]/[[rank]] precision, else --dtype's)")
+    pl.add_argument("--kv-cache", metavar="POLICY", help="KV cache that `generate` keeps: none | full | window:W "
+                    "(default: the job's [run]/[[rank]] kv_cache, else full: batch x seq positions per layer)")
 
     c = sub.add_parser("convert", help="convert a Hugging Face Llama directory to an rlx_mpi HDF5 checkpoint")
     c.add_argument("hf_dir", help="directory with config.json and *.safetensors")
@@ -437,7 +439,15 @@ def cmd_plan(args) -> int:
                           f"sequence length {seq} exceeds the model's maximum {cfg.max_position_embeddings} positions",
                           f"plan at most {cfg.max_position_embeddings} tokens per sequence")
     precision = _plan_precision(args.precision or args.dtype, args.ranks, job)
-    cost = cfg.cost(batch, seq)  # priced in f32; each rank's precision scales its weight bytes
+    from .generation import kv_cost
+    from .kv_cache import KvSpec
+
+    if args.kv_cache is not None:
+        kv_specs = [KvSpec.parse(args.kv_cache, "plan --kv-cache")]
+    else:
+        kv_specs = [job.kv_for(r) for r in range(args.ranks)] if job else [KvSpec("full")]
+    # priced in f32 (each rank's precision scales its weight bytes), the KV term cut to the policy
+    cost = kv_cost(cfg.cost(batch, seq), kv_specs, seq)
     per_host = max(1, args.ranks_per_host or tp)
     mem = None if args.mem_gb is None else int(args.mem_gb * 1e9)
     caps = [NodeCaps(rank=r, host=f"host{r // per_host}", local_rank=r % per_host, local_size=per_host, cpus=None,
@@ -453,9 +463,14 @@ def cmd_plan(args) -> int:
     held = ",".join(dict.fromkeys(precision)) if precision else "f32"
     print(f"model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads "
           f"({cfg.num_key_value_heads} kv), vocab {cfg.vocab_size}; {held} weights; "
-          f"batch {batch} x seq {seq}; policy {policy.value}; {args.ranks} ranks = {len(grid)} stages x tp {tp}")
+          f"batch {batch} x seq {seq}; kv cache {_kv_text(kv_specs)}; policy {policy.value}; "
+          f"{args.ranks} ranks = {len(grid)} stages x tp {tp}")
     print(format_plan(plan, cost))
     return 0
+
+
+def _kv_text(specs) -> str:
+    return ",".join(dict.fromkeys(str(s) for s in specs))
 
 
 def _plan_precision(flag: str | None, ranks: int, job) -> list[str] | None:

@@ -303,3 +303,35 @@ def test_generate_section_and_kv_cache_in_the_job_file(tmp_path):
                                         ("generate", "what", 1, "unknown key"), ("run", "kv_cache", "all", "window:W")):
         with pytest.raises(ConfigError, match=needle):
             parse_job({"model": {"checkpoint": "m.h5"}, section: {key: value}}, tmp_path / "j.toml")
+
+
+def test_plan_kv_cache_flag(capsys, tmp_path):
+    """`rlx-mpi plan --kv-cache` prices what generate keeps: none < window:W < full by exactly
+    the KV bytes, the job's policy is the default, and a bad policy is one line, exit 2."""
+    import re
+
+    from rlx_mpi.cli import main
+
+    cfg = PRESETS["medium"]
+    batch, seq = 8, 2048
+    per_layer = 2 * batch * seq * cfg.kv_dim * 4
+
+    def total(*extra) -> tuple[float, str]:
+        assert main(["plan", "--preset", "medium", "--ranks", "2", "--batch", str(batch), "--seq", str(seq),
+                     *extra]) == 0
+        out = capsys.readouterr().out
+        return float(re.search(r"([\d.]+) GB estimated in total", out).group(1)), out.splitlines()[0]
+
+    (full, head), (none, _), (window, _) = total(), total("--kv-cache", "none"), total("--kv-cache", "window:256")
+    assert "kv cache full" in head
+    layers = cfg.num_hidden_layers
+    assert abs((full - none) - layers * per_layer / 1e9) < 0.011
+    assert abs((window - none) - layers * per_layer / 8 / 1e9) < 0.011  # 256 of 2048 positions
+    job = tmp_path / "job.toml"
+    job.write_text(f'[model]\npreset = "medium"\ncheckpoint = "{tmp_path / "m.h5"}"\n'
+                   f'[run]\nbatch = {batch}\nseq = {seq}\nkv_cache = "none"\n')
+    assert main(["plan", str(job), "--ranks", "2"]) == 0
+    assert "kv cache none" in capsys.readouterr().out
+    assert main(["plan", "--preset", "medium", "--ranks", "2", "--kv-cache", "window"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rlx-mpi: error: plan --kv-cache: got 'window'"), err
