@@ -258,11 +258,6 @@ def _generate_options(args, job):
                              ("--groups", args.groups, 0)):
         if value is not None and value < low:
             raise ConfigError(f"generate {flag}", f"got {value}", f"give an integer >= {low}")
-    if args.json and not Path(args.json).parent.is_dir():
-        raise ConfigError(f"--json {args.json}", f"folder {Path(args.json).parent} does not exist",
-                          "create it or choose another path")
-    if args.json and Path(args.json).resolve() in (Path(prompts).resolve(), Path(out).resolve()):
-        raise ConfigError(f"--json {args.json}", "is the prompt or output file", "choose another path")
     seed = pick(args.seed, sec.seed if sec.seed is not None else job.run.seed)
     sampling = SamplingParams(pick(args.temperature, sec.temperature), pick(args.top_k, sec.top_k),
                               pick(args.top_p, sec.top_p), seed).check("generate")
@@ -277,19 +272,29 @@ def cmd_generate(args) -> int:
     from .cluster import Cluster
     from .generation import generate
     from .journal import REQUEUE_EXIT
+    from .outputs import check_output, write_output
 
     world = MPI.COMM_WORLD
     _setup_logging(world.rank, args.debug)
     cx = Cluster.from_path(args.job, debug=args.debug)
     opts = cx._agree(lambda: _generate_options(args, cx.job))
+
+    def json_output():  # before any compute, like run's outputs (rlx_mpi/outputs.py)
+        if not cx.is_root or not args.json:
+            return None
+        inputs = {"the job file": args.job, "the checkpoint": cx.job.model.checkpoint,
+                  "the prompt file": opts.prompts, "the output file": opts.out}
+        return check_output("--json", args.json, inputs)
+
+    json_out = cx._agree(json_output, "checking the output paths")
     result = generate(cx, opts)
     if result is None:
         return 0
     if cx.is_root:
         print(result.table())
         sys.stdout.flush()
-        if args.json:
-            _write_atomic(args.json, lambda tmp: tmp.write_text(json.dumps(result.to_dict(), indent=2)))
+        if json_out is not None:
+            write_output(json_out, lambda tmp: tmp.write_text(json.dumps(result.to_dict(), indent=2)))
     if result.stopped_by:
         if cx.is_root:
             print(f"rlx-mpi: stopped by {result.stopped_by} after the current step: "

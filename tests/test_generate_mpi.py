@@ -299,3 +299,21 @@ def test_family_without_generation_is_one_line(tmp_path, faulty_ckpt):
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("rlx-mpi: error:")]
     assert len(errors) == 1 and "does not support generation" in errors[0], proc.stderr
+
+
+def test_json_stats_are_written_and_checked_before_compute(tmp_path, tiny_ckpt):
+    """`generate --json` writes the run's stats (it once failed after the work, exit 4, with
+    a NameError); a --json that is an input is refused before any token is made."""
+    prompts = write_prompts(tmp_path / "p.jsonl", MIXED[:3])
+    out, stats = tmp_path / "c.jsonl", tmp_path / "stats.json"
+    proc = generate(tmp_path, tiny_ckpt, 2, prompts, out, "--max-new-tokens", 4, "--json", stats)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(stats.read_text())
+    assert doc["total"] == 3 and doc["new_tokens"] == sum(len(r["tokens"]) for r in rows_of(out)) > 0
+    assert len(doc["rows"]) == 2  # one per stage
+    before = prompts.read_bytes()
+    again = tmp_path / "c2.jsonl"
+    bad = generate(tmp_path, tiny_ckpt, 2, prompts, again, "--max-new-tokens", 4, "--json", prompts)
+    errors = [line for line in bad.stderr.splitlines() if line.startswith("rlx-mpi: error:")]
+    assert bad.returncode == 2 and len(errors) == 1 and "is the prompt file" in errors[0], bad.stderr
+    assert prompts.read_bytes() == before and not again.exists()
