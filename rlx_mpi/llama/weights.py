@@ -23,6 +23,11 @@ from .. import kernels
 __all__ = ["PRECISIONS", "Linear", "make_linear", "read_linear", "LayerWeights"]
 
 PRECISIONS = ("f32", "bf16", "f16", "int8")
+# Note: few rows. For a handful of activation rows (decode: one per sequence) OpenBLAS runs
+# ``x @ W.T`` 1.4-3x slower than ``(W @ x.T).T`` (measured on the small and medium shapes, 1 and
+# 2 threads: 2.8x at 2 rows, 2x at 8, 1.5x at 32, 1.1-1.2x at 64, even at 128; bench/README.md),
+# so below _FEW_ROWS rows the product is taken that way round and copied to C order.
+_FEW_ROWS = 64
 # What ParamSource.read is asked for: the storage closest to the rank's format, so a 16-bit
 # rank never holds a float32 copy of a tensor it can read as 16 bits.
 _READ_DTYPE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "int8": "float32"}
@@ -51,7 +56,9 @@ class Linear:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         lead, c = x.shape[:-1], x.shape[-1]
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, c)  # (B*T, in): one GEMM, not B
-        if self.precision == "f32":
+        if self.precision == "f32" and x2.shape[0] < _FEW_ROWS:  # decode: W @ x.T, see the note
+            y = np.ascontiguousarray((self.data @ x2.T).T)
+        elif self.precision == "f32":
             y = x2 @ self.data.T
         else:
             y = kernels.dequant_matmul(x2, self.data, self.precision, self.scale, fused=self._fused)
