@@ -34,6 +34,8 @@ class ModelCost:
     kv_bytes_per_layer: int  # KV cache of one layer for the whole batch
     act_bytes: int  # activation working set of one stage
     tokens: int = 1  # batch * seq of the forward being planned
+    shared_end_bytes: int = 0  # counted in both embed_bytes and head_bytes, held once by a stage
+    # that has both ends (tied embeddings on a one-stage plan)
 
     def stage_bytes(self, layers: range, first: bool, last: bool, weight_scale: float = 1.0) -> int:
         """Resident bytes of a stage holding ``layers`` (whole stage, all TP shards);
@@ -41,6 +43,7 @@ class ModelCost:
         them in another precision than the cost was priced in."""
         n = len(layers)
         weights = n * self.layer_bytes + (self.embed_bytes if first else 0) + (self.head_bytes if last else 0)
+        weights -= self.shared_end_bytes if first and last else 0
         weights = weights if weight_scale == 1.0 else int(weights * weight_scale)
         return weights + n * self.kv_bytes_per_layer + self.act_bytes
 

@@ -114,6 +114,7 @@ class LlamaConfig:
             act_bytes=tokens * 4 * (3 * h + 2 * self.intermediate_size + v)
             + attend_workspace_bytes(batch, self.num_attention_heads, seq, self.head_dim),  # blocked: no seq^2
             tokens=tokens,
+            shared_end_bytes=embed if self.tie_word_embeddings else 0,  # LlamaStage: one matrix for both
         )
 
 
