@@ -283,3 +283,33 @@ def test_attend_propagates_nan():
     q[0, 1, 66, 3] = np.nan
     y = kernels.attend(q, kv, kv)
     assert np.isnan(y[0, 66, 1]).all() and np.isfinite(np.delete(y[0], 66, axis=0)).all()
+
+
+@pytest.mark.parametrize("R, N, K", [(1, 1, 1), (1, 37, 65), (3, 129, 300), (8, 1376, 512)])
+def test_matvec_f32_against_numpy(R, N, K):
+    """Decode's f32 product (llama/weights.py takes it up to F32_MATVEC_ROWS rows)."""
+    rng = np.random.default_rng(R * N + K)
+    x = rng.standard_normal((R, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    got = kernels.matvec_f32(x, w)
+    assert got.shape == (R, N) and got.dtype == np.float32 and got.flags.c_contiguous
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.matvec_f32(x, w[:, :-1].copy() if K > 1 else np.ones((N, 2), np.float32))
+    with pytest.raises(TypeError, match="C-contiguous float32"):
+        kernels.matvec_f32(x.astype(np.float64), w)
+
+
+def test_linear_takes_the_same_values_on_every_row_count_path():
+    """Linear picks matvec_f32 (few rows), W @ x.T (under 64) or x @ W.T by row count: the
+    three paths agree to float32 rounding."""
+    from rlx_mpi.llama.weights import make_linear
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((300, 200)).astype(np.float32)
+    lin = make_linear(w, "f32")
+    x = rng.standard_normal((200, 200)).astype(np.float32)
+    full = x.astype(np.float64) @ w.T.astype(np.float64)
+    for rows in (1, kernels.F32_MATVEC_ROWS, kernels.F32_MATVEC_ROWS + 1, 63, 64, 200):
+        np.testing.assert_allclose(lin(x[:rows]), full[:rows], rtol=1e-5, atol=1e-4)
