@@ -8,6 +8,7 @@ order, every layer placed exactly once, never float fractions.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
 from fractions import Fraction
@@ -28,7 +29,7 @@ class ModelCost:
     n_layers: int
     layer_bytes: int  # parameters of one decoder layer
     layer_flops_per_token: float
-    embed_bytes: int  # held by the first stage
+    embed_bytes: int  # held by the first stage (whole, on each of its TP ranks: see plan_placement)
     head_bytes: int  # final norm + LM head, held by the last stage
     head_flops_per_token: float
     kv_bytes_per_layer: int  # KV cache of one layer for the whole batch
@@ -334,6 +335,9 @@ def plan_placement(cost: ModelCost, caps: Sequence[NodeCaps], policy: PlacementP
                           f"rlx_mpi plans 1 to {MAX_LAYERS} layers; check the model shape")
     stages = _check_grid(caps, grid)
     S, L, tp = len(stages), cost.n_layers, len(stages[0])
+    if tp > 1:  # every TP rank of the first stage holds the whole embedding (a lookup needs no
+        # collective), so the stage holds tp copies; and no rank holds a tied head as its embedding
+        cost = dataclasses.replace(cost, embed_bytes=cost.embed_bytes * tp, shared_end_bytes=0)
     if S > L:
         raise ConfigError("placement", f"{S} stages but the model has only {L} layers",
                           f"use at most {L} stages (ranks / tp)")

@@ -88,15 +88,22 @@ def bottleneck(cost, ranges, speeds):
     return max(cost.stage_flops(rg, s == S - 1) / speeds[s] for s, rg in enumerate(ranges))
 
 
+def stage_need(cost, layers, first, last, tp):
+    """Bytes a stage of ``tp`` ranks holds: the cost's whole-stage bytes, with the embedding
+    once per TP rank (each holds all of it) and no tied sharing under TP."""
+    return cost.stage_bytes(layers, first, last) + (tp - 1) * cost.embed_bytes * first \
+        + (cost.shared_end_bytes if tp > 1 and first and last else 0)
+
+
 def brute_force(cost, caps, grid, reserve):
     """Best bottleneck time over all feasible contiguous splits, or None if none fits."""
-    S = len(grid)
+    S, tp = len(grid), len(grid[0])
     cap = stage_caps(caps, grid, reserve)
     spd = stage_speeds(caps, grid)
     best = None
     for sizes in compositions(cost.n_layers, S):
         rgs = split_ranges(sizes)
-        if any(cap[s] is not None and cost.stage_bytes(rg, s == 0, s == S - 1) > cap[s]
+        if any(cap[s] is not None and stage_need(cost, rg, s == 0, s == S - 1, tp) > cap[s]
                for s, rg in enumerate(rgs)):
             continue
         t = bottleneck(cost, rgs, spd)
@@ -153,7 +160,7 @@ def test_balanced_equals_brute_force():
         assert math.isclose(got, best, rel_tol=1e-9, abs_tol=1e-12), (got, best)
         cap = stage_caps(caps, grid, reserve)
         for s, a in enumerate(plan):  # memory respected
-            need = cost.stage_bytes(a.layers, a.first, a.last)
+            need = stage_need(cost, a.layers, a.first, a.last, len(grid[0]))
             assert cap[s] is None or need <= cap[s]
             assert a.est_bytes == -(-need // len(grid[0]))
             assert a.ranks == tuple(grid[s])
@@ -434,3 +441,16 @@ def test_mixed_tp_group_counts_mean_bytes_and_names_both():
     assert Assignment.from_dict(plan[0].to_dict()) == plan[0]
     with pytest.raises(ConfigError, match="3 precisions for 4 ranks"):
         plan_placement(cost, make_caps([None] * 4), P.UNIFORM, precision=["f32"] * 3)
+
+
+def test_tp_ranks_of_the_first_stage_each_hold_the_whole_embedding():
+    """LlamaStage replicates the embedding on every TP rank (sharding it would need a collective
+    per lookup) and shards the head: a rank's estimate is its 1/tp of the layers and head plus
+    the whole embedding, and a memory that fits the 1/tp share but not the copy is refused."""
+    cost = make_cost(n_layers=4, layer_bytes=2 * GB, embed_bytes=4 * GB, head_bytes=4 * GB)
+    plan = plan_placement(cost, make_caps([100 * GB] * 4), P.UNIFORM, grid=[[0, 1], [2, 3]])
+    assert [a.est_bytes for a in plan] == [2 * GB + 4 * GB, 2 * GB + 2 * GB]  # layers/2 + embed; layers/2 + head/2
+    one = plan_placement(cost, make_caps([100 * GB]), P.UNIFORM)
+    assert one[0].est_bytes == 8 * GB + 4 * GB + 4 * GB  # tp 1: unchanged
+    with pytest.raises(FitError):  # 2 + 4 GB needed on each rank of stage 0; the 1/tp view said 4
+        plan_placement(cost, make_caps([5 * GB] * 4), P.UNIFORM, grid=[[0, 1], [2, 3]])
