@@ -338,7 +338,8 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray | None
     g = nh // nkv
     for t0 in range(0, T, _Q_BLOCK):
         t1 = min(T, t0 + _Q_BLOCK)
-        _query_block(q[:, :, t0:t1], k, v, np.ascontiguousarray(pos[:, t0:t1]), window, scale, y, t0)
+        _query_block(q[:, :, t0:t1], k, v, np.array(pos[:, t0:t1], order="C"), window, scale, y, t0)  # (a copy:
+        # always writable, so numba sees one type; a read-only view made a second compile mid-forward)
     return y
 
 

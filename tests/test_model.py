@@ -127,3 +127,31 @@ def test_block_leaves_its_input_alone(tmp_path):
     y = model.block(x, stage.blocks[0], CFG.head_dim, CFG.rms_norm_eps, cos, sin)
     np.testing.assert_array_equal(x, before)
     assert not np.shares_memory(x, y) and np.abs(y - x).max() > 0
+
+
+def test_warm_up_covers_every_kernel_a_forward_calls(tmp_path):
+    """No numba compile inside a timed forward: after the stage's build (which calls
+    kernels.warm_up), forwards of several shapes, a decode-sized one and attention at given
+    positions add no kernel signature. (A read-only position array once made a second
+    compile of the attention kernel inside the first forward: 0.5 s on the quick start.)"""
+    import numba
+
+    from rlx_mpi import kernels
+
+    def signatures():
+        return {name: len(f.signatures) for name, f in vars(kernels).items()
+                if isinstance(f, numba.core.registry.CPUDispatcher)}
+
+    path = tmp_path / "m.h5"
+    init_random(path, CFG, seed=4)
+    with H5ParamSource(path) as src:
+        stage = LlamaStage(CFG, src, range(2), True, True)
+    before = signatures()
+    rng = np.random.default_rng(0)
+    for B, T in ((1, 1), (2, 9), (3, 70), (1, 130)):
+        stage.forward(rng.integers(0, CFG.vocab_size, (B, T)))
+    q = rng.standard_normal((2, 4, 3, 4)).astype(np.float32)
+    kv = rng.standard_normal((2, 2, 8, 4)).astype(np.float32)
+    kernels.attend(q, kv, kv, np.array([[5, 6, 7], [2, 3, 4]]), 4)
+    grew = {k: (before.get(k), n) for k, n in signatures().items() if n != before.get(k)}
+    assert not grew, f"compiled after warm_up: {grew}"
