@@ -106,21 +106,6 @@ def _silu_mul(gate, up):  # gate, up (N, I) float32, any row stride: gate <- sil
             g[j] = x / (np.float32(1.0) + _exp(-x)) * u[j]
 
 
-@numba.njit(cache=True, parallel=_PARALLEL)
-def _rope(x, cos, sin, out):  # x (B, H, T, hs) any strides, cos/sin (1 or B, T, hs) -> out contiguous
-    B, H, T, hs = x.shape
-    half = hs // 2
-    per_batch = cos.shape[0] > 1
-    for bh in numba.prange(B * H):
-        b, h = bh // H, bh % H
-        c, s = (cos[b], sin[b]) if per_batch else (cos[0], sin[0])
-        for t in range(T):
-            for d in range(half):  # rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
-                x1, x2 = x[b, h, t, d], x[b, h, t, d + half]
-                out[b, h, t, d] = x1 * c[t, d] + (-x2) * s[t, d]
-                out[b, h, t, d + half] = x2 * c[t, d + half] + x1 * s[t, d + half]
-
-
 def _check(name: str, a: np.ndarray) -> None:
     if a.dtype != np.float32 or not a.flags.c_contiguous:
         raise TypeError(f"{name}: expected a C-contiguous float32 array, got {a.dtype} "
@@ -264,7 +249,7 @@ def silu_mul_(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(cache=True, parallel=_PARALLEL)
-def _rope_t(xt, cos, sin, out):  # xt (B, T, H, hs) C-contiguous (a projection's output) -> out (B, H, T, hs)
+def _rope(xt, cos, sin, out):  # xt (B, T, H, hs) C-contiguous (a projection's output) -> out (B, H, T, hs)
     B, T, H, hs = xt.shape
     half = hs // 2
     per_batch = cos.shape[0] > 1
@@ -282,8 +267,9 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotary embedding (transformers' rotate-half layout) of x (B, H, T, hs), any strides.
 
     cos, sin: (T, hs) shared by the batch, or (B, T, hs) / (B, 1, T, hs) per sequence (tokens at
-    their own positions). One pass, no temporaries; the result is a new C-contiguous array, so
-    a transposed projection output comes back in (B, H, T, hs) order for attention.
+    their own positions). One pass over a projection's output (other layouts are copied first);
+    the result is a new C-contiguous array, so a transposed projection output comes back in
+    (B, H, T, hs) order for attention.
     """
     if x.ndim != 4 or x.dtype != np.float32:
         raise TypeError(f"rope: x must be a float32 (B, H, T, hs) array, got {x.dtype} {x.shape}")
@@ -297,11 +283,10 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         raise ValueError(f"rope: cos {cos.shape} / sin {sin.shape} do not fit x {x.shape}; pass "
                          "(T, hs) or (B, 1, T, hs) tables with an even hs")
     out = np.empty((B, H, T, hs), np.float32)
-    xt = x.transpose(0, 2, 1, 3)
-    if xt.flags.c_contiguous and cos.flags.c_contiguous and sin.flags.c_contiguous:
-        _rope_t(xt, cos, sin, out)  # x is (B, T, H, hs) memory seen as (B, H, T, hs): the model's case
-    else:
-        _rope(x, cos, sin, out)
+    # the model's x is a projection's (B, T, H, hs) memory seen as (B, H, T, hs): no copy here;
+    # any other layout is copied into that order first
+    xt = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+    _rope(xt, np.ascontiguousarray(cos), np.ascontiguousarray(sin), out)
     return out
 
 
@@ -378,7 +363,6 @@ def warm_up() -> None:
     silu_mul_(np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
     x = np.ones((1, 2, 1, 2), np.float32)
     rope(x, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
-    rope(x.transpose(0, 2, 1, 3).copy().transpose(0, 2, 1, 3), np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
     for t in (1, 9):  # the decode path and the blocked path
         q, kv = np.ones((1, 2, t, 2), np.float32), np.ones((1, 1, 9, 2), np.float32)
         attend(q, kv, kv)

@@ -194,7 +194,7 @@ def test_rope():
     cos_b, sin_b = (rng.standard_normal((3, 1, 7, 10)).astype(np.float32) for _ in range(2))
     np.testing.assert_array_equal(kernels.rope(x, cos_b, sin_b), naive_rope(x, cos_b, sin_b))
     # x above is (B, T, H, hs) memory (a projection's output): the contiguous-row kernel; any
-    # other layout takes the strided kernel, which must agree
+    # other layout is first copied into that order, and must agree
     for other in (np.ascontiguousarray(x), x[:, :, ::-1], np.repeat(x, 2, axis=-1)[..., ::2]):
         np.testing.assert_array_equal(kernels.rope(other, cos, sin), naive_rope(other, cos, sin))
         np.testing.assert_array_equal(kernels.rope(other, cos_b, sin_b), naive_rope(other, cos_b, sin_b))

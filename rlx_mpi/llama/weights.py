@@ -56,14 +56,15 @@ class Linear:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         lead, c = x.shape[:-1], x.shape[-1]
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, c)  # (B*T, in): one GEMM, not B
-        if self.precision == "f32" and x2.shape[0] <= kernels.F32_MATVEC_ROWS:  # decode: numba GEMV
-            y = kernels.matvec_f32(np.ascontiguousarray(x2), self.data)
-        elif self.precision == "f32" and x2.shape[0] < _FEW_ROWS:  # W @ x.T, see the note
-            y = np.ascontiguousarray((self.data @ x2.T).T)
-        elif self.precision == "f32":
-            y = x2 @ self.data.T
-        else:
+        rows = x2.shape[0]
+        if self.precision != "f32":
             y = kernels.dequant_matmul(x2, self.data, self.precision, self.scale, fused=self._fused)
+        elif rows <= kernels.F32_MATVEC_ROWS:  # decode: the numba GEMV
+            y = kernels.matvec_f32(x2, self.data)
+        elif rows < _FEW_ROWS:  # W @ x.T, see the note
+            y = np.ascontiguousarray((self.data @ x2.T).T)
+        else:
+            y = x2 @ self.data.T
         return y.reshape(*lead, self.data.shape[0])  # (..., out)
 
     def __getitem__(self, rows) -> np.ndarray:
