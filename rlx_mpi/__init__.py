@@ -23,13 +23,13 @@ _HOME = {
     "InputError": "errors", "RankFault": "errors", "RlxError": "errors",
     "Assignment": "placement", "ModelCost": "placement", "plan_placement": "placement",
     "ModelFamily": "stage", "ParamSource": "stage", "Stage": "stage", "TensorParallel": "stage",
-    "register_family": "stage",
+    "register_family": "families", "ModelDims": "stage",
     "ClusterRun": "stats", "StageTiming": "stats",
 }
 
 __all__ = ["Cluster", "ClusterRun", "StageTiming", "JobConfig", "load_job", "PlacementPolicy", "KvPolicy",
            "NodeCaps", "ModelCost", "Assignment", "plan_placement", "all_reduce", "ReduceKind", "Stage",
-           "ParamSource", "ModelFamily", "TensorParallel", "register_family", "RlxError", "ConfigError",
+           "ParamSource", "ModelFamily", "ModelDims", "TensorParallel", "register_family", "RlxError", "ConfigError",
            "CheckpointError", "InputError", "FitError", "RankFault", "DeadlineExpired"]
 __version__ = "0.1.0"
 

@@ -32,7 +32,8 @@ from .faults import RankContext, agree, check_finite, report_and_abort, wait
 from .outputs import check_output
 from .supervisor import default_startup_timeout_s
 from .placement import Assignment, ModelCost, plan_placement
-from .stage import Stage, TensorParallel, get_family
+from .families import get_family
+from .stage import Stage, TensorParallel
 from .stats import ClusterRun
 from .topology import Topology, make_grid
 

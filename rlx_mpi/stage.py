@@ -7,23 +7,30 @@ and encodes them in the job's wire format. The only communication inside a stage
 tensor-parallel collective it is handed.
 
 The contract, exactly as the core uses it (a family implementing only this works; see
-tests/protocol_family.py): rlx_mpi calls ``load_config``, ``check_tp``, ``cost``,
-``check_inputs``, ``expected_shapes``, ``output_spec`` and ``build_stage(config, source,
-layers, first, last, tp, ctx)`` on the family, and ``forward`` and ``weight_bytes`` on the
-stage (``layers``, ``first``, ``last`` are read for messages).
+tests/protocol_family.py): rlx_mpi calls ``load_config``, ``dims``, ``describe``, ``check_tp``,
+``cost``, ``check_inputs``, ``expected_shapes``, ``output_spec`` and ``build_stage(config,
+source, layers, first, last, tp, ctx)`` on the family, and ``forward`` and ``weight_bytes`` on
+the stage (``layers``, ``first``, ``last`` are read for messages). ``presets``,
+``config_from_shape``, ``init_random``, ``hf_model_types`` and ``convert_hf`` serve the
+commands that make or price a model (``init-model``, ``[model] preset``, ``plan``,
+``convert``); a family may leave them empty or raise `ConfigError` from them. The core never
+reads a field of the config object itself: what it needs is in `ModelDims`.
+
+Families are found by name through `rlx_mpi.families` (the registry); the checkpoint's
+``family`` attribute picks one.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
 import numpy as np
 
 from .placement import ModelCost
 
-__all__ = ["ParamSource", "Stage", "ModelFamily", "TensorParallel", "register_family", "get_family"]
+__all__ = ["ParamSource", "Stage", "ModelFamily", "ModelDims", "TensorParallel"]
 
 
 class ParamSource(Protocol):
@@ -93,12 +100,44 @@ class Stage(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not support generation")
 
 
+@dataclass(frozen=True)
+class ModelDims:
+    """What the core needs to know of a model's shape, whatever its family."""
+
+    vocab_size: int  # logits width; input ids must be < vocab_size
+    hidden_size: int  # width of the hidden state a non-last stage hands on
+    max_positions: int  # longest sequence (prompt + new tokens) the model accepts
+    n_layers: int  # decoder layers the planner places
+
+
 class ModelFamily(Protocol):
     """A model family: reads its config from a checkpoint, prices it, builds stages."""
 
-    name: str
+    name: str  # the checkpoint's ``family`` attribute
+    hf_model_types: tuple[str, ...]  # Hugging Face ``model_type`` values `convert_hf` takes; () for none
+    presets: Mapping[str, Any]  # random-model configs by name (init-model, [model] preset, plan --preset)
 
-    def load_config(self, config_json: str, where: str) -> Any: ...
+    def load_config(self, config_json: str, where: str) -> Any:
+        """The config stored in a checkpoint's header; `CheckpointError` naming ``where`` if invalid."""
+
+    def dims(self, config: Any) -> ModelDims:
+        """Vocabulary, hidden width, maximum positions and layer count of ``config``."""
+
+    def describe(self, config: Any) -> str:
+        """One line for ``plan`` and ``convert``: family, layers, widths, heads, vocab, experts."""
+
+    def config_from_shape(self, shape: Mapping[str, Any], where: str) -> Any:
+        """A config from ``plan``'s shape flags: ``layers``, ``hidden``, ``heads``, ``kv_heads``,
+        ``intermediate``, ``vocab``, ``tied`` (bool), ``head_dim`` (0: hidden // heads),
+        ``experts`` and ``top_k`` (0: dense), ``max_positions``; `ConfigError` naming the flag."""
+
+    def init_random(self, path: Any, config: Any, *, seed: int, dtype: str = "float32") -> None:
+        """Write a checkpoint of random weights for ``config`` (`checkpoint.write_checkpoint`)."""
+
+    def convert_hf(self, hf_dir: Any, out: Any, *, dtype: str, hf_config: Mapping[str, Any]) -> Any:
+        """Write our checkpoint from a Hugging Face directory whose ``config.json`` (``hf_config``)
+        has a ``model_type`` in ``hf_model_types``; return the config. What the family does not
+        support is refused before a byte is written (`CheckpointError` naming file, key, value)."""
 
     def cost(self, config: Any, batch: int, seq: int) -> ModelCost: ...
 
@@ -122,19 +161,3 @@ class ModelFamily(Protocol):
         for deadlines of the TP collectives; a stage may ignore it). For a rank whose precision
         is not f32 it is also called with ``precision=`` ("bf16" | "f16" | "int8"); a family
         without that keyword is refused for such ranks."""
-
-
-_FAMILIES: dict[str, ModelFamily] = {}
-
-
-def register_family(family: ModelFamily) -> None:
-    """Make ``family`` loadable from checkpoints whose ``family`` attribute is its name."""
-    _FAMILIES[family.name] = family
-
-
-def get_family(name: str) -> ModelFamily | None:
-    if name == "llama" and name not in _FAMILIES:  # registered lazily, so import stays cheap;
-        from .llama import FAMILY  # a plug-in registering first must not hide it
-
-        _FAMILIES.setdefault(FAMILY.name, FAMILY)
-    return _FAMILIES.get(name)

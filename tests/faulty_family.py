@@ -27,7 +27,8 @@ from rlx_mpi import checkpoint
 from rlx_mpi.llama import FAMILY as LLAMA
 from rlx_mpi.llama import PRESETS
 from rlx_mpi.llama.init import _random_tensors
-from rlx_mpi.stage import Stage, register_family
+from rlx_mpi.families import register_family
+from rlx_mpi.stage import Stage
 
 __all__ = ["FaultyFamily", "FaultyStage", "write_checkpoint", "NAME"]
 

@@ -17,7 +17,8 @@ import numpy as np
 from rlx_mpi import checkpoint
 from rlx_mpi.errors import ConfigError, InputError
 from rlx_mpi.placement import ModelCost
-from rlx_mpi.stage import Stage, register_family
+from rlx_mpi.families import register_family
+from rlx_mpi.stage import Stage
 
 __all__ = ["NAME", "ProtoFamily", "write_checkpoint", "reference"]
 
