@@ -52,7 +52,9 @@ What it writes, for each case, in ``tests/fixtures/families/<case>/``:
     ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)``
     of the two conversations in ``chat.json``.
 * chat cases also: ``tokenizer.json`` (a byte-level BPE trained here with the ``tokenizers``
-  package on ``CORPUS``, its vocab below the model's), ``tokenizer_config.json`` (written
+  package on ``CORPUS``, its vocab within the model's, with the real model's pre-tokenizer
+  split regex; the script checks that transformers' ids equal those of the tokenizer.json
+  alone), ``tokenizer_config.json`` (written
   here: ``tokenizer_class``, the special tokens and the ``chat_template`` string), and
   ``chat.json`` (``{"messages": [conv0, conv1], "rendered": [text0, text1], "chat_ids":
   [...]}``; ``rendered`` is ``apply_chat_template(..., tokenize=False)``). The templates are
@@ -195,15 +197,25 @@ CHATML_TEMPLATE = """{% if messages[0]['role'] == 'system' %}
 {% endif %}
 """
 
+# the split regexes of Llama 3's tokenizer.json and of transformers' Qwen2Tokenizer (digits: up
+# to three per piece vs one)
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
 CHAT = {
-    "llama3": dict(template=LLAMA3_TEMPLATE,
+    "llama3": dict(template=LLAMA3_TEMPLATE, split=LLAMA3_SPLIT, normalizer=None,
+                   tokenizer_class="PreTrainedTokenizerFast",
                    special=["<|begin_of_text|>", "<|end_of_text|>", "<|eom_id|>", "<|eot_id|>",
                             "<|start_header_id|>", "<|end_header_id|>"],
                    config={"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
                    bos_post_processor="<|begin_of_text|>"),
-    "chatml": dict(template=CHATML_TEMPLATE,
+    "chatml": dict(template=CHATML_TEMPLATE, split=QWEN2_SPLIT, normalizer="NFC",
+                   tokenizer_class="Qwen2Tokenizer",
                    special=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                   config={"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+                   config={"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                           "unk_token": None},
                    bos_post_processor=None),
 }
 CONVERSATIONS = [
@@ -224,10 +236,18 @@ TOKENIZER_VOCAB = 380  # at most the chat models' vocab of 384
 
 
 def build_tokenizer(spec):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """A byte-level BPE with the real model's pipeline: its split regex, then byte-level
+    (Qwen2 also NFC-normalises). transformers 5 rebuilds the pipeline of a ``Qwen2Tokenizer``
+    from its own code, ignoring tokenizer.json's, so a tokenizer.json that differs from it
+    would give transformers and the tokenizers package different ids."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if spec["normalizer"] == "NFC":
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(spec["split"]), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, min_frequency=1,
                                   special_tokens=spec["special"],
@@ -245,22 +265,27 @@ def build_tokenizer(spec):
 
 
 def write_chat(out, case, vocab_size):
+    from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
     spec = CHAT[case["_chat"]]
     tok = build_tokenizer(spec)
     assert tok.get_vocab_size() <= vocab_size, tok.get_vocab_size()
     tok.save(os.path.join(out, "tokenizer.json"))
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 256,
+    cfg = {"tokenizer_class": spec["tokenizer_class"], "model_max_length": 256,
            "clean_up_tokenization_spaces": False, **spec["config"], "chat_template": spec["template"]}
     _dump(os.path.join(out, "tokenizer_config.json"), cfg)
     hf = AutoTokenizer.from_pretrained(out)
+    print(f"  transformers loads {type(hf).__name__}; special tokens {hf.special_tokens_map}")
+    raw = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
     rendered, ids = [], []
     for conv in CONVERSATIONS:
         text = hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
         enc = hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
         enc = enc["input_ids"] if hasattr(enc, "keys") else enc
         assert enc == hf(text, add_special_tokens=False)["input_ids"]
+        # the tokenizer.json alone (what rlx_mpi reads) gives the same ids
+        assert enc == raw.encode(text, add_special_tokens=False).ids, (enc, raw.encode(text).tokens)
         rendered.append(text)
         ids.append([int(i) for i in enc])
     # the template's BOS is there once; the tokenizer alone would add another one
