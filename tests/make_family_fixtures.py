@@ -74,9 +74,12 @@ post-attention and post-feedforward norms get w ``normal_(2.0, 0.2)`` (a scale o
 with w around 0 the sqrt(hidden)-scaled embedding swamps the layers' normalised outputs and,
 through the tied head, every token predicts itself, so greedy decoding repeats one token.
 
-Checks done here: the saved model reloads to the same logits exactly; for gemma2, removing
-either soft-cap changes the logits by more than 0.1 (so the fixture exercises them); the
-greedy checks above. Everything is printed.
+Checks done here: the saved model reloads to the same logits exactly; taking away each
+feature a case must exercise (``FEATURES``: llama3/linear RoPE scaling, the sliding window,
+Qwen2's biases, Qwen3's q/k norms, each Gemma 2 soft-cap, its alternate-layer window and
+``query_pre_attn_scalar``, Mixtral's top-2) moves the logits by more than 0.1, so the fixture
+catches an implementation that ignores it; LongRoPE's short and long factors give different
+logits; the greedy checks above. Everything is printed.
 """
 
 import json
@@ -371,22 +374,45 @@ def greedy(model, prompt):
     return new.astype(np.int64), min(margins)
 
 
-def check_softcaps(model, ids, logits):
-    """Gemma 2: each soft-cap must move the logits, or the fixture cannot catch its absence."""
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        saved = getattr(model.config, key)
-        setattr(model.config, key, None)
-        for mod in model.modules():
-            if hasattr(mod, "attn_logit_softcapping") and key == "attn_logit_softcapping":
-                mod.attn_logit_softcapping = None
-        diff = float(np.abs(forward(model, ids) - logits).max())
-        setattr(model.config, key, saved)
-        for mod in model.modules():
-            if hasattr(mod, "attn_logit_softcapping") and key == "attn_logit_softcapping":
-                mod.attn_logit_softcapping = saved
-        print(f"  without {key}: logits move by {diff:.3f}")
-        assert diff > 0.1, (key, diff)
-    assert float(np.abs(forward(model, ids) - logits).max()) == 0.0
+# What each case must exercise: taking it away (a config override, or weights set to the value
+# that makes them a no-op) must move the T=40 logits by more than 0.1, or the fixture could not
+# catch an implementation that ignores it.
+FEATURES = {
+    "llama3": [("llama3 RoPE scaling", {"rope_parameters": rope("default", 500000.0)}, None)],
+    "llama_linear": [("linear RoPE scaling", {"rope_parameters": rope("default", 10000.0)}, None)],
+    "mistral": [("sliding window", {"sliding_window": None}, None)],
+    "qwen2": [("q/k/v biases", {}, ("bias", 0.0))],
+    "qwen3": [("q/k norms", {}, ("_norm.", 1.0))],
+    "gemma2": [("attention soft-cap", {"attn_logit_softcapping": None}, None),
+               ("final soft-cap", {"final_logit_softcapping": None}, None),
+               ("sliding window on alternate layers", {"sliding_window": 4096}, None),
+               ("query_pre_attn_scalar", {"query_pre_attn_scalar": 16}, None)],
+    "mixtral": [("top-2 routing", {"num_experts_per_tok": 1}, None)],
+}
+
+
+def check_features(name, model, ids, logits):
+    """Each of the case's FEATURES moves the logits; the unchanged copy reproduces them exactly."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    def variant(override, weights):
+        cfg = type(model.config).from_dict({**model.config.to_dict(), **override})
+        m = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        if weights:
+            part, value = weights
+            for k in state:
+                if part in k:
+                    state[k].fill_(value)
+        m.load_state_dict(state)
+        return float(np.abs(forward(m, ids) - logits).max())
+
+    assert variant({}, None) == 0.0
+    for what, override, weights in FEATURES.get(name, []):
+        diff = variant(override, weights)
+        print(f"  without {what}: logits move by {diff:.3f}")
+        assert diff > 0.1, (what, diff)
 
 
 def build(name):
@@ -418,8 +444,7 @@ def build(name):
         plen = 20
     else:
         plen = PROMPT_LEN
-    if case["model_type"] == "gemma2":
-        check_softcaps(model, ref["input_ids"], ref["logits"])
+    check_features(name, model, ref["input_ids"], ref["logits"])
     ref["prompt_ids"], ref["greedy_ids"] = pick_greedy(model, plen)
 
     model.save_pretrained(out, safe_serialization=True)
