@@ -40,8 +40,9 @@ What it writes, for each case, in ``tests/fixtures/families/<case>/``:
     (so a float32 re-implementation cannot flip a choice). The prompt is drawn with
     ``torch.Generator().manual_seed(s)`` for the first s from 4321 up whose run has at least 6
     distinct new tokens (a random model that repeats one token cannot tell a broken KV cache
-    from a working one) and passes the margin check; the seeds used are printed. P = 8 (so 8 + 12 positions pass
-    the window 8 and the original 16 positions); ``phi3_longrope``: P = 20 (see below).
+    from a working one) and passes the margin check: 4321 for every case but gemma2 (4323).
+    P = 8 (so 8 + 12 positions pass the window 8 and the original 16 positions);
+    ``phi3_longrope``: P = 20 (see below).
   - ``phi3_longrope`` only: ``input_ids_short`` [2, 12] and ``logits_short``: transformers
     picks LongRoPE's short or long factors by sequence length (``max(position_ids) + 1 >
     original_max_position_embeddings`` -> long), so T = 12 runs on the short factors and
@@ -72,7 +73,29 @@ Weights: ``torch.manual_seed(0)`` before each model is built; ``initializer_rang
 from 0 (``normal_(0.0, 0.1)``), so a missing norm offset or bias shows in the logits. Gemma 2's
 post-attention and post-feedforward norms get w ``normal_(2.0, 0.2)`` (a scale of about 3):
 with w around 0 the sqrt(hidden)-scaled embedding swamps the layers' normalised outputs and,
-through the tied head, every token predicts itself, so greedy decoding repeats one token.
+through the tied head, a token often predicts itself (21% of positions), so greedy decoding
+repeats one token.
+
+Cases (hidden 64, intermediate 128, 4 heads / 2 kv heads unless said; all ~0.4-0.7 MB):
+
+============== =========================================================================
+llama3         llama, rope_type llama3 (factor 8, low 1, high 2, original 16, theta 5e5),
+               head_dim 32 (2 heads / 1 kv), 3 layers, tied head, eos [1, 2, 3], vocab
+               384, Llama-3-style chat template
+llama_linear   llama, rope_type linear factor 2, untied
+mistral        mistral, sliding_window 8, head_dim 32 (4 x 32 = 128 != hidden 64)
+qwen2          qwen2, q/k/v biases, tied head, use_sliding_window false, eos [2, 0],
+               vocab 384, ChatML template
+qwen3          qwen3, per-head q/k RMSNorm, head_dim 32, untied
+phi3           phi3, fused qkv_proj / gate_up_proj, default RoPE (partial_rotary_factor 1),
+               4 kv heads, sliding_window null (Phi-3-mini's own config has 2047)
+phi3_longrope  phi3, longrope (8 short + 8 long factors), original 16, max positions 64
+gemma2         gemma2, 4 layers (sliding, full, sliding, full; window 8), head_dim 16,
+               query_pre_attn_scalar 24, attn soft-cap 4, final soft-cap 8 (small, so they
+               matter), gelu_pytorch_tanh, tied head, eps 1e-6
+mixtral        mixtral, 4 experts top-2, intermediate 64, sliding_window null; saved in the
+               Hub's per-expert layout (block_sparse_moe.experts.N.w1/w2/w3, .gate)
+============== =========================================================================
 
 Checks done here: the saved model reloads to the same logits exactly; taking away each
 feature a case must exercise (``FEATURES``: llama3/linear RoPE scaling, the sliding window,
@@ -83,7 +106,6 @@ logits; the greedy checks above. Everything is printed.
 """
 
 import json
-import math
 import os
 import sys
 
