@@ -11,7 +11,6 @@ any rank becomes the same `AgreedFailure` on all); a fault in `drive` aborts the
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import resource
@@ -28,12 +27,12 @@ from .caps import NodeCaps, gather_local_affinity, mpi_versions_differ, probe_lo
 from .checkpoint import H5ParamSource, read_header
 from .config import JobConfig, load_job
 from .errors import CheckpointError, ConfigError, FitError, InputError
-from .faults import RankContext, agree, check_finite, report_and_abort, wait
+from .faults import RankContext, agree, report_and_abort
 from .outputs import check_output
 from .supervisor import default_startup_timeout_s
 from .placement import Assignment, ModelCost, plan_placement
-from .families import get_family
-from .stage import Stage, TensorParallel
+from .families import get_family, load_plugins, require_preset
+from .stage import ModelDims, Stage, TensorParallel
 from .stats import ClusterRun
 from .topology import Topology, make_grid
 
@@ -115,13 +114,8 @@ class Cluster:
 
         def create() -> None:
             if self.is_root and not ckpt.exists() and self.job.model.preset:
-                from .llama import PRESETS
-                from .llama.init import init_random
-
                 preset = self.job.model.preset
-                if preset not in PRESETS:
-                    raise ConfigError(f"{self.job.path}: [model] preset", f"got {preset!r}",
-                                      f"expected one of {sorted(PRESETS)}")
+                family, cfg = require_preset(preset, f"{self.job.path}: [model] preset")
                 try:
                     ckpt.parent.mkdir(parents=True, exist_ok=True)
                 except OSError as e:
@@ -132,7 +126,7 @@ class Cluster:
                              stream_ok=False)
                 log.info("checkpoint %s not found: creating it from preset %r (seed %d)", ckpt, preset,
                          self.job.model.init_seed)
-                init_random(ckpt, PRESETS[preset], self.job.model.init_seed)
+                family.init_random(ckpt, cfg, seed=self.job.model.init_seed)
                 created.append(True)
 
         self._agree(create, "creating the preset checkpoint")
@@ -140,16 +134,7 @@ class Cluster:
                                               bool(created)), "checking every rank sees the checkpoint")
 
         def header() -> None:
-            for module in self.job.model.plugins:
-                try:
-                    importlib.import_module(module)
-                except ImportError as e:
-                    raise ConfigError(f"{self.job.path}: [model] plugins", f"cannot import {module!r} ({e})",
-                                      "install the module or fix PYTHONPATH on every node") from None
-                except Exception as e:  # the plug-in's own bug: one line, not a traceback per rank
-                    raise ConfigError(f"{self.job.path}: [model] plugins",
-                                      f"importing {module!r} raised {type(e).__name__}: {e}",
-                                      "fix the plug-in (run python -c 'import " + module + "' to see the traceback)") from None
+            load_plugins(self.job.model.plugins, f"{self.job.path}: [model] plugins")
             family_name, config_json = read_header(ckpt)
             self._digests = {"job": _digest(Path(self.job.path).read_bytes()),
                              "ckpt": _digest(f"{family_name}|{config_json}|{ckpt.stat().st_size}".encode())}
@@ -211,6 +196,12 @@ class Cluster:
 
         self._agree(readable, "checking the checkpoint is readable")
         return self.caps
+
+    @property
+    def dims(self) -> ModelDims:
+        """The model's vocabulary, hidden width, positions and layers (the family's `dims`)."""
+        self.prepare()
+        return self.family.dims(self.model_config)
 
     def cost(self) -> ModelCost:
         self.prepare()
@@ -309,14 +300,14 @@ class Cluster:
         return ids
 
     def _check_seq(self, seq: int, where: str) -> None:
-        limit = getattr(self.model_config, "max_position_embeddings", None)
-        if isinstance(limit, int) and seq > limit:
+        limit = self.dims.max_positions
+        if seq > limit:
             raise InputError(where, f"sequence length {seq} exceeds the model's maximum {limit} positions",
                              "truncate or split the sequences")
 
     def _random_ids(self, batch: int, seq: int) -> np.ndarray:
         """Input ids drawn from ``[run] seed``: the same on every launch of the job."""
-        return np.random.default_rng(self.job.run.seed).integers(0, self.model_config.vocab_size, (batch, seq))
+        return np.random.default_rng(self.job.run.seed).integers(0, self.dims.vocab_size, (batch, seq))
 
     # -- the run (faults abort) ----------------------------------------------------------------
 

@@ -22,6 +22,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 from .errors import ConfigError
 from .kv_cache import KvSpec
+from .supervisor import DEFAULT_STARTUP_TIMEOUT_S
 
 __all__ = ["PlacementPolicy", "KvPolicy", "Precision", "ModelSection", "RunSection",
            "PlacementSection", "RankOverride", "GenerateSection", "JobConfig", "load_job", "parse_job",
@@ -91,7 +92,7 @@ class RunSection:
     """Seed of the random input ids when none are given; ``seed_for(rank)`` derives from it."""
     timeout_s: float = 60.0
     """Longest any rank waits for another during the run before it names the laggard and aborts."""
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S  # the one default (also before the file is read)
     """Deadline for the start-up collectives (probe, plan, weight loading on a slow filesystem)."""
     wire: str = "f32"
     """Format of the hidden states between stages: f32 (exact, no copy) | bf16 | f16 (half the bytes)."""

@@ -204,7 +204,7 @@ class DecodeRing:
 
         what = lambda g: f"the hidden state of group {g}"  # noqa: E731
         self.ex = Executor(self.link, cx.ctx, rank_of=rank_of, codec=codec, what=what, record=False)
-        self.hidden = cx.model_config.hidden_size
+        self.hidden = cx.dims.hidden_size
         self.stats = GenStats()
 
     @property
@@ -407,14 +407,14 @@ def _start(cx: Any, opts: GenerateOptions, inputs: tuple):
     from .prompts import load_tokenizer, read_prompts
 
     cx.prepare()
-    cfg, job = cx.model_config, cx.job
+    dims, job = cx.dims, cx.job
     holder: dict = {}
 
     def load() -> dict | None:
         if not cx.is_root:
             return None
         tokenizer = load_tokenizer(job.model.checkpoint)
-        prompts = read_prompts(opts.prompts, vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings,
+        prompts = read_prompts(opts.prompts, vocab_size=dims.vocab_size, max_positions=dims.max_positions,
                                max_new_tokens=opts.max_new_tokens, tokenizer=tokenizer)
         journal = Journal(opts.out, prompts, inputs=(opts.prompts, job.path, job.model.checkpoint, *inputs),
                           sync_s=opts.sync_s)
