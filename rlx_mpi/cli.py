@@ -23,7 +23,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 from .errors import ConfigError
@@ -94,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--batch", type=int, metavar="B", help="sequences per group")
     g.add_argument("--groups", type=int, metavar="G", help="groups in flight (0 = one per stage)")
     g.add_argument("--json", metavar="STATS.json", help="write the run's per-rank stats and totals as JSON")
+    g.add_argument("--log-dir", metavar="DIR", help="one log per rank, DIR/rank-0003.log (lines prefixed with rank "
+                   "and host); only rank 0 logs to the terminal")
 
     pr = sub.add_parser("probe", help="show every launched rank's hardware (under mpiexec/srun)")
     pr.add_argument("job", nargs="?", help="optional job TOML: also checks its checkpoint is readable")
@@ -147,153 +148,27 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_run(args) -> int:
-    from mpi4py import MPI
+    from .drivers.run import RunDriver
 
-    from .cluster import Cluster
-    from .faults import agree
-    from .outputs import check_outputs, write_output
-    from .placement import format_plan
-
-    started = time.perf_counter()
-    from .launch import set_finish_timeout
-    from .logdir import setup_logging
-
-    world = MPI.COMM_WORLD
-    setup_logging(world, args.debug, args.log_dir, args.command)
-    cx = Cluster.from_path(args.job, debug=args.debug)
-    set_finish_timeout(cx.job.run.timeout_s, cx.world.size)
-
-    def outputs() -> list:  # before any compute: a bad output path must not cost the run
-        if world.rank != 0:
-            return []
-        inputs = {"the job file": args.job, "the checkpoint": cx.job.model.checkpoint,
-                  "the input ids": args.input_ids}
-        return check_outputs((("--out", args.out), ("--json", args.json), ("--trace", args.trace)), inputs)
-
-    checked = {o.flag: o for o in agree(cx.world, cx.ctx, cx.job.run.startup_timeout_s, outputs,
-                                        "checking the output paths")}
-    phase = _phases(cx, started)
-    with phase("load inputs"):
-        ids = cx.load_inputs(args.input_ids)
-    with phase("probe"):
-        cx.probe()
-    with phase("plan"):
-        plan = cx.plan()
-    if args.plan_only:
-        if cx.is_root:
-            print(format_plan(plan, cx.cost()))
-        return 0
-    with phase("build"):
-        cx.build()
-    run = cx.drive(ids, trace=bool(args.trace))
-    if run is None:
-        return 0
-    from .logdir import job_id
-
-    run.job_id = job_id()  # the table and the JSON name the Slurm job
-    print(run.table())
-    sys.stdout.flush()
-    if args.trace:
-        from .executor import trace_document
-        from .trace import save_trace
-
-        doc = trace_document(run)
-        write_output(checked["--trace"], lambda tmp: save_trace(doc, tmp))
-    if args.json:
-        write_output(checked["--json"], lambda tmp: tmp.write_text(run.to_json()))
-    if args.out:
-        import h5py
-
-        def write(tmp):
-            with h5py.File(tmp, "w", locking=False) as f:
-                f.create_dataset("logits", data=run.output)
-                f.attrs["stats"] = run.to_json()
-                f.attrs["job"] = str(Path(args.job).resolve())
-
-        write_output(checked["--out"], write, run.output.nbytes)
-    return 0
-
-
-def _generate_options(args, job):
-    """The job's [generate] section under the command-line flags, checked."""
-    from .generation import GenerateOptions
-    from .sampling import SamplingParams
-
-    sec = job.generate
-    pick = lambda flag, value: value if flag is None else flag  # noqa: E731
-    prompts = args.prompts or (str(sec.prompts) if sec.prompts else None)
-    out = args.out or (str(sec.out) if sec.out else None)
-    if not prompts:
-        raise ConfigError("generate --prompts", "no prompt file given", "pass --prompts FILE or set [generate] prompts")
-    if not out:
-        raise ConfigError("generate --out", "no output file given", "pass --out FILE or set [generate] out")
-    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--top-k", args.top_k, 0),
-                             ("--seed", args.seed, 0), ("--eos-id", args.eos_id, 0), ("--batch", args.batch, 1),
-                             ("--groups", args.groups, 0)):
-        if value is not None and value < low:
-            raise ConfigError(f"generate {flag}", f"got {value}", f"give an integer >= {low}")
-    seed = pick(args.seed, sec.seed if sec.seed is not None else job.run.seed)
-    sampling = SamplingParams(pick(args.temperature, sec.temperature), pick(args.top_k, sec.top_k),
-                              pick(args.top_p, sec.top_p), seed).check("generate")
-    return GenerateOptions(prompts=Path(prompts), out=Path(out), max_new_tokens=pick(args.max_new_tokens, sec.max_new_tokens),
-                           sampling=sampling, eos_id=pick(args.eos_id, sec.eos_id), batch=pick(args.batch, sec.batch),
-                           groups=pick(args.groups, sec.groups), sync_s=sec.sync_s)
+    driver = RunDriver(args.job, input_ids=args.input_ids, out=args.out, json=args.json, trace=args.trace,
+                       plan_only=args.plan_only)
+    return _on_the_cluster(args, driver)
 
 
 def cmd_generate(args) -> int:
-    from mpi4py import MPI
+    from .drivers.generate import GenerateDriver
 
+    return _on_the_cluster(args, GenerateDriver(args))
+
+
+def _on_the_cluster(args, driver) -> int:
+    """The shared start-up, the driver's work and its report (`cluster.py`, `drivers/`)."""
     from .cluster import Cluster
-    from .generation import generate
-    from .journal import REQUEUE_EXIT
-    from .outputs import check_output, write_output
 
-    from .logdir import setup_logging
-
-    world = MPI.COMM_WORLD
-    setup_logging(world, args.debug)
-    cx = Cluster.from_path(args.job, debug=args.debug)
-    opts = cx._agree(lambda: _generate_options(args, cx.job))
-
-    def json_output():  # before any compute, like run's outputs (rlx_mpi/outputs.py)
-        if not cx.is_root or not args.json:
-            return None
-        inputs = {"the job file": args.job, "the checkpoint": cx.job.model.checkpoint,
-                  "the prompt file": opts.prompts, "the output file": opts.out}
-        return check_output("--json", args.json, inputs)
-
-    json_out = cx._agree(json_output, "checking the output paths")
-    result = generate(cx, opts)
-    if result is None:
+    cx = Cluster.start(args.job, driver, debug=args.debug, log_dir=args.log_dir)
+    if cx is None:
         return 0
-    if cx.is_root:
-        print(result.table())
-        sys.stdout.flush()
-        if json_out is not None:
-            write_output(json_out, lambda tmp: tmp.write_text(json.dumps(result.to_dict(), indent=2)))
-    if result.stopped_by:
-        if cx.is_root:
-            print(f"rlx-mpi: stopped by {result.stopped_by} after the current step: "
-                  f"{result.done_before + result.done_now} of {result.total} prompts are in {opts.out}; "
-                  f"run the same command again to resume (exit code {REQUEUE_EXIT})", file=sys.stderr)
-        return REQUEUE_EXIT
-    return 0
-
-
-def _phases(cx, started: float):
-    """A context manager factory recording start-up phases (perf_counter) for the trace; the
-    first, "start", covers MPI init and the job file."""
-    import contextlib
-
-    cx.phases.append(("start", started, time.perf_counter() - started))
-
-    @contextlib.contextmanager
-    def phase(name: str):
-        t0 = time.perf_counter()
-        yield
-        cx.phases.append((name, t0, time.perf_counter() - t0))
-
-    return phase
+    return driver.report(cx, cx.run(driver))
 
 
 def cmd_trace(args) -> int:
@@ -431,8 +306,8 @@ def cmd_plan(args) -> int:
                           f"sequence length {seq} exceeds the model's maximum {dims.max_positions} positions",
                           f"plan at most {dims.max_positions} tokens per sequence")
     precision = _plan_precision(args.precision or args.dtype, args.ranks, job)
-    from .generation import kv_cost
     from .kv_cache import KvSpec
+    from .placement import kv_cost
 
     if args.kv_cache is not None:
         kv_specs = [KvSpec.parse(args.kv_cache, "plan --kv-cache")]

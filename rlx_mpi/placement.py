@@ -18,7 +18,7 @@ from .caps import NodeCaps
 from .config import PlacementPolicy, Precision
 from .errors import ConfigError, FitError
 
-__all__ = ["ModelCost", "Assignment", "plan_placement", "format_plan"]
+__all__ = ["ModelCost", "Assignment", "plan_placement", "format_plan", "kv_cost"]
 
 
 @dataclass(frozen=True)
@@ -406,3 +406,17 @@ def format_plan(plan: Sequence[Assignment], cost: ModelCost | None = None) -> st
         lines.append(f"{len(plan)} stages, {cost.n_layers} layers, "
                      f"{_gb(total)} estimated in total")
     return "\n".join(lines)
+
+
+def kv_cost(cost: ModelCost, specs: list, max_seq: int) -> ModelCost:
+    """``cost`` for (slots, max_seq) with its KV term cut to what the cache policies keep.
+
+    A family prices K and V of every layer for batch x seq tokens; ``none`` keeps no positions
+    and ``window:W`` keeps W (`kv_cache.KvSpec.cache_len`), so the planner (and the fit check)
+    see the real cache. The largest policy of any rank counts, as one layer's bytes are the
+    same on every stage.
+    """
+    import dataclasses
+
+    kept = max(s.cache_len(max_seq) for s in specs)
+    return dataclasses.replace(cost, kv_bytes_per_layer=cost.kv_bytes_per_layer * kept // max_seq)
