@@ -24,7 +24,7 @@ from .errors import ConfigError
 from .kv_cache import KvSpec
 from .supervisor import DEFAULT_STARTUP_TIMEOUT_S
 
-__all__ = ["PlacementPolicy", "KvPolicy", "Precision", "ModelSection", "RunSection",
+__all__ = ["PlacementPolicy", "Precision", "ModelSection", "RunSection",
            "PlacementSection", "RankOverride", "GenerateSection", "JobConfig", "load_job", "parse_job",
            "WIRE_FORMATS"]
 
@@ -37,14 +37,6 @@ class PlacementPolicy(str, enum.Enum):
     COMPUTE = "compute"  # proportional to each stage's measured GFLOP/s
     BALANCED = "balanced"  # minimise the slowest stage's time, every stage within its memory
     MANUAL = "manual"  # explicit ranges from the job file
-
-
-class KvPolicy(str, enum.Enum):
-    """Whether a rank keeps a KV cache during generation (`kv_cache.KvSpec` adds window:W)."""
-
-    NONE = "none"
-    FULL = "full"
-    WINDOW = "window"
 
 
 class Precision(str, enum.Enum):
@@ -89,7 +81,7 @@ class RunSection:
     microbatches: int = 1
     """Microbatches the batch is cut into, so stages work on different ones at once."""
     seed: int = 0
-    """Seed of the random input ids when none are given; ``seed_for(rank)`` derives from it."""
+    """Seed of the random input ids when none are given."""
     timeout_s: float = 60.0
     """Longest any rank waits for another during the run before it names the laggard and aborts."""
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S  # the one default (also before the file is read)
@@ -166,10 +158,6 @@ class JobConfig:
     placement: PlacementSection = field(default_factory=PlacementSection)
     ranks: tuple[RankOverride, ...] = ()
     generate: GenerateSection = field(default_factory=GenerateSection)
-
-    def seed_for(self, rank: int) -> int:
-        """A distinct, reproducible seed per rank, derived from ``run.seed``."""
-        return (self.run.seed * 1_000_003 + rank) % (2**32)
 
     def kv_for(self, rank: int) -> KvSpec:
         """The KV cache policy of ``rank``: its [[rank]] kv_cache, else [run] kv_cache."""
@@ -375,7 +363,7 @@ def _coerce(name: str, type_name: str, value: Any, where: str, job_path: Path) -
         return float(value)
     if t == "KvSpec":
         return KvSpec.parse(value, where)
-    enums = {"PlacementPolicy": PlacementPolicy, "KvPolicy": KvPolicy, "Precision": Precision}
+    enums = {"PlacementPolicy": PlacementPolicy, "Precision": Precision}
     if t in enums:
         choices = [m.value for m in enums[t]]
         if t == "Precision" and isinstance(value, str):

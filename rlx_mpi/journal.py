@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .errors import InputError, RankFault, RlxError
+from .errors import InputError, RankFault
 from .prompts import Prompt
 
-__all__ = ["Journal", "Stopped", "REQUEUE_EXIT", "MAX_ROW_BYTES"]
+__all__ = ["Journal", "REQUEUE_EXIT", "MAX_ROW_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -44,18 +44,6 @@ log = logging.getLogger(__name__)
 REQUEUE_EXIT = 75
 MAX_ROW_BYTES = 1 << 26  # 64 MiB: a longer line in an output file is not one of our rows
 _ROW_START = b'{"id":"'  # every row begins so (id first, compact JSON): a torn one too
-
-
-class Stopped(RlxError):
-    """The job was asked to stop (a signal); what was complete is written. Rerun to resume.
-
-    Raise it where every rank agrees (inside `rlx_mpi.faults.agree`, which turns it into one
-    `AgreedFailure` on every rank: rank 0 prints the line and all exit with `REQUEUE_EXIT`);
-    raised on one rank alone, the CLI takes it for a fault and aborts the job, though still
-    with this exit code.
-    """
-
-    exit_code = REQUEUE_EXIT
 
 
 class Journal:
