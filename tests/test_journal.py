@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import rows_of
 from rlx_mpi.errors import EXIT_BAD_INPUT, InputError
 from rlx_mpi.journal import REQUEUE_EXIT, Journal
 from rlx_mpi.prompts import Prompt
@@ -33,10 +34,6 @@ def expected_bytes(ps: list[Prompt]) -> bytes:
     """An uninterrupted run's file, made independently of Journal."""
     return b"".join(json.dumps({"id": p.id, **row(p.index)}, ensure_ascii=False,
                                separators=(",", ":")).encode() + b"\n" for p in ps)
-
-
-def rows_of(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_bytes().split(b"\n") if line]
 
 
 def test_requeue_code_is_documented_and_distinct():
