@@ -25,6 +25,7 @@ import os
 import sys
 from pathlib import Path
 
+from . import rules
 from .errors import ConfigError
 from .launch import launch_rank
 
@@ -290,21 +291,15 @@ def cmd_plan(args) -> int:
     dims = family.dims(cfg)
     tp = args.tp if args.tp is not None else (job.placement.tp if job else 1)
     family.check_tp(cfg, tp, "plan --tp")
-    if args.ranks % tp:
-        raise ConfigError("plan --ranks", f"tp = {tp} does not divide the {args.ranks} ranks",
-                          f"give --ranks a multiple of {tp}, or another --tp")
+    rules.tp_divides_ranks(args.ranks, tp, "plan --ranks", launched=False)
     if job is not None:
         job.check_layers(dims.n_layers, args.ranks, tp)
-    elif args.ranks // tp > dims.n_layers:
-        n = dims.n_layers
-        raise ConfigError("plan --ranks", f"{args.ranks // tp} stages ({args.ranks} ranks / tp {tp}) but the model "
-                          f"has only {n} layers", f"give at most {n * tp} ranks, or a larger --tp")
+    else:
+        rules.stages_fit_layers(args.ranks, tp, dims.n_layers, "plan --ranks")
     batch = args.batch or (job.run.batch if job else 1)
     seq = args.seq or (job.run.seq if job else (2048 if given else min(2048, dims.max_positions)))
-    if not given and seq > dims.max_positions:  # what `run` would refuse (shape flags carry no limit)
-        raise ConfigError("plan --seq" if args.seq else f"{job.path}: [run] seq",
-                          f"sequence length {seq} exceeds the model's maximum {dims.max_positions} positions",
-                          f"plan at most {dims.max_positions} tokens per sequence")
+    if not given:  # what `run` would refuse (shape flags carry no limit)
+        rules.seq_fits(seq, dims.max_positions, "plan --seq" if args.seq or job is None else f"{job.path}: [run] seq", ConfigError)
     precision = _plan_precision(args.precision or args.dtype, args.ranks, job)
     from .kv_cache import KvSpec
     from .placement import kv_cost
@@ -341,17 +336,13 @@ def _kv_text(specs) -> str:
 
 def _plan_precision(flag: str | None, ranks: int, job) -> list[str] | None:
     """Each rank's weight precision for ``plan``: --precision, else the job's, else None (--dtype)."""
-    from .config import _PRECISION_ALIASES, Precision
+    from .config import Precision
 
     if flag is None:
         if job is None or not (job.run.precision is not Precision.F32 or any(o.precision for o in job.ranks)):
             return None
         return [job.precision_for(r).value for r in range(ranks)]
-    names = [_PRECISION_ALIASES.get(p.strip(), p.strip()) for p in flag.split(",")]
-    choices = [p.value for p in Precision]
-    bad = [p for p in names if p not in choices]
-    if bad:
-        raise ConfigError("plan --precision", f"got {bad[0]!r}", f"expected one of {choices}, or a comma list of them")
+    names = [rules.precision_name(p.strip(), "plan --precision") for p in flag.split(",")]
     if len(names) == 1:
         return names * ranks
     if len(names) != ranks:
@@ -367,11 +358,9 @@ def _check_plan_flags(args) -> None:
               "--heads": args.heads, "--kv-heads": args.kv_heads, "--intermediate": args.intermediate,
               "--vocab": args.vocab, "--head-dim": args.head_dim, "--max-positions": args.max_positions}
     for flag, value in counts.items():
-        if value is not None and value < 1:
-            raise ConfigError(f"plan {flag}", f"got {value}", "give an integer >= 1")
-    for flag, value in (("--experts", args.experts), ("--top-k", args.top_k)):
-        if value is not None and value < 0:
-            raise ConfigError(f"plan {flag}", f"got {value}", "give an integer >= 0 (0: a dense model)")
+        rules.int_at_least(value, 1, f"plan {flag}")
+    for flag, value in (("--experts", args.experts), ("--top-k", args.top_k)):  # 0: a dense model
+        rules.int_at_least(value, 0, f"plan {flag}")
     for flag, value, low in (("--mem-gb", args.mem_gb, 0.0), ("--gflops", args.gflops, 0.0),
                              ("--reserve-gb", args.reserve_gb, None)):
         if value is not None and not (math.isfinite(value) and (value > low if low is not None else value >= 0)):
@@ -387,8 +376,7 @@ def _check_plan_flags(args) -> None:
               "--experts": (args.experts, 2**20), "--top-k": (args.top_k, 2**20),
               "--mem-gb": (args.mem_gb, 1e9), "--gflops": (args.gflops, 1e12), "--reserve-gb": (args.reserve_gb, 1e6)}
     for flag, (value, most) in limits.items():
-        if value is not None and value > most:
-            raise ConfigError(f"plan {flag}", f"got {value}", f"give at most {most:g}")
+        rules.at_most(value, most, f"plan {flag}")
 
 
 def cmd_convert(args) -> int:

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from . import transport
+from . import rules, transport
 from .caps import NodeCaps, gather_local_affinity, mpi_versions_differ, probe_local
 from .checkpoint import H5ParamSource, read_header
 from .config import JobConfig, load_job
@@ -358,10 +358,7 @@ class Cluster:
             where = str(path)
             ids = _read_ids(Path(path), where, lambda shape: self._check_seq(shape[1], where))
             self.family.check_inputs(self.model_config, ids, where)
-            mb = self.job.run.microbatches
-            if ids.shape[0] < mb:  # uneven splits are fine (the last microbatches one row smaller)
-                raise InputError(where, f"batch {ids.shape[0]} is smaller than [run] microbatches = {mb}",
-                                 "lower microbatches to at most the number of sequences")
+            rules.microbatches_fit(self.job.run.microbatches, ids.shape[0], where, InputError)
             return ids.astype(np.int64)
 
         ids = self.agree(load, "reading the input ids")
@@ -372,10 +369,7 @@ class Cluster:
         return ids
 
     def _check_seq(self, seq: int, where: str) -> None:
-        limit = self.dims.max_positions
-        if seq > limit:
-            raise InputError(where, f"sequence length {seq} exceeds the model's maximum {limit} positions",
-                             "truncate or split the sequences")
+        rules.seq_fits(seq, self.dims.max_positions, where)
 
     def random_ids(self, batch: int, seq: int) -> np.ndarray:
         """Input ids drawn from ``[run] seed``: the same on every launch of the job."""
@@ -482,11 +476,7 @@ def _read_ids(path: Path, where: str, check_shape) -> np.ndarray:
         raise InputError(where, f"not a readable .npy header ({e})", fix) from None
     if dtype.hasobject:
         raise InputError(where, "holds Python objects (pickled data), not integers", fix)
-    if dtype.kind not in "iu":
-        raise InputError(where, f"input ids have dtype {dtype}", "save them as an integer array (np.int64)")
-    if len(shape) != 2:
-        raise InputError(where, f"input ids have shape {shape}, expected 2-D [batch, seq]",
-                         "reshape to [batch, seq], e.g. ids[None, :] for one sequence")
+    rules.ids_array(dtype, shape, where)
     check_shape(shape)
     need = int(np.prod(shape, dtype=object)) * dtype.itemsize
     if need != data_bytes:

@@ -191,7 +191,7 @@ CASES = [
          "ids.txt: not a .npy file (no NUMPY header)"),
     Case("ids-vs-microbatches", lambda d, c: run_args(d, c, ids=np.zeros((1, 4), np.int64),
                                                       run={"batch": 2, "microbatches": 2}),
-         BAD_INPUT, "batch 1 is smaller than [run] microbatches = 2"),
+         BAD_INPUT, "ids.npy: 2 microbatches for batch = 1"),
     # -- output files ---------------------------------------------------------------------------
     Case("out-folder-missing", lambda d, c: ["run", job(d, c), "--out", d / "no" / "out.h5"], BAD_INPUT,
          "/no/out.h5: folder"),

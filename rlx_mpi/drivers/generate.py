@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import transport
+from .. import rules, transport
 from ..errors import ConfigError
 from ..executor import Executor, wire_codec
 from ..sampling import SamplingParams, sample
@@ -221,8 +221,7 @@ class GenerateOptions:
         for flag, value, low in (("--max-new-tokens", flags.max_new_tokens, 1), ("--top-k", flags.top_k, 0),
                                  ("--seed", flags.seed, 0), ("--eos-id", flags.eos_id, 0), ("--batch", flags.batch, 1),
                                  ("--groups", flags.groups, 0)):
-            if value is not None and value < low:
-                raise ConfigError(f"generate {flag}", f"got {value}", f"give an integer >= {low}")
+            rules.int_at_least(value, low, f"generate {flag}")
         seed = pick(flags.seed, sec.seed if sec.seed is not None else job.run.seed)
         sampling = SamplingParams(pick(flags.temperature, sec.temperature), pick(flags.top_k, sec.top_k),
                                   pick(flags.top_p, sec.top_p), seed).check("generate")

@@ -249,7 +249,7 @@ def _spec(cx: Any, batch: int, seq: int, last: bool) -> tuple[tuple[int, ...], n
 def trace_document(run: Any) -> dict:
     """A `ClusterRun` gathered with ``trace=True`` as a Chrome Trace Event object (trace.py):
     one lane per rank, start-up phases and the forward's spans on the barrier-aligned clock."""
-    from .trace import Span, chrome_trace
+    from ..trace import Span, chrome_trace
 
     spans = [Span(int(rank), name, cat, start, dur, args)
              for rank, items in run.spans.items() for name, cat, start, dur, args in items]

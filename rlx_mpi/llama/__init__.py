@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .. import rules
 from ..errors import ConfigError, InputError
 from ..placement import ModelCost
 from ..stage import ModelDims, ParamSource, TensorParallel
@@ -89,16 +90,10 @@ class LlamaFamily:
         return (batch, seq, cfg.vocab_size if last else cfg.hidden_size), np.dtype(np.float32)
 
     def check_inputs(self, cfg: LlamaConfig, ids: np.ndarray, where: str) -> None:
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise InputError(where, f"input ids have dtype {ids.dtype}", "save them as an integer array (np.int64)")
-        if ids.ndim != 2:
-            raise InputError(where, f"input ids have shape {ids.shape}, expected 2-D [batch, seq]",
-                             "reshape to [batch, seq], e.g. ids[None, :] for one sequence")
+        rules.ids_array(ids.dtype, ids.shape, where)
         if ids.size == 0:
             raise InputError(where, f"input ids are empty (shape {ids.shape})", "give at least one token")
-        if ids.shape[1] > cfg.max_position_embeddings:
-            raise InputError(where, f"sequence length {ids.shape[1]} exceeds the model's maximum "
-                             f"{cfg.max_position_embeddings} positions", "truncate or split the sequences")
+        rules.seq_fits(ids.shape[1], cfg.max_position_embeddings, where)
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= cfg.vocab_size:
             bad = low if low < 0 else high
