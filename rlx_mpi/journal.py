@@ -80,24 +80,16 @@ class Journal:
     # -- opening -------------------------------------------------------------------------------
 
     def _check_path(self, inputs: Iterable) -> None:
-        where = f"output {self.path}"
-        if self.path.is_dir():
-            raise InputError(where, "is a directory", "give a file path for the completions")
-        if self.path.exists() and not self.path.is_file():  # opening a FIFO or device can block or harm
-            raise InputError(where, "is not a regular file (a pipe, a device)",
-                             "give a file path: the job resumes from what the file holds")
-        if not self.path.parent.is_dir():
-            raise InputError(where, f"the folder {self.path.parent} does not exist", "create it first")
-        for inp in inputs:
-            if inp is None:
-                continue
-            inp = Path(inp)
-            same = self.path.resolve() == inp.resolve()
-            if not same and self.path.exists() and inp.exists():
-                same = os.path.samefile(self.path, inp)  # a hard link, a bind mount
-            if same:
-                raise InputError(where, f"is the input file {inp}",
-                                 "write the completions to another file; inputs are never overwritten")
+        """The output-path rules every command shares (`outputs.check_output`: not a folder, not
+        a device or pipe, its folder writable, never an input), as this module's `InputError`."""
+        from .errors import ConfigError
+        from .outputs import check_output
+
+        try:
+            check_output("output", self.path, {f"the input file {p}": p for p in inputs if p is not None},
+                         stream_ok=False)
+        except ConfigError as e:
+            raise InputError(e.where, e.what, e.fix) from None
 
     def _open(self) -> int:
         where = f"output {self.path}"
