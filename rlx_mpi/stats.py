@@ -20,7 +20,8 @@ def peak_rss_bytes() -> int:
 
 @dataclass(frozen=True)
 class StageTiming:
-    """What one rank measured during build and forward."""
+    """What one rank measured: the one per-rank record of every command (``run``'s forward,
+    ``generate``'s ring). The generate-only fields are None for a run and left out of its JSON."""
 
     rank: int
     host: str
@@ -41,9 +42,15 @@ class StageTiming:
     unpack_ms: float = 0.0  # decoding received inputs to float32
     wall_ms: float = 0.0  # from the common start of the forward to this rank's last action
     precision: str = "f32"  # how this rank holds its weights (f32 | bf16 | f16 | int8)
+    # generate: the KV cache policy and bytes, compute split into prefill, decode and sampling
+    kv: str | None = None
+    kv_bytes: int | None = None
+    prefill_ms: float | None = None
+    decode_ms: float | None = None
+    sample_ms: float | None = None
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = {k: v for k, v in asdict(self).items() if v is not None}
         d["layers"] = [self.layers.start, self.layers.stop]
         d["tp_ranks"] = list(self.tp_ranks)
         return d
@@ -141,7 +148,7 @@ class ClusterRun:
 class GenerateResult:
     """What rank 0 reports at the end of ``generate``: per-rank rows and the totals."""
 
-    rows: list[dict]  # per-rank stats (drivers/generate.py)
+    timings: list[StageTiming]  # one per rank
     total: int
     done_before: int
     done_now: int
@@ -150,18 +157,19 @@ class GenerateResult:
     stopped_by: str | None  # a signal name when stopped early
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = {k: v for k, v in asdict(self).items() if k != "timings"}
+        return {"rows": [t.to_dict() for t in self.timings], **d}
 
     def table(self) -> str:
         head = ("stage", "rank", "tp", "layers", "kv", "prefill_ms", "decode_ms", "sample_ms", "recv_wait_ms",
                 "send_ms", "kv_MB", "weights_MB", "peak_rss_MB")
         rows = []
-        for r in sorted(self.rows, key=lambda r: (r["stage"], r["tp_rank"])):
-            tp = ",".join(map(str, r["tp_ranks"])) if len(r["tp_ranks"]) > 1 else "-"
-            rows.append((str(r["stage"]), str(r["rank"]), tp, f"{r['layers'][0]}:{r['layers'][1]}", r["kv"],
-                         f"{r['prefill_s'] * 1e3:.1f}", f"{r['decode_s'] * 1e3:.1f}", f"{r['sample_s'] * 1e3:.1f}",
-                         f"{r['recv_wait_s'] * 1e3:.1f}", f"{r['send_wait_s'] * 1e3:.1f}",
-                         _mb(r["kv_bytes"]), _mb(r["weight_bytes"]), _mb(r["peak_rss_bytes"])))
+        for t in sorted(self.timings, key=lambda t: (t.stage, t.tp_rank)):
+            tp = ",".join(map(str, t.tp_ranks)) if len(t.tp_ranks) > 1 else "-"
+            rows.append((str(t.stage), str(t.rank), tp, f"{t.layers.start}:{t.layers.stop}", t.kv or "-",
+                         f"{t.prefill_ms or 0.0:.1f}", f"{t.decode_ms or 0.0:.1f}", f"{t.sample_ms or 0.0:.1f}",
+                         f"{t.recv_wait_ms:.1f}", f"{t.send_ms:.1f}",
+                         _mb(t.kv_bytes or 0), _mb(t.weight_bytes), _mb(t.peak_rss_bytes)))
         rate = self.new_tokens / self.wall_s if self.wall_s > 0 else float("nan")
         return (format_table(head, rows, left=(4,)) + "\n"
                 f"{self.done_now} prompts completed in {self.wall_s:.2f} s ({self.done_before} done before, "

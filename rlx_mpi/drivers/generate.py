@@ -43,7 +43,7 @@ from ..executor import Executor, wire_codec
 from ..sampling import SamplingParams, sample
 from ..schedule import Action, decode_step_actions
 from ..scheduler import PREFILL, STOP, Scheduler, Seq, Step, make_header, read_header
-from ..stats import GenerateResult, peak_rss_bytes
+from ..stats import GenerateResult, StageTiming, peak_rss_bytes
 
 __all__ = ["GenerateDriver", "GenerateOptions", "DecodeRing", "GenStats", "GenerateResult"]
 
@@ -53,7 +53,7 @@ _TAG_HEADER, _TAG_HIDDEN = 7, 1000  # tokens return on the hidden tag, in the ot
 
 @dataclass
 class GenStats:
-    """What one rank measured during generation."""
+    """The ring's running sums on one rank, copied into its `stats.StageTiming` at the end."""
 
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -379,12 +379,16 @@ class GenerateDriver:
             progress.finish()
         a = cx.assignment
         st, ex = ring.stats, ring.ex.stats
-        mine = {"rank": cx.world.rank, "stage": a.stage, "tp_rank": topo.tp_rank, "tp_ranks": list(a.ranks),
-                "layers": [a.layers.start, a.layers.stop], "kv": str(kv), "prefill_s": st.prefill_s,
-                "decode_s": st.decode_s, "sample_s": st.sample_s,
-                "recv_wait_s": ex.recv_wait_s + ring.ring.recv_wait_s,
-                "send_wait_s": ex.send_wait_s, "kv_bytes": self.kv_bytes, "weight_bytes": cx.stage.weight_bytes,
-                "peak_rss_bytes": peak_rss_bytes(), "stopped": bool(stopped) if topo.stage == 0 else False,
+        timing = StageTiming(
+            rank=cx.world.rank, host=cx.ctx.host, stage=a.stage, tp_rank=topo.tp_rank, tp_ranks=a.ranks,
+            layers=a.layers, device=job.override_for(cx.world.rank).device, build_ms=cx.build_ms,
+            forward_ms=ex.compute_s * 1e3, recv_wait_ms=(ex.recv_wait_s + ring.ring.recv_wait_s) * 1e3,
+            send_ms=ex.send_wait_s * 1e3, bytes_sent=ex.bytes_sent, est_bytes=a.est_bytes,
+            weight_bytes=cx.stage.weight_bytes, peak_rss_bytes=peak_rss_bytes(), pack_ms=ex.pack_s * 1e3,
+            unpack_ms=ex.unpack_s * 1e3, wall_ms=wall * 1e3, precision=job.precision_for(cx.world.rank).value,
+            kv=str(kv), kv_bytes=self.kv_bytes, prefill_ms=st.prefill_s * 1e3, decode_ms=st.decode_s * 1e3,
+            sample_ms=st.sample_s * 1e3)
+        mine = {"timing": timing.to_dict(), "stopped": bool(stopped) if topo.stage == 0 else False,
                 "signal": stop.signal_name}
         grace = max(1.0, 0.1 * timeout)
         rows = transport.gather_json(cx.world, mine, 0, timeout + (topo.n_stages + 1) * grace, cx.ctx,
@@ -393,7 +397,8 @@ class GenerateDriver:
         if rows is not None and rows[0]["stopped"]:
             stopped_by = next((r["signal"] for r in rows if r["signal"]), None) or "a stop request"
         stopped_by = transport.bcast_json(cx.world, stopped_by, 0, timeout, cx.ctx, "the end of the run")
-        return GenerateResult(rows=rows or [], total=doc["total"], done_before=done_before, done_now=counts["done"],
+        timings = [StageTiming.from_dict(r["timing"]) for r in rows or []]
+        return GenerateResult(timings=timings, total=doc["total"], done_before=done_before, done_now=counts["done"],
                               new_tokens=counts["tokens"], wall_s=wall, stopped_by=stopped_by)
 
     def report(self, cx: Any, result: GenerateResult | None) -> int:
