@@ -18,7 +18,7 @@ _HOME = {
     "NodeCaps": "caps",
     "Cluster": "cluster",
     "ReduceKind": "collectives", "all_reduce": "collectives",
-    "JobConfig": "config", "KvPolicy": "config", "PlacementPolicy": "config", "load_job": "config",
+    "JobConfig": "config", "PlacementPolicy": "config", "load_job": "config",
     "CheckpointError": "errors", "ConfigError": "errors", "DeadlineExpired": "errors", "FitError": "errors",
     "InputError": "errors", "RankFault": "errors", "RlxError": "errors",
     "Assignment": "placement", "ModelCost": "placement", "plan_placement": "placement",
@@ -27,7 +27,7 @@ _HOME = {
     "ClusterRun": "stats", "StageTiming": "stats",
 }
 
-__all__ = ["Cluster", "ClusterRun", "StageTiming", "JobConfig", "load_job", "PlacementPolicy", "KvPolicy",
+__all__ = ["Cluster", "ClusterRun", "StageTiming", "JobConfig", "load_job", "PlacementPolicy",
            "NodeCaps", "ModelCost", "Assignment", "plan_placement", "all_reduce", "ReduceKind", "Stage",
            "ParamSource", "ModelFamily", "ModelDims", "TensorParallel", "register_family", "RlxError", "ConfigError",
            "CheckpointError", "InputError", "FitError", "RankFault", "DeadlineExpired"]

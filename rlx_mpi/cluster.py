@@ -1,50 +1,51 @@
-"""The seed's `Cluster` over one MPI launch: config -> probe -> plan -> build -> drive.
+"""`Cluster`: the one start-up every MPI command shares, and what its driver may use.
 
-Every rank runs the same calls in the same order. Start-up steps are agreed (a bad input on
-any rank becomes the same `AgreedFailure` on all); a fault in `drive` aborts the job.
+    cx = Cluster.start("jobs/tiny.toml", driver)   # every rank; None when there is nothing to do
+    result = cx.run(driver)                         # the command's work (faults abort the job)
+    code = driver.report(cx, result)
 
-    cx = Cluster.from_path("jobs/tiny.toml")   # every rank
-    cx.probe(); cx.plan(); cx.build()
-    run = cx.drive()                           # ClusterRun on rank 0, None elsewhere
-    if run: print(run.table())
+`start` is: logging (``--log-dir``) -> the job file -> the finish deadline (`launch.py`) ->
+the driver's options -> agreed output checks (before any compute) -> the driver's inputs
+(which fix batch and seq) -> probe -> plan (the driver's cost) -> build -> the driver's
+ready step. `run` installs the stop signals when the driver acts on them (``generate``) and
+turns any fault into one report and an abort. Every rank runs the same calls in the same
+order; start-up steps are agreed (`agree`: a bad input on any rank becomes the same
+`AgreedFailure` on all). Drivers live in `rlx_mpi.drivers`; they read the cluster's public
+attributes (``job``, ``world``, ``ctx``, ``family``, ``model_config``, ``dims``, ``stage``,
+``topology``, ``assignment``, ``plan_``, ``batch``, ``seq``, ``outputs``, ``stop``) and never
+assign them.
 """
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 import logging
 import os
-import resource
 import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
-from . import transport
+from . import rules, transport
 from .caps import NodeCaps, gather_local_affinity, mpi_versions_differ, probe_local
 from .checkpoint import H5ParamSource, read_header
 from .config import JobConfig, load_job
 from .errors import CheckpointError, ConfigError, FitError, InputError
-from .faults import RankContext, agree, check_finite, report_and_abort, wait
+from .faults import RankContext, agree, report_and_abort
 from .outputs import check_output
 from .supervisor import default_startup_timeout_s
 from .placement import Assignment, ModelCost, plan_placement
-from .families import get_family
-from .stage import Stage, TensorParallel
+from .families import get_family, load_plugins, require_preset
+from .stage import ModelDims, Stage, TensorParallel
 from .stats import ClusterRun
 from .topology import Topology, make_grid
 
-__all__ = ["Cluster", "peak_rss_bytes"]
+__all__ = ["Cluster"]
 
 log = logging.getLogger("rlx_mpi")
-
-
-def peak_rss_bytes() -> int:
-    """High-water mark of this process's resident memory (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _pin_threads(cpus: int | None) -> None:
@@ -79,6 +80,74 @@ class Cluster:
         self.build_ms = 0.0
         self._prepared = False
         self.phases: list[tuple[str, float, float]] = []  # start-up (name, perf_counter start, seconds) for the trace
+        self.outputs: dict[str, Any] = {}  # flag -> outputs.Output, checked at start-up (rank 0)
+        self.stop: Any = None  # signals.StopRequest while a driver that acts on stop signals runs
+
+    # -- the shared start-up ---------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, job_path: str | os.PathLike, driver: Any, *, debug: bool = False,
+              log_dir: str | os.PathLike | None = None) -> "Cluster | None":
+        """The start-up of every MPI command (see the module docstring); None when the driver
+        has nothing to do (every prompt already complete). ``driver.plan_only`` stops after the plan."""
+        from mpi4py import MPI
+
+        from .launch import set_finish_timeout
+        from .logdir import setup_logging
+        from .outputs import check_outputs
+
+        started = time.perf_counter()
+        setup_logging(MPI.COMM_WORLD, debug, log_dir, driver.command)
+        cx = cls.from_path(job_path, debug=debug)
+        set_finish_timeout(cx.job.run.timeout_s, cx.world.size)
+        cx.phases.append(("start", started, time.perf_counter() - started))
+        cx.agree(lambda: driver.configure(cx), "reading the command's options")
+
+        def outputs() -> list:  # before any compute: a bad output path must not cost the run
+            return check_outputs(*driver.outputs(cx)) if cx.is_root else []
+
+        cx.outputs = {o.flag: o for o in cx.agree(outputs, "checking the output paths")}
+        with cx.phase("load inputs"):
+            shape = driver.load(cx)
+        if shape is None:
+            return None
+        cx.batch, cx.seq = shape
+        with cx.phase("probe"):
+            cx.probe()
+        with cx.phase("plan"):
+            cx.plan(driver.cost(cx))
+        driver.check_plan(cx)
+        if driver.plan_only:
+            return cx
+        with cx.phase("build"):
+            cx.build()
+        driver.ready(cx)
+        return cx
+
+    def run(self, driver: Any) -> Any:
+        """The driver's work (`driver.drive`) under the run's deadlines; the stop signals are
+        caught meanwhile when ``driver.stop_signals`` (``cx.stop``). Any exception on any rank is
+        reported once and aborts the job."""
+        self.ctx.extra["deadline_setting"] = "[run] timeout_s"
+        if driver.stop_signals:
+            from .signals import StopRequest
+
+            self.stop = StopRequest().install()
+        try:
+            return driver.drive(self)
+        except Exception:
+            report_and_abort(self.world, self.ctx, sys.exc_info())
+            raise
+        finally:
+            if self.stop is not None:
+                self.stop.restore()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Record a start-up phase (perf_counter start, seconds) for the trace."""
+        t0 = time.perf_counter()
+        yield
+        self.phases.append((name, t0, time.perf_counter() - t0))
 
     # -- start-up (agreed) ---------------------------------------------------------------------
 
@@ -99,7 +168,9 @@ class Cluster:
         return cls(agree(world, ctx, default_startup_timeout_s(), load, "reading the job file",
                          "RLX_MPI_STARTUP_TIMEOUT_S"), comm=comm, debug=debug)
 
-    def _agree(self, fn, what: str = "start-up"):
+    def agree(self, fn, what: str = "start-up"):
+        """``fn()`` on every rank as one agreed step under ``[run] startup_timeout_s``: if it raises
+        on any rank, every rank raises the same `AgreedFailure` (see `faults.agree`)."""
         return agree(self.world, self.ctx, self.job.run.startup_timeout_s, fn, what)
 
     @property
@@ -115,13 +186,8 @@ class Cluster:
 
         def create() -> None:
             if self.is_root and not ckpt.exists() and self.job.model.preset:
-                from .llama import PRESETS
-                from .llama.init import init_random
-
                 preset = self.job.model.preset
-                if preset not in PRESETS:
-                    raise ConfigError(f"{self.job.path}: [model] preset", f"got {preset!r}",
-                                      f"expected one of {sorted(PRESETS)}")
+                family, cfg = require_preset(preset, f"{self.job.path}: [model] preset")
                 try:
                     ckpt.parent.mkdir(parents=True, exist_ok=True)
                 except OSError as e:
@@ -132,24 +198,15 @@ class Cluster:
                              stream_ok=False)
                 log.info("checkpoint %s not found: creating it from preset %r (seed %d)", ckpt, preset,
                          self.job.model.init_seed)
-                init_random(ckpt, PRESETS[preset], self.job.model.init_seed)
+                family.init_random(ckpt, cfg, seed=self.job.model.init_seed)
                 created.append(True)
 
-        self._agree(create, "creating the preset checkpoint")
-        self._agree(lambda: _check_everywhere(self.world, self.ctx, ckpt, self.job.run.startup_timeout_s,
+        self.agree(create, "creating the preset checkpoint")
+        self.agree(lambda: _check_everywhere(self.world, self.ctx, ckpt, self.job.run.startup_timeout_s,
                                               bool(created)), "checking every rank sees the checkpoint")
 
         def header() -> None:
-            for module in self.job.model.plugins:
-                try:
-                    importlib.import_module(module)
-                except ImportError as e:
-                    raise ConfigError(f"{self.job.path}: [model] plugins", f"cannot import {module!r} ({e})",
-                                      "install the module or fix PYTHONPATH on every node") from None
-                except Exception as e:  # the plug-in's own bug: one line, not a traceback per rank
-                    raise ConfigError(f"{self.job.path}: [model] plugins",
-                                      f"importing {module!r} raised {type(e).__name__}: {e}",
-                                      "fix the plug-in (run python -c 'import " + module + "' to see the traceback)") from None
+            load_plugins(self.job.model.plugins, f"{self.job.path}: [model] plugins")
             family_name, config_json = read_header(ckpt)
             self._digests = {"job": _digest(Path(self.job.path).read_bytes()),
                              "ckpt": _digest(f"{family_name}|{config_json}|{ckpt.stat().st_size}".encode())}
@@ -162,7 +219,7 @@ class Cluster:
             self.job.check_layers(family.cost(cfg, 1, 1).n_layers, self.world.size)
             self.family, self.model_config = family, cfg
 
-        self._agree(header, "reading the checkpoint header")
+        self.agree(header, "reading the checkpoint header")
         self._agree_inputs_match()
         self._prepared = True
 
@@ -183,14 +240,14 @@ class Cluster:
                                       "a stale node-local copy? give every node the same file (a shared "
                                       "filesystem, or copy it again)")
 
-        self._agree(same, "comparing the job file and checkpoint across ranks")
+        self.agree(same, "comparing the job file and checkpoint across ranks")
 
     def probe(self) -> list[NodeCaps]:
         """Every rank probes itself and pins its BLAS threads; rank 0 gathers all (agreed)."""
         self.prepare()
         local = self.world.Split_type(_shared_type())
         affinity = gather_local_affinity(local, self.job.run.startup_timeout_s, self.ctx)
-        mine = self._agree(lambda: probe_local(self.world.rank, local.rank, local.size,
+        mine = self.agree(lambda: probe_local(self.world.rank, local.rank, local.size,
                                                self.job.model.checkpoint, self.job.placement.measure_gflops,
                                                affinity),
                            "probing this rank")
@@ -209,8 +266,14 @@ class Cluster:
                 raise CheckpointError(str(self.job.model.checkpoint), f"not readable on ranks {bad} (hosts {hosts})",
                                       "put the checkpoint on a filesystem every node mounts")
 
-        self._agree(readable, "checking the checkpoint is readable")
+        self.agree(readable, "checking the checkpoint is readable")
         return self.caps
+
+    @property
+    def dims(self) -> ModelDims:
+        """The model's vocabulary, hidden width, positions and layers (the family's `dims`)."""
+        self.prepare()
+        return self.family.dims(self.model_config)
 
     def cost(self) -> ModelCost:
         self.prepare()
@@ -235,7 +298,7 @@ class Cluster:
             except FitError as e:  # --mem-gb is a flag of `plan`, not of a run
                 raise FitError(e.where, e.what, (e.fix or "").replace("raise --mem-gb, ", "")) from None
 
-        plan = self._agree(make_plan, "planning")
+        plan = self.agree(make_plan, "planning")
         doc = transport.bcast_json(self.world, [a.to_dict() for a in plan], 0, self.job.run.startup_timeout_s,
                                    self.ctx, "the plan")
         self.plan_ = [Assignment.from_dict(d) for d in doc]
@@ -266,7 +329,7 @@ class Cluster:
             self.build_ms = (time.perf_counter() - t0) * 1e3
             return stage
 
-        self.stage = self._agree(load, "loading the weights")
+        self.stage = self.agree(load, "loading the weights")
         log.debug("[rank %d stage %d] built layers %s in %.1f ms", self.world.rank, a.stage, a.layers, self.build_ms)
         return self.stage
 
@@ -295,13 +358,10 @@ class Cluster:
             where = str(path)
             ids = _read_ids(Path(path), where, lambda shape: self._check_seq(shape[1], where))
             self.family.check_inputs(self.model_config, ids, where)
-            mb = self.job.run.microbatches
-            if ids.shape[0] < mb:  # uneven splits are fine (the last microbatches one row smaller)
-                raise InputError(where, f"batch {ids.shape[0]} is smaller than [run] microbatches = {mb}",
-                                 "lower microbatches to at most the number of sequences")
+            rules.microbatches_fit(self.job.run.microbatches, ids.shape[0], where, InputError)
             return ids.astype(np.int64)
 
-        ids = self._agree(load, "reading the input ids")
+        ids = self.agree(load, "reading the input ids")
         shape = transport.bcast_json(self.world, list(ids.shape) if ids is not None else
                                      [self.job.run.batch, self.job.run.seq], 0,
                                      self.job.run.startup_timeout_s, self.ctx, "the input shape")
@@ -309,37 +369,25 @@ class Cluster:
         return ids
 
     def _check_seq(self, seq: int, where: str) -> None:
-        limit = getattr(self.model_config, "max_position_embeddings", None)
-        if isinstance(limit, int) and seq > limit:
-            raise InputError(where, f"sequence length {seq} exceeds the model's maximum {limit} positions",
-                             "truncate or split the sequences")
+        rules.seq_fits(seq, self.dims.max_positions, where)
 
-    def _random_ids(self, batch: int, seq: int) -> np.ndarray:
+    def random_ids(self, batch: int, seq: int) -> np.ndarray:
         """Input ids drawn from ``[run] seed``: the same on every launch of the job."""
-        return np.random.default_rng(self.job.run.seed).integers(0, self.model_config.vocab_size, (batch, seq))
+        return np.random.default_rng(self.job.run.seed).integers(0, self.dims.vocab_size, (batch, seq))
 
     # -- the run (faults abort) ----------------------------------------------------------------
 
     def drive(self, ids: np.ndarray | None = None, *, trace: bool = False) -> ClusterRun | None:
-        """One forward of ``ids`` [batch, seq] (given on rank 0) through the stages.
+        """One forward of ``ids`` [batch, seq] (given on rank 0) through the stages, for callers
+        that step through the start-up themselves (bench/_drive.py): `drivers.run.forward`
+        under `run`'s fault handling. `ClusterRun` on rank 0, None on the other ranks."""
+        from .drivers.run import RunDriver
 
-        Returns the `ClusterRun` with logits on rank 0 and None on the other ranks. Any
-        exception or expired deadline on any rank is reported once and aborts the job. The run
-        loop is `executor.forward`; ``trace`` also gathers every rank's spans on rank 0.
-        """
-        self.ctx.extra["deadline_setting"] = "[run] timeout_s"
-        try:
-            return self._drive(ids, trace)
-        except Exception:
-            report_and_abort(self.world, self.ctx, sys.exc_info())
-            raise
-
-    def _drive(self, ids: np.ndarray | None, trace: bool = False) -> ClusterRun | None:
         if self.stage is None:
             self.build()
-        from .executor import forward
-
-        return forward(self, ids, trace=trace)
+        driver = RunDriver("", trace="-" if trace else None)
+        driver.ids = ids
+        return self.run(driver)
 
     def close(self) -> None:
         if self.topology is not None and self.topology.tp_comm is not None:
@@ -428,11 +476,7 @@ def _read_ids(path: Path, where: str, check_shape) -> np.ndarray:
         raise InputError(where, f"not a readable .npy header ({e})", fix) from None
     if dtype.hasobject:
         raise InputError(where, "holds Python objects (pickled data), not integers", fix)
-    if dtype.kind not in "iu":
-        raise InputError(where, f"input ids have dtype {dtype}", "save them as an integer array (np.int64)")
-    if len(shape) != 2:
-        raise InputError(where, f"input ids have shape {shape}, expected 2-D [batch, seq]",
-                         "reshape to [batch, seq], e.g. ids[None, :] for one sequence")
+    rules.ids_array(dtype, shape, where)
     check_shape(shape)
     need = int(np.prod(shape, dtype=object)) * dtype.itemsize
     if need != data_bytes:

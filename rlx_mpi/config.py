@@ -21,9 +21,12 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 from .errors import ConfigError
+from . import rules
 from .kv_cache import KvSpec
+from .rules import WIRE_FORMATS
+from .supervisor import DEFAULT_STARTUP_TIMEOUT_S
 
-__all__ = ["PlacementPolicy", "KvPolicy", "Precision", "ModelSection", "RunSection",
+__all__ = ["PlacementPolicy", "Precision", "ModelSection", "RunSection",
            "PlacementSection", "RankOverride", "GenerateSection", "JobConfig", "load_job", "parse_job",
            "WIRE_FORMATS"]
 
@@ -38,19 +41,11 @@ class PlacementPolicy(str, enum.Enum):
     MANUAL = "manual"  # explicit ranges from the job file
 
 
-class KvPolicy(str, enum.Enum):
-    """Whether a rank keeps a KV cache during generation (`kv_cache.KvSpec` adds window:W)."""
-
-    NONE = "none"
-    FULL = "full"
-    WINDOW = "window"
-
-
 class Precision(str, enum.Enum):
     """How a rank holds its weights (activations are always float32): converted at load from
     whatever the checkpoint stores. int8 is symmetric with one scale per output channel."""
 
-    F32 = "f32"
+    F32 = "f32"  # the names are rules.PRECISIONS (one list for job files, plan and the planner)
     BF16 = "bf16"
     F16 = "f16"
     INT8 = "int8"
@@ -62,7 +57,6 @@ class Precision(str, enum.Enum):
         return {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "int8": 1.0}[self.value]
 
 
-_PRECISION_ALIASES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # numpy-style spellings
 
 
 @dataclass(frozen=True)
@@ -88,10 +82,10 @@ class RunSection:
     microbatches: int = 1
     """Microbatches the batch is cut into, so stages work on different ones at once."""
     seed: int = 0
-    """Seed of the random input ids when none are given; ``seed_for(rank)`` derives from it."""
+    """Seed of the random input ids when none are given."""
     timeout_s: float = 60.0
     """Longest any rank waits for another during the run before it names the laggard and aborts."""
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S  # the one default (also before the file is read)
     """Deadline for the start-up collectives (probe, plan, weight loading on a slow filesystem)."""
     wire: str = "f32"
     """Format of the hidden states between stages: f32 (exact, no copy) | bf16 | f16 (half the bytes)."""
@@ -166,10 +160,6 @@ class JobConfig:
     ranks: tuple[RankOverride, ...] = ()
     generate: GenerateSection = field(default_factory=GenerateSection)
 
-    def seed_for(self, rank: int) -> int:
-        """A distinct, reproducible seed per rank, derived from ``run.seed``."""
-        return (self.run.seed * 1_000_003 + rank) % (2**32)
-
     def kv_for(self, rank: int) -> KvSpec:
         """The KV cache policy of ``rank``: its [[rank]] kv_cache, else [run] kv_cache."""
         return self.override_for(rank).kv_cache or self.run.kv_cache
@@ -188,16 +178,11 @@ class JobConfig:
     def check_world(self, world_size: int) -> None:
         """Cross-check the job against the number of ranks actually launched."""
         tp = self.placement.tp
-        if world_size % tp:
-            raise ConfigError(f"{self.path}: [placement] tp",
-                              f"tp = {tp} does not divide the {world_size} launched ranks",
-                              f"launch a multiple of {tp} ranks (e.g. mpiexec -n {tp * max(1, world_size // tp)}) or change tp")
+        rules.tp_divides_ranks(world_size, tp, f"{self.path}: [placement] tp")
         stages = world_size // tp
-        if self.placement.policy is PlacementPolicy.MANUAL and len(self.placement.manual) != stages:
-            raise ConfigError(f"{self.path}: [placement] manual",
-                              f"{_count(len(self.placement.manual), 'range')} for {_count(stages, 'stage')} "
-                              f"({_count(world_size, 'rank')} / tp {tp})",
-                              "give one range per stage or launch a matching number of ranks")
+        if self.placement.policy is PlacementPolicy.MANUAL:
+            rules.manual_ranges_tile(self.placement.manual, f"{self.path}: [placement] manual", stages=stages,
+                                     detail=f" ({_count(world_size, 'rank')} / tp {tp})")
         for o in self.ranks:
             if o.rank >= world_size:
                 raise ConfigError(f"{self.path}: [[rank]] rank", f"rank = {o.rank} but only {world_size} ranks were launched",
@@ -206,19 +191,9 @@ class JobConfig:
     def check_layers(self, n_layers: int, world_size: int, tp: int | None = None) -> None:
         """Cross-check the placement against the model's layer count, once the checkpoint is read."""
         tp = tp or self.placement.tp
-        stages = world_size // tp
-        if stages > n_layers:
-            layers = f"{n_layers} layer" + ("s" if n_layers != 1 else "")
-            raise ConfigError(f"{self.path}: [placement]",
-                              f"{stages} stages ({world_size} ranks / tp {tp}) but the model has only {layers}",
-                              f"use at most {n_layers} stages: launch at most {n_layers * tp} ranks, or raise tp")
-        manual = self.placement.manual
-        if self.placement.policy is PlacementPolicy.MANUAL and manual and manual[-1].stop != n_layers:
-            stop = manual[-1].stop
-            gap = f" (layers {stop}:{n_layers} are in no stage)" if stop < n_layers else ""
-            raise ConfigError(f"{self.path}: [placement] manual",
-                              f"the ranges stop at layer {stop} but the model has {n_layers} layers{gap}",
-                              f'make the last range end at {n_layers}, e.g. "{manual[-1].start}:{n_layers}"')
+        rules.stages_fit_layers(world_size, tp, n_layers, f"{self.path}: [placement]")
+        if self.placement.policy is PlacementPolicy.MANUAL:
+            rules.manual_ranges_tile(self.placement.manual, f"{self.path}: [placement] manual", n_layers=n_layers)
 
 
 def _count(n: int, noun: str) -> str:
@@ -227,7 +202,6 @@ def _count(n: int, noun: str) -> str:
 
 # -- loading ------------------------------------------------------------------------------------
 
-WIRE_FORMATS = ("f32", "bf16", "f16")  # the codecs of wire.py, named here so config stays import-light
 _SECTIONS = {"model": ModelSection, "run": RunSection, "placement": PlacementSection, "generate": GenerateSection}
 _POSITIVE = {"batch", "seq", "microbatches", "tp", "timeout_s", "startup_timeout_s", "max_new_tokens", "sync_s"}
 _NON_NEGATIVE = {"reserve_ram_gb", "init_seed", "seed", "rank", "temperature", "top_k", "groups", "eos_id"}
@@ -300,25 +274,14 @@ def _cross_check(job: JobConfig) -> None:
     if p.policy is PlacementPolicy.MANUAL and not p.manual:
         raise ConfigError(f"{where} manual", 'policy = "manual" needs manual ranges',
                           'add manual = ["0:4", "4:8"], one "a:b" per stage')
-    prev = 0  # the ranges tile 0..L in stage order; L is checked once the model is known
-    for s, rg in enumerate(p.manual):
-        if rg.start != prev:
-            what = (f"gap: layers {prev}:{rg.start} are in no stage" if rg.start > prev else
-                    f"overlap: layers {rg.start}:{prev} are in stage {s} and in an earlier stage")
-            raise ConfigError(f"{where} manual", f"{what} (stage {s} is \"{rg.start}:{rg.stop}\")",
-                              f'start each range where the previous one stops, e.g. "{prev}:{max(rg.stop, prev + 1)}"'
-                              if s else f'start the first range at layer 0, e.g. "0:{rg.stop}"')
-        prev = rg.stop
+    rules.manual_ranges_tile(p.manual, f"{where} manual")  # the model's layer count is checked at load
     if p.manual and p.policy is not PlacementPolicy.MANUAL:
         raise ConfigError(f"{where} manual", f'manual ranges are given but policy = "{p.policy.value}"',
                           'set policy = "manual" or remove manual')
     if p.policy is PlacementPolicy.COMPUTE and not p.measure_gflops:
         raise ConfigError(f"{where} policy", 'policy = "compute" needs measured speeds',
                           "set measure_gflops = true or choose another policy")
-    if job.run.microbatches > job.run.batch:  # uneven splits are fine, empty microbatches are not
-        raise ConfigError(f"{job.path}: [run] microbatches",
-                          f"{job.run.microbatches} microbatches for batch = {job.run.batch}",
-                          "use at most one microbatch per sequence")
+    rules.microbatches_fit(job.run.microbatches, job.run.batch, f"{job.path}: [run] microbatches")
     if job.run.wire not in WIRE_FORMATS:
         raise ConfigError(f"{job.path}: [run] wire", f"got {job.run.wire!r}", f"expected one of {list(WIRE_FORMATS)}")
     if job.run.startup_timeout_s < job.run.timeout_s:
@@ -374,11 +337,11 @@ def _coerce(name: str, type_name: str, value: Any, where: str, job_path: Path) -
         return float(value)
     if t == "KvSpec":
         return KvSpec.parse(value, where)
-    enums = {"PlacementPolicy": PlacementPolicy, "KvPolicy": KvPolicy, "Precision": Precision}
+    enums = {"PlacementPolicy": PlacementPolicy, "Precision": Precision}
     if t in enums:
         choices = [m.value for m in enums[t]]
-        if t == "Precision" and isinstance(value, str):
-            value = _PRECISION_ALIASES.get(value, value)
+        if t == "Precision":
+            value = rules.precision_name(value, where)
         if value not in choices:
             raise ConfigError(where, f"got {value!r}", f"expected one of {choices}")
         return enums[t](value)

@@ -25,9 +25,8 @@ output array itself (no copy; kept alive until its wait) and a receive lands in 
 that compute reads. Every wait goes through `Pending.wait` (faults.wait), with the link's
 staggered deadlines and the named-rank messages of the reliability work.
 
-`forward(cx, ids)` is the `rlx-mpi run` forward on a built `Cluster`: broadcast the ids, cut
-the batch into microbatches (the last ones smaller when uneven), run the GPipe schedule, route
-the logits to rank 0, gather the per-rank timings (and the trace spans) there.
+The drivers use it: `drivers/run.py` (the GPipe forward of ``rlx-mpi run``) and
+`drivers/generate.py` (the decode ring).
 """
 
 from __future__ import annotations
@@ -41,11 +40,10 @@ import numpy as np
 
 from . import transport
 from .errors import RankFault
-from .faults import RankContext, check_finite, wait
-from .schedule import COMPUTE, POST_RECV, POST_SEND, WAIT_RECV, WAIT_SEND, Action, forward_schedule
+from .faults import RankContext
+from .schedule import COMPUTE, POST_RECV, POST_SEND, WAIT_RECV, WAIT_SEND, Action
 
-__all__ = ["Executor", "ExecStats", "forward", "microbatch_bounds", "wire_codec", "wire_codec_by_name",
-           "wire_error_bound", "trace_document", "clock_offset"]
+__all__ = ["Executor", "ExecStats", "wire_codec", "wire_codec_by_name", "wire_error_bound"]
 
 log = logging.getLogger("rlx_mpi")
 
@@ -63,10 +61,6 @@ class ExecStats:
     send_wait_s: float = 0.0
     wall_s: float = 0.0  # first action to last, summed over runs
     bytes_sent: int = 0
-
-    @property
-    def busy(self) -> float:
-        return self.compute_s / self.wall_s if self.wall_s > 0 else 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -221,168 +215,6 @@ class _Run:
 def _same(posted: int, m: int, a: Action) -> None:
     if posted != m:
         raise ValueError(f"action {a}: slot {a.slot} holds microbatch {posted}, not {m} (a schedule bug)")
-
-
-# -- the forward of `rlx-mpi run` --------------------------------------------------------------
-
-
-def microbatch_bounds(batch: int, microbatches: int) -> list[tuple[int, int]]:
-    """Row ranges of the microbatches: near-equal, the first ones one row larger when uneven."""
-    base, extra = divmod(batch, microbatches)
-    bounds, a = [], 0
-    for m in range(microbatches):
-        b = a + base + (1 if m < extra else 0)
-        bounds.append((a, b))
-        a = b
-    return bounds
-
-
-def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
-    """One forward of ``ids`` through a built `Cluster`; `ClusterRun` on rank 0, else None."""
-    from .cluster import peak_rss_bytes
-    from .stats import ClusterRun, StageTiming
-
-    job, topo, stage, a = cx.job, cx.topology, cx.stage, cx.assignment
-    timeout = job.run.timeout_s
-    if cx.is_root and ids is None:
-        ids = cx._random_ids(cx.batch, cx.seq)
-    ids = transport.bcast_array(cx.world, ids, 0, timeout, cx.ctx, "the input ids")
-    batch, seq = ids.shape
-    M = job.run.microbatches
-    if M > batch:
-        raise RankFault(cx.ctx.describe(), f"{M} microbatches for a batch of {batch}",
-                        "load_inputs should have refused this; please report it")
-    bounds = microbatch_bounds(batch, M)
-    # Note: a stuck stage stalls every stage after it (waiting to receive) and, once buffers
-    # fill, every stage before it (waiting to send). Deadlines are staggered so the rank
-    # next to the stuck one expires first and the job names the right rank: receives wait
-    # longer the later the stage, sends the earlier, and rank 0's wait for the logits,
-    # which needs the whole pipeline, longest.
-    grace = max(1.0, 0.1 * timeout)
-    link = transport.Link(cx.world, cx.ctx, timeout + topo.stage * grace,
-                          send_timeout_s=timeout + (topo.n_stages - 1 - topo.stage) * grace)
-    codec = wire_codec(job)
-    hidden_shape, _ = _spec(cx, 1, seq, last=False)
-    logits_shape, _ = _spec(cx, batch, seq, last=True)
-    logits = np.empty(logits_shape, dtype=np.float32) if a.last and topo.tp_rank == 0 else None
-
-    def rank_of(s: int) -> int:  # the matching TP rank of stage s
-        return topo.prev if s < topo.stage else topo.next
-
-    def recv_spec(act: Action):
-        lo, hi = bounds[act.microbatch]
-        return (hi - lo,) + tuple(hidden_shape[1:]), np.float32
-
-    def compute(m: int, x: np.ndarray | None) -> np.ndarray:
-        lo, hi = bounds[m]
-        out = stage.forward(ids[lo:hi] if a.first else x)
-        want = (hi - lo,) + tuple((logits_shape if a.last else hidden_shape)[1:])
-        if out.shape != want or out.dtype != np.float32:
-            raise RankFault(cx.ctx.describe(), f"the stage returned {out.dtype} {out.shape} for microbatch {m}, expected "
-                            f"float32 {want} from {type(cx.family).__name__}.output_spec",
-                            "the model family's forward and output_spec disagree: fix the plug-in")
-        if topo.tp_rank == 0:  # the first stage with NaN/Inf names itself (exit 4)
-            check_finite(out, f"the output of stage {a.stage} (microbatch {m})", cx.ctx)
-        if logits is not None:
-            logits[lo:hi] = out
-        return out
-
-    ex = Executor(link, cx.ctx, rank_of=rank_of, codec=codec, record=trace)
-    actions = forward_schedule(topo.stage, topo.n_stages, M)
-    # The trace's clock: rank 0's perf_counter, each rank's offset to it measured by ping-pong
-    # (a barrier alone was off by several ms on a loaded host: a rank descheduled on leaving it).
-    offset = clock_offset(cx.world, cx.ctx, timeout) if trace else 0.0
-    wait(cx.world.Ibarrier(), timeout, cx.ctx, lambda: "every rank to start the forward", "some rank")
-    sync = time.perf_counter()
-    ex.origin = sync
-    ex.run(actions, compute, recv_spec)
-
-    # The logits travel from the last stage to rank 0, outside the per-stage counters.
-    final = transport.Link(cx.world, cx.ctx, timeout + topo.n_stages * grace)
-    if cx.is_root and logits is None:
-        logits = np.empty(logits_shape, dtype=np.float32)
-        final.recv(logits, topo.output_rank, M, "the logits")
-    elif logits is not None and not cx.is_root:
-        final.send(logits, 0, M, "the logits")
-    total_ms = (time.perf_counter() - sync) * 1e3
-
-    st = ex.stats
-    timing = StageTiming(
-        rank=cx.world.rank, host=cx.ctx.host, stage=a.stage, tp_rank=topo.tp_rank, tp_ranks=a.ranks,
-        layers=a.layers, device=job.override_for(cx.world.rank).device, build_ms=cx.build_ms,
-        forward_ms=st.compute_s * 1e3, recv_wait_ms=st.recv_wait_s * 1e3, send_ms=st.send_wait_s * 1e3,
-        bytes_sent=link.bytes_sent, est_bytes=a.est_bytes, weight_bytes=stage.weight_bytes,
-        peak_rss_bytes=peak_rss_bytes(), pack_ms=st.pack_s * 1e3, unpack_ms=st.unpack_s * 1e3,
-        wall_ms=st.wall_s * 1e3, precision=job.precision_for(cx.world.rank).value)
-    doc: dict = {"timing": timing.to_dict()}
-    if trace:  # start-up phases (cli.py records them) too; all on rank 0's clock, from its sync
-        phases = [(name, "startup", t0 - sync, dur, {}) for name, t0, dur in getattr(cx, "phases", [])]
-        sync0 = transport.bcast_json(cx.world, sync, 0, timeout, cx.ctx, "the trace's clock origin")
-        shift = sync + offset - sync0  # local time t is t + offset on rank 0's clock
-        doc["spans"] = [[n, c, start + shift, dur, args] for n, c, start, dur, args in phases + ex.spans]
-    rows = transport.gather_json(cx.world, doc, 0, timeout + (topo.n_stages + 1) * grace, cx.ctx,
-                                 "the stage timings")
-    if not cx.is_root:
-        return None
-    run = ClusterRun(timings=[StageTiming.from_dict(r["timing"]) for r in rows], total_forward_ms=total_ms,
-                     tokens=batch * seq, microbatches=M, output=logits)
-    run.wire = codec.name
-    if trace:
-        run.spans = {r["timing"]["rank"]: r["spans"] for r in rows}
-    return run
-
-
-def clock_offset(comm: Any, ctx: RankContext, timeout_s: float, rounds: int = 8) -> float:
-    """Seconds to add to this rank's perf_counter to read rank 0's (0.0 on rank 0).
-
-    Cristian's algorithm: each rank in turn sends rank 0 an empty message and gets back rank
-    0's clock T; offset = T - midpoint of the round trip, from the fastest of ``rounds``
-    (error <= half that round trip: tens of microseconds on one host, even when loaded).
-    """
-    stamp, empty = np.zeros(1, np.float64), np.zeros(0, np.uint8)
-    best_rtt, offset = float("inf"), 0.0
-    for r in range(1, comm.size):
-        if comm.rank not in (0, r):
-            continue
-        for k in range(rounds):
-            if comm.rank == 0:
-                wait(comm.Irecv(empty, source=r, tag=7000 + k), timeout_s, ctx,
-                     lambda: f"rank {r}'s clock probe", f"rank {r}")
-                stamp[0] = time.perf_counter()
-                wait(comm.Isend(stamp, dest=r, tag=7100 + k), timeout_s, ctx,
-                     lambda: f"rank {r} to take rank 0's clock", f"rank {r}")
-            else:
-                t1 = time.perf_counter()
-                wait(comm.Isend(empty, dest=0, tag=7000 + k), timeout_s, ctx, lambda: "rank 0 to take a clock probe",
-                     "rank 0")
-                wait(comm.Irecv(stamp, source=0, tag=7100 + k), timeout_s, ctx, lambda: "rank 0's clock", "rank 0")
-                t2 = time.perf_counter()
-                if t2 - t1 < best_rtt:
-                    best_rtt, offset = t2 - t1, float(stamp[0]) - (t1 + t2) / 2
-    return offset
-
-
-def _spec(cx: Any, batch: int, seq: int, last: bool) -> tuple[tuple[int, ...], np.dtype]:
-    """The family's `output_spec`: the one place that fixes what a stage hands on."""
-    shape, dtype = cx.family.output_spec(cx.model_config, batch, seq, last)
-    if np.dtype(dtype) != np.float32:
-        raise RankFault(cx.ctx.describe(), f"{type(cx.family).__name__}.output_spec gives dtype {dtype}",
-                        "stages hand on float32 (the [run] wire codec chooses the bytes on the wire)")
-    return tuple(shape), np.dtype(np.float32)
-
-
-def trace_document(run: Any) -> dict:
-    """A `ClusterRun` gathered with ``trace=True`` as a Chrome Trace Event object (trace.py):
-    one lane per rank, start-up phases and the forward's spans on the barrier-aligned clock."""
-    from .trace import Span, chrome_trace
-
-    spans = [Span(int(rank), name, cat, start, dur, args)
-             for rank, items in run.spans.items() for name, cat, start, dur, args in items]
-    lanes = [{"rank": t.rank, "host": t.host, "stage": t.stage, "tp_rank": t.tp_rank, "layers": f"{t.layers.start}:"
-              f"{t.layers.stop}"} for t in run.timings]
-    meta = {"n_stages": run.n_stages, "microbatches": run.microbatches, "wire": run.wire,
-            "measured_bubble": run.bubble, "ideal_bubble": run.ideal_bubble, "tokens": run.tokens}
-    return chrome_trace(spans, lanes, meta)
 
 
 def wire_error_bound(codec: Any, hops: int) -> float:

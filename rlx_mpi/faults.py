@@ -2,7 +2,7 @@
 
 MPI has no timeouts of its own, and one failing rank leaves the others blocked for ever.
 
-Note: three rules, used by every command.
+Note: four rules, used by every command.
 1. Every blocking wait on the run path is a non-blocking MPI call finished by `wait`, which
    polls with back-off (no core burnt) and raises `DeadlineExpired` naming the rank waited for.
 2. Start-up phases (config, probe, plan, weight loading) run under `agree`: the ranks

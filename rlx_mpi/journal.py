@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .errors import InputError, RankFault, RlxError
+from .errors import InputError, RankFault
 from .prompts import Prompt
 
-__all__ = ["Journal", "Stopped", "REQUEUE_EXIT", "MAX_ROW_BYTES"]
+__all__ = ["Journal", "REQUEUE_EXIT", "MAX_ROW_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -44,18 +44,6 @@ log = logging.getLogger(__name__)
 REQUEUE_EXIT = 75
 MAX_ROW_BYTES = 1 << 26  # 64 MiB: a longer line in an output file is not one of our rows
 _ROW_START = b'{"id":"'  # every row begins so (id first, compact JSON): a torn one too
-
-
-class Stopped(RlxError):
-    """The job was asked to stop (a signal); what was complete is written. Rerun to resume.
-
-    Raise it where every rank agrees (inside `rlx_mpi.faults.agree`, which turns it into one
-    `AgreedFailure` on every rank: rank 0 prints the line and all exit with `REQUEUE_EXIT`);
-    raised on one rank alone, the CLI takes it for a fault and aborts the job, though still
-    with this exit code.
-    """
-
-    exit_code = REQUEUE_EXIT
 
 
 class Journal:
@@ -92,24 +80,16 @@ class Journal:
     # -- opening -------------------------------------------------------------------------------
 
     def _check_path(self, inputs: Iterable) -> None:
-        where = f"output {self.path}"
-        if self.path.is_dir():
-            raise InputError(where, "is a directory", "give a file path for the completions")
-        if self.path.exists() and not self.path.is_file():  # opening a FIFO or device can block or harm
-            raise InputError(where, "is not a regular file (a pipe, a device)",
-                             "give a file path: the job resumes from what the file holds")
-        if not self.path.parent.is_dir():
-            raise InputError(where, f"the folder {self.path.parent} does not exist", "create it first")
-        for inp in inputs:
-            if inp is None:
-                continue
-            inp = Path(inp)
-            same = self.path.resolve() == inp.resolve()
-            if not same and self.path.exists() and inp.exists():
-                same = os.path.samefile(self.path, inp)  # a hard link, a bind mount
-            if same:
-                raise InputError(where, f"is the input file {inp}",
-                                 "write the completions to another file; inputs are never overwritten")
+        """The output-path rules every command shares (`outputs.check_output`: not a folder, not
+        a device or pipe, its folder writable, never an input), as this module's `InputError`."""
+        from .errors import ConfigError
+        from .outputs import check_output
+
+        try:
+            check_output("output", self.path, {f"the input file {p}": p for p in inputs if p is not None},
+                         stream_ok=False)
+        except ConfigError as e:
+            raise InputError(e.where, e.what, e.fix) from None
 
     def _open(self) -> int:
         where = f"output {self.path}"

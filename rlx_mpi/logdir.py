@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-__all__ = ["log_path", "job_id", "setup_rank_logging"]
+__all__ = ["log_path", "job_id", "setup_rank_logging", "setup_logging"]
 
 
 def log_path(log_dir: str | os.PathLike, rank: int) -> Path:
@@ -99,3 +99,26 @@ def setup_rank_logging(rank: int, size: int, debug: bool, log_dir: str | os.Path
     step = os.environ.get("SLURM_STEP_ID")
     slurm = f", slurm job {jid}" + (f" step {step}" if step else "") if jid else ""
     logging.getLogger("rlx_mpi").info("%s: rank %d of %d on %s, pid %d%s", command, rank, size, host, os.getpid(), slurm)
+
+
+def setup_logging(world, debug: bool, log_dir: str | os.PathLike | None = None, command: str = "",
+                  timeout_s: float = 60.0) -> None:
+    """Logging of an MPI command on every rank of ``world``: rank 0 on the terminal at INFO, the
+    others at WARNING; with ``log_dir`` one log per rank (`setup_rank_logging`), agreed so a
+    folder some rank cannot write fails every rank with one line."""
+    if log_dir is None:
+        level = logging.DEBUG if debug else (logging.INFO if world.rank == 0 else logging.WARNING)
+        prefix = "rlx-mpi: " if world.rank == 0 else f"rlx-mpi [rank {world.rank}]: "
+        logging.basicConfig(level=level, format=prefix + "%(message)s", stream=sys.stderr)
+        return
+    from .errors import ConfigError
+    from .faults import RankContext, agree
+
+    def setup() -> None:
+        try:
+            setup_rank_logging(world.rank, world.size, debug, log_dir, command)
+        except OSError as e:
+            raise ConfigError(f"--log-dir {log_dir}", f"cannot write a log there ({e.strerror})",
+                              "give a folder every rank can write (on a filesystem every node mounts)") from None
+
+    agree(world, RankContext(world.rank, world.size, host=socket.gethostname(), debug=debug), timeout_s, setup)

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Sequence
 
+from . import rules
 from .caps import NodeCaps
 from .config import PlacementPolicy, Precision
 from .errors import ConfigError, FitError
 
-__all__ = ["ModelCost", "Assignment", "plan_placement", "format_plan"]
+__all__ = ["ModelCost", "Assignment", "plan_placement", "format_plan", "kv_cost"]
 
 
 @dataclass(frozen=True)
@@ -162,17 +163,15 @@ def _weight_scales(precision: Sequence[str] | None, stages: list[tuple[int, ...]
     float32, and a stage's memory is the sum of its ranks' (each holds 1/tp of the weights)."""
     if precision is None:
         return [1.0] * len(stages)
-    per_rank = [Precision(_PRECISION_NAMES.get(p, p)).bytes_per_param / 4.0 for p in precision]
+    per_rank = [Precision(rules.precision_name(p, "placement precision")).bytes_per_param / 4.0 for p in precision]
     return [sum(per_rank[r] for r in g) / len(g) for g in stages]
 
-
-_PRECISION_NAMES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 def _stage_precision(precision: Sequence[str] | None, ranks: tuple[int, ...]) -> str:
     if precision is None:
         return "f32"
-    return ",".join(dict.fromkeys(_PRECISION_NAMES.get(precision[r], precision[r]) for r in ranks))
+    return ",".join(dict.fromkeys(rules.precision_name(precision[r], "placement precision") for r in ranks))
 
 
 def _max_layers(cost: ModelCost, cap: int | None, first: bool, last: bool, scale: float = 1.0) -> int:
@@ -248,33 +247,16 @@ def _balanced_counts(cost: ModelCost, max_layers: list[int],
 
 
 def _check_manual(manual: Sequence[range] | None, L: int, S: int) -> list[int]:
-    fix = (f"give {S} ranges, one per stage, that run from 0 to {L} with each starting where "
-           "the previous one stops, e.g. [[0, 20], [20, 40]]")
-    where = "placement.manual"
+    where = "[placement] manual"
     if manual is None:
-        raise ConfigError(where, "policy is 'manual' but no layer ranges were given", fix)
+        raise ConfigError(where, "policy is 'manual' but no layer ranges were given",
+                          'add manual = ["0:4", "4:8"], one "a:b" per stage')
     ranges = list(manual)
-    if len(ranges) != S:
-        raise ConfigError(where, f"{len(ranges)} ranges given for {S} stages", fix)
-    prev_stop = 0
-    for s, rg in enumerate(ranges):
-        if not isinstance(rg, range) or rg.step != 1:
-            raise ConfigError(where, f"stage {s} range {rg!r} is not a range with step 1", fix)
-        if len(rg) == 0:
-            raise ConfigError(where, f"stage {s} range {rg.start}:{rg.stop} is empty", fix)
-        if rg.start > prev_stop:
-            raise ConfigError(where, f"gap: layers {prev_stop}:{rg.start} are in no stage "
-                              f"(stage {s} starts at {rg.start})", fix)
-        if rg.start < prev_stop:
-            raise ConfigError(where, f"overlap: layers {rg.start}:{prev_stop} are in stage {s} "
-                              "and in an earlier stage", fix)
-        prev_stop = rg.stop
-    if prev_stop < L:
-        raise ConfigError(where, f"the ranges stop at layer {prev_stop} but the model has {L} "
-                          f"layers (layers {prev_stop}:{L} are in no stage)", fix)
-    if prev_stop > L:
-        raise ConfigError(where, f"the ranges run to layer {prev_stop} but the model has only "
-                          f"{L} layers", fix)
+    for s, rg in enumerate(ranges):  # a job file's ranges are such; a caller's own may not be
+        if not isinstance(rg, range) or rg.step != 1 or len(rg) == 0:
+            raise ConfigError(where, f"stage {s} range {rg!r} is not a non-empty range with step 1",
+                              'give "a:b" ranges with a < b')
+    rules.manual_ranges_tile(ranges, where, n_layers=L, stages=S)
     return [len(rg) for rg in ranges]
 
 
@@ -339,8 +321,7 @@ def plan_placement(cost: ModelCost, caps: Sequence[NodeCaps], policy: PlacementP
         # collective), so the stage holds tp copies; and no rank holds a tied head as its embedding
         cost = dataclasses.replace(cost, embed_bytes=cost.embed_bytes * tp, shared_end_bytes=0)
     if S > L:
-        raise ConfigError("placement", f"{S} stages but the model has only {L} layers",
-                          f"use at most {L} stages (ranks / tp)")
+        rules.stages_fit_layers(len(caps), len(caps) // S, L, "placement")
     if precision is not None and len(precision) != len(caps):
         raise ConfigError("placement", f"{len(precision)} precisions for {len(caps)} ranks",
                           "give one precision per world rank")
@@ -406,3 +387,17 @@ def format_plan(plan: Sequence[Assignment], cost: ModelCost | None = None) -> st
         lines.append(f"{len(plan)} stages, {cost.n_layers} layers, "
                      f"{_gb(total)} estimated in total")
     return "\n".join(lines)
+
+
+def kv_cost(cost: ModelCost, specs: list, max_seq: int) -> ModelCost:
+    """``cost`` for (slots, max_seq) with its KV term cut to what the cache policies keep.
+
+    A family prices K and V of every layer for batch x seq tokens; ``none`` keeps no positions
+    and ``window:W`` keeps W (`kv_cache.KvSpec.cache_len`), so the planner (and the fit check)
+    see the real cache. The largest policy of any rank counts, as one layer's bytes are the
+    same on every stage.
+    """
+    import dataclasses
+
+    kept = max(s.cache_len(max_seq) for s in specs)
+    return dataclasses.replace(cost, kv_bytes_per_layer=cost.kv_bytes_per_layer * kept // max_seq)

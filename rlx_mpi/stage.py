@@ -84,7 +84,7 @@ class Stage(abc.ABC):
 
     # Generation (``rlx-mpi generate``): optional; a family without it can still ``run``.
     # Rows of a step are cache slots; the last stage returns logits (B, V) of each row's
-    # newest token. See `rlx_mpi.kv_cache` for the policies and `rlx_mpi.generation` for the loop.
+    # newest token. See `rlx_mpi.kv_cache` for the policies and `rlx_mpi.drivers.generate` for the loop.
 
     def reset(self, slots: int, max_seq: int, kv: Any) -> int:
         """Allocate the KV cache (`kv_cache.KvSpec`) for ``slots`` sequences of up to ``max_seq``

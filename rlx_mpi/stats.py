@@ -1,18 +1,27 @@
-"""Per-stage timings and the run report rank 0 prints."""
+"""What every rank measured, and the tables rank 0 prints (`format_table`, the one printer):
+`StageTiming` per rank of a ``run`` and its `ClusterRun`; the per-rank rows of a ``generate`` and
+its `GenerateResult`; `peak_rss_bytes`. The executor's own counters are `executor.ExecStats`."""
 
 from __future__ import annotations
 
 import json
+import resource
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-__all__ = ["StageTiming", "ClusterRun"]
+__all__ = ["StageTiming", "ClusterRun", "GenerateResult", "peak_rss_bytes", "format_table"]
+
+
+def peak_rss_bytes() -> int:
+    """High-water mark of this process's resident memory (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 @dataclass(frozen=True)
 class StageTiming:
-    """What one rank measured during build and forward."""
+    """What one rank measured: the one per-rank record of every command (``run``'s forward,
+    ``generate``'s ring). The generate-only fields are None for a run and left out of its JSON."""
 
     rank: int
     host: str
@@ -33,9 +42,15 @@ class StageTiming:
     unpack_ms: float = 0.0  # decoding received inputs to float32
     wall_ms: float = 0.0  # from the common start of the forward to this rank's last action
     precision: str = "f32"  # how this rank holds its weights (f32 | bf16 | f16 | int8)
+    # generate: the KV cache policy and bytes, compute split into prefill, decode and sampling
+    kv: str | None = None
+    kv_bytes: int | None = None
+    prefill_ms: float | None = None
+    decode_ms: float | None = None
+    sample_ms: float | None = None
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = {k: v for k, v in asdict(self).items() if v is not None}
         d["layers"] = [self.layers.start, self.layers.stop]
         d["tp_ranks"] = list(self.tp_ranks)
         return d
@@ -47,6 +62,14 @@ class StageTiming:
 
 def _mb(n: float) -> str:
     return f"{n / 1e6:.2f}"
+
+
+def format_table(head: tuple[str, ...], rows: list[tuple[str, ...]], left: tuple[int, ...] = ()) -> str:
+    """The one table printer: columns right-aligned to their widest cell (those in ``left`` left-aligned)."""
+    lines = [head, *rows]
+    widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in lines)
 
 
 @dataclass
@@ -96,15 +119,13 @@ class ClusterRun:
     def table(self) -> str:
         head = ("stage", "rank", "host", "tp", "layers", "device", "precision", "build_ms", "forward_ms",
                 "recv_wait_ms", "send_ms", "busy", "sent_MB", "est_MB", "weights_MB", "peak_rss_MB")
-        rows = [head]
+        rows = []
         for t in sorted(self.timings, key=lambda t: (t.stage, t.tp_rank)):
             tp = ",".join(map(str, t.tp_ranks)) if len(t.tp_ranks) > 1 else "-"
             rows.append((str(t.stage), str(t.rank), t.host, tp, f"{t.layers.start}:{t.layers.stop}", t.device,
                          t.precision, f"{t.build_ms:.1f}", f"{t.forward_ms:.1f}", f"{t.recv_wait_ms:.1f}", f"{t.send_ms:.1f}",
                          f"{100 * self.busy(t):.0f}%", _mb(t.bytes_sent), _mb(t.est_bytes), _mb(t.weight_bytes), _mb(t.peak_rss_bytes)))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        lines = ["  ".join(c.rjust(w) if i not in (2, 5, 6) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                 for r in rows]
+        lines = [format_table(head, rows, left=(2, 5, 6))]
         lines.append(f"total forward {self.total_forward_ms:.1f} ms for {self.tokens} tokens "
                      f"({self.microbatches} microbatch{'es' if self.microbatches != 1 else ''}): "
                      f"{self.tokens_per_s:.1f} tokens/s; bubble {100 * self.bubble:.1f}% "
@@ -121,3 +142,35 @@ class ClusterRun:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+
+@dataclass
+class GenerateResult:
+    """What rank 0 reports at the end of ``generate``: per-rank rows and the totals."""
+
+    timings: list[StageTiming]  # one per rank
+    total: int
+    done_before: int
+    done_now: int
+    new_tokens: int
+    wall_s: float
+    stopped_by: str | None  # a signal name when stopped early
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "timings"}
+        return {"rows": [t.to_dict() for t in self.timings], **d}
+
+    def table(self) -> str:
+        head = ("stage", "rank", "tp", "layers", "kv", "prefill_ms", "decode_ms", "sample_ms", "recv_wait_ms",
+                "send_ms", "kv_MB", "weights_MB", "peak_rss_MB")
+        rows = []
+        for t in sorted(self.timings, key=lambda t: (t.stage, t.tp_rank)):
+            tp = ",".join(map(str, t.tp_ranks)) if len(t.tp_ranks) > 1 else "-"
+            rows.append((str(t.stage), str(t.rank), tp, f"{t.layers.start}:{t.layers.stop}", t.kv or "-",
+                         f"{t.prefill_ms or 0.0:.1f}", f"{t.decode_ms or 0.0:.1f}", f"{t.sample_ms or 0.0:.1f}",
+                         f"{t.recv_wait_ms:.1f}", f"{t.send_ms:.1f}",
+                         _mb(t.kv_bytes or 0), _mb(t.weight_bytes), _mb(t.peak_rss_bytes)))
+        rate = self.new_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+        return (format_table(head, rows, left=(4,)) + "\n"
+                f"{self.done_now} prompts completed in {self.wall_s:.2f} s ({self.done_before} done before, "
+                f"{self.total} in total): {self.new_tokens} new tokens, {rate:.1f} tokens/s")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .errors import ConfigError
+from . import rules
 
 __all__ = ["make_grid", "locate", "Topology"]
 
@@ -28,9 +28,7 @@ def make_grid(hosts: Sequence[str], tp: int) -> list[list[int]]:
     are ordered by their lowest rank.
     """
     n = len(hosts)
-    if tp < 1 or n % tp:
-        raise ConfigError("placement tp", f"tp = {tp} does not divide the {n} launched ranks",
-                          f"launch a multiple of {tp} ranks or change [placement] tp")
+    rules.tp_divides_ranks(n, tp, "placement tp")
     by_host: dict[str, list[int]] = {}
     for rank, host in enumerate(hosts):
         by_host.setdefault(host, []).append(rank)

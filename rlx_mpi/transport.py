@@ -27,16 +27,13 @@ class Link:
     timeout_s: float
     send_timeout_s: float | None = None  # default: timeout_s
     recv_wait_s: float = 0.0
-    send_s: float = 0.0
     bytes_sent: int = 0
 
     def send(self, buf: np.ndarray, dest: int, tag: int, what: str) -> None:
         """Send ``buf`` (C-contiguous) to ``dest``; the wait has the run deadline."""
-        t0 = time.perf_counter()
         request = self.comm.Isend(buf, dest=dest, tag=tag)
         timeout = self.timeout_s if self.send_timeout_s is None else self.send_timeout_s
         wait(request, timeout, self.ctx, lambda: f"rank {dest} to take {what}", f"rank {dest}")
-        self.send_s += time.perf_counter() - t0
         self.bytes_sent += buf.nbytes
 
     def recv(self, buf: np.ndarray, source: int, tag: int, what: str) -> np.ndarray:
@@ -83,15 +80,13 @@ class Pending:
     is_send: bool
 
     def wait(self) -> float:
-        """Block until done or the deadline; returns the seconds waited (also counted on the link)."""
+        """Block until done or the deadline; returns the seconds waited (a receive's also counted in the link's ``recv_wait_s``)."""
         link, peer, what = self.link, self.peer, self.what
         t0 = time.perf_counter()
         if self.is_send:
             timeout = link.timeout_s if link.send_timeout_s is None else link.send_timeout_s
             wait(self.request, timeout, link.ctx, lambda: f"rank {peer} to take {what}", f"rank {peer}")
-            waited = time.perf_counter() - t0
-            link.send_s += waited
-            return waited
+            return time.perf_counter() - t0
         wait_status(self.request, self.status, link.timeout_s, link.ctx, lambda: f"{what} from rank {peer}",
                     f"rank {peer}")
         waited = time.perf_counter() - t0

@@ -9,7 +9,7 @@
     kill_tree(pid)           SIGKILL a started CLI, its launcher and every rank under it
     write_job(dir, **sections)   a job TOML from dicts: write_job(tmp_path, model={...}, run={...})
     tiny_ckpt                session fixture: a random "tiny" Llama checkpoint (written once)
-    @pytest.mark.mpi         marks tests that launch mpiexec
+    markers                  mpi, slurm, twohost: registered in pyproject.toml (see tests/README.md)
 
 Subprocesses get ``OMP_NUM_THREADS=1`` and ``tests/`` on ``PYTHONPATH`` (for plug-in families).
 """
@@ -31,10 +31,6 @@ __all__ = ["MPIEXEC", "TESTS", "run_cli", "start_cli", "finish_cli", "kill_tree"
 TESTS = Path(__file__).resolve().parent
 _near = Path(sys.executable).with_name("mpiexec")
 MPIEXEC = str(_near) if _near.exists() else shutil.which("mpiexec")
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "mpi: launches the CLI under mpiexec (real MPI, several processes)")
 
 
 def _env(extra: dict | None) -> dict:

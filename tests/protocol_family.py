@@ -3,7 +3,9 @@
 Nothing here comes from the Llama family: if the core calls anything the Protocol does not
 document (or passes other arguments), a run of this family fails. The model is a residual
 tanh MLP: ``h = E[ids]; h = h + tanh(h @ W_i) for each layer; logits = h @ H``, so a naive
-numpy `reference` checks the pipeline's logits. Import it through ``[model] plugins =
+numpy `reference` checks the pipeline's logits and `greedy` the tokens ``generate`` writes.
+Each position is computed on its own, so generation needs no cache (``reset`` keeps nothing,
+``prefill``/``decode`` are the forward at the rows' last position). Import it through ``[model] plugins =
 ["protocol_family"]`` with tests/ on PYTHONPATH; `write_checkpoint` makes a checkpoint.
 """
 
@@ -18,9 +20,9 @@ from rlx_mpi import checkpoint
 from rlx_mpi.errors import ConfigError, InputError
 from rlx_mpi.placement import ModelCost
 from rlx_mpi.families import register_family
-from rlx_mpi.stage import Stage
+from rlx_mpi.stage import ModelDims, Stage
 
-__all__ = ["NAME", "ProtoFamily", "write_checkpoint", "reference"]
+__all__ = ["NAME", "ProtoFamily", "write_checkpoint", "reference", "greedy"]
 
 NAME = "proto_mlp"
 
@@ -42,9 +44,43 @@ class ProtoStage(Stage):
             h = h + np.tanh(h @ w)
         return (h @ self.head if self.last else h).astype(np.float32)
 
+    def reset(self, slots, max_seq, kv):
+        return 0  # position-wise: nothing to keep
+
+    def prefill(self, x, slots, lengths):
+        out = self.forward(x)  # (B, T, C) or logits (B, T, V)
+        return out[np.arange(len(out)), np.asarray(lengths) - 1] if self.last else out
+
+    def decode(self, x, slots, positions):
+        out = self.forward(x)  # (B, 1, ...)
+        return out[:, 0] if self.last else out
+
 
 class ProtoFamily:
     name = NAME
+    hf_model_types = ("proto_mlp",)
+    presets = {"proto-tiny": {"vocab": 40, "hidden": 16, "layers": 4}}
+
+    def dims(self, cfg):
+        return ModelDims(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], max_positions=64, n_layers=cfg["layers"])
+
+    def describe(self, cfg):
+        return f"{NAME}, {cfg['layers']} layers, hidden {cfg['hidden']}, vocab {cfg['vocab']}"
+
+    def config_from_shape(self, shape, where):
+        missing = [k for k in ("layers", "hidden", "vocab") if not shape.get(k)]
+        if missing:
+            raise ConfigError(where, f"missing --{', --'.join(missing)}", "give --layers --hidden --vocab")
+        return {"vocab": shape["vocab"], "hidden": shape["hidden"], "layers": shape["layers"]}
+
+    def init_random(self, path, cfg, *, seed, dtype="float32"):
+        checkpoint.write_checkpoint(path, NAME, json.dumps(cfg), _tensors(cfg, seed), dtype=dtype)
+
+    def convert_hf(self, hf_dir, out, *, dtype, hf_config):
+        cfg = {"vocab": hf_config["vocab_size"], "hidden": hf_config["hidden_size"],
+               "layers": hf_config["num_hidden_layers"]}
+        self.init_random(out, cfg, seed=0, dtype=dtype)
+        return cfg
 
     def load_config(self, config_json, where):
         cfg = json.loads(config_json)
@@ -70,7 +106,8 @@ class ProtoFamily:
         return (batch, seq, cfg["vocab"] if last else cfg["hidden"]), np.dtype(np.float32)
 
     def check_inputs(self, cfg, ids, where):
-        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= cfg["vocab"]:
+        if (ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= cfg["vocab"]
+                or ids.shape[1] > self.dims(cfg).max_positions):
             raise InputError(where, "bad ids", f"integer [batch, seq] in [0, {cfg['vocab']})")
 
     def build_stage(self, cfg, source, layers, first, last, tp, ctx):
@@ -102,3 +139,11 @@ def reference(cfg, ids, seed=0) -> np.ndarray:
     for i in range(cfg["layers"]):
         h = h + np.tanh(h @ t[f"layers/{i}/w"])
     return h @ t["head"]
+
+
+def greedy(cfg, prompt, max_new_tokens, seed=0) -> list[int]:
+    """The tokens greedy generation appends to ``prompt``, from `reference`'s logits."""
+    seq = list(prompt)
+    for _ in range(max_new_tokens):
+        seq.append(int(np.argmax(reference(cfg, np.array([seq]), seed)[0, -1])))
+    return seq[len(prompt):]

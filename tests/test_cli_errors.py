@@ -19,7 +19,8 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import run_cli, toml_text, write_job
+from conftest import run_cli, toml_text
+from helpers import job_builder
 from rlx_mpi.llama import PRESETS, LlamaConfig
 from rlx_mpi.llama.init import init_random
 
@@ -39,12 +40,9 @@ class Case:
 # -- builders ----------------------------------------------------------------------------------
 
 RUN = {"seq": 8, "timeout_s": 5.0, "startup_timeout_s": 20.0}
-PLACE = {"reserve_ram_gb": 0.0}
 
 
-def job(d: Path, ckpt: Path | str, run=None, placement=None, model=None, **extra) -> Path:
-    return write_job(d, model={"checkpoint": str(ckpt), **(model or {})}, run={**RUN, **(run or {})},
-                     placement={**PLACE, **(placement or {})}, **extra)
+job = job_builder(RUN)
 
 
 def run_args(d: Path, ckpt, ids=None, **kw) -> list:
@@ -193,7 +191,7 @@ CASES = [
          "ids.txt: not a .npy file (no NUMPY header)"),
     Case("ids-vs-microbatches", lambda d, c: run_args(d, c, ids=np.zeros((1, 4), np.int64),
                                                       run={"batch": 2, "microbatches": 2}),
-         BAD_INPUT, "batch 1 is smaller than [run] microbatches = 2"),
+         BAD_INPUT, "ids.npy: 2 microbatches for batch = 1"),
     # -- output files ---------------------------------------------------------------------------
     Case("out-folder-missing", lambda d, c: ["run", job(d, c), "--out", d / "no" / "out.h5"], BAD_INPUT,
          "/no/out.h5: folder"),

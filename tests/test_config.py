@@ -22,13 +22,6 @@ def test_defaults_and_relative_paths():
     assert job.override_for(3).device == "cpu"
 
 
-def test_seed_for_is_distinct_and_reproducible():
-    job = parse(run={"seed": 7})
-    seeds = [job.seed_for(r) for r in range(64)]
-    assert len(set(seeds)) == 64 and seeds == [job.seed_for(r) for r in range(64)]
-    assert parse(run={"seed": 8}).seed_for(0) != seeds[0]
-
-
 @pytest.mark.parametrize("sections, where, what", [
     ({"run": {"seq": 0}}, "[run] seq", "got 0"),
     ({"run": {"batch": 1.5}}, "[run] batch", "expected an integer"),
@@ -86,7 +79,9 @@ def test_load_job_file_errors(tmp_path):
 
 
 def test_shipped_jobs_load():
-    for path in Path(__file__).parent.parent.joinpath("jobs").glob("*.toml"):
+    paths = sorted(Path(__file__).parent.parent.joinpath("jobs").glob("*.toml"))
+    assert len(paths) >= 3, paths  # tiny, generate, tiny_tp at least: a moved folder must not pass silently
+    for path in paths:
         load_job(path)
 
 

@@ -4,7 +4,8 @@
 import numpy as np
 import pytest
 
-from rlx_mpi.executor import Executor, microbatch_bounds
+from rlx_mpi.drivers.run import microbatch_bounds
+from rlx_mpi.executor import Executor
 from rlx_mpi.faults import RankContext
 from rlx_mpi.schedule import forward_schedule
 from rlx_mpi.wire import get_codec

@@ -83,7 +83,6 @@ def test_half_wire_within_bound(tmp_path, tiny_ckpt, ids, f32_one, wire):
     for m in (1, 2, 3):
         logits, stats, _ = run(tmp_path, f"{wire}{m}", tiny_ckpt, ids, microbatches=m, wire=wire)
         err = np.abs(logits - f32_one).max() / np.abs(f32_one).max()
-        print(wire, m, err, bound)
         assert 0 < err <= bound, (wire, m, err, bound)  # > 0: the codec really ran
         assert stats["wire"] == wire
         hidden = PRESETS["tiny"].hidden_size

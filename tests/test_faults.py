@@ -12,26 +12,19 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import kill_tree, run_cli, start_cli, write_job
+from helpers import faulty_ckpt, pids_matching  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.mpi
 
 TIMEOUT_S = 3.0
 HOST = socket.gethostname()
 EXIT_FAULT, EXIT_TIMEOUT = 4, 5
-
-
-@pytest.fixture(scope="module")
-def faulty_ckpt(tmp_path_factory) -> Path:
-    import faulty_family
-
-    return faulty_family.write_checkpoint(tmp_path_factory.mktemp("faulty") / "faulty.h5")
 
 
 def fault_job(tmp_path: Path, ckpt: Path, kind: str) -> Path:
@@ -48,8 +41,7 @@ def fault_env(tmp_path: Path, kind: str, rank: int = 1) -> dict:
 
 def job_pids(job: Path) -> list[int]:
     """Processes whose command line names ``job`` (mpiexec, the ranks and their supervisors)."""
-    out = subprocess.run(["pgrep", "-f", job.name], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split() if int(p) != os.getpid()]
+    return pids_matching(job.name)
 
 
 def kill_leftovers(job: Path) -> list[int]:

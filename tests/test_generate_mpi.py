@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import kill_tree, run_cli, start_cli, write_job
+from helpers import faulty_ckpt, rows_of  # noqa: F401 (a fixture)
 from rlx_mpi.checkpoint import H5ParamSource
 from rlx_mpi.journal import REQUEUE_EXIT
 from rlx_mpi.kv_cache import KvSpec
@@ -25,10 +26,6 @@ FIXTURES = Path(__file__).parent / "fixtures"
 def write_prompts(path, prompts):
     path.write_text("".join(json.dumps({"id": pid, "tokens": list(map(int, t))}) + "\n" for pid, t in prompts))
     return path
-
-
-def rows_of(path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
 def without_ms(rows):
@@ -264,13 +261,6 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_ckpt, case, needle):
 
 
 # -- faults during generation -------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def faulty_ckpt(tmp_path_factory):
-    import faulty_family
-
-    return faulty_family.write_checkpoint(tmp_path_factory.mktemp("faulty") / "faulty.h5")
 
 
 @pytest.mark.parametrize("fault, code", [("raise", 4), ("hang", 5)])

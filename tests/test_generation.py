@@ -10,7 +10,7 @@ import pytest
 from rlx_mpi import kernels
 from rlx_mpi.checkpoint import H5ParamSource
 from rlx_mpi.errors import ConfigError
-from rlx_mpi.generation import DECODE, PREFILL, Scheduler, read_header
+from rlx_mpi.scheduler import DECODE, PREFILL, Scheduler, read_header
 from rlx_mpi.kv_cache import KvSpec
 from rlx_mpi.llama import PRESETS, LlamaStage
 from rlx_mpi.llama.convert import convert_hf
@@ -245,7 +245,7 @@ def test_planner_sees_the_kv_cache():
     from rlx_mpi.caps import NodeCaps
     from rlx_mpi.config import PlacementPolicy
     from rlx_mpi.errors import FitError
-    from rlx_mpi.generation import kv_cost
+    from rlx_mpi.placement import kv_cost
     from rlx_mpi.placement import plan_placement
 
     cfg = PRESETS["small"]

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from helpers import rows_of
 from rlx_mpi.errors import EXIT_BAD_INPUT, InputError
-from rlx_mpi.journal import REQUEUE_EXIT, Journal, Stopped
+from rlx_mpi.journal import REQUEUE_EXIT, Journal
 from rlx_mpi.prompts import Prompt
 
 
@@ -35,13 +36,8 @@ def expected_bytes(ps: list[Prompt]) -> bytes:
                                separators=(",", ":")).encode() + b"\n" for p in ps)
 
 
-def rows_of(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_bytes().split(b"\n") if line]
-
-
 def test_requeue_code_is_documented_and_distinct():
     assert REQUEUE_EXIT == 75 and REQUEUE_EXIT not in range(6) and REQUEUE_EXIT < 128
-    assert Stopped("generate", "stopped by SIGTERM").exit_code == REQUEUE_EXIT
 
 
 def test_rows_come_out_in_prompt_order_whatever_the_completion_order(tmp_path):

@@ -262,7 +262,7 @@ def test_manual_ranges_are_used():
 
 @pytest.mark.parametrize("manual, words", [
     (None, "no layer ranges"),
-    ([range(0, 5), range(5, 10)], "2 ranges given for 3 stages"),
+    ([range(0, 5), range(5, 10)], "2 ranges for 3 stages"),
     ([range(0, 3), range(4, 7), range(7, 10)], "gap"),
     ([range(0, 4), range(3, 7), range(7, 10)], "overlap"),
     ([range(1, 4), range(4, 7), range(7, 10)], "gap: layers 0:1"),
@@ -274,7 +274,7 @@ def test_manual_ranges_are_used():
 def test_manual_errors(manual, words):
     with pytest.raises(ConfigError) as e:
         plan_placement(make_cost(n_layers=10), make_caps([None] * 3), P.MANUAL, manual=manual)
-    assert e.value.where == "placement.manual"
+    assert e.value.where == "[placement] manual"
     assert words in e.value.what
     assert e.value.fix and e.value.exit_code == 2
 
@@ -341,7 +341,7 @@ def test_est_bytes_rounds_up():
 def test_more_stages_than_layers():
     with pytest.raises(ConfigError) as e:
         plan_placement(make_cost(n_layers=3), make_caps([None] * 4), P.UNIFORM)
-    assert "4 stages but the model has only 3 layers" in e.value.what
+    assert "4 stages (4 ranks / tp 1) but the model has only 3 layers" in e.value.what
     assert "at most 3 stages" in e.value.fix
 
 

@@ -259,10 +259,3 @@ def test_the_launch_path_imports_no_numpy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
     assert out[0] == "[]", out  # nothing heavy imported
     assert out[1] == "[]", out  # and every public name still resolves
-
-
-def test_the_pre_mpi_startup_default_is_the_configs():
-    from rlx_mpi.cli import STARTUP_TIMEOUT_DEFAULT_S
-    from rlx_mpi.config import RunSection
-
-    assert STARTUP_TIMEOUT_DEFAULT_S == RunSection.startup_timeout_s

@@ -25,7 +25,8 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import MPIEXEC, TESTS, _env, finish_cli, run_cli, write_job
+from conftest import MPIEXEC, TESTS, _env, finish_cli, run_cli
+from helpers import job_builder, pids_matching
 
 pytestmark = pytest.mark.mpi
 
@@ -50,9 +51,7 @@ class Case:
 # -- builders ----------------------------------------------------------------------------------
 
 
-def job(d: Path, ckpt, run=None, placement=None, model=None, name="job.toml", **extra) -> Path:
-    return write_job(d, name, model={"checkpoint": str(ckpt), **(model or {})}, run={**RUN, **(run or {})},
-                     placement={**PLACE, **(placement or {})}, **extra)
+job = job_builder(RUN)
 
 
 def run_job(d, ckpt, *flags, **kw) -> list:
@@ -372,8 +371,7 @@ def test_reliability(case: Case, tmp_path, tiny_ckpt):
 def leftover_processes(d: Path) -> list[int]:
     """Processes (ranks, supervisors, the launcher) whose command line names the case's folder."""
     time.sleep(0.3)  # the launcher's SIGKILLs are asynchronous
-    out = subprocess.run(["pgrep", "-f", str(d)], capture_output=True, text=True).stdout
-    pids = [int(x) for x in out.split() if int(x) != os.getpid()]
+    pids = pids_matching(str(d))
     for pid in pids:
         try:
             os.kill(pid, 9)

@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from conftest import TESTS, write_job
+from helpers import faulty_ckpt, pids_matching  # noqa: F401 (a fixture)
 from slurm_cluster import SlurmCluster, missing_reason
 
-pytestmark = [pytest.mark.mpi, pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))]
+pytestmark = [pytest.mark.mpi, pytest.mark.slurm, pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))]
 
 REPO = TESTS.parent
 PY = sys.executable
@@ -34,13 +35,6 @@ def slurm(tmp_path_factory) -> SlurmCluster:
     cluster.up()
     yield cluster
     cluster.down()
-
-
-@pytest.fixture(scope="module")
-def faulty_ckpt(tmp_path_factory) -> Path:
-    import faulty_family
-
-    return faulty_family.write_checkpoint(tmp_path_factory.mktemp("faulty") / "faulty.h5")
 
 
 def _env(**extra) -> dict:
@@ -60,9 +54,7 @@ def _errors(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("rlx-mpi: error:")]
 
 
-def _pids(needle: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", needle], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split() if int(p) != os.getpid()]
+_pids = pids_matching
 
 
 def _no_leftovers(needle: str, within_s: float = 5.0) -> list[int]:

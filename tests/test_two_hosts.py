@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 
 from conftest import MPIEXEC, TESTS, kill_tree, run_cli, write_job
+from helpers import faulty_ckpt  # noqa: F401 (a fixture)
 from two_hosts import TwoHosts, missing_reason
 
-pytestmark = [pytest.mark.mpi, pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))]
+pytestmark = [pytest.mark.mpi, pytest.mark.twohost, pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))]
 
 TIMEOUT_S = 3.0
 REPEATS = int(os.environ.get("RLX_TEST_REPEATS", "5"))  # kill trials per case (the race showed in 1 of 3-5)
@@ -34,13 +35,6 @@ def hosts(tmp_path_factory) -> TwoHosts:
     h = TwoHosts(tmp_path_factory.mktemp("hosts")).up()
     yield h
     h.down()
-
-
-@pytest.fixture(scope="module")
-def faulty_ckpt(tmp_path_factory) -> Path:
-    import faulty_family
-
-    return faulty_family.write_checkpoint(tmp_path_factory.mktemp("faulty2h") / "faulty.h5")
 
 
 def _env(extra: dict | None = None) -> dict:

@@ -17,7 +17,7 @@ import importlib
 from typing import Any
 
 __all__ = ["register_family", "get_family", "family_names", "family_for_model_type", "find_preset",
-           "preset_names"]
+           "preset_names", "require_preset", "hf_family", "load_plugins"]
 
 # family name -> the module that defines it as ``FAMILY`` (imported on first use)
 _BUILTIN: dict[str, str] = {
@@ -68,3 +68,61 @@ def find_preset(name: str) -> tuple[Any, Any] | None:
         if name in presets:
             return family, presets[name]
     return None
+
+
+def require_preset(name: str, where: str) -> tuple[Any, Any]:
+    """(family, config) of the preset ``name``; the one `ConfigError` for an unknown preset name
+    (``init-model --preset``, ``plan --preset``, ``[model] preset``)."""
+    found = find_preset(name)
+    if found is None:
+        from ..errors import ConfigError
+
+        raise ConfigError(where, f"got {name!r}", f"expected one of {preset_names()}")
+    return found
+
+
+def hf_family(hf_dir: Any) -> tuple[Any, dict]:
+    """(family, config.json as a dict) for the Hugging Face directory ``hf_dir``: the family whose
+    ``hf_model_types`` holds its ``model_type``; a `CheckpointError` (exit 2) naming the
+    supported types when none does."""
+    import json
+    from pathlib import Path
+
+    from ..errors import CheckpointError
+
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise CheckpointError(str(hf_dir), "not a directory", "give the Hugging Face model directory")
+    path = hf_dir / "config.json"
+    where = str(path)
+    if not path.is_file():
+        raise CheckpointError(where, "config file not found", "give a Hugging Face model directory holding config.json")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(where, f"unreadable config ({e})", "download config.json again") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(where, f"config is a JSON {type(raw).__name__}, not an object", "download config.json again")
+    model_type = raw.get("model_type")
+    family = family_for_model_type(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        known = sorted(t for f in _all() for t in getattr(f, "hf_model_types", ()))
+        raise CheckpointError(f"{where}: model_type", f"{model_type!r} is not a supported model type",
+                              f"supported model types: {', '.join(known)}")
+    return family, raw
+
+
+def load_plugins(modules: Any, where: str) -> None:
+    """Import the job's ``[model] plugins`` (modules that call `register_family`); a module that
+    fails is one `ConfigError` naming it, not a traceback per rank."""
+    from ..errors import ConfigError
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ConfigError(where, f"cannot import {module!r} ({e})",
+                              "install the module or fix PYTHONPATH on every node") from None
+        except Exception as e:  # the plug-in's own bug
+            raise ConfigError(where, f"importing {module!r} raised {type(e).__name__}: {e}",
+                              "fix the plug-in (run python -c 'import " + module + "' to see the traceback)") from None

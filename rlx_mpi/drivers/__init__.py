@@ -1,0 +1,23 @@
+"""One module per MPI command's work, each a driver of the shared start-up (`Cluster.start`).
+
+A driver says what differs between commands; everything else (logging, the job file, probe,
+plan, build, deadlines, faults, stop signals, the finish barrier) is common. Its members, in
+the order `Cluster.start` and `Cluster.run` call them on every rank:
+
+    command        "run" | "generate" | ...: names the per-rank logs
+    stop_signals   True: SIGTERM/SIGINT/SIGUSR1 set ``cx.stop`` instead of ending the rank
+    plan_only      True: stop after the plan (no build, no weights read)
+    configure(cx)  resolve the command's options against ``cx.job`` (agreed)
+    outputs(cx)    ([(flag, path | None)], {description: input path}): checked on rank 0 before
+                   any compute (`outputs.check_outputs`); ``cx.outputs`` maps flag -> Output
+    load(cx)       read the work (input ids, prompts); return (batch, seq) for the planner, or
+                   None when there is nothing to do
+    cost(cx)       the `ModelCost` the planner places (``cx.cost()``, or with the KV cache priced)
+    check_plan(cx) refuse a plan the command cannot run (agreed)
+    ready(cx)      after the build (generate: allocate the KV cache)
+    drive(cx)      the work; its result on rank 0 (faults abort the job)
+    report(cx, r)  print and write the result; return the exit code
+
+`run.py` is the GPipe forward of ``rlx-mpi run``; `generate.py` the decode ring of ``rlx-mpi
+generate``.
+"""

@@ -1,0 +1,425 @@
+"""``rlx-mpi generate``: a prompt file in, a completions file out, across the pipeline.
+
+`GenerateDriver` is the command on the shared start-up (`Cluster.start`): it resolves the
+options (the job's ``[generate]`` under the flags), reads the prompts and opens the journal on
+rank 0 (which fixes the cache's slots and longest sequence), plans with the KV cache priced
+(`placement.kv_cost`), resets every stage's cache after the build, and runs the ring.
+
+Note: the decode ring. Stage 0 owns the plan of the run (the `scheduler.Scheduler`: which
+prompt sits in which cache slot, what each group computes next). A step travels stage 0 -> 1 -> ... -> last as a small int64 header
+(kind, group, rows: slot, length/position, prompt key, token index) followed by the hidden
+state; the last stage samples one token per row and sends the tokens back to stage 0 (with
+tensor parallelism each TP rank talks to its counterpart, so every rank of the first stage
+gets them). With ``groups`` >= stages, stage s works on group i while stage s-1 works on group
+i+1. A row that ends (max_new_tokens, or the end-of-sequence id) frees its slot, and the next
+prompt takes it at the group's next turn (continuous batching). Steps flow first-in first-out
+through every stage, so stage 0 receives tokens in the order it issued the steps.
+
+Stopping: stage 0 stops admitting prompts (all prompts done, or a stop signal agreed by the
+first stage's TP ranks), drains the steps in flight, then sends a STOP header down the
+pipeline; every rank leaves its loop after the same step. The hidden states move through the
+`executor.Executor` (codec, buffer pool, timings), one step's actions at a time
+(`schedule.decode_step_actions`; `schedule.decode_ring` writes the whole order out for
+`schedule.simulate`); the headers, and the tokens whose receive stage 0 posts as soon as it
+has sent a step, go over the same `transport.Link`. Every wait has the run's deadline and
+names the rank waited for. Each step's send is waited before the stage takes the next step,
+so hidden states past MPI's eager limit hand over synchronously (see the ring test).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import rules, transport
+from ..errors import ConfigError
+from ..executor import Executor, wire_codec
+from ..sampling import SamplingParams, sample
+from ..schedule import Action, decode_step_actions
+from ..scheduler import PREFILL, STOP, Scheduler, Seq, Step, make_header, read_header
+from ..stats import GenerateResult, StageTiming, peak_rss_bytes
+
+__all__ = ["GenerateDriver", "GenerateOptions", "DecodeRing", "GenStats", "GenerateResult"]
+
+log = logging.getLogger("rlx_mpi")
+
+_TAG_HEADER, _TAG_HIDDEN = 7, 1000  # tokens return on the hidden tag, in the other direction
+
+@dataclass
+class GenStats:
+    """The ring's running sums on one rank, copied into its `stats.StageTiming` at the end."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    sample_s: float = 0.0
+    steps: int = 0
+    tokens: int = 0  # rows x steps this rank computed
+
+
+class DecodeRing:
+    """One rank's part of the decode: stage 0 drives (`drive`), the other stages relay (`relay`)."""
+
+    def __init__(self, cx: Any, params: SamplingParams, header_size: int):
+        self.cx, self.params, self.header_size = cx, params, header_size
+        topo, job = cx.topology, cx.job
+        self.topo, self.stage, self.ctx = topo, cx.stage, cx.ctx
+        timeout = job.run.timeout_s
+        grace = max(1.0, 0.1 * timeout)
+        # Staggered deadlines as in the forward: the rank next to a stuck one expires first. A
+        # relay waits for the next header while the whole ring turns, so it gets the ring's time.
+        self.link = transport.Link(cx.world, cx.ctx, timeout + topo.stage * grace,
+                                   send_timeout_s=timeout + (topo.n_stages - 1 - topo.stage) * grace)
+        self.ring = transport.Link(cx.world, cx.ctx, timeout + topo.n_stages * grace)
+        codec = wire_codec(job)
+
+        def rank_of(s: int) -> int:  # the matching TP rank of stage s
+            return topo.grid[s][topo.tp_rank]
+
+        what = lambda g: f"the hidden state of group {g}"  # noqa: E731
+        self.ex = Executor(self.link, cx.ctx, rank_of=rank_of, codec=codec, what=what, record=False)
+        self.hidden = cx.dims.hidden_size
+        self.stats = GenStats()
+
+    @property
+    def n_stages(self) -> int:
+        return self.topo.n_stages
+
+    def _compute(self, header: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """This stage's part of a step; on the last stage the sampled tokens (n,) int64."""
+        kind, _, n, T, rows = read_header(header)
+        slots, lengths = rows[:, 0].copy(), rows[:, 1].copy()
+        t0 = time.perf_counter()
+        out = self.stage.prefill(x, slots, lengths) if kind == PREFILL else self.stage.decode(x, slots, lengths)
+        t1 = time.perf_counter()
+        st = self.stats
+        st.steps += 1
+        st.tokens += n
+        if kind == PREFILL:
+            st.prefill_s += t1 - t0
+        else:
+            st.decode_s += t1 - t0
+        if not self.stage.last:
+            return out
+        tokens = sample(out, rows[:, 2], rows[:, 3], self.params)
+        st.sample_s += time.perf_counter() - t1
+        return tokens
+
+    def _recv_spec(self, header: np.ndarray) -> Callable[[Action], tuple]:
+        _, _, n, T, _ = read_header(header)
+        return lambda a: ((n, T, self.hidden), np.float32)
+
+    # -- stage 0 --------------------------------------------------------------------------------
+
+    def drive(self, sched: Scheduler, on_done: Callable[[list[Seq]], None], stop_now: Callable[[], bool]) -> bool:
+        """Stage 0: issue steps for every group, complete them as tokens return, until the
+        prompts are done or a stop is requested. Returns True if it stopped early."""
+        in_flight: deque[Step] = deque()
+        stopped = False
+
+        def issue(g: int) -> None:
+            step = sched.next_step(g)
+            if step is None:
+                return
+            self.ctx.microbatch = g
+
+            def compute(_m, _x):
+                out = self._compute(step.header, step.ids)
+                if self.n_stages == 1:
+                    step.tokens = out
+                    return None
+                self.link.send(step.header, self.topo.next, _TAG_HEADER, f"the step header of group {g}")
+                return out
+
+            self.ex.run(decode_step_actions(0, self.n_stages, g), compute, lambda a: None, tag_base=_TAG_HIDDEN)
+            if self.n_stages > 1:  # post the receive of its tokens now: the last stage's send
+                # then never depends on MPI buffering it (no cycle in the ring under rendezvous)
+                step.pending = self.ring.irecv(np.empty(len(step.rows), np.int64), self.topo.grid[-1][self.topo.tp_rank],
+                                               _TAG_HIDDEN + g, f"the sampled tokens of group {g}")
+            in_flight.append(step)
+
+        for g in range(sched.groups):
+            issue(g)
+        while in_flight:
+            step = in_flight.popleft()
+            if step.tokens is None:  # the ring: tokens from the last stage
+                self.ctx.microbatch = step.group
+                step.pending.wait()
+                step.tokens = step.pending.buf
+            on_done(sched.complete(step, step.tokens))
+            if not sched.stopping and stop_now():
+                sched.stopping = stopped = True
+            issue(step.group)
+        self.ctx.microbatch = None
+        if self.n_stages > 1:
+            stop = make_header(STOP, 0, 0, [], [], [], [], self.header_size)
+            self.link.send(stop, self.topo.next, _TAG_HEADER, "the stop header")
+        return stopped
+
+    # -- stages 1.. -----------------------------------------------------------------------------
+
+    def relay(self) -> None:
+        """Stages after the first: take a header, compute the step, pass it on, until STOP."""
+        header = np.zeros(self.header_size, np.int64)
+        last = self.stage.last
+        while True:
+            self.ctx.microbatch = None
+            self.link.recv(header, self.topo.prev, _TAG_HEADER, "the next step header")
+            kind, g, n, T, _ = read_header(header)
+            if kind == STOP:
+                if not last:
+                    self.link.send(header, self.topo.next, _TAG_HEADER, "the stop header")
+                return
+            self.ctx.microbatch = g
+            hdr = header.copy()
+
+            def compute(_m, x, hdr=hdr, g=g):
+                out = self._compute(hdr, x)
+                if not last:
+                    self.link.send(hdr, self.topo.next, _TAG_HEADER, f"the step header of group {g}")
+                return out
+
+            # the last stage's send is the int64 tokens back to stage 0: the executor sends
+            # non-float32 payloads raw (no codec)
+            self.ex.run(decode_step_actions(self.topo.stage, self.n_stages, g), compute, self._recv_spec(hdr),
+                        tag_base=_TAG_HIDDEN)
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """A resolved ``generate`` request: the job's [generate] section under the command-line flags."""
+
+    prompts: Any  # Path
+    out: Any  # Path
+    max_new_tokens: int
+    sampling: SamplingParams
+    eos_id: int | None
+    batch: int
+    groups: int  # 0: one per stage
+    sync_s: float
+    progress_s: float = 10.0
+
+    @classmethod
+    def resolve(cls, flags: Any, job: Any) -> "GenerateOptions":
+        """The job's [generate] section under ``flags`` (the parsed command line), checked."""
+        sec = job.generate
+        pick = lambda flag, value: value if flag is None else flag  # noqa: E731
+        prompts = flags.prompts or (str(sec.prompts) if sec.prompts else None)
+        out = flags.out or (str(sec.out) if sec.out else None)
+        if not prompts:
+            raise ConfigError("generate --prompts", "no prompt file given", "pass --prompts FILE or set [generate] prompts")
+        if not out:
+            raise ConfigError("generate --out", "no output file given", "pass --out FILE or set [generate] out")
+        for flag, value, low in (("--max-new-tokens", flags.max_new_tokens, 1), ("--top-k", flags.top_k, 0),
+                                 ("--seed", flags.seed, 0), ("--eos-id", flags.eos_id, 0), ("--batch", flags.batch, 1),
+                                 ("--groups", flags.groups, 0)):
+            rules.int_at_least(value, low, f"generate {flag}")
+        seed = pick(flags.seed, sec.seed if sec.seed is not None else job.run.seed)
+        sampling = SamplingParams(pick(flags.temperature, sec.temperature), pick(flags.top_k, sec.top_k),
+                                  pick(flags.top_p, sec.top_p), seed).check("generate")
+        return cls(prompts=Path(prompts), out=Path(out), max_new_tokens=pick(flags.max_new_tokens, sec.max_new_tokens),
+                   sampling=sampling, eos_id=pick(flags.eos_id, sec.eos_id), batch=pick(flags.batch, sec.batch),
+                   groups=pick(flags.groups, sec.groups), sync_s=sec.sync_s)
+
+
+class GenerateDriver:
+    """The ``generate`` command as a driver of the shared start-up (see `rlx_mpi.drivers`).
+
+    Rank 0 reads the prompts and opens the journal (an agreed step), every rank learns the
+    pending prompts, plans with their KV bytes, builds, resets its cache and runs the decode
+    ring. `report` exits with the requeue code when a stop signal ended it early.
+    """
+
+    command = "generate"
+    stop_signals = True  # finish the step, write what is complete, exit 75
+    plan_only = False
+
+    def __init__(self, flags: Any, *, argv_inputs: tuple = ()):
+        self.flags, self.argv_inputs = flags, argv_inputs
+        self.opts: GenerateOptions | None = None
+        self.doc: dict = {}
+        self.holder: dict = {}  # rank 0: journal, tokenizer, prompts
+        self.groups = 0
+        self.kv_bytes = 0
+
+    def configure(self, cx: Any) -> None:
+        self.opts = GenerateOptions.resolve(self.flags, cx.job)
+
+    def outputs(self, cx: Any) -> tuple[list, dict]:
+        o = self.opts
+        inputs = {"the job file": cx.job.path, "the checkpoint": cx.job.model.checkpoint,
+                  "the prompt file": o.prompts, "the output file": o.out}
+        return [("--json", self.flags.json)], inputs
+
+    def load(self, cx: Any) -> tuple[int, int] | None:
+        """Prompts and journal on rank 0; (cache slots, longest sequence), None when all are done."""
+        from ..journal import Journal
+        from ..prompts import load_tokenizer, read_prompts
+
+        cx.prepare()
+        dims, job, opts = cx.dims, cx.job, self.opts
+
+        def load() -> dict | None:
+            if not cx.is_root:
+                return None
+            tokenizer = load_tokenizer(job.model.checkpoint)
+            prompts = read_prompts(opts.prompts, vocab_size=dims.vocab_size, max_positions=dims.max_positions,
+                                   max_new_tokens=opts.max_new_tokens, tokenizer=tokenizer)
+            journal = Journal(opts.out, prompts, inputs=(opts.prompts, job.path, job.model.checkpoint,
+                                                         *self.argv_inputs), sync_s=opts.sync_s)
+            self.holder.update(journal=journal, tokenizer=tokenizer, prompts=prompts)
+            eos = opts.eos_id if opts.eos_id is not None else (tokenizer.eos_token_id if tokenizer else None)
+            pending = [[p.index, p.id, list(p.tokens)] for p in journal.pending]
+            longest = max((len(p[2]) for p in pending), default=1)
+            return {"pending": pending, "total": len(prompts), "eos": eos, "max_seq": longest + opts.max_new_tokens}
+
+        doc = cx.agree(load, "reading the prompts")
+        self.doc = doc = transport.bcast_json(cx.world, doc, 0, job.run.startup_timeout_s, cx.ctx, "the prompts")
+        if not doc["pending"]:
+            if cx.is_root:
+                self.holder["journal"].close()
+                log.info("all %d prompts of %s are already in %s", doc["total"], opts.prompts, opts.out)
+            return None
+        n_stages = cx.world.size // job.placement.tp
+        self.groups = opts.groups or n_stages
+        return self.groups * opts.batch, doc["max_seq"]
+
+    def cost(self, cx: Any) -> Any:
+        """The family's cost with the KV term cut to what the ranks' policies keep."""
+        from ..placement import kv_cost
+
+        return kv_cost(cx.cost(), [cx.job.kv_for(r) for r in range(cx.world.size)], cx.seq)
+
+    def check_plan(self, cx: Any) -> None:
+        job = cx.job
+
+        def same_kv() -> None:
+            for a in cx.plan_:
+                specs = {str(job.kv_for(r)) for r in a.ranks}
+                if len(specs) > 1:
+                    raise ConfigError(f"{job.path}: [[rank]] kv_cache", f"the ranks {list(a.ranks)} of stage "
+                                      f"{a.stage} have different kv_cache settings {sorted(specs)}",
+                                      "give every rank of a tensor-parallel stage the same kv_cache")
+
+        cx.agree(same_kv, "checking the kv_cache settings")
+
+    def ready(self, cx: Any) -> None:
+        """Allocate every stage's KV cache (agreed: a family without generation is one line)."""
+        job = cx.job
+        kv = job.kv_for(cx.world.rank)
+
+        def reset() -> int:
+            try:
+                return cx.stage.reset(cx.batch, cx.seq, kv)
+            except NotImplementedError as e:
+                raise ConfigError(f"{job.model.checkpoint}: family {cx.family.name!r}", str(e),
+                                  "generate needs a family whose Stage implements reset, prefill and decode") from None
+
+        self.kv_bytes = cx.agree(reset, "allocating the KV cache")
+
+    def drive(self, cx: Any) -> GenerateResult | None:
+        """The decode ring on every rank; the `GenerateResult` on rank 0 (None elsewhere)."""
+        from ..faults import wait
+        from ..progress import Progress
+
+        opts, doc, holder, stop = self.opts, self.doc, self.holder, cx.stop
+        topo, job = cx.topology, cx.job
+        kv = job.kv_for(cx.world.rank)
+        recompute = any(job.kv_for(r).recompute for r in range(cx.world.size))
+        timeout = job.run.timeout_s
+        sched = Scheduler([(i, pid, tuple(t)) for i, pid, t in doc["pending"]], self.groups, opts.batch,
+                          opts.max_new_tokens, doc["eos"], recompute)
+        ring = DecodeRing(cx, opts.sampling, sched.header_size)
+        journal, tokenizer = holder.get("journal"), holder.get("tokenizer")
+        texts = {p.index: p.text for p in holder.get("prompts", [])}
+        done_before = doc["total"] - len(doc["pending"])
+        progress = Progress(doc["total"], done_before, interval_s=opts.progress_s) if cx.is_root else None
+        counts = {"done": 0, "tokens": 0}
+
+        def on_done(rows: list[Seq]) -> None:
+            now = time.perf_counter()
+            new = sum(len(r.new) for r in rows)
+            for r in rows:
+                counts["done"] += 1
+                counts["tokens"] += len(r.new)
+                if journal is None:
+                    continue
+                row = {"id": r.id, "tokens": r.new}
+                if tokenizer is not None and texts.get(r.index) is not None:
+                    row["text"] = tokenizer.decode(r.new)
+                row.update(finish_reason=r.finish_reason, prompt_tokens=len(r.prompt), new_tokens=len(r.new),
+                           ms=round((now - r.start) * 1e3, 1))
+                journal.complete(r.index, row)
+            if journal is not None:
+                journal.flush()
+                progress.update(done_before + counts["done"], new)
+
+        def stop_now() -> bool:
+            flag = np.array([1 if stop.requested else 0], np.int32)
+            if topo.tp > 1:  # the first stage's ranks must stop after the same step
+                from ..collectives import ReduceKind, all_reduce
+
+                all_reduce(flag, ReduceKind.MAX, comm=topo.tp_comm, timeout_s=timeout, ctx=cx.ctx)
+            return bool(flag[0])
+
+        wait(cx.world.Ibarrier(), timeout, cx.ctx, lambda: "every rank to start generating", "some rank")
+        t0 = time.perf_counter()
+        stopped = ring.drive(sched, on_done, stop_now) if topo.stage == 0 else ring.relay()
+        wall = time.perf_counter() - t0
+        if journal is not None:
+            journal.close()
+            progress.finish()
+        a = cx.assignment
+        st, ex = ring.stats, ring.ex.stats
+        timing = StageTiming(
+            rank=cx.world.rank, host=cx.ctx.host, stage=a.stage, tp_rank=topo.tp_rank, tp_ranks=a.ranks,
+            layers=a.layers, device=job.override_for(cx.world.rank).device, build_ms=cx.build_ms,
+            forward_ms=ex.compute_s * 1e3, recv_wait_ms=(ex.recv_wait_s + ring.ring.recv_wait_s) * 1e3,
+            send_ms=ex.send_wait_s * 1e3, bytes_sent=ex.bytes_sent, est_bytes=a.est_bytes,
+            weight_bytes=cx.stage.weight_bytes, peak_rss_bytes=peak_rss_bytes(), pack_ms=ex.pack_s * 1e3,
+            unpack_ms=ex.unpack_s * 1e3, wall_ms=wall * 1e3, precision=job.precision_for(cx.world.rank).value,
+            kv=str(kv), kv_bytes=self.kv_bytes, prefill_ms=st.prefill_s * 1e3, decode_ms=st.decode_s * 1e3,
+            sample_ms=st.sample_s * 1e3)
+        mine = {"timing": timing.to_dict(), "stopped": bool(stopped) if topo.stage == 0 else False,
+                "signal": stop.signal_name}
+        grace = max(1.0, 0.1 * timeout)
+        rows = transport.gather_json(cx.world, mine, 0, timeout + (topo.n_stages + 1) * grace, cx.ctx,
+                                     "the generation stats")
+        stopped_by = None
+        if rows is not None and rows[0]["stopped"]:
+            stopped_by = next((r["signal"] for r in rows if r["signal"]), None) or "a stop request"
+        stopped_by = transport.bcast_json(cx.world, stopped_by, 0, timeout, cx.ctx, "the end of the run")
+        timings = [StageTiming.from_dict(r["timing"]) for r in rows or []]
+        return GenerateResult(timings=timings, total=doc["total"], done_before=done_before, done_now=counts["done"],
+                              new_tokens=counts["tokens"], wall_s=wall, stopped_by=stopped_by)
+
+    def report(self, cx: Any, result: GenerateResult | None) -> int:
+        """Rank 0 prints the table and writes --json; 75 (requeue) when stopped by a signal."""
+        import json
+        import sys
+
+        from ..journal import REQUEUE_EXIT
+        from ..outputs import write_output
+
+        if result is None:
+            return 0
+        if cx.is_root:
+            print(result.table())
+            sys.stdout.flush()
+            if "--json" in cx.outputs:
+                write_output(cx.outputs["--json"], lambda tmp: tmp.write_text(json.dumps(result.to_dict(), indent=2)))
+        if result.stopped_by:
+            if cx.is_root:
+                print(f"rlx-mpi: stopped by {result.stopped_by} after the current step: "
+                      f"{result.done_before + result.done_now} of {result.total} prompts are in {self.opts.out}; "
+                      f"run the same command again to resume (exit code {REQUEUE_EXIT})", file=sys.stderr)
+            return REQUEUE_EXIT
+        return 0

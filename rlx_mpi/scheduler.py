@@ -1,0 +1,144 @@
+"""The plan of a ``generate`` run, as stage 0 keeps it: pure data, testable without MPI.
+
+Note: continuous batching. Prompts are cut into ``groups`` groups of ``batch`` cache slots; a
+group's next step (`Scheduler.next_step`) is either a *prefill* of the prompts that just took
+a free slot (positions 0..len-1, right-padded) or a *decode* of all its rows (one token each,
+at each row's own position). A row that ends (``max_new_tokens``, or an end-of-sequence id)
+frees its slot for the next prompt at the group's next turn. With ``recompute`` (kv_cache
+"none" on some stage) every step is a prefill of each row's whole sequence so far. A step
+travels the pipeline as a small int64 header (`make_header`/`read_header`: kind, group, rows,
+T; per row: slot, length|position, prompt key, token index); the decode ring that moves it is
+`rlx_mpi.drivers.generate`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .sampling import prompt_key
+
+__all__ = ["PREFILL", "DECODE", "STOP", "Seq", "Step", "Scheduler", "make_header", "read_header"]
+
+PREFILL, DECODE, STOP = 1, 2, 3
+_HEAD, _ROW = 4, 4  # header: kind, group, rows, T; then per row: slot, length|position, key, token index
+
+
+@dataclass
+class Seq:
+    """One prompt while it holds a cache slot."""
+
+    index: int  # position in the prompt file
+    id: str
+    prompt: tuple[int, ...]
+    slot: int
+    key: int  # prompt_key(id): seeds its draws
+    new: list[int] = field(default_factory=list)
+    prefilled: bool = False
+    start: float = 0.0  # perf_counter when it took the slot
+    finish_reason: str | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.new)
+
+
+@dataclass
+class Step:
+    """What one group computes next, as stage 0 issues it."""
+
+    kind: int  # PREFILL | DECODE
+    group: int
+    rows: list[Seq]
+    ids: np.ndarray  # (n, T) int64: stage 0's input
+    header: np.ndarray  # int64 (_HEAD + _ROW * batch,)
+    tokens: np.ndarray | None = None  # (n,) once sampled
+    pending: Any = None  # the posted receive of the tokens (pipelines of 2+ stages)
+
+
+def make_header(kind: int, group: int, T: int, slots, lengths, keys, index, size: int) -> np.ndarray:
+    h = np.zeros(size, np.int64)
+    n = len(slots)
+    h[:_HEAD] = (kind, group, n, T)
+    rows = h[_HEAD:_HEAD + _ROW * n].reshape(n, _ROW)
+    rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3] = slots, lengths, keys, index
+    return h
+
+
+def read_header(h: np.ndarray) -> tuple[int, int, int, int, np.ndarray]:
+    """(kind, group, n, T, rows (n, 4))."""
+    kind, group, n, T = (int(v) for v in h[:_HEAD])
+    return kind, group, n, T, h[_HEAD:_HEAD + _ROW * n].reshape(n, _ROW)
+
+
+class Scheduler:
+    """Which prompt takes which slot, and what each group computes next (continuous batching).
+
+    ``prompts``: (index, id, tokens) in file order, not yet done. With ``recompute`` (kv_cache
+    "none" on some stage) every step is a prefill of each row's whole sequence so far.
+    """
+
+    def __init__(self, prompts: list[tuple[int, str, tuple[int, ...]]], groups: int, batch: int,
+                 max_new_tokens: int, eos_id: int | None, recompute: bool):
+        self.queue = deque(prompts)
+        self.groups, self.batch = groups, batch
+        self.max_new_tokens, self.eos_id, self.recompute = max_new_tokens, eos_id, recompute
+        self.rows: list[list[Seq | None]] = [[None] * batch for _ in range(groups)]
+        self.stopping = False
+        self.header_size = _HEAD + _ROW * batch
+
+    def next_step(self, g: int) -> Step | None:
+        """Group ``g``'s next step (admitting queued prompts into free slots), or None when idle."""
+        if self.stopping:  # finish the steps in flight, start none
+            return None
+        rows = self.rows[g]
+        for i, r in enumerate(rows):
+            if r is None and self.queue:
+                index, pid, tokens = self.queue.popleft()
+                rows[i] = Seq(index, pid, tuple(tokens), g * self.batch + i, prompt_key(pid),
+                              start=time.perf_counter())
+        live = [r for r in rows if r is not None]
+        fresh = [r for r in live if not r.prefilled]
+        if self.recompute and live:
+            return self._prefill(g, live)
+        if fresh:  # new prompts first; the group's other rows wait one turn
+            return self._prefill(g, fresh)
+        if not live:
+            return None
+        ids = np.array([[r.new[-1]] for r in live], np.int64)  # (n, 1): the newest token
+        header = make_header(DECODE, g, 1, [r.slot for r in live], [r.length - 1 for r in live],
+                             [r.key for r in live], [len(r.new) for r in live], self.header_size)
+        return Step(DECODE, g, live, ids, header)
+
+    def _prefill(self, g: int, rows: list[Seq]) -> Step:
+        seqs = [r.prompt + tuple(r.new) for r in rows]
+        T = max(map(len, seqs))
+        ids = np.zeros((len(rows), T), np.int64)  # right-padded; padding is never attended to
+        for b, s in enumerate(seqs):
+            ids[b, :len(s)] = s
+        header = make_header(PREFILL, g, T, [r.slot for r in rows], [len(s) for s in seqs],
+                             [r.key for r in rows], [len(r.new) for r in rows], self.header_size)
+        return Step(PREFILL, g, rows, ids, header)
+
+    def complete(self, step: Step, tokens: np.ndarray) -> list[Seq]:
+        """Append each row's new token; return the rows that finished (their slots are free)."""
+        done = []
+        for r, t in zip(step.rows, tokens.tolist()):
+            r.new.append(int(t))
+            r.prefilled = True
+            if self.eos_id is not None and t == self.eos_id:
+                r.finish_reason = "stop"
+            elif len(r.new) >= self.max_new_tokens:
+                r.finish_reason = "length"
+            if r.finish_reason:
+                self.rows[step.group][r.slot - step.group * self.batch] = None
+                done.append(r)
+        return done
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and all(r is None for g in self.rows for r in g)
