@@ -238,12 +238,14 @@ class Journal:
             if inp is None:
                 continue
             inp = Path(inp)
-            same = self.path.resolve() == inp.resolve()
-            if not same and self.path.exists() and inp.exists():
-                same = os.path.samefile(self.path, inp)  # a hard link, a bind mount
-            if same:
-                raise InputError(where, f"is the input file {inp}",
-                                 "write the completions to another file; inputs are never overwritten")
+            for mine in (self.path, self.meta):  # the sidecar is replaced too: never onto an input
+                same = mine.resolve() == inp.resolve()
+                if not same and mine.exists() and inp.exists():
+                    same = os.path.samefile(mine, inp)  # a hard link, a bind mount
+                if same:
+                    what = f"is the input file {inp}" if mine == self.path else \
+                        f"its record {mine.name} would replace the input file {inp}"
+                    raise InputError(where, what, "write the completions to another file; inputs are never overwritten")
 
     def _open(self, create: bool = False) -> int:
         where = f"output {self.path}"

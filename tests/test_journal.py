@@ -498,3 +498,11 @@ def test_a_real_full_disk_leaves_whole_lines(tmp_path_factory):
                                                       for x in data.splitlines())
     finally:
         subprocess.run(["umount", str(where)], check=False)
+
+
+def test_the_sidecar_never_replaces_an_input(tmp_path):
+    prompts_file = tmp_path / "C.jsonl.meta.json"
+    prompts_file.write_text("{}\n")
+    with pytest.raises(InputError, match="its record C.jsonl.meta.json would replace the input file"):
+        Journal(tmp_path / "C.jsonl", prompts(1), inputs=[prompts_file])
+    assert prompts_file.read_text() == "{}\n"
