@@ -36,7 +36,8 @@ import numpy as np
 
 from .errors import ConfigError
 
-__all__ = ["SamplingParams", "prompt_key", "sample", "log_softmax", "logprobs", "logprob_entries"]
+__all__ = ["SamplingParams", "prompt_key", "sample", "log_softmax", "logprobs", "logprob_entries", "pack_sampled",
+           "unpack_sampled"]
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,26 @@ def logprob_entries(tokens, chosen_lp, top_ids, top_lp) -> list[dict]:
     """One row's ``"logprobs"``: per new token {"id", "logprob", "top": [[id, logprob], ...]}."""
     return [{"id": int(t), "logprob": _num(c), "top": [[int(i), _num(v)] for i, v in zip(ids, vals)]}
             for t, c, ids, vals in zip(tokens, chosen_lp, top_ids, top_lp)]
+
+
+def pack_sampled(tokens: np.ndarray, chosen_lp: np.ndarray, top_ids: np.ndarray, top_lp: np.ndarray) -> np.ndarray:
+    """Tokens and their log-probs as one (B, 2 + 2K) int64 array, to travel back to stage 0 as
+    the tokens alone do: [token, bits(chosen_lp), top ids..., bits(top_lp)...], log-probs as
+    their float32 bit patterns (exact; no second message, no float64 rounding)."""
+    B, K = top_ids.shape
+    out = np.empty((B, 2 + 2 * K), np.int64)
+    out[:, 0] = tokens
+    out[:, 1] = np.asarray(chosen_lp, np.float32).view(np.uint32)
+    out[:, 2:2 + K] = top_ids
+    out[:, 2 + K:] = np.asarray(top_lp, np.float32).view(np.uint32)
+    return out
+
+
+def unpack_sampled(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`pack_sampled`'s inverse: (tokens (B,), chosen_lp (B,), top_ids (B, K), top_lp (B, K))."""
+    K = (packed.shape[1] - 2) // 2
+    bits = lambda a: np.ascontiguousarray(a).astype(np.uint32).view(np.float32)  # noqa: E731
+    return packed[:, 0].copy(), bits(packed[:, 1]), packed[:, 2:2 + K].copy(), bits(packed[:, 2 + K:])
 
 
 def _num(v) -> float | None:

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlx_mpi.sampling import SamplingParams, log_softmax, logprob_entries, logprobs, sample
+from rlx_mpi.sampling import (SamplingParams, log_softmax, logprob_entries, logprobs, pack_sampled, sample,
+                              unpack_sampled)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "logprobs_torch.npz"  # tests/make_logprobs_fixture.py
 
@@ -87,3 +88,20 @@ def test_bad_arguments_are_refused():
                         ((x[0], np.array([0]), 1), r"\(B, V\)")]:
         with pytest.raises(ValueError, match=words):
             logprobs(*args)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_packed_for_the_ring_round_trips_exactly(k):
+    rng = np.random.default_rng(9)
+    logits = (rng.standard_normal((5, 300)) * 6).astype(np.float32)
+    logits[0, 4] = -np.inf
+    tokens = np.array([4, 0, 299, 7, 150])
+    c_lp, ids, lp = logprobs(logits, tokens, k)
+    packed = pack_sampled(tokens, c_lp, ids, lp)
+    assert packed.dtype == np.int64 and packed.shape == (5, 2 + 2 * k)
+    t2, c2, i2, l2 = unpack_sampled(packed)
+    np.testing.assert_array_equal(t2, tokens)
+    np.testing.assert_array_equal(i2, ids)
+    assert c2.dtype == l2.dtype == np.float32 and c2[0] == -np.inf
+    np.testing.assert_array_equal(c2.view(np.uint32), c_lp.view(np.uint32))  # bit for bit
+    np.testing.assert_array_equal(l2.view(np.uint32), lp.view(np.uint32))
