@@ -123,7 +123,7 @@ def test_a_stopped_supervisor_or_a_killed_rank_ends_the_job_named(tmp_path, tiny
     supervisor, rank = ranks_of(tmp_path, 1)
     if fault == "stop-supervisor":
         os.kill(supervisor, signal.SIGSTOP)
-        needle = f"rank 1 ("
+        needle = "rank 1 ("
         words = f"its supervisor (pid {supervisor}, the process the launcher started) has been stopped"
     elif fault == "kill-rank":
         os.kill(rank, signal.SIGKILL)
