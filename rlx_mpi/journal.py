@@ -14,6 +14,26 @@ one JSON object per line. Three things keep it so:
   duplicated id, or a row out of prompt order means the file came from another prompt file,
   and is refused rather than "resumed" into nonsense.
 
+Note: what made the rows. Resuming into a file whose rows were made another way (another
+checkpoint, temperature, ``--max-new-tokens``, or another prompt under a done id) would leave
+two experiments under one name, so a journal opened with a `RunIdentity` keeps a sidecar
+``<out>.meta.json`` (one JSON object, replaced atomically) that records the identity and a
+digest of every prompt's tokens. A sidecar, not a leading record, so that every line of the
+completions file stays one completion for readers (``pandas.read_json(lines=True)``, ``jq``).
+Opening a file that already holds rows compares: the first setting that differs is refused in
+one line naming both values and how to start afresh. The layout (ranks, tensor parallelism,
+batch, groups) is not part of it: rows are the same on any layout, so a resume may run on
+another allocation. The model is identified without hashing a 100 GB file: its family, a
+digest of its config, its size in bytes, and a digest of every tensor's name, shape, dtype
+and first and last 1024 values (`model_identity`); a copy of the file is the same model, a
+fine-tune (or a single edited weight in a tensor's first or last row) is another.
+
+Note: no leftovers, no torn lines. A new output file is created at the first row (with its
+sidecar just before), so a job that fails before it (a plan that does not fit, a bad flag)
+leaves no empty file behind. A write that fails part-way (a full disk, a quota) is cut back to
+the last whole line before the error is raised, so a reader never sees half a row; only a
+``kill -9`` inside a write can leave one, and the next open repairs it.
+
 A stopped job (SIGTERM/SIGINT/SIGUSR1, see `rlx_mpi.signals`) closes its journal and exits
 with `REQUEUE_EXIT`; rerunning the same command carries on where it stopped. The price of
 prompt order: rows complete but held back behind a slower earlier prompt are lost on a
@@ -23,18 +43,21 @@ prompt order: rows complete but held back behind a slower earlier prompt are los
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
 import stat
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from .errors import InputError, RankFault
 from .prompts import Prompt
 
-__all__ = ["Journal", "REQUEUE_EXIT", "MAX_ROW_BYTES"]
+__all__ = ["Journal", "RunIdentity", "model_identity", "prompt_digest", "meta_path", "REQUEUE_EXIT",
+           "MAX_ROW_BYTES", "META_FORMAT"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +67,104 @@ log = logging.getLogger(__name__)
 REQUEUE_EXIT = 75
 MAX_ROW_BYTES = 1 << 26  # 64 MiB: a longer line in an output file is not one of our rows
 _ROW_START = b'{"id":"'  # every row begins so (id first, compact JSON): a torn one too
+META_FORMAT = "rlx_mpi.journal"  # the sidecar's "format"; "version" 1
+_SAMPLE = 1024  # values read from each end of every tensor for the model's identity
+
+
+def meta_path(out) -> Path:
+    """The sidecar of completions file ``out``: ``<out>.meta.json``."""
+    out = Path(out)
+    return out.with_name(out.name + ".meta.json")
+
+
+def prompt_digest(tokens: Sequence[int], *extra: int) -> str:
+    """64 bits (hex) of the sha256 of a prompt's token ids (and ``extra`` ints, e.g. where a
+    scored continuation starts), as little-endian int64: the same on every platform."""
+    import numpy as np
+
+    data = np.asarray([*tokens, -1, *extra] if extra else list(tokens), dtype="<i8").tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def model_identity(checkpoint) -> dict:
+    """What identifies a checkpoint's model, cheaply: see the module's note.
+
+    ``{"family", "config_sha256", "bytes", "tensors_sha256"}``; reads the header and 2 x 1024
+    values of each tensor (a few MB for a 70B model), never the whole file.
+    """
+    import h5py
+    import numpy as np
+
+    from .checkpoint import _open, read_header
+
+    path = Path(checkpoint)
+    family, config = read_header(path)
+    h = hashlib.sha256()
+    with _open(path) as f:
+        names: list[str] = []
+        f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+        for name in sorted(names):
+            ds = f[name]
+            h.update(f"{name}\0{ds.shape}\0{ds.dtype.str}\0{ds.attrs.get('dtype', '')}\0".encode())
+            if ds.size == 0:
+                continue
+            if ds.ndim == 0:
+                h.update(np.ascontiguousarray(ds[()]).tobytes())
+                continue
+            k = min(_SAMPLE, ds.shape[-1])
+            lead = (0,) * (ds.ndim - 1)
+            last = tuple(n - 1 for n in ds.shape[:-1])
+            h.update(np.ascontiguousarray(ds[lead + (slice(0, k),)]).tobytes())
+            h.update(np.ascontiguousarray(ds[last + (slice(ds.shape[-1] - k, None),)]).tobytes())
+    return {"family": family, "config_sha256": hashlib.sha256(config.encode("utf-8")).hexdigest()[:16],
+            "bytes": path.stat().st_size, "tensors_sha256": h.hexdigest()[:16]}
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What determines a job's rows, recorded beside its output and checked on resume.
+
+    ``model`` is `model_identity` of the checkpoint; ``settings`` the plain-JSON values that
+    change the rows (sampling, max new tokens, eos ids, logprobs). Nothing about the layout.
+    Build one with `for_generate` or `for_score`.
+    """
+
+    command: str  # "generate" | "score": one file never holds both
+    model: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+
+    @classmethod
+    def for_generate(cls, checkpoint, sampling: Any, max_new_tokens: int, eos_ids: Iterable[int] = (),
+                     logprobs: int = 0) -> "RunIdentity":
+        """``sampling`` is a `SamplingParams`; at temperature 0 (greedy) its top_k, top_p and
+        seed change nothing, so they are not recorded (a greedy rerun with another seed resumes)."""
+        settings: dict = {"temperature": float(sampling.temperature)}
+        if not sampling.greedy:
+            settings.update(top_k=int(sampling.top_k), top_p=float(sampling.top_p), seed=int(sampling.seed))
+        settings.update(max_new_tokens=int(max_new_tokens), eos_ids=sorted({int(e) for e in eos_ids}),
+                        logprobs=int(logprobs))
+        return cls("generate", model_identity(checkpoint), settings)
+
+    @classmethod
+    def for_score(cls, checkpoint) -> "RunIdentity":
+        return cls("score", model_identity(checkpoint), {})
+
+    def fields(self) -> dict:
+        """Flat name -> value, in the order a mismatch is looked for (and named)."""
+        out = {"command": self.command}
+        out.update({f"checkpoint {k}": v for k, v in self.model.items()})
+        out.update(self.settings)
+        return out
+
+    def to_json(self) -> dict:
+        return {"command": self.command, "model": dict(self.model), "settings": dict(self.settings)}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "RunIdentity":
+        if not (isinstance(obj, dict) and isinstance(obj.get("command"), str)
+                and isinstance(obj.get("model"), dict) and isinstance(obj.get("settings"), dict)):
+            raise ValueError("not a run identity")
+        return cls(obj["command"], obj["model"], obj["settings"])
 
 
 class Journal:
@@ -53,22 +174,31 @@ class Journal:
     ids whose rows are in the file (it grows as rows are written).
     """
 
-    def __init__(self, path, prompts: Sequence[Prompt], *, inputs: Iterable = (), sync_s: float = 2.0):
+    def __init__(self, path, prompts: Sequence[Prompt], *, inputs: Iterable = (), sync_s: float = 2.0,
+                 identity: RunIdentity | None = None):
         if sync_s < 0:
             raise ValueError(f"sync_s must be >= 0, got {sync_s}")
         self.path = Path(path)
+        self.meta = meta_path(self.path)
         self.sync_s = sync_s
+        self.identity = identity
         self._prompts = list(prompts)
         if [p.index for p in self._prompts] != list(range(len(self._prompts))) or \
                 len({p.id for p in self._prompts}) != len(self._prompts):
             raise ValueError("prompts must be read_prompts' list: indices 0..n-1, unique ids")
         self._check_path(inputs)
-        self._fd = self._open()
+        self._closed, self._created = False, False
+        # A new file is created at the first row (no empty leftover when the job fails before it)
+        self._fd: int | None = self._open() if self.path.exists() else None
         try:
-            k = self._recover()
+            k = self._recover() if self._fd is not None else 0
+            if identity is not None and k:
+                self._check_identity(k)
         except BaseException:
-            os.close(self._fd)
+            if self._fd is not None:
+                os.close(self._fd)
             raise
+        self._meta_due = identity is not None  # (re)written before the first row of this run
         self.done: set[str] = {p.id for p in self._prompts[:k]}
         self.pending: list[Prompt] = self._prompts[k:]
         self._next = k  # index of the first prompt whose row is not written yet
@@ -81,21 +211,30 @@ class Journal:
 
     def _check_path(self, inputs: Iterable) -> None:
         """The output-path rules every command shares (`outputs.check_output`: not a folder, not
-        a device or pipe, its folder writable, never an input), as this module's `InputError`."""
+        a device or pipe, its folder writable, never an input), for the completions file and its
+        sidecar record (replaced too: never onto an input), as this module's `InputError`."""
         from .errors import ConfigError
         from .outputs import check_output
 
+        named = {f"the input file {p}": p for p in inputs if p is not None}
         try:
-            check_output("output", self.path, {f"the input file {p}": p for p in inputs if p is not None},
-                         stream_ok=False)
+            for mine in (self.path, self.meta):
+                check_output(f"output {self.path}", mine, named, stream_ok=False)
         except ConfigError as e:
             raise InputError(e.where, e.what, e.fix) from None
 
-    def _open(self) -> int:
+    def _open(self, create: bool = False) -> int:
         where = f"output {self.path}"
-        created = not self.path.exists()
+        created = create
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0),
+                         0o666)
+        except FileExistsError:
+            raise InputError(where, "the file appeared while this job ran (another job writing it?); its "
+                             "rows were not made by this run", "write to another file, or rerun to resume "
+                             "from what it holds") from None
+        except FileNotFoundError:
+            raise InputError(where, "the file disappeared while this job started", "rerun the job") from None
         except OSError as e:
             raise InputError(where, f"cannot open for writing: {e.strerror}",
                              "check the path and its permissions") from None
@@ -152,6 +291,69 @@ class Journal:
             log.info("%s: %d of %d prompts already done; resuming", self.path, k, len(self._prompts))
         return k
 
+    def _check_identity(self, k: int) -> None:
+        """The ``k`` rows in the file were made as this run makes them, or one line says what differs."""
+        where = f"output {self.path}"
+        fresh = (f"to start afresh remove {self.path} and {self.meta}, or choose another --out; "
+                 "to resume, rerun with the settings the rows were made with")
+        try:
+            with open(self.meta, "rb") as f:
+                meta = json.loads(f.read(1 << 30))
+            if meta.get("format") != META_FORMAT or meta.get("version") != 1:
+                raise ValueError("not our sidecar")
+            old = RunIdentity.from_json(meta)
+            digests = meta["prompts"]
+            if not isinstance(digests, dict):
+                raise ValueError("no prompt digests")
+        except FileNotFoundError:
+            raise InputError(where, f"has {k} rows but no record of how they were made ({self.meta} is missing)",
+                             fresh) from None
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise InputError(where, f"{self.meta} is not a record rlx-mpi wrote ({e})", fresh) from None
+        mine, theirs = self.identity.fields(), old.fields()
+        for name in [*mine, *(n for n in theirs if n not in mine)]:
+            a, b = theirs.get(name, "(not set)"), mine.get(name, "(not set)")
+            if a != b:
+                raise InputError(where, f"its {k} rows were made with {name} {_show(a)}, this run has {name} "
+                                 f"{_show(b)}", fresh)
+        for p in self._prompts[:k]:
+            was, now = digests.get(p.id), _digest_of(p)
+            if was != now:
+                raise InputError(where, f"prompt {p.id!r} (prompt {p.index + 1} of the prompt file) has "
+                                 f"other tokens than when its row was written (digest {was} then, {now} now)",
+                                 fresh)
+
+    def _write_meta(self) -> None:
+        """Replace the sidecar (atomically): this run's identity and every prompt's digest."""
+        doc = {"format": META_FORMAT, "version": 1, **self.identity.to_json(),
+               "prompts": {p.id: _digest_of(p) for p in self._prompts}}
+        data = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n"
+        try:
+            with open(self.meta, "rb") as f:
+                if f.read(len(data) + 1) == data:
+                    return
+        except OSError:
+            pass
+        tmp = self.meta.with_name(f".{self.meta.name}.tmp{os.getpid()}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.meta)
+        except OSError as e:
+            raise self._fault(e) from None
+        finally:
+            try:
+                tmp.unlink()
+            except FileNotFoundError:
+                pass
+        _fsync_dir(self.meta.parent)
+
     def _check_row(self, rid: str, k: int, index: dict, where: str) -> None:
         fix = "was it made from another prompt file? Write to a new output, or move this one aside"
         if rid not in index:
@@ -194,9 +396,15 @@ class Journal:
         `complete` calls it; call it once per decode step too, so that rows written in a burst
         are fsynced within ``sync_s`` even when no more prompts finish for a while.
         """
-        if self._fd is None:
+        if self._closed:
             raise ValueError(f"journal {self.path} is closed")
         if self._ready:
+            if self._meta_due:  # the record of how the rows are made goes first
+                self._write_meta()
+                self._meta_due = False
+            if self._fd is None:
+                self._fd = self._open(create=True)
+                self._created = True
             self._write(b"".join(line for _, line in self._ready))
             self.done.update(pid for pid, _ in self._ready)
             self._ready.clear()
@@ -210,6 +418,8 @@ class Journal:
             self._last_sync, self._unsynced = now, False
 
     def _write(self, data: bytes) -> None:
+        """Append whole lines; if the kernel fails part-way, cut the file back to where it was."""
+        start = os.fstat(self._fd).st_size  # only we write it (the lock): the end of the last whole line
         view = memoryview(data)
         while view:  # one write unless the kernel takes less (a signal, a full quota)
             try:
@@ -217,8 +427,18 @@ class Journal:
             except InterruptedError:
                 continue
             except OSError as e:
+                self._cut_back(start)
                 raise self._fault(e) from None
             view = view[n:]
+
+    def _cut_back(self, size: int) -> None:
+        try:
+            os.ftruncate(self._fd, size)
+            if size == 0 and self._created:  # made by this run, for a row never written: no leftover
+                for path in (self.path, self.meta):
+                    path.unlink(missing_ok=True)
+        except OSError as e:  # the next open cuts the torn line instead
+            log.warning("%s: could not cut a partly written row off (%s)", self.path, e.strerror)
 
     def _fault(self, e: OSError) -> RankFault:
         return RankFault(f"output {self.path}", f"writing the completions failed: {e.strerror}",
@@ -226,7 +446,7 @@ class Journal:
 
     def close(self) -> None:
         """Write and fsync everything ready; rows still held back are dropped (recomputed on resume)."""
-        if self._fd is None:
+        if self._closed:
             return
         try:
             self.flush(force=True)
@@ -234,8 +454,10 @@ class Journal:
             if self._held:
                 log.info("%s: %d complete rows wait for an earlier prompt and are not written; "
                          "a resumed run computes them again", self.path, len(self._held))
-            os.close(self._fd)  # also releases the lock
-            self._fd = None
+            self._closed = True
+            if self._fd is not None:
+                os.close(self._fd)  # also releases the lock
+                self._fd = None
 
     def __enter__(self) -> "Journal":
         return self
@@ -246,6 +468,17 @@ class Journal:
     def __repr__(self) -> str:
         return (f"Journal({str(self.path)!r}, done={len(self.done)}/{len(self._prompts)}, "
                 f"held={len(self._held)})")
+
+
+def _digest_of(p) -> str:
+    """A prompt's digest: its own ``digest`` (score prompts add where the scored part starts)
+    or that of its tokens."""
+    d = getattr(p, "digest", None)
+    return d if isinstance(d, str) else prompt_digest(p.tokens)
+
+
+def _show(value) -> str:
+    return json.dumps(value) if isinstance(value, (str, list)) else repr(value)
 
 
 def _plain(obj):

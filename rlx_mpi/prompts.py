@@ -209,7 +209,7 @@ def _no_constant(name):  # NaN, Infinity: not JSON, and never a token
 _DECODER = json.JSONDecoder(object_pairs_hook=_no_dup_keys, parse_constant=_no_constant)
 
 
-def _parse_line(line: str, where: str) -> dict:
+def _parse_line(line: str, where: str, keys: tuple[str, ...] = _KEYS) -> dict:
     try:
         obj = _DECODER.decode(line)
     except _Refused as e:
@@ -220,10 +220,10 @@ def _parse_line(line: str, where: str) -> dict:
     if not isinstance(obj, dict):
         raise InputError(where, f"a JSON {type(obj).__name__}, not an object: {_clip(line)}",
                          'give one JSON object per line: {"id": "...", "tokens": [...]}')
-    unknown = [k for k in obj if k not in _KEYS]
+    unknown = [k for k in obj if k not in keys]
     if unknown:
         raise InputError(where, f"unknown key {unknown[0]!r}",
-                         f"a prompt line has only the keys {', '.join(_KEYS)}")
+                         f"a prompt line has only the keys {', '.join(keys)}")
     return obj
 
 

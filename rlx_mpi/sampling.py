@@ -5,6 +5,26 @@ Note: reproducible draws. The random number for the n-th new token of a prompt c
 therefore depends on nothing else: not on the rank count, the group a prompt landed in, the
 order prompts finish in, or whether the run was interrupted and resumed. Every tensor-parallel
 rank of the last stage holds the same logits and draws the same token.
+
+Note: log-probabilities (``--logprobs K``). `logprobs` takes the same (B, V) float32 logits the
+token was drawn from, *before* temperature, top-k or top-p: the model's own distribution, as
+transformers' ``output_logits`` (and ``output_scores`` of a greedy run, where no processor
+touches them) passed through ``torch.log_softmax(scores.float(), -1)``; the chosen token's
+value is what ``model.compute_transition_scores(..., normalize_logits=True)`` gives. It is
+computed in float32 (max subtracted, then log of the sum of exps), so it equals torch's within
+float32 rounding (~1e-6), not bit for bit. The top K alternatives are sorted by log-prob,
+best first, ties broken by the lower token id (as ``torch.sort(descending=True, stable=True)``;
+``torch.topk`` orders tied values arbitrarily, so compare with it up to ties).
+
+A row's ``"logprobs"`` (`logprob_entries`) is one object per new token, in order::
+
+    {"id": 450, "logprob": -0.71, "top": [[450, -0.71], [29871, -1.9]]}
+
+``id`` the chosen token, ``logprob`` its log-prob, ``top`` the K best ``[id, logprob]`` pairs
+(empty when K is 0: the chosen token's log-prob alone). The chosen token is in ``top`` only if
+it is among the K best (a sampled token may not be). Values are float32 written with 9
+significant digits (they read back to the same float32); a log-prob of -inf (a logit of -inf)
+is written as ``null``.
 """
 
 from __future__ import annotations
@@ -16,7 +36,8 @@ import numpy as np
 
 from .errors import ConfigError
 
-__all__ = ["SamplingParams", "prompt_key", "sample"]
+__all__ = ["SamplingParams", "prompt_key", "sample", "log_softmax", "logprobs", "logprob_entries", "pack_sampled",
+           "unpack_sampled"]
 
 
 @dataclass(frozen=True)
@@ -69,3 +90,86 @@ def _draw(row: np.ndarray, key: int, step: int, p: SamplingParams) -> int:
         order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
     u = np.random.default_rng([p.seed, key, step]).random()
     return int(order[min(int(np.searchsorted(np.cumsum(probs), u, side="right")), len(order) - 1)])
+
+
+# -- log-probabilities ---------------------------------------------------------------------------
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """(B, V) float32 log-softmax over the last axis, in float32 (as torch.log_softmax)."""
+    x = np.asarray(logits)
+    if x.dtype != np.float32:
+        raise ValueError(f"logits must be float32, got {x.dtype}")
+    m = x.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, np.float32(0))  # a row of -inf stays -inf, not NaN
+    z = x - m
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True, dtype=np.float32))
+
+
+def logprobs(logits: np.ndarray, chosen: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The chosen tokens' log-probs and the top ``k`` alternatives of each row of ``logits``.
+
+    ``logits`` (B, V) float32, the temperature-free logits the tokens were drawn from;
+    ``chosen`` (B,) token ids. Returns (chosen_lp (B,) float32, top_ids (B, k) int64, top_lp
+    (B, k) float32), top sorted best first, ties by lower id.
+    """
+    x = np.asarray(logits)
+    if x.ndim != 2:
+        raise ValueError(f"logits must be (B, V), got shape {x.shape}")
+    B, V = x.shape
+    chosen = np.asarray(chosen)
+    if chosen.shape != (B,) or chosen.dtype.kind not in "iu":
+        raise ValueError(f"chosen must be ({B},) integer ids, got {chosen.shape} {chosen.dtype}")
+    if B and not (0 <= chosen.min() and chosen.max() < V):
+        raise ValueError(f"chosen ids must be in [0, {V}), got {chosen.min()}..{chosen.max()}")
+    if not 0 <= k <= V:
+        raise ValueError(f"k must be in [0, {V}], got {k}")
+    lp = log_softmax(x)  # (B, V)
+    chosen_lp = lp[np.arange(B), chosen]
+    top_ids = np.empty((B, k), np.int64)
+    for b in range(B):
+        top_ids[b] = _top(lp[b], k)
+    top_lp = np.take_along_axis(lp, top_ids, axis=1)
+    return chosen_lp, top_ids, top_lp
+
+
+def _top(row: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the k largest values, best first, ties by lower id (exact at the k-th value)."""
+    if k == 0:
+        return np.empty(0, np.int64)
+    threshold = np.partition(row, len(row) - k)[len(row) - k]  # the k-th largest value
+    above = np.flatnonzero(row > threshold)
+    tied = np.flatnonzero(row == threshold)[:k - len(above)]
+    cand = np.concatenate([above, tied])
+    return cand[np.lexsort((cand, -row[cand]))]
+
+
+def logprob_entries(tokens, chosen_lp, top_ids, top_lp) -> list[dict]:
+    """One row's ``"logprobs"``: per new token {"id", "logprob", "top": [[id, logprob], ...]}."""
+    return [{"id": int(t), "logprob": _num(c), "top": [[int(i), _num(v)] for i, v in zip(ids, vals)]}
+            for t, c, ids, vals in zip(tokens, chosen_lp, top_ids, top_lp)]
+
+
+def pack_sampled(tokens: np.ndarray, chosen_lp: np.ndarray, top_ids: np.ndarray, top_lp: np.ndarray) -> np.ndarray:
+    """Tokens and their log-probs as one (B, 2 + 2K) int64 array, to travel back to stage 0 as
+    the tokens alone do: [token, bits(chosen_lp), top ids..., bits(top_lp)...], log-probs as
+    their float32 bit patterns (exact; no second message, no float64 rounding)."""
+    B, K = top_ids.shape
+    out = np.empty((B, 2 + 2 * K), np.int64)
+    out[:, 0] = tokens
+    out[:, 1] = np.asarray(chosen_lp, np.float32).view(np.uint32)
+    out[:, 2:2 + K] = top_ids
+    out[:, 2 + K:] = np.asarray(top_lp, np.float32).view(np.uint32)
+    return out
+
+
+def unpack_sampled(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`pack_sampled`'s inverse: (tokens (B,), chosen_lp (B,), top_ids (B, K), top_lp (B, K))."""
+    K = (packed.shape[1] - 2) // 2
+    bits = lambda a: np.ascontiguousarray(a).astype(np.uint32).view(np.float32)  # noqa: E731
+    return packed[:, 0].copy(), bits(packed[:, 1]), packed[:, 2:2 + K].copy(), bits(packed[:, 2 + K:])
+
+
+def _num(v) -> float | None:
+    v = float(v)
+    return float(f"{v:.9g}") if np.isfinite(v) else None

@@ -26,6 +26,16 @@ parent cancels the Slurm step (under srun) and kills itself with SIGKILL (MPICH 
 job with code 9, srun --kill-on-bad-exit likewise). A waiting rank's parent gives a stopped or dead rank's parent a few seconds' grace
 to report first, so the line names the rank at fault.
 
+The supervisor must itself stay responsive: stopped (a SIGSTOP, a debugger) it would neither
+report nor end, and the launcher would wait for it for ever. So the rank watches it in turn (a
+daemon thread reading ``/proc/<pid>/stat``: state ``T`` is certain and costs one read every
+0.5 s); a supervisor stopped for ``RLX_MPI_SUPERVISOR_STOP_S`` seconds (default 10) makes the
+rank print one line naming itself and its supervisor, then end the job as a dead rank does:
+it SIGKILLs its stopped supervisor (the launcher sees the process it started die of a signal;
+the rank follows by its parent-death signal), after cancelling the Slurm step under srun. When
+the rank was stopped too (a suspended job: ``scontrol suspend``, a whole-tree SIGSTOP) its
+clock starts again when it runs again, so resuming a suspended job is not a fault.
+
 The deadline before the job file is read is ``RLX_MPI_STARTUP_TIMEOUT_S`` (default 600 s);
 the rank replaces it with the job's ``[run] startup_timeout_s`` as soon as it has read it.
 Linux only; ``RLX_MPI_SUPERVISE=0`` turns it off. Call `supervise` only from the process's
@@ -42,13 +52,15 @@ import sys
 import time
 
 __all__ = ["supervise", "active", "post_context", "watch", "entering_mpi", "ready", "done", "default_startup_timeout_s",
-           "DEFAULT_STARTUP_TIMEOUT_S", "GRACE_S"]
+           "stopped_supervisor_s", "DEFAULT_STARTUP_TIMEOUT_S", "DEFAULT_STOPPED_SUPERVISOR_S", "GRACE_S"]
 
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
+DEFAULT_STOPPED_SUPERVISOR_S = 10.0  # RLX_MPI_SUPERVISOR_STOP_S: a stopped supervisor ends the job after this
 GRACE_S = 3.0  # a waiting rank's parent reports this much after a stopped rank's parent
 _EXIT_FAULT = 4  # errors.EXIT_FAULT, without importing the package's heavier modules here
 
 _post_fd: int | None = None  # in a supervised rank: the pipe to its supervisor
+_context = ""  # in a supervised rank: the last context posted (names the rank in its own report)
 # Signals the supervisor survives; it passes on those that end a process and that a sender may
 # have meant for the rank (launchers signal the whole process group, so the rank has the rest).
 _NOTED = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -87,6 +99,8 @@ def _post(text: str) -> None:
 
 def post_context(text: str) -> None:
     """Tell the supervisor who this rank is now (rank, host, stage, layers, microbatch)."""
+    global _context
+    _context = text
     _post(f"ctx {text}")
 
 
@@ -131,12 +145,82 @@ def supervise() -> None:
         os.set_blocking(write_fd, False)  # never stall the rank on its supervisor
         _post_fd = write_fd
         import faulthandler
+        import threading
 
         faulthandler.enable()  # a crash in native code shows the Python stack
+        threading.Thread(target=_watch_supervisor, args=(parent, stopped_supervisor_s()),
+                         name="rlx-mpi-supervisor-watch", daemon=True).start()
         return
     os.close(write_fd)
     code = _Watcher(child, read_fd, started).run()
     os._exit(code)
+
+
+def stopped_supervisor_s() -> float:
+    """How long a rank lets its supervisor stay stopped: ``RLX_MPI_SUPERVISOR_STOP_S`` or 10 s."""
+    try:
+        value = float(os.environ.get("RLX_MPI_SUPERVISOR_STOP_S", DEFAULT_STOPPED_SUPERVISOR_S))
+    except ValueError:
+        return DEFAULT_STOPPED_SUPERVISOR_S
+    return value if 0 < value < float("inf") else DEFAULT_STOPPED_SUPERVISOR_S
+
+
+def _watch_supervisor(parent: int, limit_s: float, poll_s: float = 0.5) -> None:
+    """The rank's side (a daemon thread): end the job if the supervisor stays stopped ``limit_s``."""
+    poll_s = min(poll_s, limit_s / 4)
+    since: float | None = None
+    last = time.monotonic()
+    while True:
+        time.sleep(poll_s)
+        now = time.monotonic()
+        if now - last > 4 * poll_s + 1.0:  # this rank was stopped too (a suspended job): start again
+            since = None
+        last = now
+        if os.getppid() != parent:  # the supervisor is gone: the parent-death signal ends us
+            return
+        if _state(parent) != "T":
+            since = None
+            continue
+        since = now if since is None else since
+        if now - since >= limit_s:
+            _supervisor_stopped(parent, now - since)
+            return
+
+
+def _supervisor_stopped(parent: int, seconds: float) -> None:
+    """Report the stopped supervisor in one line, then end the job as its death would."""
+    who = _context or f"{_rank_from_env()} ({socket.gethostname()})"
+    line = (f"rlx-mpi: error: {who}: its supervisor (pid {parent}, the process the launcher started) has been "
+            f"stopped (SIGSTOP or SIGTSTP) for {seconds:.0f} s, and a stopped process never lets the job end; "
+            "find what stopped it (a debugger, a kill -STOP, the batch system) and run the job again "
+            "(RLX_MPI_SUPERVISOR_STOP_S sets how long a rank waits for it)\nrlx-mpi: ending the job\n")
+    try:
+        os.write(2, line.encode("utf-8", "replace"))  # not sys.stderr: the main thread may hold its lock
+    except OSError:
+        pass
+    drain(2)
+    _cancel_slurm_step()
+    try:
+        os.kill(parent, signal.SIGKILL)  # the launcher sees its process die of a signal, as for a dead rank
+    except ProcessLookupError:
+        pass
+    time.sleep(1.0)  # the parent-death signal arrives first
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _cancel_slurm_step() -> None:
+    """Under srun: cancel this job step outright (srun ends a step on a signal only with
+    --kill-on-bad-exit). Nothing elsewhere."""
+    job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
+    if not (job and step):
+        return
+    import subprocess
+
+    try:
+        subprocess.run(["scancel", "--quiet", "--signal=KILL", f"{job}.{step}"], timeout=10,
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        pass  # no scancel on this node: the signal still reaches srun --kill-on-bad-exit
 
 
 def drain(fd: int, limit_s: float = 1.0) -> None:
@@ -280,15 +364,7 @@ class _Watcher:
         Slurm the step is cancelled outright. The job's exit code is then the launcher's (9
         under MPICH); the line above names the rank.
         """
-        job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
-        if job and step:
-            try:
-                import subprocess
-
-                subprocess.run(["scancel", "--quiet", "--signal=KILL", f"{job}.{step}"], timeout=10,
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            except (OSError, subprocess.SubprocessError):
-                pass  # no scancel on this node: the signal below still reaches srun --kill-on-bad-exit
+        _cancel_slurm_step()
         for sig in _NOTED:
             signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGKILL)

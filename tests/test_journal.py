@@ -46,7 +46,7 @@ def test_rows_come_out_in_prompt_order_whatever_the_completion_order(tmp_path):
         assert [p.id for p in j.pending] == [p.id for p in ps] and j.done == set()
         j.complete(2, row(2))
         j.complete(1, row(1))
-        assert out.read_bytes() == b"" and j.held == 2  # waiting for prompt 0
+        assert not out.exists() and j.held == 2  # waiting for prompt 0 (the file comes with the first row)
         j.complete(0, row(0))
         assert out.read_bytes() == expected_bytes(ps[:3]) and j.held == 0
         assert j.done == {"p0", "p1", "p2"}
@@ -139,10 +139,26 @@ def test_output_equal_to_an_input_or_a_directory_is_refused(tmp_path):
 
 def test_a_second_writer_is_refused(tmp_path):
     out = tmp_path / "out.jsonl"
+    out.write_bytes(b"")
     with Journal(out, prompts(2)):
         with pytest.raises(InputError, match="another process is writing"):
             Journal(out, prompts(2))
     Journal(out, prompts(2)).close()  # the lock went with the first
+
+
+def test_a_second_writer_of_a_new_file_is_refused_at_its_first_row(tmp_path):
+    # A new file is made at the first row, so two jobs started on one new name both run until
+    # then; the second to write finds the file there and stops, its rows unwritten.
+    out = tmp_path / "out.jsonl"
+    a, b = Journal(out, prompts(2)), Journal(out, prompts(2))
+    a.complete(0, row(0))
+    with pytest.raises(InputError, match="appeared while this job ran"):
+        b.complete(0, row(0))
+    a.complete(1, row(1))
+    a.close()
+    with pytest.raises(InputError, match="appeared while this job ran"):
+        b.close()  # its row is still not written
+    assert out.read_bytes() == expected_bytes(prompts(2))
 
 
 def test_fsync_at_most_every_sync_s(tmp_path, monkeypatch):
@@ -151,13 +167,16 @@ def test_fsync_at_most_every_sync_s(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd)))
     ps = prompts(50)
     j = Journal(tmp_path / "out.jsonl", ps, sync_s=3600.0)
-    n = len(calls)  # the directory of the new file
-    for p in ps:
+    assert calls == []
+    j.complete(0, row(0))
+    n = len(calls)  # the directory of the new file, made at the first row (the row not fsynced)
+    for p in ps[1:]:
         j.complete(p.index, row(p.index))
     assert len(calls) == n  # all 50 rows written, none fsynced yet: sync_s not passed
     assert rows_of(tmp_path / "out.jsonl")[-1]["id"] == "p49"
     j.close()
     assert len(calls) == n + 1
+    (tmp_path / "out2.jsonl").write_bytes(b"")
     j = Journal(tmp_path / "out2.jsonl", ps[:3], sync_s=0.0)
     n = len(calls)
     for p in ps[:3]:
@@ -241,9 +260,9 @@ def test_kill_9_at_random_moments_never_loses_order_and_resume_equals_uninterrup
 
 def test_a_write_cut_short_by_the_kernel_is_repaired_and_resumed(tmp_path):
     # A file-size limit makes the kernel take only part of a write and fail the next one
-    # (EFBIG; Python ignores SIGXFSZ), as a full disk or quota does: a real torn row, left by
-    # Journal's own write path at offsets chosen here (a kill -9 lands inside a write only now
-    # and then). The writer stops with the journal's one-line fault.
+    # (EFBIG; Python ignores SIGXFSZ), as a full disk or quota does, at offsets chosen here
+    # inside rows. The writer stops with the journal's one-line fault, having cut the file back
+    # to its last whole line: a reader never sees half a row, and a rerun resumes from there.
     n, big, every = 60, 50_000, 7
     ps = [Prompt(i, f"p{i}", (1,), None) for i in range(n)]
     want = _expected_for_writer(n, big, every)
@@ -259,12 +278,13 @@ def test_a_write_cut_short_by_the_kernel_is_repaired_and_resumed(tmp_path):
                               stderr=subprocess.PIPE, text=True, preexec_fn=cap)
         assert proc.returncode == 1 and "RankFault" in proc.stderr
         assert "writing the completions failed: File too large; free disk space" in proc.stderr
-        data = out.read_bytes()
-        assert len(data) == limit and not data.endswith(b"\n")  # torn, by the kernel
-        whole = data[:data.rfind(b"\n") + 1]
-        assert want.startswith(whole)
+        data = out.read_bytes() if out.exists() else b""  # no file: its first write failed
+        whole = want[:max(e for e in [0, *ends] if e <= limit)]  # the whole lines the limit allows
+        assert (not data or data.endswith(b"\n")) and len(data) < limit and whole.startswith(data)  # no torn row
+        assert len(data) >= len(whole) - 60_000  # at most one batch of rows cut back (rows < 51 kB)
+        whole = data
         with Journal(out, ps) as j:
-            assert out.read_bytes() == whole and len(j.done) == whole.count(b"\n")
+            assert (out.read_bytes() if out.exists() else b"") == whole and len(j.done) == whole.count(b"\n")
     proc = subprocess.run(args, env=env, timeout=120, stdout=subprocess.DEVNULL)
     assert proc.returncode == 0 and out.read_bytes() == want
 
@@ -299,3 +319,186 @@ def test_a_pipe_is_refused_without_opening_it(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(InputError, match="not a regular file"):
         Journal(fifo, prompts(1))  # opening it for reading would block: it must not be opened
+
+
+# -- what made the rows (issue 17, finding 2) ------------------------------------------------------
+
+from rlx_mpi.journal import RunIdentity, meta_path, model_identity  # noqa: E402
+from rlx_mpi.sampling import SamplingParams  # noqa: E402
+
+
+def ident(ckpt, **kw) -> RunIdentity:
+    sampling = kw.pop("sampling", SamplingParams())
+    args = dict(max_new_tokens=8, eos_ids=(2,), logprobs=0)
+    args.update(kw)
+    return RunIdentity.for_generate(ckpt, sampling, **args)
+
+
+def half_done(out: Path, ps, identity) -> bytes:
+    with Journal(out, ps, identity=identity, sync_s=0) as j:
+        for p in ps[:2]:
+            j.complete(p.index, row(p.index))
+    return out.read_bytes()
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(max_new_tokens=16), "max_new_tokens 8, this run has max_new_tokens 16"),
+    (dict(sampling=SamplingParams(temperature=0.7, seed=1)), "temperature 0.0, this run has temperature 0.7"),
+    (dict(eos_ids=()), "eos_ids [2], this run has eos_ids []"),
+    (dict(logprobs=5), "logprobs 0, this run has logprobs 5"),
+])
+def test_a_resume_with_other_settings_is_refused_naming_both_values(tmp_path, tiny_ckpt, change, words):
+    ps, out = prompts(4), tmp_path / "C.jsonl"
+    before = half_done(out, ps, ident(tiny_ckpt))
+    meta = meta_path(out).read_bytes()
+    with pytest.raises(InputError) as e:
+        Journal(out, ps, identity=ident(tiny_ckpt, **change))
+    line = e.value.line()
+    assert "\n" not in line and words in line, line
+    assert f"remove {out} and {out}.meta.json, or choose another --out" in line
+    assert out.read_bytes() == before and meta_path(out).read_bytes() == meta  # nothing touched
+    with Journal(out, ps, identity=ident(tiny_ckpt), sync_s=0) as j:  # the same settings resume
+        assert [p.id for p in j.pending] == ["p2", "p3"]
+
+
+def test_sampled_settings_count_only_when_sampling(tmp_path, tiny_ckpt):
+    ps, out = prompts(4), tmp_path / "C.jsonl"
+    half_done(out, ps, ident(tiny_ckpt))
+    greedy_other_seed = ident(tiny_ckpt, sampling=SamplingParams(seed=9, top_k=3))
+    Journal(out, ps, identity=greedy_other_seed).close()  # greedy: seed and top_k change nothing
+    out2 = tmp_path / "D.jsonl"
+    half_done(out2, ps, ident(tiny_ckpt, sampling=SamplingParams(temperature=1.0, seed=1)))
+    with pytest.raises(InputError, match="seed 1, this run has seed 2"):
+        Journal(out2, ps, identity=ident(tiny_ckpt, sampling=SamplingParams(temperature=1.0, seed=2)))
+
+
+def test_another_checkpoint_is_refused_and_a_copy_is_the_same_model(tmp_path, tiny_ckpt):
+    import shutil
+
+    import h5py
+
+    ps, out = prompts(4), tmp_path / "C.jsonl"
+    half_done(out, ps, ident(tiny_ckpt))
+    copy = tmp_path / "copy.h5"
+    shutil.copy(tiny_ckpt, copy)
+    Journal(out, ps, identity=ident(copy)).close()  # another path, the same model: resumes
+    with h5py.File(copy, "r+", locking=False) as f:  # one weight, as in the issue's NaN case
+        ds = f["layers/5/down_proj"]
+        ds[0, 0] = ds[0, 0] + 1.0
+    with pytest.raises(InputError, match="made with checkpoint tensors_sha256 "):
+        Journal(out, ps, identity=ident(copy))
+    assert model_identity(copy)["bytes"] == model_identity(tiny_ckpt)["bytes"]  # same size: the digest tells
+
+
+def test_a_changed_prompt_under_a_done_id_is_refused_a_pending_one_is_not(tmp_path, tiny_ckpt):
+    ps, out = prompts(4), tmp_path / "C.jsonl"
+    before = half_done(out, ps, ident(tiny_ckpt))
+    later = ps[:3] + [Prompt(3, "p3", (9, 9), None)]  # a prompt not yet done may change
+    with Journal(out, later, identity=ident(tiny_ckpt), sync_s=0) as j:
+        assert len(j.pending) == 2
+    changed = [ps[0], Prompt(1, "p1", (5, 6), None), *ps[2:]]
+    with pytest.raises(InputError) as e:
+        Journal(out, changed, identity=ident(tiny_ckpt))
+    assert "prompt 'p1' (prompt 2 of the prompt file) has other tokens than when its row was written" in e.value.line()
+    assert out.read_bytes() == before
+
+
+def test_rows_without_their_record_are_refused(tmp_path, tiny_ckpt):
+    ps, out = prompts(3), tmp_path / "C.jsonl"
+    half_done(out, ps, ident(tiny_ckpt))
+    meta_path(out).unlink()
+    with pytest.raises(InputError, match=r"has 2 rows but no record of how they were made \(.*C.jsonl.meta.json is "
+                                         r"missing\); to start afresh remove"):
+        Journal(out, ps, identity=ident(tiny_ckpt))
+    meta_path(out).write_text("[1, 2]\n")
+    with pytest.raises(InputError, match="is not a record rlx-mpi wrote"):
+        Journal(out, ps, identity=ident(tiny_ckpt))
+
+
+def test_the_record_is_a_sidecar_and_the_output_stays_one_row_per_line(tmp_path, tiny_ckpt):
+    ps, out = prompts(3), tmp_path / "C.jsonl"
+    half_done(out, ps, ident(tiny_ckpt))
+    assert [r["id"] for r in rows_of(out)] == ["p0", "p1"]  # no metadata line among the rows
+    meta = json.loads(meta_path(out).read_text())
+    assert meta["format"] == "rlx_mpi.journal" and meta["version"] == 1 and meta["command"] == "generate"
+    assert meta["settings"] == {"temperature": 0.0, "max_new_tokens": 8, "eos_ids": [2], "logprobs": 0}
+    assert set(meta["prompts"]) == {"p0", "p1", "p2"} and meta["model"]["family"] == "llama"
+    assert not list(tmp_path.glob(".*tmp*"))  # the sidecar's temporary name is gone
+
+
+# -- no leftovers, no torn lines (finding 3) -------------------------------------------------------
+
+
+def test_a_job_that_writes_no_row_leaves_no_file(tmp_path, tiny_ckpt):
+    out = tmp_path / "C.jsonl"
+    with Journal(out, prompts(3), identity=ident(tiny_ckpt)) as j:
+        j.complete(2, row(2))  # held behind 0 and 1: never written
+    assert sorted(tmp_path.iterdir()) == []
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    if os.geteuid() != 0:  # root writes anywhere: the permission case is for users
+        with pytest.raises(InputError, match="cannot create a file in"):
+            Journal(ro / "C.jsonl", prompts(1))
+
+
+def test_a_failed_write_is_cut_back_to_the_last_whole_line(tmp_path, monkeypatch):
+    import errno
+
+    ps, out = prompts(6), tmp_path / "C.jsonl"
+    j = Journal(out, ps, sync_s=0)
+    j.complete(0, row(0))
+    good = out.read_bytes()
+    real = os.write
+    state = {"calls": 0}
+
+    def full_disk(fd, data):  # the kernel takes part of the batch, then the disk is full
+        state["calls"] += 1
+        if state["calls"] == 1:
+            return real(fd, bytes(data[:len(data) // 2 + 3]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full_disk)
+    j.complete(2, row(2))
+    with pytest.raises(Exception, match="writing the completions failed: No space left on device; free disk"):
+        j.complete(1, row(1))  # rows 1 and 2 go out in one write
+    assert out.read_bytes() == good  # not half of row 1
+    monkeypatch.setattr(os, "write", real)
+    j._closed = True  # the job ends here (its fault is raised); resume:
+    os.close(j._fd)
+    with Journal(out, ps, sync_s=0) as k:
+        assert [p.id for p in k.pending] == ["p1", "p2", "p3", "p4", "p5"]
+        for p in k.pending:
+            k.complete(p.index, row(p.index))
+    assert out.read_bytes() == expected_bytes(ps)
+
+
+def test_a_real_full_disk_leaves_whole_lines(tmp_path_factory):
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    where = tmp_path_factory.mktemp("full")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(where)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip()})")
+    try:
+        ps, out = prompts(40), where / "C.jsonl"
+        big = {"tokens": list(range(300)), "finish_reason": "length"}
+        with pytest.raises(Exception, match="No space left on device"):
+            with Journal(out, ps, sync_s=0) as j:
+                for p in ps:
+                    j.complete(p.index, big)
+        data = out.read_bytes()
+        assert data and data.endswith(b"\n") and all(json.loads(x)["tokens"] == big["tokens"]
+                                                      for x in data.splitlines())
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+def test_the_sidecar_never_replaces_an_input(tmp_path):
+    prompts_file = tmp_path / "C.jsonl.meta.json"
+    prompts_file.write_text("{}\n")
+    with pytest.raises(InputError, match=r"its record \S*C.jsonl.meta.json: is the input file"):
+        Journal(tmp_path / "C.jsonl", prompts(1), inputs=[prompts_file])
+    assert prompts_file.read_text() == "{}\n"
