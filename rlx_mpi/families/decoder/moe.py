@@ -37,10 +37,10 @@ def experts_forward(x: np.ndarray, w: Experts, top_k: int, gated_mlp) -> np.ndar
     flat = x.reshape(-1, C)
     index, weight = route(flat, w.router, top_k)  # (N, k)
     out = np.zeros_like(flat)
-    for e, mlp in enumerate(w.experts, start=w.first):
+    for e in np.unique(index):  # only the experts some row chose (k of E at decode batch 1)
+        if not w.first <= e < w.first + len(w.experts):
+            continue  # another TP rank's expert
         rows, slot = np.nonzero(index == e)  # rows that chose expert e, and at which rank of k
-        if rows.size == 0:
-            continue
-        y = gated_mlp(flat[rows], mlp)  # (n, C)
+        y = gated_mlp(flat[rows], w.experts[e - w.first])  # (n, C)
         out[rows] += y * weight[rows, slot][:, None]  # a row picks e at most once: no collisions
     return out.reshape(B, T, C)
