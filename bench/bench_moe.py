@@ -7,7 +7,8 @@ one MLP of width 2752); decode steps are interleaved so host load hits both alik
 
     OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python bench/bench_moe.py [--tokens 64] [--reps 5]
 
-Measured under load (2 cores shared, load average ~10; not a README figure): 1.23x.
+Measured only under heavy load (2 cores shared by five jobs, load average 8-10): 1.05x to 1.77x
+across runs, 1.23x typical; not a README figure: take it again on a quiet host.
 """
 
 from __future__ import annotations
