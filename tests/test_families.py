@@ -402,3 +402,15 @@ def test_o_proj_bias_is_refused(converted, tmp_path):
     with pytest.raises(CheckpointError, match=r"bias tensors \['model.layers.0.self_attn.o_proj.bias'\]"):
         family.convert_hf(src, tmp_path / "m.h5", dtype="float32",
                           hf_config=json.loads((src / "config.json").read_text()))
+
+
+def test_qwen2_sliding_layers_follow_layer_types_or_max_window_layers():
+    from rlx_mpi.families.qwen import qwen2_arch
+
+    raw = json.loads((FAMILIES / "qwen2" / "config.json").read_text())
+    assert qwen2_arch(raw, "c").layer_windows == ()  # released configs: no sliding layers
+    v4 = {k: v for k, v in raw.items() if k != "layer_types"}
+    v4.update(use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    assert qwen2_arch(v4, "c").layer_windows == (0, 4)
+    v5 = {**raw, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}
+    assert qwen2_arch(v5, "c").layer_windows == (4, 0)

@@ -16,9 +16,13 @@ __all__ = ["QWEN2", "QWEN3", "qwen2_arch", "qwen3_arch"]
 
 
 def _windows(raw: dict, where: str, layers: int) -> tuple:
-    if not raw.get("use_sliding_window", False):
-        return ()
-    return sliding_windows(raw, where, layers)
+    """``layer_types`` when the config has it (5.x); else (4.x) layers from ``max_window_layers``
+    on slide when ``use_sliding_window`` is set, as transformers derives layer_types."""
+    if "layer_types" in raw or not raw.get("use_sliding_window", False):
+        return sliding_windows(raw, where, layers) if raw.get("layer_types") else ()
+    first = raw.get("max_window_layers", layers)
+    types = ["sliding_attention" if n >= first else "full_attention" for n in range(layers)]
+    return sliding_windows({**raw, "layer_types": types}, where, layers)
 
 
 def qwen2_arch(raw: dict, where: str) -> Arch:
