@@ -340,17 +340,23 @@ def test_moe_cost_counts_every_expert_bytes_but_topk_flops():
 def test_mixtral_8x7b_bf16_fits_4_ranks_of_32gb_as_2_stages_tp2():
     from rlx_mpi.caps import NodeCaps
     from rlx_mpi.config import PlacementPolicy
-    from rlx_mpi.placement import plan_placement
+    from rlx_mpi.placement import FitError, plan_placement
     from rlx_mpi.topology import make_grid
 
     cfg = get_family("mixtral").config_from_shape(
         {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336, "vocab": 32000,
          "experts": 8, "top_k": 2, "max_positions": 32768}, "plan")
-    caps = [NodeCaps(rank=r, host=f"h{r // 2}", local_rank=r % 2, local_size=2, cpus=None,
-                     ram_total_bytes=32 * 10**9, ram_available_bytes=32 * 10**9) for r in range(4)]
-    plan = plan_placement(cfg.cost(1, 2048), caps, PlacementPolicy.BALANCED, 10**9, grid=make_grid(
-        [c.host for c in caps], 2), precision=["bf16"] * 4)
-    assert len(plan) == 2 and all(len(a.ranks) == 2 for a in plan)
+
+    def plan(gb):
+        caps = [NodeCaps(rank=r, host=f"h{r // 2}", local_rank=r % 2, local_size=2, cpus=None,
+                         ram_total_bytes=gb * 10**9, ram_available_bytes=gb * 10**9) for r in range(4)]
+        return plan_placement(cfg.cost(1, 2048), caps, PlacementPolicy.BALANCED, 10**9,
+                              grid=make_grid([c.host for c in caps], 2), precision=["bf16"] * 4)
+    stages = plan(32)
+    assert [len(a.layers) for a in stages] == [16, 16] and all(len(a.ranks) == 2 for a in stages)
+    assert all(23e9 < a.est_bytes < 25e9 for a in stages)  # 93 GB of bf16 weights over 4 ranks, + KV
+    with pytest.raises(FitError):
+        plan(20)
 
 
 # -- refusals: one line, exit 2 ------------------------------------------------------------------
