@@ -19,108 +19,27 @@ kept exactly. Every result is bit for bit what round to nearest even gives: pack
 against numpy over all 2**32 float32 bit patterns (bench/check_wire_exhaustive.py; the tests
 check 2**20 random ones and the special cases), unpack over all 2**16 in the tests.
 
-Note: the kernels work on the float32 *bit patterns* (a uint32 view) in integer arithmetic,
-because numba 0.6x has no float16 type in nopython mode, and are written as selects, not
-branches, so LLVM vectorises them; only f16's subnormals use exact float32 arithmetic. They
-run single-threaded: the rank's cores belong to its BLAS threads.
+Note: the kernels (rlx_mpi/kernels/bits.py, one copy shared with the weight formats) work on
+the float32 *bit patterns* (a uint32 view) in integer arithmetic, because numba 0.6x has no
+float16 type in nopython mode, and are written as selects, not branches, so LLVM vectorises
+them; only f16's subnormals use exact float32 arithmetic. They run on the calling thread.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numba
 import numpy as np
-from numba import types
-from numba.extending import intrinsic
 
 from .errors import ConfigError
+from .kernels.bits import pack_bf16, pack_f16, unpack_bf16, unpack_f16
 
 __all__ = ["WIRE_FORMATS", "Codec", "get_codec", "warm_up"]
 
 WIRE_FORMATS = ("f32", "bf16", "f16")
 
 
-# --- kernels: flat 1-D views, no validation, no allocation ---------------------------------
-# Every intermediate is wrapped in _U (uint32): numba widens small integers to 64 bits, and
-# 64-bit lanes made these loops 1.5-2x slower (measured); selects instead of branches let
-# LLVM vectorise the whole loop.
-
-_U = np.uint32
-
-
-@numba.njit(cache=True)
-def _pack_bf16(src, dst):  # src (N,) float32, dst (N,) uint16 = bf16 bits
-    bits = src.view(np.uint32)
-    for i in range(src.size):
-        b = bits[i]
-        # round to nearest even on the top 16 bits: add 0x7fff plus the lowest kept bit
-        r = _U(_U(_U(b + _U(0x7FFF)) + _U(_U(b >> _U(16)) & _U(1))) >> _U(16))
-        # a NaN could round into Inf (or wrap to -0): keep its top bits, set the quiet bit
-        q = _U(_U(b >> _U(16)) | _U(0x40))
-        nan = _U(b & _U(0x7FFFFFFF)) > _U(0x7F800000)
-        dst[i] = np.uint16(q if nan else r)
-
-
-@numba.njit(cache=True)
-def _unpack_bf16(src, dst):  # src (N,) uint16 = bf16 bits, dst (N,) uint32 = float32 bits
-    for i in range(src.size):
-        dst[i] = _U(_U(src[i]) << _U(16))
-
-
-@numba.njit(cache=True)
-def _pack_f16(src, dst):  # src (N,) float32, dst (N,) uint16 = IEEE half bits
-    bits = src.view(np.uint32)
-    for i in range(src.size):
-        b = bits[i]
-        sign = _U(_U(b >> _U(16)) & _U(0x8000))
-        a = _U(b & _U(0x7FFFFFFF))  # |x| bits
-        # normal half: rebias the exponent 127 -> 15, round the 13 dropped bits to nearest
-        # even (a carry into the exponent is right, up to 65520.. -> 0x7c00 = Inf)
-        normal = _U(_U(_U(a - _U(0x38000000)) + _U(_U(0xFFF) + _U(_U(a >> _U(13)) & _U(1)))) >> _U(13))
-        # subnormal half (|x| < 2**-14): |x| * 2**24 < 1024 is exact in float32 and rint rounds
-        # it to nearest even, in vector instructions (2x faster than integer shifts, measured)
-        small = np.abs(src[i]) if a < _U(0x38800000) else np.float32(0.0)
-        h = normal if a >= _U(0x38800000) else _U(np.int32(np.rint(small * np.float32(16777216.0))))
-        h = _U(0x7C00) if a >= _U(0x47800000) else h  # from 65536 (and Inf): Inf
-        # NaN: quiet, keep the top payload bits
-        h = _U(_U(0x7E00) | _U(_U(a >> _U(13)) & _U(0x3FF))) if a > _U(0x7F800000) else h
-        dst[i] = np.uint16(_U(h | sign))
-
-
-@intrinsic
-def _f32_from_bits(typingctx, bits):
-    """Reinterpret a uint32 as float32 (LLVM bitcast; numba has no scalar view)."""
-    if bits != types.uint32:
-        return None
-    return types.float32(types.uint32), lambda ctx, builder, sig, args: builder.bitcast(args[0], ctx.get_value_type(types.float32))
-
-
-@intrinsic
-def _bits_of_f32(typingctx, x):
-    """Reinterpret a float32 as uint32."""
-    if x != types.float32:
-        return None
-    return types.uint32(types.float32), lambda ctx, builder, sig, args: builder.bitcast(args[0], ctx.get_value_type(types.uint32))
-
-
-@numba.njit(cache=True)
-def _unpack_f16(src, dst):  # src (N,) uint16 = IEEE half bits, dst (N,) uint32 = float32 bits
-    for i in range(src.size):
-        h = _U(src[i])
-        sign = _U(_U(h & _U(0x8000)) << _U(16))
-        o = _U(_U(h & _U(0x7FFF)) << _U(13))  # exponent and mantissa in float32's places
-        e = _U(o & _U(0x0F800000))
-        o = _U(o + _U(0x38000000))  # rebias the exponent 15 -> 127
-        o = _U(o + _U(0x38000000)) if e == _U(0x0F800000) else o  # Inf/NaN: exponent 255, payload kept
-        # ±0 and subnormals m * 2**-24: read as the float 2**-14 * (1 + m/1024) and subtract
-        # 2**-14, exact in float32 (selects and a bitcast vectorise; a loop or gather 2x slower)
-        sub = _bits_of_f32(_f32_from_bits(_U(o + _U(0x00800000))) - np.float32(2.0**-14))
-        o = sub if e == _U(0) else o
-        dst[i] = _U(o | sign)
-
-
-# --- validating wrappers ---------------------------------------------------------------------
+# --- validating wrappers (the kernels: flat 1-D views, no validation, in kernels/bits.py) ----
 
 def _check(arg: str, a, dtype: np.dtype, shape=None) -> None:
     """Raise ValueError naming ``arg`` unless ``a`` is a C-contiguous ``dtype`` array of ``shape``."""
@@ -192,8 +111,8 @@ class Codec:
 
 _CODECS = {
     "f32": Codec("f32", np.dtype(np.float32), 0.0),
-    "bf16": Codec("bf16", np.dtype(np.uint16), 2.0**-8, _pack_bf16, _unpack_bf16),
-    "f16": Codec("f16", np.dtype(np.float16), 2.0**-11, _pack_f16, _unpack_f16),
+    "bf16": Codec("bf16", np.dtype(np.uint16), 2.0**-8, pack_bf16, unpack_bf16),
+    "f16": Codec("f16", np.dtype(np.float16), 2.0**-11, pack_f16, unpack_f16),
 }
 
 

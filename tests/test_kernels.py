@@ -112,8 +112,8 @@ def _qkv(rng, B, nh, nkv, T, S, hs, scale=1.0):
     (3, 4, 2, 9, 30, 7, "ragged"), (1, 2, 1, 17, 17, 1, "causal"), (2, 6, 3, 5, 40, 0, "ragged")])
 def test_attend_tiny_blocks(monkeypatch, B, nh, nkv, T, S, window, pos):
     """Blocks of 4 queries x 8 keys: many blocks, partial edges, skipped and masked key blocks."""
-    monkeypatch.setattr(kernels, "_Q_BLOCK", 4)
-    monkeypatch.setattr(kernels, "_K_BLOCK", 8)
+    monkeypatch.setattr(kernels.attention, "_Q_BLOCK", 4)
+    monkeypatch.setattr(kernels.attention, "_K_BLOCK", 8)
     rng = np.random.default_rng(3)
     q, k, v = _qkv(rng, B, nh, nkv, T, S, 6, scale=2.0)  # large logits: the running max moves
     if pos == "causal":

@@ -52,7 +52,7 @@ def test_utf8_bom_is_accepted(tmp_path):
     (['{"tokens": [1]}'], 1, ['no "id"']),
     (['{"id": 1.5, "tokens": [1]}'], 1, ['"id" is 1.5', "string or an integer"]),
     (['{"id": "", "tokens": [1]}'], 1, ["empty"]),
-    (['{"id": "a"}'], 1, ['no "tokens" or "text"']),
+    (['{"id": "a"}'], 1, ['no "tokens", "text" or "messages"']),
     (['{"id": "a", "tokens": [1], "text": "hi"}'], 1, ['both "tokens" and "text"']),
     (['{"id": "a", "tokens": [1], "prompt": 3}'], 1, ["unknown key 'prompt'"]),
     (['{"id": "a", "id": "b", "tokens": [1]}'], 1, ["key 'id' appears twice"]),

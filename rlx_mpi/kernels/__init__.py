@@ -1,0 +1,59 @@
+"""numba kernels of a forward, by concern (BLAS does the large matmuls).
+
+- ``elementwise``: rms_norm, silu_mul_, rope and the vectorisable exp behind them
+- ``attention``: blocked attention (`attend`, `attend_workspace_bytes`), a reference softmax
+- ``matvec``: decode's float32 matvec on the rank's numba threads
+- ``lowp``: bf16 / f16 / int8 weights, their decode matvecs and prefill tiles
+- ``bits``: float32 <-> bf16 / f16 bit patterns, shared with the wire codecs (rlx_mpi.wire)
+
+The ``_`` kernels are ``@numba.njit(cache=True)`` with no validation and no allocation; the
+public wrappers check dtype, shape and contiguity, allocate, and say what to pass. The decode
+matvecs run on numba's pool, sized by `set_threads`; the rest run serial on the calling thread
+(the threads note in _common.py says why).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .attention import _row_max, attend, attend_workspace_bytes, causal_softmax_
+from .elementwise import _exp, rms_norm, rope, silu_mul_
+from .lowp import (MATVEC_ROWS, WEIGHT_FORMATS, _matvec_bf16, dequant_matmul, dequantize, f16_has_special,
+                   from_bf16, quantize_int8, to_bf16)
+from .matvec import F32_MATVEC_ROWS, matvec_f32
+
+__all__ = ["rms_norm", "silu_mul_", "rope", "attend", "attend_workspace_bytes", "causal_softmax_",
+           "matvec_f32", "F32_MATVEC_ROWS", "dequant_matmul", "dequantize", "f16_has_special", "to_bf16",
+           "from_bf16", "quantize_int8", "WEIGHT_FORMATS", "MATVEC_ROWS", "set_threads", "warm_up",
+           "warm_up_lowp"]
+
+
+def set_threads(n: int | None) -> None:
+    """Run the parallel kernels (the decode matvecs) on ``n`` threads: the rank's share of its host, like BLAS."""
+    if n:
+        numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
+
+
+def warm_up() -> None:
+    """Load (or compile) the float32 forward's kernels now, at build time, not inside the first
+    timed forward (`causal_softmax_` is for tests and benches: compiled on first use)."""
+    rms_norm(np.ones((1, 2), np.float32), np.ones(2, np.float32), 1e-6)
+    silu_mul_(np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
+    x = np.ones((1, 2, 1, 2), np.float32)
+    rope(x, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
+    for t in (1, 9):  # the decode path and the blocked path
+        q, kv = np.ones((1, 2, t, 2), np.float32), np.ones((1, 1, 9, 2), np.float32)
+        attend(q, kv, kv)
+    matvec_f32(np.ones((1, 2), np.float32), np.ones((3, 2), np.float32))
+
+
+def warm_up_lowp() -> None:
+    """Load (or compile) the low-precision kernels at build time."""
+    x1, x2 = np.ones((1, 4), np.float32), np.ones((MATVEC_ROWS + 1, 4), np.float32)
+    w = np.ones((2, 4), np.float32)
+    q, s = quantize_int8(w)
+    b = to_bf16(w)
+    for fmt, ww, sc in (("bf16", b, None), ("f16", w.astype(np.float16).view(np.uint16), None), ("int8", q, s)):
+        dequant_matmul(x1, ww, fmt, sc)
+        dequant_matmul(x2, ww, fmt, sc)

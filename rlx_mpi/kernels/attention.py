@@ -1,0 +1,218 @@
+"""Blocked scaled dot-product attention (grouped-query, causal or windowed, online softmax).
+
+BLAS does the two products of a block; the numba kernels here do masking, exponentials and
+bookkeeping, serial on the calling thread (threads note in _common.py). `causal_softmax_` is a
+plain reference softmax for tests and benches, compiled on first use only.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from ._common import ERR, FAST, PARALLEL, check_f32
+from .bits import as_f32
+from .elementwise import _exp
+
+__all__ = ["attend", "attend_workspace_bytes", "causal_softmax_"]
+
+
+# Note: blocked attention. `attend` never holds a (B, nh, T, S) score matrix: queries go in
+# blocks of `_Q_BLOCK` rows per head and keys in blocks of `_K_BLOCK`, with an online softmax
+# (running row max m, running sum l, the output accumulator rescaled by exp(m_old - m_new) when
+# the max grows), so the working set is O(block x block) per head however long the sequence.
+# BLAS does the two products of a block (q @ k.T, p @ v: most of the FLOPs); numba does the
+# masking, exponentials and bookkeeping in one pass over the block's scores. Key blocks wholly
+# in a query block's causal future (or before its window) are skipped (close to half
+# the FLOPs of a long causal prefill). A decode step (one query per head) takes the same path: measured at S = 512
+# to 4096, it beat both a numba pass per (b, head) (2-4x: strided K/V views do not vectorise)
+# and one key block spanning the whole cache (3x at 4096).
+_Q_BLOCK = 64  # queries per head per block: g * 64 rows per GEMM under grouped-query
+_K_BLOCK = 1024  # keys per block: a block's scores are B * nh * 64 * 1024 * 4 B (4 MB at B nh = 16)
+# Measured (bench/bench_kernels.py, medium heads, medium shapes, 1 and 2 threads): 64-query
+# blocks beat 512 by 1.4-1.8x at seq 512 and 1.1-1.5x at 128-2048, since a query block only
+# multiplies the keys up to its own position (the causal triangle in 64-row steps, not
+# 512); 16-32 rows are slower again (BLAS calls too small). Was 512 before the exp kernel
+# made the numba pass cheap.
+
+
+@numba.njit(cache=True)
+def _row_max(row):  # max of a non-empty C-contiguous float32 row
+    # as integers: LLVM vectorises an int max but not a float one (that needs function-wide
+    # no-NaN attributes). The map flips a negative float's magnitude bits, so float order is
+    # int order (-0 < +0; NaN beyond Inf: a NaN score stays NaN) and is its own inverse.
+    bits = row.view(np.int32)
+    best = np.int32(-2147483648)
+    for j in range(bits.shape[0]):
+        b = bits[j]
+        k = b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF))
+        best = k if k > best else best
+    return as_f32(np.uint32(best ^ ((best >> np.int32(31)) & np.int32(0x7FFFFFFF))))
+
+
+@numba.njit(cache=True, error_model=ERR, fastmath=FAST)
+def _exp_row(row, scale, peak):  # row <- exp(row * scale - peak); returns the sum (SIMD lanes)
+    total = np.float32(0.0)
+    for j in range(row.shape[0]):
+        e = _exp(row[j] * scale - peak)
+        row[j] = e
+        total += e
+    return total
+
+
+@numba.njit(cache=True, parallel=PARALLEL, error_model=ERR, fastmath=FAST)
+def _online_block(s, pos, j0, window, scale, m, l, acc):  # s (B, H, bq, bk) scores -> probs
+    """Mask, scale and exponentiate one key block in place; update m, l and rescale acc.
+
+    m holds each query's running max of the scaled scores. Each loop is branch-free so LLVM
+    vectorises it (reassoc: the row sum in SIMD lanes)."""
+    B, H, bq, bk = s.shape
+    for bh in numba.prange(B * H):
+        b, h = bh // H, bh % H
+        for i in range(bq):
+            p = pos[b, i]
+            lo = max(0, p - window + 1 - j0) if window > 0 else 0  # visible: lo <= j - j0 < hi
+            hi = max(lo, min(bk, p + 1 - j0))
+            row = s[b, h, i]
+            old = m[b, h, i]
+            peak = old
+            if hi > lo:
+                top = _row_max(row[lo:hi]) * scale  # scale > 0; NaN if any visible score is NaN
+                peak = old if old > top else top  # (not max(): that drops a NaN, and the row with it)
+            if peak == -np.inf:  # nothing visible yet for this query
+                row[:] = 0.0
+                continue
+            total = _exp_row(row[lo:hi], scale, peak)  # (a slice: with bounds
+            # inside, LLVM was seen to leave the loop scalar, 4x slower)
+            row[:lo] = 0.0
+            row[hi:] = 0.0
+            if peak != old:  # the max grew: earlier blocks' terms shrink by alpha
+                alpha = _exp(old - peak) if old != -np.inf else np.float32(0.0)
+                l[b, h, i] *= alpha
+                a = acc[b, h, i]
+                for d in range(a.shape[0]):
+                    a[d] *= alpha
+                m[b, h, i] = peak
+            l[b, h, i] += total
+
+
+@numba.njit(cache=True, parallel=PARALLEL, error_model=ERR)
+def _finish(acc, l, y, t0):  # acc (B, H, bq, hs) / l -> y[:, t0:t0+bq] (B, T, H, hs)
+    B, H, bq, hs = acc.shape
+    for bh in numba.prange(B * H):
+        b, h = bh // H, bh % H
+        for i in range(bq):
+            inv = np.float32(1.0) / l[b, h, i] if l[b, h, i] > 0 else np.float32(0.0)
+            for d in range(hs):
+                y[b, t0 + i, h, d] = acc[b, h, i, d] * inv
+
+
+def _positions(q_pos, B: int, T: int, S: int) -> np.ndarray:
+    if q_pos is None:
+        return np.broadcast_to(np.arange(S - T, S, dtype=np.int64), (B, T))
+    q_pos = np.asarray(q_pos)
+    if q_pos.shape != (B, T) or not np.issubdtype(q_pos.dtype, np.integer):
+        raise ValueError(f"attend: q_pos must be an integer array of shape {(B, T)}, got "
+                         f"{q_pos.dtype} {q_pos.shape}")
+    if q_pos.size and q_pos.min() < 0:
+        raise ValueError(f"attend: q_pos has a negative position ({q_pos.min()}); positions start at 0")
+    return q_pos.astype(np.int64, copy=False)
+
+
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray | None = None,
+           window: int = 0, *, scale: float | None = None, softcap: float = 0.0) -> np.ndarray:
+    """Scaled dot-product attention of ``q`` over the keys ``k``/values ``v`` (grouped-query).
+
+    q (B, nh, T, hs); k, v (B, nkv, S, hs) with nh a multiple of nkv (query head h reads kv
+    head h // (nh // nkv)); key j sits at position j (k, v may be a prefix view of a cache).
+    q_pos (B, T) int: the position of each query; key j is visible to query (b, t) when
+    ``j <= q_pos[b, t]`` and, with ``window > 0``, ``j > q_pos[b, t] - window``. None means
+    the last T positions of every sequence (q_pos[b, t] = S - T + t: plain causal prefill,
+    or a decode step). A query that sees no key gets zeros. Returns y (B, T, nh, hs) float32,
+    C-contiguous, so that ``y.reshape(B, T, nh * hs)`` feeds o_proj without a copy.
+    Computed in blocks (see the note above): memory O(block^2) per head, not O(T * S).
+    ``scale`` multiplies the scores (default hs ** -0.5); ``softcap > 0`` then maps each
+    scaled score s to softcap * tanh(s / softcap) (Gemma 2).
+    """
+    B, nh, T, hs = q.shape
+    nkv, S = k.shape[1], k.shape[2]
+    if k.shape != (B, nkv, S, hs) or v.shape != k.shape or nh % nkv:
+        raise ValueError(f"attend: q {q.shape}, k {k.shape}, v {v.shape} do not fit "
+                         "(B, nh, T, hs) / (B, nkv, S, hs) with nh a multiple of nkv")
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.dtype != np.float32:
+            raise TypeError(f"attend: {name} is {a.dtype}; pass float32 (a.astype(np.float32))")
+    pos = _positions(q_pos, B, T, S)
+    window, scale = int(max(window, 0)), np.float32(hs ** -0.5 if scale is None else scale)
+    y = np.empty((B, T, nh, hs), np.float32)
+    for t0 in range(0, T, _Q_BLOCK):
+        t1 = min(T, t0 + _Q_BLOCK)
+        _query_block(q[:, :, t0:t1], k, v, np.array(pos[:, t0:t1], order="C"), window, scale, y, t0,
+                     np.float32(softcap))  # (a copy:
+        # always writable, so numba sees one type; a read-only view made a second compile mid-forward)
+    return y
+
+
+def attend_workspace_bytes(batch: int, heads: int, seq: int, head_dim: int) -> int:
+    """Bytes `attend` holds besides its inputs and output: one block's scores, the query-block
+    copy, the accumulator and the running max/sum (the planner's estimate; O(seq^0) per head)."""
+    bq, bk = min(seq, _Q_BLOCK), min(seq, _K_BLOCK)
+    return batch * heads * bq * (bk + 2 * head_dim + 2) * 4
+
+
+def _query_block(q, k, v, pos, window, scale, y, t0, softcap=np.float32(0.0)) -> None:
+    """One block of queries (B, nh, bq, hs) over the key blocks it can see, into y[:, t0:]."""
+    B, nh, bq, hs = q.shape
+    nkv = k.shape[1]
+    g = nh // nkv
+    lo = max(0, int(pos.min()) - window + 1) if window > 0 else 0  # keys any query here sees
+    hi = min(k.shape[2], int(pos.max()) + 1)
+    qb = np.ascontiguousarray(q).reshape(B, nkv, g * bq, hs)  # g heads of a kv head: one GEMM
+    m = np.full((B, nh, bq), -np.inf, np.float32)
+    l = np.zeros((B, nh, bq), np.float32)
+    acc = np.zeros((B, nh, bq, hs), np.float32)
+    acc_g = acc.reshape(B, nkv, g * bq, hs)
+    for j0 in range(lo - lo % _K_BLOCK, hi, _K_BLOCK):
+        j1 = min(hi, j0 + _K_BLOCK)
+        s = qb @ k[:, :, j0:j1].transpose(0, 1, 3, 2)  # (B, nkv, g*bq, bk)
+        if softcap > 0:  # cap * tanh(s * scale / cap) in transformers' order; then already scaled
+            np.multiply(s, scale, out=s)
+            np.multiply(np.tanh(np.divide(s, softcap, out=s), out=s), softcap, out=s)
+        _online_block(s.reshape(B, nh, bq, j1 - j0), pos, j0, window,
+                      np.float32(1.0) if softcap > 0 else scale, m, l, acc)
+        acc_g += s @ v[:, :, j0:j1]  # (B, nkv, g*bq, hs)
+        del s  # before the next block's scores are allocated: one block alive at a time
+    _finish(acc, l, y, t0)
+
+
+@numba.njit(cache=True, fastmath=False)
+def _causal_softmax(scores, offset):  # scores (N, T, S) float32, row t sees keys 0..t+offset
+    n, t_len, s_len = scores.shape
+    for i in range(n):
+        for t in range(t_len):
+            row = scores[i, t]
+            last = min(t + offset + 1, s_len)
+            peak = row[0]
+            for s in range(1, last):
+                if row[s] > peak:
+                    peak = row[s]
+            total = np.float32(0.0)
+            for s in range(last):
+                e = np.exp(row[s] - peak)
+                row[s] = e
+                total += e
+            inv = np.float32(1.0) / total
+            for s in range(last):
+                row[s] *= inv
+            for s in range(last, s_len):
+                row[s] = 0.0
+
+
+def causal_softmax_(scores: np.ndarray, offset: int = 0) -> np.ndarray:
+    """Softmax over the last axis with a causal mask, in place: query t sees keys <= t + offset."""
+    check_f32("causal_softmax_", scores)
+    if not scores.flags.writeable:
+        raise ValueError("causal_softmax_: scores is read-only; pass a writable array")
+    _causal_softmax(scores.reshape(-1, scores.shape[-2], scores.shape[-1]), offset)
+    return scores
+

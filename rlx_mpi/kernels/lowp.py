@@ -1,0 +1,236 @@
+"""Low-precision weights: bf16 / f16 / int8 formats, their decode matvecs and prefill tiles.
+
+The fused matvecs split output rows over the rank's numba threads (compiled parallel); the
+dequantise tiles and format conversions run on the calling thread.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from ._common import FAST, check_f32
+from .bits import as_f32, f16_value, pack_bf16, unpack_bf16, unpack_f16
+
+__all__ = ["dequant_matmul", "dequantize", "f16_has_special", "to_bf16", "from_bf16", "quantize_int8",
+           "WEIGHT_FORMATS", "MATVEC_ROWS"]
+
+# Note: storage. bf16 is kept as its uint16 bit pattern (the top half of a float32: decoding
+# is a shift), f16 as its uint16 bit pattern decoded with integer ops and one multiply (numba
+# has no float16 arithmetic on CPU; a 65536-entry table was measured 3x slower: a gather per
+# weight does not vectorise), int8 as int8 with one float32 scale per output row.
+# Activations and accumulators stay float32.
+# Decode (a few activation rows) reads every weight once: the fused kernels below dequantise
+# inside the dot product, ``numba.prange`` over output rows (the rank's pinned numba threads),
+# so a bf16 matrix moves half the bytes of an f32 one and an int8 matrix a quarter. Prefill
+# (many rows) is compute-bound: a tile of weight rows is dequantised into a reused float32
+# buffer and handed to BLAS (measured faster than a numba GEMM, bench/bench_precision.py).
+
+
+@numba.njit(cache=True, parallel=True, fastmath=FAST)
+def _matvec_bf16(x, w, out, chunks):  # x (R, K) f32, w (N, K) uint16 bf16 bits, out (R, N) f32
+    r_len, k_len = x.shape
+    n_len = w.shape[0]
+    for c in numba.prange(chunks):
+        for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
+            for r in range(r_len):
+                acc = np.float32(0.0)
+                for k in range(k_len):  # bf16 -> f32 is a shift: exact, and vectorises with the FMA
+                    acc += x[r, k] * as_f32(np.uint32(w[n, k]) << np.uint32(16))
+                out[r, n] = acc
+
+
+@numba.njit(cache=True, parallel=True, fastmath=FAST)
+def _matvec_f16(x, w, out, chunks):  # w (N, K) uint16 f16 bits, none Inf/NaN (the wrapper's caller checks)
+    r_len, k_len = x.shape
+    n_len = w.shape[0]
+    for c in numba.prange(chunks):
+        wv = np.empty(k_len, np.float32)  # with several rows, decode each weight row once
+        for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
+            if r_len == 1:
+                acc = np.float32(0.0)
+                for k in range(k_len):
+                    acc += x[0, k] * f16_value(w[n, k])
+                out[0, n] = acc
+                continue
+            for k in range(k_len):
+                wv[k] = f16_value(w[n, k])
+            for r in range(r_len):
+                acc = np.float32(0.0)
+                for k in range(k_len):
+                    acc += x[r, k] * wv[k]
+                out[r, n] = acc
+
+
+@numba.njit(cache=True, parallel=True, fastmath=FAST)
+def _matvec_int8(x, w, scale, out, chunks):  # w (N, K) int8, scale (N,) f32: W = scale[:, None] * w
+    r_len, k_len = x.shape
+    n_len = w.shape[0]
+    for c in numba.prange(chunks):
+        for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
+            for r in range(r_len):
+                acc = np.float32(0.0)
+                for k in range(k_len):
+                    acc += x[r, k] * np.float32(w[n, k])
+                out[r, n] = acc * scale[n]
+
+
+@numba.njit(cache=True)
+def _dequant_bf16(w, start, out):  # rows start.. of w (N, K) uint16 -> out (n, K) f32
+    bits = out.view(np.uint32)
+    for i in range(out.shape[0]):
+        unpack_bf16(w[start + i], bits[i])
+
+
+@numba.njit(cache=True)
+def _dequant_f16(w, start, out):
+    bits = out.view(np.uint32)
+    for i in range(out.shape[0]):
+        unpack_f16(w[start + i], bits[i])
+
+
+@numba.njit(cache=True)
+def _dequant_int8(w, scale, start, out):
+    for i in range(out.shape[0]):
+        s = scale[start + i]
+        for k in range(out.shape[1]):
+            out[i, k] = np.float32(w[start + i, k]) * s
+
+
+@numba.njit(cache=True, parallel=True)
+def _quantize_int8(w, q, scale):  # w (N, K) f32 -> q (N, K) int8, scale (N,) f32, symmetric per row
+    for n in numba.prange(w.shape[0]):
+        peak = np.float32(0.0)
+        for k in range(w.shape[1]):
+            peak = max(peak, abs(w[n, k]))
+        s = peak / np.float32(127.0)
+        scale[n] = s
+        inv = np.float32(0.0) if s == 0 else np.float32(1.0) / s
+        for k in range(w.shape[1]):
+            q[n, k] = np.int8(np.rint(w[n, k] * inv))
+
+
+WEIGHT_FORMATS = ("bf16", "f16", "int8")
+_TILE_BYTES = 1 << 20  # f32 bytes of one dequantised tile: fits L2 beside BLAS's own panels
+
+
+def _check_weight(fmt: str, w: np.ndarray, scale: np.ndarray | None) -> None:
+    want = {"bf16": np.uint16, "f16": np.uint16, "int8": np.int8}.get(fmt)
+    if want is None:
+        raise ValueError(f"weight format {fmt!r} is not one of {WEIGHT_FORMATS}")
+    if w.ndim != 2 or w.dtype != want or not w.flags.c_contiguous:
+        raise TypeError(f"{fmt} weight: expected a C-contiguous 2-D {np.dtype(want)} array, got "
+                        f"{w.ndim}-D {w.dtype}; build it with kernels.to_bf16 / quantize_int8 "
+                        "or np.float16(...).view(np.uint16)")
+    if fmt == "int8":
+        if scale is None or scale.shape != (w.shape[0],):
+            raise ValueError(f"int8 weight: scale must have shape ({w.shape[0]},), got "
+                             f"{None if scale is None else scale.shape}")
+        check_f32("int8 scale", scale)
+
+
+def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | None = None,
+                   out: np.ndarray | None = None, fused: bool = True) -> np.ndarray:
+    """``x @ W.T`` for a low-precision weight ``W`` (N, K) stored as ``fmt``: x (R, K) -> (R, N) f32.
+
+    Few rows (decode) run the fused dequantise-dot kernel; many rows (prefill) dequantise a
+    tile of W at a time into a reused float32 buffer and call BLAS. Either way no float32
+    copy of the whole of W exists. ``fused=False`` forces the tiled path: the fused f16 kernel
+    assumes no Inf/NaN weights (`f16_has_special` tells; a Linear checks once at load).
+    """
+    check_f32("dequant_matmul x", x)
+    _check_weight(fmt, w, scale)
+    if x.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"dequant_matmul: x {x.shape} does not fit W {w.shape}; expected (R, {w.shape[1]})")
+    R, N = x.shape[0], w.shape[0]
+    if out is None:
+        out = np.empty((R, N), np.float32)
+    if R <= MATVEC_ROWS and fused:
+        chunks = min(N, 4 * numba.get_num_threads())  # a few per thread: balanced, one scratch row each
+        if fmt == "bf16":
+            _matvec_bf16(x, w, out, chunks)
+        elif fmt == "f16":
+            _matvec_f16(x, w, out, chunks)
+        else:
+            _matvec_int8(x, w, scale, out, chunks)
+        return out
+    K = w.shape[1]
+    tile = max(16, min(N, _TILE_BYTES // (4 * K)))
+    buf = np.empty((tile, K), np.float32)
+    part = np.empty((R, tile), np.float32)
+    for a in range(0, N, tile):
+        b = min(N, a + tile)
+        t = buf[:b - a]
+        if fmt == "bf16":
+            _dequant_bf16(w, a, t)
+        elif fmt == "f16":
+            _dequant_f16(w, a, t)
+        else:
+            _dequant_int8(w, scale, a, t)
+        p = part[:, :b - a]
+        np.matmul(x, t.T, out=p)
+        out[:, a:b] = p
+    return out
+
+
+MATVEC_ROWS = 16  # up to this many activation rows the fused kernel beats dequantise + BLAS (measured: 1.5x at 16 and 32 rows, 1 thread)
+
+
+@numba.njit(cache=True)
+def _f16_any_special(flat):  # no temporaries: this runs on every f16 matrix at load
+    for i in range(flat.shape[0]):
+        if (flat[i] & np.uint16(0x7C00)) == np.uint16(0x7C00):
+            return True
+    return False
+
+
+def f16_has_special(w: np.ndarray) -> bool:
+    """Whether any float16 bit pattern in ``w`` is Inf or NaN (exponent bits all ones)."""
+    if w.dtype != np.uint16:
+        raise TypeError(f"f16_has_special: expected uint16 bit patterns, got {w.dtype}")
+    return bool(_f16_any_special(np.ascontiguousarray(w).reshape(-1)))
+
+
+def dequantize(w: np.ndarray, fmt: str, scale: np.ndarray | None = None, rows: np.ndarray | None = None) -> np.ndarray:
+    """float32 copy of ``W`` (or of its ``rows``): for embedding lookups and tests."""
+    _check_weight(fmt, w, scale)
+    if rows is not None:
+        rows = np.asarray(rows).reshape(-1)
+        w = np.ascontiguousarray(w[rows])
+        scale = None if scale is None else np.ascontiguousarray(scale[rows])
+    out = np.empty(w.shape, np.float32)
+    if fmt == "bf16":
+        _dequant_bf16(w, 0, out)
+    elif fmt == "f16":
+        _dequant_f16(w, 0, out)
+    else:
+        _dequant_int8(w, scale, 0, out)
+    return out
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16, same shape) of float32 ``x``, rounded to nearest even."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty(x.shape, np.uint16)
+    pack_bf16(x.reshape(-1), out.reshape(-1))
+    return out
+
+
+def from_bf16(bits: np.ndarray) -> np.ndarray:
+    """float32 values of bfloat16 bit patterns (exact)."""
+    bits = np.asarray(bits)
+    if bits.dtype != np.uint16:
+        raise TypeError(f"from_bf16: expected uint16 bit patterns, got {bits.dtype}")
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-output-row int8: ``W ~= scale[:, None] * q`` with ``max|q| = 127`` per row."""
+    check_f32("quantize_int8 w", w)
+    if w.ndim != 2:
+        raise ValueError(f"quantize_int8: expected a 2-D weight (out, in), got shape {w.shape}")
+    q = np.empty(w.shape, np.int8)
+    scale = np.empty(w.shape[0], np.float32)
+    _quantize_int8(w, q, scale)
+    return q, scale
+
