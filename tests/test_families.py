@@ -258,6 +258,23 @@ def test_longrope_switches_factors_past_the_original_context(converted):
     assert cfg.rope_attention_factor == pytest.approx(expected)
 
 
+def test_longrope_factors_follow_each_sequence_not_its_batch(converted):
+    """A 10-token prompt (within the original 16) padded into a batch with a 20-token one keeps
+    the short factors: its logits equal its own single-sequence prefill (transformers' choice
+    for that sequence alone)."""
+    family, cfg, path = converted("phi3_longrope")
+    stage = build(family, cfg, path)
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 20))
+    stage.reset(2, 24, KvSpec("full"))
+    both = stage.prefill(ids, np.array([0, 1]), np.array([10, 20]))
+    for b, n in ((0, 10), (1, 20)):
+        stage.reset(1, 24, KvSpec("full"))
+        alone = stage.prefill(ids[b:b + 1, :n], np.array([0]), np.array([n]))
+        np.testing.assert_allclose(both[b], alone[0], atol=1e-5)
+    short = stage.forward(ids[:1, :10])[0, -1]  # a plain forward of 10 tokens: short factors
+    np.testing.assert_allclose(both[0], short, atol=1e-5)
+
+
 # -- kernels -------------------------------------------------------------------------------------
 
 

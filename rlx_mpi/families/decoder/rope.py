@@ -8,9 +8,11 @@ attention factor (Phi-3 128k).
 
 Note: longrope's choice. transformers picks the long factors for a whole forward when its
 largest position + 1 exceeds ``original_max_position_embeddings``, and the short ones
-otherwise, per call: a decode step past the original context uses the long factors although
-the cached keys were rotated with the short ones. We do the same per call (`Rope.tables`
-gets the positions of the call), so greedy tokens equal ``generate``'s.
+otherwise: a decode step past the original context uses the long factors although the
+cached keys were rotated with the short ones. We make the same choice per *sequence* (its
+own length so far), which is transformers' choice for one sequence and keeps a sequence's
+tokens independent of which others share its batch (a padded prefill does not count the
+padding), so greedy tokens equal ``generate``'s.
 """
 
 from __future__ import annotations
@@ -69,19 +71,25 @@ class Rope:
             cos, sin = cos * a, sin * a
         return cos, sin
 
-    def _pick(self, top: int) -> tuple[np.ndarray, np.ndarray]:
-        long = self.cfg.rope_type == "longrope" and top + 1 > self.cfg.rope_original_max_positions
-        return self.long if long else self.short
+    def _long(self, length):
+        return self.cfg.rope_type == "longrope" and length > self.cfg.rope_original_max_positions
 
     def prefix(self, seq: int) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin (T, hs) of positions 0..T-1 (a plain forward)."""
-        cos, sin = self._pick(seq - 1)
+        """cos, sin (T, hs) of positions 0..T-1 (a plain forward: every row is T long)."""
+        cos, sin = self.long if self._long(seq) else self.short
         return cos[:seq], sin[:seq]
 
-    def at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Rows at ``positions`` (B, T), shaped (B, 1, T, hs) to broadcast over heads."""
-        cos, sin = self._pick(int(positions.max()))
-        return cos[positions][:, None], sin[positions][:, None]
+    def at(self, positions: np.ndarray, lengths: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Rows at ``positions`` (B, T), shaped (B, 1, T, hs) to broadcast over heads; with
+        longrope each sequence's factors follow its length (``lengths``, else its last
+        position + 1)."""
+        cos, sin = self.short[0][positions], self.short[1][positions]  # (B, T, hs)
+        if self.cfg.rope_type == "longrope":
+            length = lengths if lengths is not None else positions.max(axis=1) + 1
+            rows = np.nonzero(self._long(np.asarray(length)))[0]
+            if rows.size:
+                cos[rows], sin[rows] = self.long[0][positions[rows]], self.long[1][positions[rows]]
+        return cos[:, None], sin[:, None]
 
 
 def attention_factor(cfg_factor: float | None, max_positions: int, original: int) -> float:

@@ -136,7 +136,7 @@ class DecoderStage(Stage):
         """
         B, T = x.shape[:2]
         step = model.KvStep(self.specs, slots, True, lengths=lengths, caches=self.caches)
-        h = self._blocks(x, np.broadcast_to(np.arange(T), (B, T)), step)
+        h = self._blocks(x, np.broadcast_to(np.arange(T), (B, T)), step, lengths)
         if not self.last:
             return h
         return self._head(h[np.arange(B), lengths - 1][:, None])  # (B, 1, C) -> (B, V)
@@ -150,9 +150,10 @@ class DecoderStage(Stage):
         h = self._blocks(x, positions[:, None], step)
         return self._head(h) if self.last else h
 
-    def _blocks(self, x: np.ndarray, positions: np.ndarray, step: "model.KvStep") -> np.ndarray:
+    def _blocks(self, x: np.ndarray, positions: np.ndarray, step: "model.KvStep",
+                lengths: np.ndarray | None = None) -> np.ndarray:
         h = self._embed(x)  # (B, T, C)
-        cos, sin = self.rope.at(positions)  # (B, 1, T, hs)
+        cos, sin = self.rope.at(positions, lengths)  # (B, 1, T, hs)
         for i, w in enumerate(self.blocks):
             step.layer = i
             h = model.block(h, w, self.cfg, cos, sin, self._reduce, step)
