@@ -187,16 +187,17 @@ def tp_run(family, cfg, path, tp: int, work):
     return stages, results
 
 
-TP_CASES = [c for c in CASES if c != "llama3"]  # llama3's fixture has one kv head: tp 2 is refused (below)
+def test_tp_must_divide_the_heads_and_divide_or_cover_the_kv_heads(converted):
+    family, cfg, _ = converted("mistral")  # 4 heads, 2 kv heads
+    family.check_tp(cfg, 4, "x")  # one replicated kv head per rank
+    wide = dataclasses.replace(cfg, num_attention_heads=12, num_key_value_heads=4)
+    with pytest.raises(ConfigError, match=r"tp = 6 neither divides nor is a multiple of the model's 4 key/value"):
+        family.check_tp(wide, 6, "x")
+    with pytest.raises(ConfigError, match=r"tp = 8 does not divide the model's 12 attention heads"):
+        family.check_tp(wide, 8, "x")
 
 
-def test_tp_larger_than_the_kv_heads_is_refused(converted):
-    family, cfg, _ = converted("llama3")
-    with pytest.raises(ConfigError, match=r"tp = 2 does not divide the model's 1 key/value heads"):
-        family.check_tp(cfg, 2, "x")
-
-
-@pytest.mark.parametrize("case", TP_CASES)
+@pytest.mark.parametrize("case", CASES)  # llama3: 1 kv head, replicated on both ranks
 def test_tp2_logits_and_greedy_match_transformers(converted, case):
     family, cfg, path = converted(case)
     family.check_tp(cfg, 2, "test")
@@ -211,6 +212,21 @@ def test_tp2_logits_and_greedy_match_transformers(converted, case):
             moe = stage.blocks[0].mlp
             assert moe.first == part_bounds(cfg.num_experts, r, 2)[0] and len(moe.experts) == cfg.num_experts // 2
             assert moe.experts[0].gate_proj.shape == (cfg.intermediate_size, cfg.hidden_size)
+
+
+@pytest.mark.parametrize("case", ["mistral", "qwen2", "gemma2", "mixtral"])
+def test_tp4_replicates_kv_heads_across_ranks(converted, case):
+    """tp = 4 over 2 kv heads: each rank holds the one kv head its query head reads (with its
+    bias for Qwen2); Mixtral's 4 experts one per rank."""
+    family, cfg, path = converted(case)
+    family.check_tp(cfg, 4, "test")
+    ref = reference(case)
+    stages, logits = tp_run(family, cfg, path, 4, lambda s: s.forward(ref["input_ids"]))
+    assert np.abs(logits[0] - ref["logits"]).max() <= 1e-4
+    assert [s.blocks[0].k_proj.shape[0] for s in stages] == [cfg.head_dim] * 4
+    want = ref["greedy_ids"][0].tolist()
+    _, tokens = tp_run(family, cfg, path, 4, lambda s: greedy(s, ref["prompt_ids"], len(want)))
+    assert tokens[0] == want
 
 
 def test_tp_must_divide_the_experts(converted):

@@ -21,8 +21,6 @@ LAYOUTS = [(1, 1), (2, 1), (2, 2)]  # (ranks, tp)
 @pytest.mark.parametrize("ranks, tp", LAYOUTS)
 @pytest.mark.parametrize("case", CASES)
 def test_run_matches_transformers(tmp_path, case, ranks, tp):
-    if case == "llama3" and tp == 2:
-        pytest.skip("the llama3 fixture has one kv head: tp = 2 is refused (test_families)")
     ref = np.load(FAMILIES / case / "reference.npz", allow_pickle=False)
     ckpt = tmp_path / "m.h5"
     convert_hf(FAMILIES / case, ckpt, tokenizer=False)
@@ -44,8 +42,6 @@ def test_run_matches_transformers(tmp_path, case, ranks, tp):
 def test_generate_greedy_equals_transformers(tmp_path, case, ranks, tp):
     """``rlx-mpi generate`` (prefill + cached decode over the pipeline) gives the tokens of
     transformers' ``generate(do_sample=False)``."""
-    if case == "llama3" and tp == 2:
-        pytest.skip("the llama3 fixture has one kv head: tp = 2 is refused (test_families)")
     ref = np.load(FAMILIES / case / "reference.npz", allow_pickle=False)
     ckpt = tmp_path / "m.h5"
     convert_hf(FAMILIES / case, ckpt, tokenizer=False)

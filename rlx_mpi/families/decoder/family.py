@@ -88,10 +88,15 @@ class DecoderFamily:
 
     def check_tp(self, cfg: Arch, tp: int, where: str) -> None:
         nh, nkv, ne = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_experts
-        if nh % tp or nkv % tp or (ne and ne % tp):
-            valid = [k for k in range(1, nkv + 1) if nh % k == 0 and nkv % k == 0 and (not ne or ne % k == 0)]
+
+        def kv_ok(k):  # a 1/k slice of the kv heads, or one replicated head per rank
+            return nkv % k == 0 or k % nkv == 0
+
+        if nh % tp or not kv_ok(tp) or (ne and ne % tp):
+            valid = [k for k in range(1, nh + 1) if nh % k == 0 and kv_ok(k) and (not ne or ne % k == 0)]
             what = (f"tp = {tp} does not divide the model's {nh} attention heads" if nh % tp else
-                    f"tp = {tp} does not divide the model's {nkv} key/value heads" if nkv % tp else
+                    f"tp = {tp} neither divides nor is a multiple of the model's {nkv} key/value heads"
+                    if not kv_ok(tp) else
                     f"tp = {tp} does not divide the model's {ne} experts (each TP rank holds whole experts)")
             raise ConfigError(where, what, f"choose tp from {valid}")
 

@@ -3,7 +3,8 @@
 Note: sharding (one rule for every family). q/k/v (with their biases) and gate/up are
 column-parallel (each TP rank holds whole attention heads and a slice of the MLP's inner
 width); o_proj and down_proj are row-parallel and their partial outputs are summed by an
-all-reduce over the TP group. With experts, a rank holds E/tp *whole* experts instead
+all-reduce over the TP group. With fewer kv heads than TP ranks (tp a multiple of them) each
+rank holds the one kv head its query heads read, replicated (as Megatron does). With experts, a rank holds E/tp *whole* experts instead
 (expert parallelism, `decoder.moe`) and the same all-reduce sums their partial outputs.
 Norms, q/k norms and the router are replicated; the input embedding too (a lookup costs no
 FLOPs, and replication avoids a collective); the LM head is vocab-sharded (the largest
@@ -27,7 +28,6 @@ from .weights import PRECISIONS, Experts, LayerWeights, Mlp, read_linear
 
 __all__ = ["DecoderStage"]
 
-_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj")  # split rows (outputs)
 _MLP = {"gate_proj": 0, "up_proj": 0, "down_proj": 1}  # dense: column-, column-, row-parallel
 
 
@@ -49,8 +49,12 @@ class DecoderStage(Stage):
         if precision != "f32":
             kernels.warm_up_lowp()
 
-        def shard(name: str, axis: int | None):
-            return read_linear(source, name, precision, axis=axis, part=tp.rank, parts=tp.size)
+        def shard(name: str, axis: int | None, part: tuple[int, int] = (tp.rank, tp.size)):
+            return read_linear(source, name, precision, axis=axis, part=part[0], parts=part[1])
+
+        nkv = cfg.num_key_value_heads
+        # this rank's kv heads: a 1/tp slice, or (tp a multiple of nkv) the one head its queries read
+        self.kv_part = (tp.rank, tp.size) if nkv % tp.size == 0 else (tp.rank * nkv // tp.size, nkv)
 
         self.embed_tokens = read_linear(source, "embed_tokens", precision) if first else None
         self.blocks = [self._layer(source, n, shard) for n in layers]
@@ -67,13 +71,13 @@ class DecoderStage(Stage):
 
     def _layer(self, source: ParamSource, n: int, shard) -> LayerWeights:
         cfg, tp, p = self.cfg, self.tp, f"layers/{n}/"
-        w = {k: shard(p + k, 0) for k in _COLUMN_PARALLEL}
-        w["o_proj"] = shard(p + "o_proj", 1)
+        w = {"q_proj": shard(p + "q_proj", 0), "o_proj": shard(p + "o_proj", 1)}
+        w.update({k: shard(p + k, 0, self.kv_part) for k in ("k_proj", "v_proj")})
         for k in ("input_layernorm", "post_attention_layernorm"):
             w[k] = self._norm(source, p + k)
         if cfg.qkv_bias:
-            for k in "qkv":
-                w[f"{k}_bias"] = source.read(f"{p}{k}_bias", axis=0, part=tp.rank, parts=tp.size)
+            for k, (part, parts) in (("q", (tp.rank, tp.size)), ("k", self.kv_part), ("v", self.kv_part)):
+                w[f"{k}_bias"] = source.read(f"{p}{k}_bias", axis=0, part=part, parts=parts)
         if cfg.qk_norm:
             w["q_norm"], w["k_norm"] = self._norm(source, p + "q_norm"), self._norm(source, p + "k_norm")
         if cfg.sandwich_norms:
@@ -120,7 +124,7 @@ class DecoderStage(Stage):
         A sliding-window layer keeps only its window (a ring, as Mistral's rolling cache): the
         job's policy and the layer's own window, whichever is narrower."""
         cfg = self.cfg
-        nkv = cfg.num_key_value_heads // self.tp.size  # this rank's kv heads
+        nkv = cfg.num_key_value_heads // self.kv_part[1]  # this rank's kv heads
         self.specs = [_layer_spec(kv, w.window) for w in self.blocks]
         self.caches = None
         if not kv.recompute:
