@@ -10,7 +10,6 @@ import json
 import math
 import shutil
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -7,13 +7,12 @@ the rest once: config loading, shapes, cost, TP checks, inputs, random init and 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from ...errors import ConfigError, InputError
+from ...errors import CheckpointError, ConfigError, InputError
 from ...placement import ModelCost
 from ...stage import ModelDims, ParamSource, TensorParallel
 from .arch import Arch, expected_shapes
@@ -65,8 +64,8 @@ class DecoderFamily:
                               "--intermediate --vocab") from None
         try:
             return cfg.validate(where)
-        except Exception as e:  # CheckpointError from validate: the flags are the user's input here
-            raise ConfigError(where, str(getattr(e, "what", e)), "fix the shape flags") from None
+        except CheckpointError as e:  # the flags are the user's input here, not a checkpoint
+            raise ConfigError(where, e.what, "fix the shape flags") from None
 
     def init_random(self, path: str | os.PathLike, cfg: Arch, *, seed: int = 0, dtype: str = "float32") -> None:
         from ...checkpoint import write_checkpoint
@@ -142,6 +141,3 @@ def random_tensors(cfg: Arch, seed: int) -> Iterator[tuple[str, np.ndarray]]:
             scale = 1.0 if name == "embed_tokens" else shape[1] ** -0.5
             yield name, scale * rng.standard_normal(shape, dtype=np.float32)
 
-
-def replace(cfg: Arch, **changes) -> Arch:
-    return dataclasses.replace(cfg, **changes)
