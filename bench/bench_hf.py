@@ -69,7 +69,7 @@ def flat_gemm_patch():
     """Patch model.attention/mlp so every projection is one (B*T, C) @ W.T GEMM, as the Linear
     objects of issue 10 section 1 do (numpy runs (B, T, C) @ W.T as B GEMMs). Returns an undo."""
     from rlx_mpi import kernels
-    from rlx_mpi.llama import model
+    from rlx_mpi.families.decoder import model
 
     saved = (model.attention, model.mlp)
 
@@ -110,7 +110,7 @@ def gemm_ms_hf(fn) -> tuple[float, float]:
 def gemm_ms_ours(fn) -> tuple[float, float]:
     """(GEMM ms, whole ms) of one of our forwards: time inside every Linear call (the projections
     and the head; attention's score GEMMs count as attention, as torch's bmm does above)."""
-    from rlx_mpi.llama import weights
+    from rlx_mpi.families.decoder import weights
 
     spent, call = [0.0], weights.Linear.__call__
 

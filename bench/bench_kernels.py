@@ -76,8 +76,8 @@ def numpy_rms(x, w, eps):
 # -- 1. per-block profile ----------------------------------------------------------------------
 
 def layer_weights(cfg, rng):
-    from rlx_mpi.llama import model
-    from rlx_mpi.llama.weights import make_linear
+    from rlx_mpi.families.decoder import model
+    from rlx_mpi.families.decoder.weights import Mlp, make_linear
 
     C, I = cfg.hidden_size, cfg.intermediate_size
 
@@ -87,12 +87,13 @@ def layer_weights(cfg, rng):
     return model.LayerWeights(
         input_layernorm=np.ones(C, np.float32), q_proj=lin(cfg.q_dim, C), k_proj=lin(cfg.kv_dim, C),
         v_proj=lin(cfg.kv_dim, C), o_proj=lin(C, cfg.q_dim), post_attention_layernorm=np.ones(C, np.float32),
-        gate_proj=lin(I, C), up_proj=lin(I, C), down_proj=lin(C, I))
+        mlp=Mlp(gate_proj=lin(I, C), up_proj=lin(I, C), down_proj=lin(C, I)))
 
 
 def profile(cfg, B: int, T: int, reps: int) -> dict:
     from rlx_mpi import kernels
-    from rlx_mpi.llama import model
+    from rlx_mpi.families.decoder import model
+    from rlx_mpi.families.decoder.rope import Rope
 
     rng = np.random.default_rng(0)
     w = layer_weights(cfg, rng)
@@ -100,13 +101,13 @@ def profile(cfg, B: int, T: int, reps: int) -> dict:
     C, hs, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     x = rng.standard_normal((B, T, C), dtype=np.float32)
     x2 = x.reshape(B * T, C)
-    cos, sin = model.rope_tables(T, hs, cfg.rope_theta)
+    cos, sin = Rope(cfg, T).prefix(T)
     q = (x @ w.q_proj.data.T).reshape(B, T, nh, hs).transpose(0, 2, 1, 3)
     k = (x @ w.k_proj.data.T).reshape(B, T, nkv, hs).transpose(0, 2, 1, 3)
     v = (x @ w.v_proj.data.T).reshape(B, T, nkv, hs).transpose(0, 2, 1, 3)
     qr, kr = kernels.rope(q, cos, sin), kernels.rope(k, cos, sin)
     y = kernels.attend(qr, kr, v).reshape(B, T, nh * hs)
-    gate, up = x @ w.gate_proj.data.T, x @ w.up_proj.data.T
+    gate, up = x @ w.mlp.gate_proj.data.T, x @ w.mlp.up_proj.data.T
     gate2, up2 = gate.copy(), up.copy()
     eps = cfg.rms_norm_eps
     r = {
@@ -118,19 +119,19 @@ def profile(cfg, B: int, T: int, reps: int) -> dict:
         "attend_old": best_ms(lambda: old_attend(qr, kr, v), reps),
         "o_gemm": best_ms(lambda: y @ w.o_proj.data.T, reps),
         "o_gemm_flat": best_ms(lambda: y.reshape(B * T, -1) @ w.o_proj.data.T, reps),
-        "gate_up_gemm": best_ms(lambda: (x @ w.gate_proj.data.T, x @ w.up_proj.data.T), reps),
-        "gate_up_gemm_flat": best_ms(lambda: (x2 @ w.gate_proj.data.T, x2 @ w.up_proj.data.T), reps),
+        "gate_up_gemm": best_ms(lambda: (x @ w.mlp.gate_proj.data.T, x @ w.mlp.up_proj.data.T), reps),
+        "gate_up_gemm_flat": best_ms(lambda: (x2 @ w.mlp.gate_proj.data.T, x2 @ w.mlp.up_proj.data.T), reps),
         "silu_mul": best_ms(lambda: kernels.silu_mul_(gate2, up2), reps),  # in place: values drift, time doesn't
         "silu_mul_old": best_ms(lambda: old_silu_mul_(gate, up), reps),
-        "down_gemm": best_ms(lambda: gate @ w.down_proj.data.T, reps),
-        "down_gemm_flat": best_ms(lambda: gate.reshape(B * T, -1) @ w.down_proj.data.T, reps),
+        "down_gemm": best_ms(lambda: gate @ w.mlp.down_proj.data.T, reps),
+        "down_gemm_flat": best_ms(lambda: gate.reshape(B * T, -1) @ w.mlp.down_proj.data.T, reps),
         "rms_norm_x2": 2 * best_ms(lambda: model.rms_norm(x, w.input_layernorm, eps), reps),
         "rms_norm_x2_old": 2 * best_ms(lambda: numpy_rms(x, w.input_layernorm, eps), reps),
         "residual_x2": 2 * best_ms(lambda: x + x, reps),
         "lm_head": best_ms(lambda: x @ head.T, max(1, reps // 2)),
         "lm_head_flat": best_ms(lambda: x2 @ head.T, max(1, reps // 2)),
     }
-    new_layer = lambda: model.block(x, w, hs, eps, cos, sin)  # noqa: E731
+    new_layer = lambda: model.block(x, w, cfg, cos, sin)  # noqa: E731
     saved = (kernels.attend, kernels.rope, kernels.silu_mul_)
     times = {"layer": [], "layer_old": []}
     for _ in range(reps):  # interleaved: a burst of load hits both

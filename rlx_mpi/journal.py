@@ -218,8 +218,8 @@ class Journal:
 
         named = {f"the input file {p}": p for p in inputs if p is not None}
         try:
-            for mine in (self.path, self.meta):
-                check_output(f"output {self.path}", mine, named, stream_ok=False)
+            check_output("output", self.path, named, stream_ok=False)
+            check_output(f"output {self.path}: its record", self.meta, named, stream_ok=False)
         except ConfigError as e:
             raise InputError(e.where, e.what, e.fix) from None
 

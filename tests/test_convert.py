@@ -17,7 +17,9 @@ import pytest
 
 from rlx_mpi.checkpoint import H5ParamSource, read_header
 from rlx_mpi.errors import CheckpointError, ConfigError
-from rlx_mpi.llama import LlamaConfig, LlamaStage, expected_shapes
+from rlx_mpi.families.decoder.arch import Arch as LlamaConfig
+from rlx_mpi.families.decoder.arch import expected_shapes
+from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
 from rlx_mpi.llama.convert import convert_hf, hf_name
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -198,16 +200,19 @@ def test_harmless_extras_are_ignored(tmp_path):
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "RoPE type 'llama3'"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}}, "RoPE type 'yarn'"),
-    ({"rope_parameters": None, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
-     "RoPE type 'llama3'"),
-    ({"rope_parameters": None, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}},
-     "RoPE type 'linear'"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+     "rope_parameters.low_freq_factor: is missing"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}},
+     "rope_parameters.rope_type: is 'yarn', not supported"),
+    ({"rope_parameters": None, "rope_theta": 5e5, "rope_scaling": {"rope_type": "dynamic", "factor": 8.0}},
+     "rope_scaling.rope_type: is 'dynamic'"),
+    ({"rope_parameters": None, "rope_theta": 5e5, "rope_scaling": {"type": "linear"}},
+     "rope_scaling.factor: is missing"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 5e5}}, "rope_type: is 'longrope'"),
     ({"rope_theta": 10000.0}, "disagrees with rope_parameters.rope_theta"),
     ({"attention_bias": True}, "attention_bias: is True"),
     ({"mlp_bias": True}, "mlp_bias: is True"),
-    ({"model_type": "mistral"}, "model_type: is 'mistral'"),
+    ({"model_type": "gpt2"}, "model_type: is 'gpt2'"),
     ({"hidden_act": "gelu"}, "hidden_act: is 'gelu'"),
     ({"pretraining_tp": 2}, "pretraining_tp: is 2"),
     ({"quantization_config": {"quant_method": "gptq"}}, "quantized model (method 'gptq')"),

@@ -93,22 +93,23 @@ def test_reused_slot_sees_no_stale_keys(stage):
 def windowed_greedy(stage, prompt, n, window):
     """Direct reference for window:W: a full forward per token through the model functions,
     with kernels.attend's explicit window mask (no cache, no ring)."""
-    from rlx_mpi.llama import model
+    from rlx_mpi.families.decoder import model
+    from rlx_mpi.families.decoder.rope import Rope
 
     cfg = stage.cfg
     ids = list(prompt)
     for _ in range(n):
         T = len(ids)
-        cos, sin = model.rope_tables(T, cfg.head_dim, cfg.rope_theta)
+        cos, sin = Rope(cfg, T).prefix(T)
         h = model.embed(np.array([ids]), stage.embed_tokens)
         orig = kernels.attend
-        model.kernels.attend = lambda q, k, v, q_pos=None, w=0: orig(q, k, v, np.arange(T)[None], window)
+        model.kernels.attend = lambda q, k, v, q_pos=None, w=0, **kw: orig(q, k, v, np.arange(T)[None], window, **kw)
         try:
             for w in stage.blocks:
-                h = model.block(h, w, cfg.head_dim, cfg.rms_norm_eps, cos, sin)
+                h = model.block(h, w, cfg, cos, sin)
         finally:
             model.kernels.attend = orig
-        ids.append(int(model.lm_head(h, stage.norm, stage.head, cfg.rms_norm_eps)[0, -1].argmax()))
+        ids.append(int(model.lm_head(h, stage.norm, stage.head, cfg)[0, -1].argmax()))
     return ids[len(prompt):]
 
 

@@ -220,7 +220,7 @@ def test_attend_memory_follows_the_planner_estimate():
     """The peak numpy allocation of a prefill is the block workspace, not the (B, nh, T, S) scores."""
     import tracemalloc
 
-    from rlx_mpi.llama.config import PRESETS
+    from rlx_mpi.families.llama import PRESETS
 
     B, nh, nkv, T, hs = 1, 4, 2, 3000, 32
     q, k, v = _qkv(np.random.default_rng(9), B, nh, nkv, T, T, hs)
@@ -304,7 +304,7 @@ def test_matvec_f32_against_numpy(R, N, K):
 def test_linear_takes_the_same_values_on_every_row_count_path():
     """Linear picks matvec_f32 (few rows), W @ x.T (under 64) or x @ W.T by row count: the
     three paths agree to float32 rounding."""
-    from rlx_mpi.llama.weights import make_linear
+    from rlx_mpi.families.decoder.weights import make_linear
 
     rng = np.random.default_rng(5)
     w = rng.standard_normal((300, 200)).astype(np.float32)

@@ -6,8 +6,13 @@ import numpy as np
 import pytest
 
 from rlx_mpi.checkpoint import H5ParamSource
-from rlx_mpi.llama import PRESETS, LlamaConfig, LlamaStage
-from rlx_mpi.llama.init import init_random
+from rlx_mpi.families.decoder.arch import Arch as LlamaConfig
+from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
+from rlx_mpi.families.llama import FAMILY, PRESETS
+
+
+def init_random(path, cfg, seed=0, dtype="float32"):
+    FAMILY.init_random(path, cfg, seed=seed, dtype=dtype)
 
 CFG = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, rope_theta=1000.0)
@@ -115,7 +120,8 @@ def test_causality(tmp_path):
 def test_block_leaves_its_input_alone(tmp_path):
     """The residual is added into the block's fresh output: the input (an executor's receive
     buffer on a middle stage) must come back unchanged."""
-    from rlx_mpi.llama import model
+    from rlx_mpi.families.decoder import model
+    from rlx_mpi.families.decoder.rope import Rope
 
     path = tmp_path / "m.h5"
     init_random(path, CFG, seed=5)
@@ -123,8 +129,8 @@ def test_block_leaves_its_input_alone(tmp_path):
         stage = LlamaStage(CFG, src, range(2), True, True)
     x = np.random.default_rng(2).standard_normal((2, 9, CFG.hidden_size)).astype(np.float32)
     before = x.copy()
-    cos, sin = model.rope_tables(9, CFG.head_dim, CFG.rope_theta)
-    y = model.block(x, stage.blocks[0], CFG.head_dim, CFG.rms_norm_eps, cos, sin)
+    cos, sin = Rope(CFG, 9).prefix(9)
+    y = model.block(x, stage.blocks[0], CFG, cos, sin)
     np.testing.assert_array_equal(x, before)
     assert not np.shares_memory(x, y) and np.abs(y - x).max() > 0
 

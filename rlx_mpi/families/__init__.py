@@ -19,9 +19,16 @@ from typing import Any
 __all__ = ["register_family", "get_family", "family_names", "family_for_model_type", "find_preset",
            "preset_names", "require_preset", "hf_family", "load_plugins"]
 
-# family name -> the module that defines it as ``FAMILY`` (imported on first use)
+# family name -> the module that defines it as ``FAMILY`` (or ``module:ATTR``), imported on
+# first use. Every built-in family is the one decoder (`families.decoder`) over an `Arch`.
 _BUILTIN: dict[str, str] = {
-    "llama": "rlx_mpi.llama",
+    "llama": "rlx_mpi.families.llama",
+    "mistral": "rlx_mpi.families.mistral",
+    "qwen2": "rlx_mpi.families.qwen:QWEN2",
+    "qwen3": "rlx_mpi.families.qwen:QWEN3",
+    "phi3": "rlx_mpi.families.phi",
+    "gemma2": "rlx_mpi.families.gemma",
+    "mixtral": "rlx_mpi.families.mixtral",
 }
 
 _FAMILIES: dict[str, Any] = {}
@@ -35,7 +42,8 @@ def register_family(family: Any) -> None:
 def get_family(name: str) -> Any | None:
     """The family registered as ``name``, importing a built-in one on first use; None if unknown."""
     if name not in _FAMILIES and name in _BUILTIN:
-        _FAMILIES.setdefault(name, importlib.import_module(_BUILTIN[name]).FAMILY)
+        module, _, attr = _BUILTIN[name].partition(":")
+        _FAMILIES.setdefault(name, getattr(importlib.import_module(module), attr or "FAMILY"))
     return _FAMILIES.get(name)
 
 

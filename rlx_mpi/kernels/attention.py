@@ -120,7 +120,7 @@ def _positions(q_pos, B: int, T: int, S: int) -> np.ndarray:
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray | None = None,
-           window: int = 0) -> np.ndarray:
+           window: int = 0, *, scale: float | None = None, softcap: float = 0.0) -> np.ndarray:
     """Scaled dot-product attention of ``q`` over the keys ``k``/values ``v`` (grouped-query).
 
     q (B, nh, T, hs); k, v (B, nkv, S, hs) with nh a multiple of nkv (query head h reads kv
@@ -131,6 +131,8 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray | None
     or a decode step). A query that sees no key gets zeros. Returns y (B, T, nh, hs) float32,
     C-contiguous, so that ``y.reshape(B, T, nh * hs)`` feeds o_proj without a copy.
     Computed in blocks (see the note above): memory O(block^2) per head, not O(T * S).
+    ``scale`` multiplies the scores (default hs ** -0.5); ``softcap > 0`` then maps each
+    scaled score s to softcap * tanh(s / softcap) (Gemma 2).
     """
     B, nh, T, hs = q.shape
     nkv, S = k.shape[1], k.shape[2]
@@ -141,11 +143,12 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray | None
         if a.dtype != np.float32:
             raise TypeError(f"attend: {name} is {a.dtype}; pass float32 (a.astype(np.float32))")
     pos = _positions(q_pos, B, T, S)
-    window, scale = int(max(window, 0)), np.float32(hs ** -0.5)
+    window, scale = int(max(window, 0)), np.float32(hs ** -0.5 if scale is None else scale)
     y = np.empty((B, T, nh, hs), np.float32)
     for t0 in range(0, T, _Q_BLOCK):
         t1 = min(T, t0 + _Q_BLOCK)
-        _query_block(q[:, :, t0:t1], k, v, np.array(pos[:, t0:t1], order="C"), window, scale, y, t0)  # (a copy:
+        _query_block(q[:, :, t0:t1], k, v, np.array(pos[:, t0:t1], order="C"), window, scale, y, t0,
+                     np.float32(softcap))  # (a copy:
         # always writable, so numba sees one type; a read-only view made a second compile mid-forward)
     return y
 
@@ -157,7 +160,7 @@ def attend_workspace_bytes(batch: int, heads: int, seq: int, head_dim: int) -> i
     return batch * heads * bq * (bk + 2 * head_dim + 2) * 4
 
 
-def _query_block(q, k, v, pos, window, scale, y, t0) -> None:
+def _query_block(q, k, v, pos, window, scale, y, t0, softcap=np.float32(0.0)) -> None:
     """One block of queries (B, nh, bq, hs) over the key blocks it can see, into y[:, t0:]."""
     B, nh, bq, hs = q.shape
     nkv = k.shape[1]
@@ -172,7 +175,11 @@ def _query_block(q, k, v, pos, window, scale, y, t0) -> None:
     for j0 in range(lo - lo % _K_BLOCK, hi, _K_BLOCK):
         j1 = min(hi, j0 + _K_BLOCK)
         s = qb @ k[:, :, j0:j1].transpose(0, 1, 3, 2)  # (B, nkv, g*bq, bk)
-        _online_block(s.reshape(B, nh, bq, j1 - j0), pos, j0, window, scale, m, l, acc)
+        if softcap > 0:  # cap * tanh(s * scale / cap) in transformers' order; then already scaled
+            np.multiply(s, scale, out=s)
+            np.multiply(np.tanh(np.divide(s, softcap, out=s), out=s), softcap, out=s)
+        _online_block(s.reshape(B, nh, bq, j1 - j0), pos, j0, window,
+                      np.float32(1.0) if softcap > 0 else scale, m, l, acc)
         acc_g += s @ v[:, :, j0:j1]  # (B, nkv, g*bq, hs)
         del s  # before the next block's scores are allocated: one block alive at a time
     _finish(acc, l, y, t0)

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import kernels
+from ... import kernels
 
-__all__ = ["PRECISIONS", "Linear", "make_linear", "read_linear", "LayerWeights"]
+__all__ = ["PRECISIONS", "Linear", "make_linear", "read_linear", "Mlp", "Experts", "LayerWeights"]
 
 PRECISIONS = ("f32", "bf16", "f16", "int8")
 # Note: few rows. For a handful of activation rows (decode: one per sequence) OpenBLAS runs
@@ -111,20 +111,53 @@ def read_linear(source, name: str, precision: str, **slicing) -> Linear:
 
 
 @dataclass
-class LayerWeights:
-    """One decoder layer's weights (this rank's shard): norms as float32 arrays, the seven
-    projections as `Linear` (``[out, in]`` like nn.Linear)."""
+class Mlp:
+    """A gated MLP's projections (``[out, in]`` like nn.Linear): one dense MLP or one expert."""
 
-    input_layernorm: np.ndarray  # (C,)
-    q_proj: Linear  # (nh*hs, C)
-    k_proj: Linear  # (nkv*hs, C)
-    v_proj: Linear  # (nkv*hs, C)
-    o_proj: Linear  # (C, nh*hs)
-    post_attention_layernorm: np.ndarray  # (C,)
     gate_proj: Linear  # (I, C)
     up_proj: Linear  # (I, C)
     down_proj: Linear  # (C, I)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in vars(self).values())
+        return self.gate_proj.nbytes + self.up_proj.nbytes + self.down_proj.nbytes
+
+
+@dataclass
+class Experts:
+    """This rank's experts of a MoE layer: the router (all E rows, replicated) and the experts
+    ``first .. first + len(experts) - 1`` whole (expert parallelism under TP)."""
+
+    router: np.ndarray  # (E, C) float32
+    first: int
+    experts: list[Mlp]
+
+    @property
+    def nbytes(self) -> int:
+        return self.router.nbytes + sum(e.nbytes for e in self.experts)
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights (this rank's shard): norms and biases as float32 arrays,
+    projections as `Linear`; optional parts are None when the `Arch` has no such part."""
+
+    input_layernorm: np.ndarray  # (C,), norm_offset already added
+    q_proj: Linear  # (nh*hs, C)
+    k_proj: Linear  # (nkv*hs, C)
+    v_proj: Linear  # (nkv*hs, C)
+    o_proj: Linear  # (C, nh*hs)
+    post_attention_layernorm: np.ndarray  # (C,) before the MLP
+    mlp: Mlp | Experts
+    q_bias: np.ndarray | None = None  # (nh*hs,)
+    k_bias: np.ndarray | None = None  # (nkv*hs,)
+    v_bias: np.ndarray | None = None
+    q_norm: np.ndarray | None = None  # (hs,)
+    k_norm: np.ndarray | None = None
+    attn_out_norm: np.ndarray | None = None  # (C,) Gemma 2
+    mlp_out_norm: np.ndarray | None = None
+    window: int = 0  # sliding window of this layer, 0: full
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in vars(self).values() if a is not None and not isinstance(a, int))

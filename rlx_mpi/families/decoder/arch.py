@@ -1,0 +1,243 @@
+"""`Arch`: everything that tells one decoder family from another, as data.
+
+The record is the config stored in our checkpoint's header (JSON). Its first eleven fields
+are named and defaulted exactly as the Llama config of checkpoints written before families
+existed, so such a header (``family = "llama"``) loads unchanged: every later field defaults
+to plain Llama-2 behaviour. Like llama.cpp's per-architecture hyper-parameters, the one
+decoder (`decoder.model`, `decoder.stage`) reads only this record; a family module only
+fills it from a Hugging Face config.
+
+Tensor names in our checkpoint (one scheme for every family; `expected_shapes`):
+``embed_tokens``, ``norm``, ``lm_head`` (untied), and per layer ``layers/{n}/...``:
+``input_layernorm``, ``q_proj``/``k_proj``/``v_proj``/``o_proj`` (+ ``q_bias``/``k_bias``/
+``v_bias`` with ``qkv_bias``; ``q_norm``/``k_norm`` (head_dim,) with ``qk_norm``),
+``post_attention_layernorm`` (the norm before the MLP, as in Llama), ``attn_out_norm`` and
+``mlp_out_norm`` with ``sandwich_norms`` (Gemma 2's norms applied to the attention and MLP
+outputs), and either ``gate_proj``/``up_proj``/``down_proj`` or, with experts, ``router``
+(E, C) and ``experts/{e}/gate_proj|up_proj|down_proj``. Norm weights are stored as the
+checkpoint has them; ``norm_offset`` is added at load (Gemma's ``1 + w``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+
+from ...errors import CheckpointError
+from ...placement import ModelCost
+
+__all__ = ["Arch", "ACTIVATIONS", "ROPE_TYPES", "expected_shapes"]
+
+ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU; GeGLU with the tanh approximation (Gemma)
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Hyper-parameters of a decoder; HF names where Hugging Face has one."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # MLP inner width (of each expert with MoE)
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int  # < num_attention_heads means grouped-query attention
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads (Mistral-Nemo, Qwen3, Gemma differ)
+    max_position_embeddings: int = 2048  # longest sequence we accept
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False  # lm_head reuses embed_tokens
+    # -- what differs between families (defaults: Llama 2) --
+    norm_offset: float = 0.0  # RMSNorm multiplies by (norm_offset + w): Gemma 1.0
+    qkv_bias: bool = False  # q/k/v projections have biases (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    activation: str = "silu"  # gated MLP: act(gate) * up; "silu" | "gelu_tanh"
+    rope_type: str = "default"  # "default" | "linear" | "llama3" | "longrope"
+    rope_factor: float = 1.0  # linear, llama3
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_original_max_positions: int = 0  # llama3, longrope: the pre-training context
+    rope_short_factor: tuple = ()  # longrope: head_dim/2 per-frequency divisors up to the original context
+    rope_long_factor: tuple = ()  # longrope: beyond it
+    rope_attention_factor: float = 1.0  # longrope: cos and sin are multiplied by it
+    embedding_multiplier: float = 1.0  # embeddings x this, in float32 (Gemma: sqrt(hidden_size))
+    attention_scale: float = 0.0  # scores x this; 0: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_logit_softcap: float = 0.0  # scores -> cap * tanh(scores / cap); 0: none (Gemma 2)
+    final_logit_softcap: float = 0.0  # logits likewise (Gemma 2)
+    sandwich_norms: bool = False  # extra norms on the attention and MLP outputs (Gemma 2)
+    layer_windows: tuple = ()  # per layer: sliding window W (a query sees W keys), 0 full; () all full
+    num_experts: int = 0  # MoE experts per layer; 0: a dense MLP
+    experts_per_token: int = 0  # top-k of the router (weights renormalised over the k, as Mixtral)
+
+    def __post_init__(self):
+        if self.head_dim == 0 and isinstance(self.hidden_size, int) and isinstance(self.num_attention_heads, int):
+            object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_attention_heads, 1))
+        for name in ("rope_short_factor", "rope_long_factor", "layer_windows"):  # JSON lists -> tuples
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+
+    # -- validation ------------------------------------------------------------------------------
+
+    def validate(self, where: str) -> "Arch":
+        """Raise a CheckpointError naming the field when the record is inconsistent."""
+        def bad(name, what):
+            raise CheckpointError(where, f"model config {name} = {getattr(self, name)!r} {what}")
+
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                bad(name, "must be a positive integer")
+        for name in ("rms_norm_eps", "rope_theta", "rope_factor", "rope_low_freq_factor",
+                     "rope_high_freq_factor", "rope_attention_factor", "embedding_multiplier"):
+            value = getattr(self, name)  # a negative or NaN value gives NaN logits
+            if not _number(value) or value <= 0:
+                bad(name, "must be a finite number > 0")
+        for name in ("norm_offset", "attention_scale", "attn_logit_softcap", "final_logit_softcap"):
+            value = getattr(self, name)
+            if not _number(value) or value < 0:
+                bad(name, "must be a finite number >= 0")
+        for name in ("tie_word_embeddings", "qkv_bias", "qk_norm", "sandwich_norms"):
+            if not isinstance(getattr(self, name), bool):  # "false" is a truthy string
+                bad(name, "must be true or false (a JSON boolean)")
+        if self.activation not in ACTIVATIONS:
+            bad("activation", f"is not one of {list(ACTIVATIONS)}")
+        if self.rope_type not in ROPE_TYPES:
+            bad("rope_type", f"is not one of {list(ROPE_TYPES)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError(where, f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                                  f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise CheckpointError(where, f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.rope_type in ("llama3", "longrope"):
+            if not isinstance(self.rope_original_max_positions, int) or self.rope_original_max_positions <= 0:
+                bad("rope_original_max_positions", f"must be a positive integer with rope_type {self.rope_type!r}")
+        if self.rope_type == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            bad("rope_high_freq_factor", f"must exceed rope_low_freq_factor ({self.rope_low_freq_factor})")
+        if self.rope_type == "longrope":
+            for name in ("rope_short_factor", "rope_long_factor"):
+                value = getattr(self, name)
+                if len(value) != self.head_dim // 2 or not all(_number(f) and f > 0 for f in value):
+                    bad(name, f"must be {self.head_dim // 2} positive numbers (head_dim / 2)")
+        if self.layer_windows and (len(self.layer_windows) != self.num_hidden_layers or not all(
+                isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in self.layer_windows)):
+            bad("layer_windows", f"must be {self.num_hidden_layers} integers >= 0 (one per layer; 0 = full)")
+        for name in ("num_experts", "experts_per_token"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                bad(name, "must be an integer >= 0")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            bad("experts_per_token", f"must be 1..num_experts ({self.num_experts})")
+        if not self.num_experts and self.experts_per_token:
+            bad("experts_per_token", "needs num_experts > 0")
+        return self
+
+    # -- JSON ------------------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> "Arch":
+        try:
+            raw = json.loads(text)
+        except ValueError as e:
+            raise CheckpointError(where, f"model config is not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(where, f"model config is {type(raw).__name__} {text[:40]!r}, not a JSON object",
+                                  "re-convert the model")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise CheckpointError(where, f"model config has unknown keys {unknown}", f"expected keys from {sorted(known)}")
+        try:
+            return cls(**raw).validate(where)
+        except TypeError as e:
+            raise CheckpointError(where, f"model config is incomplete ({e})") from None
+
+    # -- derived ---------------------------------------------------------------------------------
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def window(self, layer: int) -> int:
+        """The sliding window of ``layer`` (0: full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def layer_params(self, active: bool = False) -> int:
+        """Parameters of one layer; with ``active`` only the experts a token uses (top-k)."""
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        attn += (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
+        attn += 2 * self.head_dim if self.qk_norm else 0
+        norms = (4 if self.sandwich_norms else 2) * h
+        if not self.num_experts:
+            return attn + 3 * h * i + norms
+        experts = self.experts_per_token if active else self.num_experts
+        return attn + experts * 3 * h * i + self.num_experts * h + norms  # + the router
+
+    def cost(self, batch: int, seq: int, weight_bytes: int = 4) -> ModelCost:
+        """Bytes and FLOPs the planner needs, for one forward of ``batch`` x ``seq`` tokens.
+
+        With experts, bytes count every expert (a stage holds them all) but FLOPs only the
+        top-k a token is routed to (plus the router)."""
+        from ...kernels import attend_workspace_bytes
+
+        h, v = self.hidden_size, self.vocab_size
+        embed = v * h * weight_bytes
+        head = h * weight_bytes + (0 if self.tie_word_embeddings else v * h * weight_bytes)
+        if self.tie_word_embeddings:
+            head += embed  # the last stage needs the embedding matrix as its head
+        tokens = batch * seq
+        inner = self.intermediate_size * (self.experts_per_token if self.num_experts else 1)
+        return ModelCost(
+            n_layers=self.num_hidden_layers,
+            layer_bytes=self.layer_params() * weight_bytes,
+            layer_flops_per_token=2.0 * self.layer_params(active=True) + 4.0 * seq * self.q_dim,
+            embed_bytes=embed,
+            head_bytes=head,
+            head_flops_per_token=2.0 * v * h,
+            kv_bytes_per_layer=2 * tokens * self.kv_dim * 4,
+            act_bytes=tokens * 4 * (3 * h + 2 * inner + v)
+            + attend_workspace_bytes(batch, self.num_attention_heads, seq, self.head_dim),  # blocked: no seq^2
+            tokens=tokens,
+            shared_end_bytes=embed if self.tie_word_embeddings else 0,  # the stage holds one matrix for both
+        )
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def expected_shapes(cfg: Arch) -> dict[str, tuple[int, ...]]:
+    """Every tensor name in the checkpoint and the shape ``cfg`` implies for it (module doc)."""
+    h, i, v, hs = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    layer = {"input_layernorm": (h,), "q_proj": (cfg.q_dim, h), "k_proj": (cfg.kv_dim, h),
+             "v_proj": (cfg.kv_dim, h), "o_proj": (h, cfg.q_dim), "post_attention_layernorm": (h,)}
+    if cfg.qkv_bias:
+        layer.update(q_bias=(cfg.q_dim,), k_bias=(cfg.kv_dim,), v_bias=(cfg.kv_dim,))
+    if cfg.qk_norm:
+        layer.update(q_norm=(hs,), k_norm=(hs,))
+    if cfg.sandwich_norms:
+        layer.update(attn_out_norm=(h,), mlp_out_norm=(h,))
+    if cfg.num_experts:
+        layer["router"] = (cfg.num_experts, h)
+        for e in range(cfg.num_experts):
+            layer.update({f"experts/{e}/gate_proj": (i, h), f"experts/{e}/up_proj": (i, h),
+                          f"experts/{e}/down_proj": (h, i)})
+    else:
+        layer.update(gate_proj=(i, h), up_proj=(i, h), down_proj=(h, i))
+    shapes = {"embed_tokens": (v, h), "norm": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (v, h)
+    for n in range(cfg.num_hidden_layers):
+        shapes.update({f"layers/{n}/{k}": s for k, s in layer.items()})
+    return shapes

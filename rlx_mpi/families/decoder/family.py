@@ -1,0 +1,143 @@
+"""`DecoderFamily`: the whole `ModelFamily` contract for every `Arch` decoder.
+
+A family module (llama.py, mistral.py, ...) only gives its name, Hugging Face model types,
+config translation (``arch_from_hf``), name map (``hf_names``) and presets; this class does
+the rest once: config loading, shapes, cost, TP checks, inputs, random init and the stage.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
+
+from ...errors import CheckpointError, ConfigError, InputError
+from ...placement import ModelCost
+from ...stage import ModelDims, ParamSource, TensorParallel
+from .arch import Arch, expected_shapes
+
+__all__ = ["DecoderFamily", "random_tensors"]
+
+
+class DecoderFamily:
+    """A `rlx_mpi.stage.ModelFamily` over `Arch`; ``name`` is the checkpoint's ``family``."""
+
+    def __init__(self, name: str, hf_model_types: tuple[str, ...], arch_from_hf: Callable[[dict, str], Arch],
+                 hf_names: Callable[[Arch], dict], presets: Mapping[str, Arch] | None = None,
+                 shape_defaults: Mapping[str, Any] | None = None):
+        self.name = name
+        self.hf_model_types = hf_model_types
+        self.arch_from_hf = arch_from_hf
+        self.hf_names = hf_names
+        self.presets = dict(presets or {})
+        self._shape_defaults = dict(shape_defaults or {})
+
+    def __repr__(self) -> str:
+        return f"<family {self.name}>"
+
+    def load_config(self, config_json: str, where: str) -> Arch:
+        return Arch.from_json(config_json, where)
+
+    def dims(self, cfg: Arch) -> ModelDims:
+        return ModelDims(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         max_positions=cfg.max_position_embeddings, n_layers=cfg.num_hidden_layers)
+
+    def describe(self, cfg: Arch) -> str:
+        heads = f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} kv, head_dim {cfg.head_dim})"
+        moe = f", {cfg.num_experts} experts (top {cfg.experts_per_token})" if cfg.num_experts else ""
+        rope = f", rope {cfg.rope_type}" if cfg.rope_type != "default" else ""
+        return (f"{self.name}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {heads}, "
+                f"vocab {cfg.vocab_size}{moe}{rope}")
+
+    def config_from_shape(self, shape: Mapping[str, Any], where: str) -> Arch:
+        s = {**self._shape_defaults, **{k: v for k, v in shape.items() if v is not None}}
+        try:
+            cfg = Arch(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+                       num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                       num_key_value_heads=s.get("kv_heads") or s["heads"], head_dim=s.get("head_dim") or 0,
+                       max_position_embeddings=s.get("max_positions") or 2048,
+                       tie_word_embeddings=bool(s.get("tied", False)), num_experts=s.get("experts") or 0,
+                       experts_per_token=s.get("top_k") or (2 if s.get("experts") else 0))
+        except KeyError as e:
+            raise ConfigError(where, f"model shape lacks {e.args[0]}", "give --layers --hidden --heads "
+                              "--intermediate --vocab") from None
+        try:
+            return cfg.validate(where)
+        except CheckpointError as e:  # the flags are the user's input here, not a checkpoint
+            raise ConfigError(where, e.what, "fix the shape flags") from None
+
+    def init_random(self, path: str | os.PathLike, cfg: Arch, *, seed: int = 0, dtype: str = "float32") -> None:
+        from ...checkpoint import write_checkpoint
+
+        write_checkpoint(path, self.name, cfg.to_json(), random_tensors(cfg, seed), dtype=dtype)
+
+    def convert_hf(self, hf_dir, out, *, dtype: str = "float32", hf_config: Mapping[str, Any] | None = None,
+                   **kw) -> Arch:
+        from ..hf import convert
+
+        return convert(self, hf_dir, out, dtype=dtype, hf_config=dict(hf_config) if hf_config is not None else None,
+                       **kw)
+
+    def expected_shapes(self, cfg: Arch) -> dict[str, tuple[int, ...]]:
+        return expected_shapes(cfg)
+
+    def cost(self, cfg: Arch, batch: int, seq: int) -> ModelCost:
+        return cfg.cost(batch, seq)
+
+    def check_tp(self, cfg: Arch, tp: int, where: str) -> None:
+        nh, nkv, ne = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_experts
+
+        def kv_ok(k):  # a 1/k slice of the kv heads, or one replicated head per rank
+            return nkv % k == 0 or k % nkv == 0
+
+        if nh % tp or not kv_ok(tp) or (ne and ne % tp):
+            valid = [k for k in range(1, nh + 1) if nh % k == 0 and kv_ok(k) and (not ne or ne % k == 0)]
+            what = (f"tp = {tp} does not divide the model's {nh} attention heads" if nh % tp else
+                    f"tp = {tp} neither divides nor is a multiple of the model's {nkv} key/value heads"
+                    if not kv_ok(tp) else
+                    f"tp = {tp} does not divide the model's {ne} experts (each TP rank holds whole experts)")
+            raise ConfigError(where, what, f"choose tp from {valid}")
+
+    def output_spec(self, cfg: Arch, batch: int, seq: int, last: bool) -> tuple[tuple[int, ...], np.dtype]:
+        return (batch, seq, cfg.vocab_size if last else cfg.hidden_size), np.dtype(np.float32)
+
+    def check_inputs(self, cfg: Arch, ids: np.ndarray, where: str) -> None:
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InputError(where, f"input ids have dtype {ids.dtype}", "save them as an integer array (np.int64)")
+        if ids.ndim != 2:
+            raise InputError(where, f"input ids have shape {ids.shape}, expected 2-D [batch, seq]",
+                             "reshape to [batch, seq], e.g. ids[None, :] for one sequence")
+        if ids.size == 0:
+            raise InputError(where, f"input ids are empty (shape {ids.shape})", "give at least one token")
+        if ids.shape[1] > cfg.max_position_embeddings:
+            raise InputError(where, f"sequence length {ids.shape[1]} exceeds the model's maximum "
+                             f"{cfg.max_position_embeddings} positions", "truncate or split the sequences")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= cfg.vocab_size:
+            bad = low if low < 0 else high
+            raise InputError(where, f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})",
+                             "tokenize with this model's tokenizer")
+
+    def build_stage(self, cfg: Arch, source: ParamSource, layers: range, first: bool, last: bool,
+                    tp: TensorParallel = TensorParallel(), ctx=None, precision: str = "f32"):
+        from .stage import DecoderStage
+
+        return DecoderStage(cfg, source, layers, first, last, tp, ctx, precision)
+
+
+def random_tensors(cfg: Arch, seed: int) -> Iterator[tuple[str, np.ndarray]]:
+    """Tensors one at a time (so a large preset never sits in memory whole).
+
+    Linear weights are scaled by 1/sqrt(fan_in) and norms scattered around 1 (around 0 with
+    a norm offset of 1, as Gemma stores them), biases small, so hidden states and logits stay
+    O(1) through every layer and numerical comparisons mean something."""
+    rng = np.random.default_rng(seed)
+    for name, shape in expected_shapes(cfg).items():
+        if len(shape) == 1:
+            base = 0.0 if name.endswith("_bias") else 1.0 - cfg.norm_offset
+            yield name, base + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+        else:
+            scale = 1.0 if name == "embed_tokens" else shape[1] ** -0.5
+            yield name, scale * rng.standard_normal(shape, dtype=np.float32)
+

@@ -1,0 +1,148 @@
+"""One decoder in numpy, driven by an `Arch`, numerically matching Hugging Face transformers.
+
+One short function per block. Shapes: B batch, T sequence, C hidden, nh query heads, nkv
+key/value heads, hs head size. Under tensor parallelism the functions see only this rank's
+heads, MLP columns or experts; ``reduce`` sums the row-parallel partial outputs across the
+group (identity when tp = 1).
+
+A layer (``block``):
+    x = x + out_norm?(attention(norm(x)))      out_norm: Gemma 2's sandwich norm
+    x = x + out_norm?(mlp_or_experts(norm(x)))
+attention: q/k/v (+bias) -> per-head q/k norm? -> RoPE -> KV cache -> scaled (soft-capped)
+causal attention over the layer's window -> o_proj.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ... import kernels
+from ...kv_cache import KvSpec, LayerCache, decode_kv, prefill_kv
+from . import moe, ops
+from .arch import Arch
+from .weights import Experts, LayerWeights, Linear, Mlp
+
+__all__ = ["LayerWeights", "rms_norm", "apply_rope", "attention", "mlp", "block", "embed", "lm_head", "KvStep"]
+
+Reduce = Callable[[np.ndarray], np.ndarray]
+
+
+def _identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    return kernels.rms_norm(np.ascontiguousarray(x), weight, eps)  # weight * x / sqrt(mean(x^2) + eps)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    return kernels.rope(x, cos, sin)  # x * cos + rotate_half(x) * sin, fused; C-contiguous (B, H, T, hs)
+
+
+@dataclass
+class KvStep:
+    """How one generation step's attention reads and writes a layer's cache.
+
+    ``prefill``: the chunk holds positions 0..T-1 of each row (right-padded past ``lengths``);
+    otherwise one new token per row at ``positions`` (B,). ``caches`` has one `LayerCache` per
+    layer of the stage, or is None under ``kv_cache = "none"`` (the chunk is the whole prefix).
+    ``specs`` is each layer's cache policy (a sliding-window layer keeps a ring of its window).
+    """
+
+    specs: list[KvSpec]
+    slots: np.ndarray  # (B,) cache rows
+    prefill: bool
+    lengths: np.ndarray | None = None  # (B,) with prefill
+    positions: np.ndarray | None = None  # (B,) without
+    caches: list[LayerCache] | None = None
+    layer: int = 0  # index into caches and specs, advanced by the stage
+
+    def attend_inputs(self, k: np.ndarray, v: np.ndarray, model_window: int):
+        cache = self.caches[self.layer] if self.caches is not None else None
+        spec = self.specs[self.layer]
+        if self.prefill:
+            keys, values, q_pos, window = prefill_kv(cache, spec, k, v, self.slots, self.lengths)
+            if model_window:  # the chunk attends to itself: the model's own window applies
+                window = min(window, model_window) if window else model_window
+            return keys, values, q_pos, window
+        return decode_kv(cache, spec, k, v, self.slots, self.positions)  # a window layer's ring is its window
+
+
+def attention(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray,
+              reduce: Reduce = _identity, kv: KvStep | None = None) -> np.ndarray:
+    B, T, C = x.shape
+    hs = cfg.head_dim
+    nh, nkv = w.q_proj.shape[0] // hs, w.k_proj.shape[0] // hs
+    q, k, v = w.q_proj(x), w.k_proj(x), w.v_proj(x)  # (B, T, nh*hs), (B, T, nkv*hs) x2
+    if w.q_bias is not None:
+        q += w.q_bias
+        k += w.k_bias
+        v += w.v_bias
+    if w.q_norm is not None:  # Qwen3: RMSNorm over each head's hs values
+        q = rms_norm(q.reshape(B * T * nh, hs), w.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k.reshape(B * T * nkv, hs), w.k_norm, cfg.rms_norm_eps)
+    q = q.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
+    k = k.reshape(B, T, nkv, hs).transpose(0, 2, 1, 3)  # (B, nkv, T, hs)
+    v = v.reshape(B, T, nkv, hs).transpose(0, 2, 1, 3)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # cos (T, hs), or (B, 1, T, hs) at positions
+    scale = cfg.attention_scale or None  # None: hs ** -0.5
+    if kv is None:
+        y = kernels.attend(q, k, v, None, w.window, scale=scale, softcap=cfg.attn_logit_softcap)  # causal
+    else:  # generation: store this step's K/V, attend over the cached prefix
+        keys, values, q_pos, window = kv.attend_inputs(k, v, w.window)
+        y = kernels.attend(q, keys, values, q_pos, window, scale=scale, softcap=cfg.attn_logit_softcap)
+    y = y.reshape(B, T, nh * hs)
+    return reduce(w.o_proj(y))  # row-parallel: partial sums over heads
+
+
+def gated_mlp(x: np.ndarray, w: Mlp, activation: str) -> np.ndarray:
+    """down(act(gate(x)) * up(x)) without the reduction: one dense shard or one expert."""
+    gate = w.gate_proj(x)
+    if activation == "gelu_tanh":
+        h = ops.gelu_tanh_mul_(gate, w.up_proj(x))  # GeGLU, in place
+    else:
+        h = kernels.silu_mul_(gate, w.up_proj(x))  # silu(gate) * up, in place: no temporaries
+    return w.down_proj(h)
+
+
+def mlp(x: np.ndarray, w: Mlp | Experts, cfg: Arch, reduce: Reduce = _identity) -> np.ndarray:
+    if isinstance(w, Experts):  # this rank's experts' share, summed over the TP group
+        return reduce(moe.experts_forward(x, w, cfg.experts_per_token,
+                                          lambda rows, e: gated_mlp(rows, e, cfg.activation)))
+    return reduce(gated_mlp(x, w, cfg.activation))  # row-parallel over I
+
+
+def block(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray,
+          reduce: Reduce = _identity, kv: KvStep | None = None) -> np.ndarray:
+    eps = cfg.rms_norm_eps
+    a = attention(rms_norm(x, w.input_layernorm, eps), w, cfg, cos, sin, reduce, kv)
+    if w.attn_out_norm is not None:
+        a = rms_norm(a, w.attn_out_norm, eps)
+    x = _add_to(a, x)
+    m = mlp(rms_norm(x, w.post_attention_layernorm, eps), w.mlp, cfg, reduce)
+    if w.mlp_out_norm is not None:
+        m = rms_norm(m, w.mlp_out_norm, eps)
+    return _add_to(m, x)
+
+
+def _add_to(fresh: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The residual ``x + fresh`` into ``fresh`` (a block's new output, owned here), so the
+    layer allocates no array for it; ``x`` may be a caller's buffer and is left alone."""
+    return np.add(fresh, x, out=fresh)
+
+
+def embed(ids: np.ndarray, table: np.ndarray | Linear, multiplier: float = 1.0) -> np.ndarray:
+    h = table[ids]  # (B, T) -> (B, T, C)
+    if multiplier != 1.0:  # Gemma: x sqrt(C), the factor rounded to float32 as transformers does
+        h = h * np.float32(multiplier)
+    return h
+
+
+def lm_head(x: np.ndarray, norm: np.ndarray, head: Linear, cfg: Arch) -> np.ndarray:
+    logits = head(rms_norm(x, norm, cfg.rms_norm_eps))  # (B, T, V) or this rank's vocab slice
+    if cfg.final_logit_softcap:
+        logits = ops.softcap_(np.ascontiguousarray(logits), cfg.final_logit_softcap)
+    return logits

@@ -1,0 +1,196 @@
+"""A layer range of any `Arch` decoder as a pipeline `Stage`, sharded under tensor parallelism.
+
+Note: sharding (one rule for every family). q/k/v (with their biases) and gate/up are
+column-parallel (each TP rank holds whole attention heads and a slice of the MLP's inner
+width); o_proj and down_proj are row-parallel and their partial outputs are summed by an
+all-reduce over the TP group. With fewer kv heads than TP ranks (tp a multiple of them) each
+rank holds the one kv head its query heads read, replicated (as Megatron does). With experts, a rank holds E/tp *whole* experts instead
+(expert parallelism, `decoder.moe`) and the same all-reduce sums their partial outputs.
+Norms, q/k norms and the router are replicated; the input embedding too (a lookup costs no
+FLOPs, and replication avoids a collective); the LM head is vocab-sharded (the largest
+matrix) and its logits are all-gathered. Fused Hugging Face tensors (Phi-3's qkv_proj and
+gate_up_proj) are split at convert time, so a shard never straddles q/k/v or gate/up.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ... import kernels
+from ...checkpoint import part_bounds
+from ...collectives import ReduceKind, all_reduce, world_ranks
+from ...kv_cache import KvSpec, LayerCache
+from ...stage import ParamSource, Stage, TensorParallel
+from . import model, ops
+from .arch import Arch
+from .rope import Rope
+from .weights import PRECISIONS, Experts, LayerWeights, Mlp, read_linear
+
+__all__ = ["DecoderStage"]
+
+_MLP = {"gate_proj": 0, "up_proj": 0, "down_proj": 1}  # dense: column-, column-, row-parallel
+
+
+class DecoderStage(Stage):
+    """Layers ``layers`` of a decoder; embeds on the first stage, norm + head on the last.
+
+    ``precision`` (f32 | bf16 | f16 | int8) is how this rank holds its projection, embedding
+    and head matrices, converted tensor by tensor at load; norms, biases and activations stay f32.
+    """
+
+    def __init__(self, cfg: Arch, source: ParamSource, layers: range, first: bool, last: bool,
+                 tp: TensorParallel = TensorParallel(), ctx=None, precision: str = "f32"):
+        if precision not in PRECISIONS:
+            raise ValueError(f"DecoderStage: precision {precision!r} is not one of {PRECISIONS}")
+        self.cfg, self.layers, self.first, self.last, self.tp, self.ctx = cfg, layers, first, last, tp, ctx
+        self.precision = precision
+        kernels.warm_up()
+        ops.warm_up()
+        if precision != "f32":
+            kernels.warm_up_lowp()
+
+        def shard(name: str, axis: int | None, part: tuple[int, int] = (tp.rank, tp.size)):
+            return read_linear(source, name, precision, axis=axis, part=part[0], parts=part[1])
+
+        nkv = cfg.num_key_value_heads
+        # this rank's kv heads: a 1/tp slice, or (tp a multiple of nkv) the one head its queries read
+        self.kv_part = (tp.rank, tp.size) if nkv % tp.size == 0 else (tp.rank * nkv // tp.size, nkv)
+
+        self.embed_tokens = read_linear(source, "embed_tokens", precision) if first else None
+        self.blocks = [self._layer(source, n, shard) for n in layers]
+        self.norm = self._norm(source, "norm") if last else None
+        head = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+        if last and cfg.tie_word_embeddings and first and tp.size == 1:
+            self.head = self.embed_tokens  # one matrix serves both ends: hold it once
+        else:
+            self.head = shard(head, 0) if last else None  # (V/tp, C)
+
+    def _norm(self, source: ParamSource, name: str) -> np.ndarray:
+        w = source.read(name)
+        return (w + np.float32(self.cfg.norm_offset)).astype(np.float32) if self.cfg.norm_offset else w
+
+    def _layer(self, source: ParamSource, n: int, shard) -> LayerWeights:
+        cfg, tp, p = self.cfg, self.tp, f"layers/{n}/"
+        w = {"q_proj": shard(p + "q_proj", 0), "o_proj": shard(p + "o_proj", 1)}
+        w.update({k: shard(p + k, 0, self.kv_part) for k in ("k_proj", "v_proj")})
+        for k in ("input_layernorm", "post_attention_layernorm"):
+            w[k] = self._norm(source, p + k)
+        if cfg.qkv_bias:
+            for k, (part, parts) in (("q", (tp.rank, tp.size)), ("k", self.kv_part), ("v", self.kv_part)):
+                w[f"{k}_bias"] = source.read(f"{p}{k}_bias", axis=0, part=part, parts=parts)
+        if cfg.qk_norm:
+            w["q_norm"], w["k_norm"] = self._norm(source, p + "q_norm"), self._norm(source, p + "k_norm")
+        if cfg.sandwich_norms:
+            w["attn_out_norm"], w["mlp_out_norm"] = self._norm(source, p + "attn_out_norm"), self._norm(source, p + "mlp_out_norm")
+        if cfg.num_experts:  # expert parallelism: this rank's experts whole
+            a, b = part_bounds(cfg.num_experts, tp.rank, tp.size)
+            experts = [Mlp(*(read_linear(source, f"{p}experts/{e}/{k}", self.precision) for k in _MLP))
+                       for e in range(a, b)]
+            w["mlp"] = Experts(source.read(p + "router"), a, experts)
+        else:
+            w["mlp"] = Mlp(*(shard(p + k, axis) for k, axis in _MLP.items()))
+        return LayerWeights(**w, window=cfg.window(n))
+
+    @property
+    def weight_bytes(self) -> int:
+        arrays = {id(a): a for a in (self.embed_tokens, self.norm, self.head) if a is not None}  # tied: once
+        return sum(a.nbytes for a in arrays.values()) + sum(b.nbytes for b in self.blocks)
+
+    def _reduce(self, partial: np.ndarray) -> np.ndarray:
+        if self.tp.size == 1:
+            return partial
+        return all_reduce(np.ascontiguousarray(partial), ReduceKind.SUM, comm=self.tp.comm,
+                          timeout_s=self.tp.timeout_s, ctx=self.ctx)
+
+    def _embed(self, x: np.ndarray) -> np.ndarray:
+        return model.embed(x, self.embed_tokens, self.cfg.embedding_multiplier) if self.first else x
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        cfg = self.cfg
+        h = self._embed(x)  # (B, T, C)
+        cos, sin = Rope(cfg, h.shape[1]).prefix(h.shape[1])
+        for w in self.blocks:
+            h = model.block(h, w, cfg, cos, sin, self._reduce)
+        if not self.last:
+            return h
+        logits = model.lm_head(h, self.norm, self.head, cfg)  # (B, T, V/tp)
+        return self._gather_vocab(logits)
+
+    # -- generation: stateful prefill / decode over a per-stage KV cache ------------------------
+
+    def reset(self, slots: int, max_seq: int, kv: KvSpec) -> int:
+        """Allocate the cache for ``slots`` sequences of up to ``max_seq`` tokens; return its bytes.
+
+        A sliding-window layer keeps only its window (a ring, as Mistral's rolling cache): the
+        job's policy and the layer's own window, whichever is narrower."""
+        cfg = self.cfg
+        nkv = cfg.num_key_value_heads // self.kv_part[1]  # this rank's kv heads
+        self.specs = [_layer_spec(kv, w.window) for w in self.blocks]
+        self.caches = None
+        if not kv.recompute:
+            self.caches = [LayerCache(slots, nkv, s.cache_len(max_seq), cfg.head_dim) for s in self.specs]
+        self.rope = Rope(cfg, max_seq)
+        return sum(c.nbytes for c in self.caches) if self.caches else 0
+
+    def prefill(self, x: np.ndarray, slots: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Positions 0..T-1 of each row (right-padded past ``lengths``), filling the cache.
+
+        x: ids (B, T) on the first stage, else hidden (B, T, C). Returns hidden (B, T, C), or
+        on the last stage the logits (B, V) of each row's last real token.
+        """
+        B, T = x.shape[:2]
+        step = model.KvStep(self.specs, slots, True, lengths=lengths, caches=self.caches)
+        h = self._blocks(x, np.broadcast_to(np.arange(T), (B, T)), step, lengths)
+        if not self.last:
+            return h
+        return self._head(h[np.arange(B), lengths - 1][:, None])  # (B, 1, C) -> (B, V)
+
+    def decode(self, x: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """One new token per row at ``positions`` (B,): ids (B, 1) or hidden (B, 1, C) in;
+        hidden (B, 1, C) or, on the last stage, logits (B, V) out."""
+        if self.caches is None:
+            raise RuntimeError("decode without a KV cache: kv_cache = none recomputes with prefill")
+        step = model.KvStep(self.specs, slots, False, positions=positions, caches=self.caches)
+        h = self._blocks(x, positions[:, None], step)
+        return self._head(h) if self.last else h
+
+    def _blocks(self, x: np.ndarray, positions: np.ndarray, step: "model.KvStep",
+                lengths: np.ndarray | None = None) -> np.ndarray:
+        h = self._embed(x)  # (B, T, C)
+        cos, sin = self.rope.at(positions, lengths)  # (B, 1, T, hs)
+        for i, w in enumerate(self.blocks):
+            step.layer = i
+            h = model.block(h, w, self.cfg, cos, sin, self._reduce, step)
+        return h
+
+    def _head(self, h: np.ndarray) -> np.ndarray:
+        logits = model.lm_head(h, self.norm, self.head, self.cfg)  # (B, 1, V/tp)
+        return self._gather_vocab(logits)[:, 0]  # (B, V)
+
+    def _gather_vocab(self, local: np.ndarray) -> np.ndarray:
+        """All-gather the vocab-sharded logits so every TP rank holds (B, T, V)."""
+        if self.tp.size == 1:
+            return local
+        from mpi4py import MPI
+
+        from ...faults import RankContext, wait
+
+        B, T, _ = local.shape
+        V = self.cfg.vocab_size
+        widths = [b - a for a, b in (part_bounds(V, r, self.tp.size) for r in range(self.tp.size))]
+        counts = [w * B * T for w in widths]
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        blocks = np.empty(B * T * V, dtype=np.float32)  # rank r's (B*T, V_r) block, row-major, in rank order
+        request = self.tp.comm.Iallgatherv(np.ascontiguousarray(local), [blocks, counts, displs, MPI.FLOAT])
+        ctx = self.ctx or RankContext(rank=self.tp.comm.rank, size=self.tp.comm.size)
+        wait(request, self.tp.timeout_s, ctx, lambda: "the vocab-sharded logits of the tensor-parallel group",
+             lambda: f"one of world ranks {world_ranks(self.tp.comm)}")
+        parts = [blocks[d:d + c].reshape(B * T, w) for d, c, w in zip(displs, counts, widths)]
+        return np.concatenate(parts, axis=1).reshape(B, T, V)  # one copy instead of two transposes
+
+
+def _layer_spec(kv: KvSpec, window: int) -> KvSpec:
+    """The cache policy of a layer whose model window is ``window`` (0: full attention)."""
+    if not window or kv.recompute:
+        return kv
+    return KvSpec("window", min(window, kv.window) if kv.policy == "window" else window)
