@@ -28,8 +28,9 @@ def ensure_checkpoint(path: Path, preset: str) -> bool:
     """Create the random ``preset`` checkpoint at ``path`` if missing; True when created."""
     if path.exists():
         return False
-    from rlx_mpi.llama import PRESETS
-    from rlx_mpi.llama.init import init_random
+    from rlx_mpi.families.llama import PRESETS
+    from rlx_mpi.families.llama import FAMILY as _LLAMA
+    init_random = _LLAMA.init_random
 
     init_random(path, PRESETS[preset], seed=0)
     return True

@@ -96,7 +96,7 @@ def decode_bytes(cfg) -> int:
 
 
 def bench_preset(preset: str, args, folder: Path, mpiexec: str) -> dict:
-    from rlx_mpi.llama import PRESETS
+    from rlx_mpi.families.llama import PRESETS
 
     cfg = PRESETS[preset]
     torch_py = args.torch_python or os.environ.get("RLX_TORCH_PYTHON")
@@ -106,7 +106,7 @@ def bench_preset(preset: str, args, folder: Path, mpiexec: str) -> dict:
         hf_dir = folder / f"hf_{preset}"
         subprocess.run([torch_py, str(HERE / "_hf_generate.py"), "build", "--preset", preset, "--hf-dir", str(hf_dir)],
                        check=True, capture_output=True)
-        from rlx_mpi.llama.convert import convert_hf
+        from rlx_mpi.families import convert_hf
 
         convert_hf(hf_dir, ckpt)
     else:

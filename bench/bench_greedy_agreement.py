@@ -65,7 +65,7 @@ def main() -> None:
         folder = Path(tmp)
         ckpt = folder / f"{args.preset}.h5"
         ensure_checkpoint(ckpt, args.preset)
-        from rlx_mpi.llama import PRESETS
+        from rlx_mpi.families.llama import PRESETS
 
         vocab = PRESETS[args.preset].vocab_size
         rng = np.random.default_rng(args.seed)

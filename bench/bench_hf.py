@@ -8,10 +8,10 @@ threadpoolctl`` and ``pip install --no-deps -e .``; no MPI library is needed, no
 uses MPI.)
 
 It builds a ``LlamaForCausalLM`` with the shape of our ``small`` preset (8 layers, hidden 512,
-8 heads / 4 kv heads, vocab 4096; untied head), fills it like ``rlx_mpi.llama.init`` does
+8 heads / 4 kv heads, vocab 4096; untied head), fills it like ``rlx_mpi.families.llama (init_random)`` does
 (linear weights N(0, 1/fan_in), embedding N(0, 1), norms 1 + 0.1 N(0, 1), so logits are O(1)
 and the difference below means something), ``save_pretrained``s it to --hf-dir, converts it
-with ``rlx_mpi.llama.convert.convert_hf`` and builds our ``LlamaStage`` over all layers.
+with ``rlx_mpi.families.convert_hf`` and builds our ``LlamaStage`` over all layers.
 
 Then, for each thread count and shape (batch x seq; --seqs alone means batch 1; the same
 random ids for both), it times transformers (float32, eager attention, ``use_cache=False``,
@@ -39,7 +39,7 @@ def build_hf(hf_dir: Path, preset: str, seed: int):
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlx_mpi.llama import PRESETS
+    from rlx_mpi.families.llama import PRESETS
 
     p = PRESETS[preset]
     kw = dict(vocab_size=p.vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
@@ -161,8 +161,8 @@ def main() -> None:
 
     from rlx_mpi import kernels
     from rlx_mpi.checkpoint import H5ParamSource
-    from rlx_mpi.llama import LlamaStage
-    from rlx_mpi.llama.convert import convert_hf
+    from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
+    from rlx_mpi.families import convert_hf
 
     transformers.utils.logging.disable_progress_bar()
     info = machine()

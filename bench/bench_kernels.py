@@ -151,7 +151,7 @@ def attn_child(variant: str, preset: str, seq: int, threads: int, reps: int) -> 
     from threadpoolctl import threadpool_limits
 
     from rlx_mpi import kernels
-    from rlx_mpi.llama import PRESETS
+    from rlx_mpi.families.llama import PRESETS
 
     cfg = PRESETS[preset]
     kernels.set_threads(threads)
@@ -217,7 +217,7 @@ def main() -> None:
     from threadpoolctl import threadpool_limits
 
     from rlx_mpi import kernels
-    from rlx_mpi.llama import PRESETS
+    from rlx_mpi.families.llama import PRESETS
 
     cfg = PRESETS[args.preset]
     kernels.warm_up()

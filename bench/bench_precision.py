@@ -51,7 +51,9 @@ def pin(threads: int) -> None:
 
 def build(precision: str, ckpt: Path):
     from rlx_mpi.checkpoint import H5ParamSource
-    from rlx_mpi.llama import PRESETS, LlamaStage, expected_shapes
+    from rlx_mpi.families.llama import PRESETS
+    from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
+    from rlx_mpi.families.decoder.arch import expected_shapes
 
     cfg = PRESETS["medium"]
     with H5ParamSource(ckpt, expected_shapes(cfg)) as src:
@@ -119,7 +121,7 @@ print(json.dumps({"torch": torch.__version__, "best_s": out}))
 def bench_hf(python: str, threads: int, trials: int) -> dict:
     from dataclasses import asdict
 
-    from rlx_mpi.llama import PRESETS
+    from rlx_mpi.families.llama import PRESETS
 
     arg = json.dumps([asdict(PRESETS["medium"]), threads, trials, CASES])
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -229,8 +231,9 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     info = machine()
     print(header("bench_precision: resident bf16 / f16 / int8 weights vs f32 (medium preset)", info))
-    from rlx_mpi.llama import PRESETS
-    from rlx_mpi.llama.init import init_random
+    from rlx_mpi.families.llama import PRESETS
+    from rlx_mpi.families.llama import FAMILY as _LLAMA
+    init_random = _LLAMA.init_random
 
     for path, dtype in ((CKPT, "float32"), (CKPT_BF16, "bfloat16")):
         if not path.exists():

@@ -21,8 +21,10 @@ from mpi4py import MPI
 from _machine import add_common_args, header, machine, quiet_gate, save_json
 from rlx_mpi.checkpoint import H5ParamSource
 from rlx_mpi.faults import RankContext, agree, check_finite
-from rlx_mpi.llama import PRESETS, LlamaStage
-from rlx_mpi.llama.init import init_random
+from rlx_mpi.families.llama import PRESETS
+from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
+from rlx_mpi.families.llama import FAMILY as _LLAMA
+init_random = _LLAMA.init_random
 
 
 def best_s(fn, reps: int) -> float:

@@ -67,8 +67,8 @@ def main() -> None:
     if not args.torch_python:
         print("bench_torch_pipe: skipped, no torch Python (give --torch-python or set RLX_TORCH_PYTHON)")
         return
-    from rlx_mpi.llama import PRESETS
-    from rlx_mpi.llama.convert import convert_hf
+    from rlx_mpi.families.llama import PRESETS
+    from rlx_mpi.families import convert_hf
 
     p = PRESETS[args.preset]
     shape = dict(vocab_size=p.vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,

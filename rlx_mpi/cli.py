@@ -380,14 +380,14 @@ def _check_plan_flags(args) -> None:
 
 
 def cmd_convert(args) -> int:
-    from .families import hf_family
+    from .families import convert_hf, hf_family
     from .outputs import check_output
 
     src = Path(args.hf_dir)
     inputs = {f"the source file {p.name}": p for p in (sorted(src.iterdir()) if src.is_dir() else []) if p.is_file()}
     check_output("convert OUT", args.out, inputs, stream_ok=False)
-    family, hf_config = hf_family(src)
-    cfg = family.convert_hf(src, args.out, dtype=args.dtype, hf_config=hf_config)
+    family, _ = hf_family(src)
+    cfg = convert_hf(src, args.out, dtype=args.dtype)
     print(f"wrote {args.out}: {family.describe(cfg)}")
     tok = Path(args.out).with_name(f"{Path(args.out).stem}.tokenizer.json")
     if tok.is_file():  # copied by the family's converter: text prompts work with `generate`

@@ -261,7 +261,7 @@ def _broken_import(e: ImportError) -> RlxError:
             if f.is_absolute() and ours not in f.resolve().parents:
                 name = f.parent.name if f.name == "__init__.py" else f.stem
                 break
-    check = f"import {name}" if name else "import rlx_mpi.cluster, rlx_mpi.llama"
+    check = f"import {name}" if name else "import rlx_mpi.cluster, rlx_mpi.families.decoder.stage"
     return RankFault(f"cannot import {name or 'a dependency'}", f"{type(e).__name__}: {e}",
                      f"this node's Python environment is broken or differs from the other nodes': run "
                      f"`{sys.executable} -c '{check}'` there, and start every rank from the same venv")

@@ -142,8 +142,9 @@ def write_job(dir, name: str = "job.toml", **sections) -> Path:
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
     """A random checkpoint of the "tiny" preset (8 layers, 8 heads / 4 kv, vocab 512, 256 positions)."""
-    from rlx_mpi.llama import PRESETS
-    from rlx_mpi.llama.init import init_random
+    from rlx_mpi.families.llama import PRESETS
+    from rlx_mpi.families.llama import FAMILY as _LLAMA
+    init_random = _LLAMA.init_random
 
     path = tmp_path_factory.mktemp("ckpt") / "tiny.h5"
     init_random(path, PRESETS["tiny"], seed=0)

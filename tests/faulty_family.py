@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 from rlx_mpi import checkpoint
-from rlx_mpi.llama import FAMILY as LLAMA
-from rlx_mpi.llama import PRESETS
-from rlx_mpi.llama.init import _random_tensors
+from rlx_mpi.families.llama import FAMILY as LLAMA
+from rlx_mpi.families.llama import PRESETS
+from rlx_mpi.families.decoder.family import random_tensors as _random_tensors
 from rlx_mpi.families import register_family
 from rlx_mpi.stage import Stage
 

@@ -21,8 +21,10 @@ import pytest
 
 from conftest import run_cli, toml_text
 from helpers import job_builder
-from rlx_mpi.llama import PRESETS, LlamaConfig
-from rlx_mpi.llama.init import init_random
+from rlx_mpi.families.llama import PRESETS
+from rlx_mpi.families.decoder.arch import Arch as LlamaConfig
+from rlx_mpi.families.llama import FAMILY as _LLAMA
+init_random = _LLAMA.init_random
 
 BAD_INPUT, NO_FIT = 2, 3
 TINY = PRESETS["tiny"]

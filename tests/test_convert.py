@@ -20,7 +20,19 @@ from rlx_mpi.errors import CheckpointError, ConfigError
 from rlx_mpi.families.decoder.arch import Arch as LlamaConfig
 from rlx_mpi.families.decoder.arch import expected_shapes
 from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
-from rlx_mpi.llama.convert import convert_hf, hf_name
+from rlx_mpi.families import convert_hf
+from rlx_mpi.families.hf import _LAYER
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face tensor name of our (Llama) checkpoint name (``layers/3/q_proj`` ->
+    ``model.layers.3.self_attn.q_proj.weight``)."""
+    if name in ("embed_tokens", "norm"):
+        return f"model.{name}.weight"
+    if name == "lm_head":
+        return "lm_head.weight"
+    _, n, short = name.split("/")
+    return f"model.layers.{n}.{_LAYER[short]}"
 
 FIXTURES = Path(__file__).parent / "fixtures"
 UNTIED, TIED = FIXTURES / "hf_tiny_llama", FIXTURES / "hf_tiny_llama_tied"
@@ -212,7 +224,7 @@ def test_harmless_extras_are_ignored(tmp_path):
     ({"rope_theta": 10000.0}, "disagrees with rope_parameters.rope_theta"),
     ({"attention_bias": True}, "attention_bias: is True"),
     ({"mlp_bias": True}, "mlp_bias: is True"),
-    ({"model_type": "gpt2"}, "model_type: is 'gpt2'"),
+    ({"model_type": "gpt2"}, "model_type: 'gpt2' is not a supported model type"),
     ({"hidden_act": "gelu"}, "hidden_act: is 'gelu'"),
     ({"pretraining_tp": 2}, "pretraining_tp: is 2"),
     ({"quantization_config": {"quant_method": "gptq"}}, "quantized model (method 'gptq')"),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, write_job
-from rlx_mpi.llama import PRESETS
+from rlx_mpi.families.llama import PRESETS
 
 pytestmark = pytest.mark.mpi
 

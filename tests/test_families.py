@@ -408,7 +408,7 @@ REFUSALS = [
     ("mixtral", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6}},
      "rope_parameters.rope_type: is 'llama3', not supported"),
     ("mixtral", {"num_experts_per_tok": 5}, "num_experts_per_tok: is 5"),
-    ("qwen2", {"model_type": "qwen2_moe"}, "model_type: is 'qwen2_moe', not a supported architecture"),
+    ("qwen2", {"model_type": "qwen2_moe"}, "model_type: 'qwen2_moe' is not a supported model type"),
     ("llama3", {"quantization_config": {"quant_method": "awq"}}, "quantized model (method 'awq')"),
 ]
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import TESTS, run_cli, write_job
-from rlx_mpi.llama.convert import convert_hf
+from rlx_mpi.families import convert_hf
 
 pytestmark = pytest.mark.mpi
 

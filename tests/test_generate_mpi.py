@@ -15,8 +15,9 @@ from helpers import faulty_ckpt, rows_of  # noqa: F401 (a fixture)
 from rlx_mpi.checkpoint import H5ParamSource
 from rlx_mpi.journal import REQUEUE_EXIT
 from rlx_mpi.kv_cache import KvSpec
-from rlx_mpi.llama import PRESETS, LlamaStage
-from rlx_mpi.llama.convert import convert_hf
+from rlx_mpi.families.llama import PRESETS
+from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
+from rlx_mpi.families import convert_hf
 from test_generation import cached_greedy, forward_greedy
 
 pytestmark = pytest.mark.mpi

@@ -12,8 +12,9 @@ from rlx_mpi.checkpoint import H5ParamSource
 from rlx_mpi.errors import ConfigError
 from rlx_mpi.scheduler import DECODE, PREFILL, Scheduler, read_header
 from rlx_mpi.kv_cache import KvSpec
-from rlx_mpi.llama import PRESETS, LlamaStage
-from rlx_mpi.llama.convert import convert_hf
+from rlx_mpi.families.llama import PRESETS
+from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
+from rlx_mpi.families import convert_hf
 from rlx_mpi.sampling import SamplingParams, prompt_key, sample
 
 FIXTURES = Path(__file__).parent / "fixtures"

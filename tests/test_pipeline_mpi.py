@@ -9,8 +9,9 @@ import pytest
 
 from conftest import TESTS, run_cli, write_job
 from rlx_mpi.checkpoint import H5ParamSource
-from rlx_mpi.llama import PRESETS, LlamaStage
-from rlx_mpi.llama.convert import convert_hf
+from rlx_mpi.families.llama import PRESETS
+from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
+from rlx_mpi.families import convert_hf
 
 pytestmark = pytest.mark.mpi
 
@@ -74,8 +75,9 @@ def test_sharded_weights_and_peak_rss(tmp_path):
     """A rank holding a quarter of the layers holds a quarter of the weights, and its peak RSS
     stays well under half the model's bytes: it never reads the other layers. The model is
     1.8 GB so that the interpreter's own ~0.2 GB (numpy, MPI, numba) does not dominate."""
-    from rlx_mpi.llama import LlamaConfig
-    from rlx_mpi.llama.init import init_random
+    from rlx_mpi.families.decoder.arch import Arch as LlamaConfig
+    from rlx_mpi.families.llama import FAMILY as _LLAMA
+    init_random = _LLAMA.init_random
 
     cfg = LlamaConfig(vocab_size=16384, hidden_size=1536, intermediate_size=4096, num_hidden_layers=16,
                       num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=64)

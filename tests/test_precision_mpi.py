@@ -8,7 +8,8 @@ import pytest
 
 from conftest import run_cli, write_job
 from rlx_mpi.checkpoint import H5ParamSource
-from rlx_mpi.llama import PRESETS, LlamaStage
+from rlx_mpi.families.llama import PRESETS
+from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
 
 BOUNDS = {"bf16": 0.02, "f16": 0.005, "int8": 0.08}  # as tests/test_precision.py and README
 

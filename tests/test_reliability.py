@@ -19,7 +19,8 @@ from conftest import toml_text
 from rlx_mpi.config import parse_job
 from rlx_mpi.errors import CheckpointError, ConfigError, DeadlineExpired, RankFault, WriteFailed
 from rlx_mpi.faults import RankContext, bounded, check_finite
-from rlx_mpi.llama import PRESETS, LlamaConfig
+from rlx_mpi.families.llama import PRESETS
+from rlx_mpi.families.decoder.arch import Arch as LlamaConfig
 from rlx_mpi.outputs import check_output, check_outputs, write_output
 
 CTX = RankContext(rank=0, size=1, host="h")

@@ -17,7 +17,7 @@ import importlib
 from typing import Any
 
 __all__ = ["register_family", "get_family", "family_names", "family_for_model_type", "find_preset",
-           "preset_names", "require_preset", "hf_family", "load_plugins"]
+           "preset_names", "require_preset", "hf_family", "convert_hf", "load_plugins"]
 
 # family name -> the module that defines it as ``FAMILY`` (or ``module:ATTR``), imported on
 # first use. Every built-in family is the one decoder (`families.decoder`) over an `Arch`.
@@ -89,28 +89,20 @@ def require_preset(name: str, where: str) -> tuple[Any, Any]:
     return found
 
 
-def hf_family(hf_dir: Any) -> tuple[Any, dict]:
+def hf_family(hf_dir: Any, config_name: str = "config.json") -> tuple[Any, dict]:
     """(family, config.json as a dict) for the Hugging Face directory ``hf_dir``: the family whose
     ``hf_model_types`` holds its ``model_type``; a `CheckpointError` (exit 2) naming the
     supported types when none does."""
-    import json
     from pathlib import Path
 
     from ..errors import CheckpointError
+    from .hf import read_hf_config
 
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise CheckpointError(str(hf_dir), "not a directory", "give the Hugging Face model directory")
-    path = hf_dir / "config.json"
-    where = str(path)
-    if not path.is_file():
-        raise CheckpointError(where, "config file not found", "give a Hugging Face model directory holding config.json")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(where, f"unreadable config ({e})", "download config.json again") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(where, f"config is a JSON {type(raw).__name__}, not an object", "download config.json again")
+    where = str(hf_dir / config_name)
+    raw = read_hf_config(hf_dir / config_name)
     model_type = raw.get("model_type")
     family = family_for_model_type(model_type) if isinstance(model_type, str) else None
     if family is None:
@@ -118,6 +110,17 @@ def hf_family(hf_dir: Any) -> tuple[Any, dict]:
         raise CheckpointError(f"{where}: model_type", f"{model_type!r} is not a supported model type",
                               f"supported model types: {', '.join(known)}")
     return family, raw
+
+
+def convert_hf(hf_dir: Any, out: Any, *, dtype: str = "float32", config_name: str = "config.json",
+               **kw: Any) -> Any:
+    """Convert the Hugging Face model in ``hf_dir`` to our checkpoint ``out`` with the family its
+    ``model_type`` names (`hf_family`); returns the family's config. ``kw`` goes to the family's
+    converter (e.g. ``tokenizer=False``)."""
+    family, raw = hf_family(hf_dir, config_name)
+    if config_name != "config.json":  # beyond the contract: only the built-in converter takes it
+        kw["config_name"] = config_name
+    return family.convert_hf(hf_dir, out, dtype=dtype, hf_config=raw, **kw)
 
 
 def load_plugins(modules: Any, where: str) -> None:

@@ -52,6 +52,10 @@ class DecoderFamily:
 
     def config_from_shape(self, shape: Mapping[str, Any], where: str) -> Arch:
         s = {**self._shape_defaults, **{k: v for k, v in shape.items() if v is not None}}
+        missing = [k for k in ("layers", "hidden", "heads", "intermediate", "vocab") if not s.get(k)]
+        if missing:
+            raise ConfigError(where, f"model shape incomplete: missing --{', --'.join(missing)}",
+                              "give all of --layers --hidden --heads --intermediate --vocab (and --kv-heads)")
         try:
             cfg = Arch(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
                        num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
