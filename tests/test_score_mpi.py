@@ -222,3 +222,22 @@ def test_bad_input_is_one_line_exit_2_before_compute(tmp_path, tiny_ckpt, case, 
     assert "Traceback" not in proc.stderr and prompts.read_bytes() == before
     assert case == "out_is_input" or not out.exists()
     assert "forward_ms" not in proc.stdout  # nothing was computed
+
+
+def test_plan_rounds_packs_every_line_once_within_the_budget():
+    from rlx_mpi.drivers.score import plan_rounds
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(2, 120, 300).tolist() + [500]  # the last one longer than the budget
+    rounds = plan_rounds(lengths, 128, 4)
+    seen = [k for r in rounds for mb in r for k in mb.lines]
+    assert sorted(seen) == list(range(len(lengths)))  # every line once
+    flat = [k for r in rounds for k in sorted(k for mb in r for k in mb.lines)]
+    assert flat == list(range(len(lengths)))  # rounds are consecutive runs of the file
+    for r in rounds:
+        for mb in r:
+            assert mb.length == max(lengths[k] for k in mb.lines)
+            assert len(mb.lines) * mb.length <= 128 or len(mb.lines) == 1
+    assert any(mb.lines == (300,) and mb.length == 500 for r in rounds for mb in r)
+    # a short file still fills a pipeline of 4 microbatches
+    assert [len(mb.lines) for mb in plan_rounds([7] * 8, 2048, 4)[0]] == [2, 2, 2, 2]
