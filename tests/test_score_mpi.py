@@ -1,5 +1,5 @@
-"""``rlx-mpi score`` under a real mpiexec: log-probs equal transformers' on 1 rank, 2 stages and
-TP 2; context/continuation lines score only the continuation; a plug-in family through the
+"""``rlx-mpi score`` under a real mpiexec: log-probs equal transformers' on 1 rank, 2 stages,
+TP 2 and 2 stages x TP 2; context/continuation lines score only the continuation; a plug-in family through the
 contract; stop signal and resume to the identical file; another checkpoint refused on resume;
 a NaN checkpoint and bad lines end in one line and write nothing."""
 
@@ -61,7 +61,7 @@ def hf(tmp_path_factory):
     return d / "m.h5", np.load(FIXTURES / "hf_tiny_llama" / "input_ids.npy", allow_pickle=False), ref
 
 
-@pytest.mark.parametrize("ranks, tp", [(1, 1), (2, 1), (2, 2)])
+@pytest.mark.parametrize("ranks, tp", [(1, 1), (2, 1), (2, 2), (4, 2)])
 def test_log_probs_equal_transformers(tmp_path, hf, ranks, tp):
     ckpt, ids, ref = hf
     a, b = ids[0].tolist(), ids[1].tolist()
