@@ -107,10 +107,10 @@ def _parser() -> argparse.ArgumentParser:
                         "and exit 75. Example: mpiexec -n 2 rlx-mpi score jobs/tiny.toml --prompts p.jsonl --out s.jsonl",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sc.add_argument("job", help="job TOML file (see jobs/)")
-    sc.add_argument("--prompts", metavar="LINES.jsonl", help="the lines to score")
-    sc.add_argument("--out", metavar="SCORES.jsonl", help="output, appended to and resumed")
+    sc.add_argument("--prompts", metavar="LINES.jsonl", help="the lines to score (default: [score] prompts)")
+    sc.add_argument("--out", metavar="SCORES.jsonl", help="output, appended to and resumed (default: [score] out)")
     sc.add_argument("--batch", type=int, metavar="TOKENS", help="padded tokens per microbatch (rows x longest line; "
-                    "default 2048): the last stage holds TOKENS x vocab float32 logits")
+                    "default: [score] batch, 2048): the last stage holds TOKENS x vocab float32 logits")
     sc.add_argument("--json", metavar="STATS.json", help="write the run's per-rank stats, totals and summary as JSON")
     sc.add_argument("--log-dir", metavar="DIR", help="one log per rank, DIR/rank-0003.log (lines prefixed with rank "
                     "and host); only rank 0 logs to the terminal")

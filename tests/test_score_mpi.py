@@ -95,7 +95,8 @@ def test_log_probs_equal_transformers(tmp_path, hf, ranks, tp):
 
 
 def test_a_plug_in_family_through_the_contract(tmp_path):
-    """The protocol family (forward only, no attention) on 3 stages, against its numpy reference."""
+    """The protocol family (forward only, no attention) on 3 stages, against its numpy reference;
+    the job's [score] section instead of flags."""
     import protocol_family as proto
 
     ckpt = tmp_path / "proto.h5"
@@ -104,8 +105,12 @@ def test_a_plug_in_family_through_the_contract(tmp_path):
     seqs = [rng.integers(0, cfg["vocab"], n).tolist() for n in (4, 9, 2, 6)]
     prompts = write_lines(tmp_path / "p.jsonl", [{"id": f"p{i}", "tokens": t} for i, t in enumerate(seqs)])
     out = tmp_path / "s.jsonl"
-    proc = score(job_of(tmp_path, ckpt, plugins=["protocol_family"]), prompts, out, "--batch", 12, ranks=3)
+    job = write_job(tmp_path, model={"checkpoint": str(ckpt), "plugins": ["protocol_family"]},
+                    run={"timeout_s": 30.0}, placement={"reserve_ram_gb": 0.0},
+                    score={"prompts": str(prompts), "out": str(out), "batch": 12})  # no flags: the [score] section
+    proc = run_cli(["score", job], ranks=3, timeout=120)
     assert proc.returncode == 0, proc.stderr
+    assert "3 microbatches" in proc.stdout  # lines of 9, 6 and 4 + 2 tokens
     for t, row in zip(seqs, rows_of(out)):
         x = proto.reference(cfg, np.array([t])).astype(np.float64)[0]
         lp = x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)

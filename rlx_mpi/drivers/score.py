@@ -14,9 +14,9 @@ per round, which writes the round's rows through the journal. Nothing is kept be
 microbatches (no KV cache): causal attention means the padding after a line changes none of
 its logits.
 
-Note: rounds and microbatches. ``--batch`` is a token budget per microbatch (rows x padded
-length, default `DEFAULT_TOKENS`): the last stage holds one microbatch's logits, budget x vocab
-x 4 bytes. A round takes the next lines in file order until they hold `per_round` budgets of
+Note: rounds and microbatches. ``--batch`` (``[score] batch``) is a token budget per
+microbatch (rows x padded length, default `DEFAULT_TOKENS`): the last stage holds one
+microbatch's logits, budget x vocab x 4 bytes. A round takes the next lines in file order until they hold `per_round` budgets of
 tokens, sorts them longest first (less padding) and packs them; a line longer than the budget
 is a microbatch of its own. `per_round` is ``[run] microbatches``, at least twice the stages,
 so the pipeline's fill-drain bubble is at most (p-1)/(3p-1). Between rounds every rank
@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from .. import rules, transport
+from ..config import ScoreSection
 from ..errors import ConfigError, RankFault
 from ..executor import Executor, wire_codec
 from ..faults import wait
@@ -51,7 +52,7 @@ __all__ = ["ScoreDriver", "ScoreOptions", "ScoreResult", "Microbatch", "plan_rou
 
 log = logging.getLogger("rlx_mpi")
 
-DEFAULT_TOKENS = 2048  # --batch: padded tokens per microbatch
+DEFAULT_TOKENS = ScoreSection.batch  # --batch: padded tokens per microbatch
 _TAG_LOGPROBS = 50_000  # last stage -> rank 0, one message per round
 
 
@@ -97,7 +98,7 @@ def plan_rounds(lengths: list[int], budget: int, per_round: int) -> list[list[Mi
 
 @dataclass(frozen=True)
 class ScoreOptions:
-    """A resolved ``score`` request (flags only)."""
+    """A resolved ``score`` request: the job's [score] section under the command-line flags."""
 
     prompts: Path
     out: Path
@@ -107,14 +108,18 @@ class ScoreOptions:
 
     @classmethod
     def resolve(cls, flags: Any, job: Any) -> "ScoreOptions":
-        if not flags.prompts:
-            raise ConfigError("score --prompts", "no prompt file given", "pass --prompts FILE")
-        if not flags.out:
-            raise ConfigError("score --out", "no output file given", "pass --out FILE")
+        """The job's [score] section under ``flags`` (the parsed command line), checked."""
+        sec = job.score
+        prompts = flags.prompts or (str(sec.prompts) if sec.prompts else None)
+        out = flags.out or (str(sec.out) if sec.out else None)
+        if not prompts:
+            raise ConfigError("score --prompts", "no prompt file given", "pass --prompts FILE or set [score] prompts")
+        if not out:
+            raise ConfigError("score --out", "no output file given", "pass --out FILE or set [score] out")
         rules.int_at_least(flags.batch, 1, "score --batch")
         rules.at_most(flags.batch, 2**31, "score --batch")
-        return cls(prompts=Path(flags.prompts), out=Path(flags.out),
-                   batch=DEFAULT_TOKENS if flags.batch is None else flags.batch, sync_s=job.generate.sync_s)
+        return cls(prompts=Path(prompts), out=Path(out), batch=sec.batch if flags.batch is None else flags.batch,
+                   sync_s=sec.sync_s)
 
 
 @dataclass
