@@ -367,6 +367,10 @@ class ScoreDriver:
         if not cx.is_root:
             return REQUEUE_EXIT if self.stopped else 0
         print(result.run.table())
+        pad = 1 - result.run.tokens / result.padded_tokens if result.padded_tokens else 0.0
+        print(f"{result.done_now} lines scored in {result.rounds} round{'s' if result.rounds != 1 else ''} "
+              f"({result.done_before} done before, {result.total} in total): {result.scored_tokens} scored tokens; "
+              f"{result.padded_tokens} positions computed, {100 * pad:.1f}% of them padding")
         summary = self.summary_line()
         if "--json" in cx.outputs:
             doc = {**result.to_dict(), "summary": asdict(self.summary())}
