@@ -3,6 +3,7 @@
 Commands launched under mpiexec/srun (every rank runs the same command line):
   run        one forward of a job over the pipeline (`drivers/run.py`)
   generate   complete a prompt file with the decode ring, resumable (`drivers/generate.py`)
+  score      log-likelihood of a file of texts, resumable (`drivers/score.py`)
   probe      every rank's hardware
 Plain single-process commands:
   plan       placement for hypothetical ranks (a job's checkpoint, a preset, or shape flags)
@@ -34,7 +35,7 @@ __all__ = ["main"]
 EPILOG = """exit codes: 0 ok, 1 internal error, 2 bad input (command line, job file, checkpoint,
 input ids), 3 model does not fit, 4 a rank failed at run time, 5 a rank timed out waiting
 (a rank that dies, stops or ends early is named by its supervisor, which ends the job: the
-code is then the launcher's, 9 under MPICH); 75 generate stopped by a signal, rerun to resume.
+code is then the launcher's, 9 under MPICH); 75 generate/score stopped by a signal, rerun to resume.
 docs: README.md"""
 
 
@@ -96,6 +97,23 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--json", metavar="STATS.json", help="write the run's per-rank stats and totals as JSON")
     g.add_argument("--log-dir", metavar="DIR", help="one log per rank, DIR/rank-0003.log (lines prefixed with rank "
                    "and host); only rank 0 logs to the terminal")
+
+    sc = sub.add_parser("score", help="log-likelihood of a file of texts across the launched ranks (under mpiexec/srun)",
+                        description="Teacher-forced log-likelihood: read JSON-lines ({\"id\", \"tokens\"}, {\"id\", "
+                        "\"text\"}, or {\"id\", \"context\", \"continuation\"}: only the continuation is scored), run "
+                        "the pipeline forward over microbatches of lines, append one JSON row per line (scored tokens, "
+                        "their log-probs, sum) to --out and print the perplexity of the whole file. Resumable as "
+                        "generate: a rerun skips the lines already there; SIGTERM/SIGINT/SIGUSR1 finish the round "
+                        "and exit 75. Example: mpiexec -n 2 rlx-mpi score jobs/tiny.toml --prompts p.jsonl --out s.jsonl",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sc.add_argument("job", help="job TOML file (see jobs/)")
+    sc.add_argument("--prompts", metavar="LINES.jsonl", help="the lines to score (default: [score] prompts)")
+    sc.add_argument("--out", metavar="SCORES.jsonl", help="output, appended to and resumed (default: [score] out)")
+    sc.add_argument("--batch", type=int, metavar="TOKENS", help="padded tokens per microbatch (rows x longest line; "
+                    "default: [score] batch, 2048): the last stage holds TOKENS x vocab float32 logits")
+    sc.add_argument("--json", metavar="STATS.json", help="write the run's per-rank stats, totals and summary as JSON")
+    sc.add_argument("--log-dir", metavar="DIR", help="one log per rank, DIR/rank-0003.log (lines prefixed with rank "
+                    "and host); only rank 0 logs to the terminal")
 
     pr = sub.add_parser("probe", help="show every launched rank's hardware (under mpiexec/srun)")
     pr.add_argument("job", nargs="?", help="optional job TOML: also checks its checkpoint is readable")
@@ -160,6 +178,19 @@ def cmd_generate(args) -> int:
     from .drivers.generate import GenerateDriver
 
     return _on_the_cluster(args, GenerateDriver(args))
+
+
+def cmd_score(args) -> int:
+    from .cluster import Cluster
+    from .drivers.score import ScoreDriver
+
+    driver = ScoreDriver(args)
+    cx = Cluster.start(args.job, driver, debug=args.debug, log_dir=args.log_dir)
+    if cx is None:  # every line already scored: the summary of the file still ends the job
+        if driver.holder.get("journal") is not None:
+            print(driver.summary_line())
+        return 0
+    return driver.report(cx, cx.run(driver))
 
 
 def _on_the_cluster(args, driver) -> int:
@@ -407,9 +438,9 @@ def cmd_init_model(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "generate": cmd_generate, "probe": cmd_probe, "plan": cmd_plan, "convert": cmd_convert,
+COMMANDS = {"run": cmd_run, "generate": cmd_generate, "score": cmd_score, "probe": cmd_probe, "plan": cmd_plan, "convert": cmd_convert,
             "init-model": cmd_init_model, "trace": cmd_trace}
-MPI_COMMANDS = {"run", "generate", "probe"}
+MPI_COMMANDS = {"run", "generate", "score", "probe"}
 
 
 def main(argv: list[str] | None = None, *, supervise: bool = False) -> int:

@@ -150,6 +150,20 @@ class GenerateSection:
 
 
 @dataclass(frozen=True)
+class ScoreSection:
+    """``rlx-mpi score`` settings; command-line flags override them."""
+
+    prompts: Path | None = None
+    """JSON-lines file of the lines to score (--prompts)."""
+    out: Path | None = None
+    """JSON-lines scores file, appended to and resumed (--out)."""
+    batch: int = 2048
+    """Padded tokens per microbatch (rows x longest line); the last stage holds batch x vocab logits."""
+    sync_s: float = 2.0
+    """Written rows are fsynced to the output at least this often."""
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """A validated job file."""
 
@@ -159,6 +173,7 @@ class JobConfig:
     placement: PlacementSection = field(default_factory=PlacementSection)
     ranks: tuple[RankOverride, ...] = ()
     generate: GenerateSection = field(default_factory=GenerateSection)
+    score: ScoreSection = field(default_factory=ScoreSection)
 
     def kv_for(self, rank: int) -> KvSpec:
         """The KV cache policy of ``rank``: its [[rank]] kv_cache, else [run] kv_cache."""
@@ -202,7 +217,8 @@ def _count(n: int, noun: str) -> str:
 
 # -- loading ------------------------------------------------------------------------------------
 
-_SECTIONS = {"model": ModelSection, "run": RunSection, "placement": PlacementSection, "generate": GenerateSection}
+_SECTIONS = {"model": ModelSection, "run": RunSection, "placement": PlacementSection, "generate": GenerateSection,
+             "score": ScoreSection}
 _POSITIVE = {"batch", "seq", "microbatches", "tp", "timeout_s", "startup_timeout_s", "max_new_tokens", "sync_s"}
 _NON_NEGATIVE = {"reserve_ram_gb", "init_seed", "seed", "rank", "temperature", "top_k", "groups", "eos_id"}
 # Bounds far past any real job, so an absurd value is refused here instead of overflowing later

@@ -1,0 +1,396 @@
+"""``rlx-mpi score``: teacher-forced log-likelihood of a prompt file, across the pipeline.
+
+`ScoreDriver` is the command on the shared start-up (`Cluster.start`). Rank 0 reads the
+prompt file (`scoring.read_score_prompts`: every bad line named ``FILE:LINE``, every line
+checked against the model's positions, before any compute) and opens the journal (the same
+resumable, ordered output as ``generate``, its sidecar identity `RunIdentity.for_score`);
+every rank learns the lines still to do and cuts them, all alike, into rounds of microbatches
+(`plan_rounds`). A round is one GPipe forward (`schedule.forward_schedule` through the
+`executor.Executor`, as ``run``): stage 0 embeds each microbatch's right-padded ids, the
+hidden states travel down the pipeline, and the last stage turns each microbatch's logits
+(B, T, V) into the log-probs of its scored tokens (`scoring.gather_logprobs`, per line, from
+a view of the logits: no (N, V) copy). Only those float32 log-probs travel back to rank 0, once
+per round, which writes the round's rows through the journal. Nothing is kept between
+microbatches (no KV cache): causal attention means the padding after a line changes none of
+its logits.
+
+Note: rounds and microbatches. ``--batch`` (``[score] batch``) is a token budget per
+microbatch (rows x padded length, default `DEFAULT_TOKENS`): the last stage holds one
+microbatch's logits, budget x vocab x 4 bytes. A round takes the next lines in file order until they hold `per_round` budgets of
+tokens, sorts them longest first (less padding) and packs them; a line longer than the budget
+is a microbatch of its own. `per_round` is ``[run] microbatches``, at least twice the stages,
+so the pipeline's fill-drain bubble is at most (p-1)/(3p-1). Between rounds every rank
+agrees on a stop request (an all-reduce): SIGTERM/SIGINT/SIGUSR1 finish the round, write its
+rows and exit 75; a rerun resumes after the last whole row.
+
+Note: non-finite values. Each stage's first TP rank checks its output of every microbatch;
+a NaN or Inf ends the job with exit 4 naming the stage and the first line affected, before
+any row of that round is written (earlier rounds' rows are finite and stay).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import rules, transport
+from ..config import ScoreSection
+from ..errors import ConfigError, RankFault
+from ..executor import Executor, wire_codec
+from ..faults import wait
+from ..schedule import Action, forward_schedule
+from ..stats import ClusterRun, StageTiming, peak_rss_bytes
+
+__all__ = ["ScoreDriver", "ScoreOptions", "ScoreResult", "Microbatch", "plan_rounds", "DEFAULT_TOKENS"]
+
+log = logging.getLogger("rlx_mpi")
+
+DEFAULT_TOKENS = ScoreSection.batch  # --batch: padded tokens per microbatch
+_TAG_LOGPROBS = 50_000  # last stage -> rank 0, one message per round
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    """Lines of one forward: positions in the pending list, right-padded to ``length``."""
+
+    lines: tuple[int, ...]
+    length: int
+
+
+def plan_rounds(lengths: list[int], budget: int, per_round: int) -> list[list[Microbatch]]:
+    """Cut lines (their token counts, in file order) into rounds of microbatches.
+
+    A round takes lines in order while they hold at most ``per_round * budget`` tokens (at
+    least one line), sorts them longest first and packs each microbatch while rows x its
+    first (longest) line's length stays within ``budget`` (and within the round's tokens /
+    ``per_round``, so a short round still fills the pipeline). Pure: every rank computes the same.
+    """
+    if budget < 1 or per_round < 1:
+        raise ValueError(f"budget and per_round must be >= 1, got {budget}, {per_round}")
+    rounds, i, n = [], 0, len(lengths)
+    while i < n:
+        j, total = i, 0
+        while j < n and (j == i or total + lengths[j] <= per_round * budget):
+            total += lengths[j]
+            j += 1
+        order = sorted(range(i, j), key=lambda k: (-lengths[k], k))
+        # a short round (the file's end, a small file) is still cut into per_round microbatches
+        # where it can be, so that every stage of the pipeline gets work
+        cap = min(budget, max(lengths[order[0]], -(-sum(lengths[k] for k in order) // per_round)))
+        mbs, k = [], 0
+        while k < len(order):
+            longest = lengths[order[k]]
+            rows = max(1, cap // longest)
+            take = tuple(order[k:k + rows])
+            mbs.append(Microbatch(take, longest))
+            k += len(take)
+        rounds.append(mbs)
+        i = j
+    return rounds
+
+
+@dataclass(frozen=True)
+class ScoreOptions:
+    """A resolved ``score`` request: the job's [score] section under the command-line flags."""
+
+    prompts: Path
+    out: Path
+    batch: int  # padded tokens per microbatch
+    sync_s: float = 2.0
+    progress_s: float = 10.0
+
+    @classmethod
+    def resolve(cls, flags: Any, job: Any) -> "ScoreOptions":
+        """The job's [score] section under ``flags`` (the parsed command line), checked."""
+        sec = job.score
+        prompts = flags.prompts or (str(sec.prompts) if sec.prompts else None)
+        out = flags.out or (str(sec.out) if sec.out else None)
+        if not prompts:
+            raise ConfigError("score --prompts", "no prompt file given", "pass --prompts FILE or set [score] prompts")
+        if not out:
+            raise ConfigError("score --out", "no output file given", "pass --out FILE or set [score] out")
+        rules.int_at_least(flags.batch, 1, "score --batch")
+        rules.at_most(flags.batch, 2**31, "score --batch")
+        return cls(prompts=Path(prompts), out=Path(out), batch=sec.batch if flags.batch is None else flags.batch,
+                   sync_s=sec.sync_s)
+
+
+@dataclass
+class ScoreResult:
+    """What rank 0 reports: the forward's per-rank table and this run's counts."""
+
+    run: ClusterRun
+    total: int  # lines in the prompt file
+    done_before: int
+    done_now: int
+    scored_tokens: int  # scored by this run
+    padded_tokens: int  # positions computed, padding included
+    rounds: int
+    stopped_by: str | None
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "run"}
+        return {**d, **self.run.to_dict()}
+
+
+class ScoreDriver:
+    """The ``score`` command as a driver of the shared start-up (see `rlx_mpi.drivers`)."""
+
+    command = "score"
+    stop_signals = True  # finish the round, write its rows, exit 75
+    plan_only = False
+
+    def __init__(self, flags: Any, *, argv_inputs: tuple = ()):
+        self.flags, self.argv_inputs = flags, argv_inputs
+        self.opts: ScoreOptions | None = None
+        self.doc: dict = {}
+        self.holder: dict = {}  # rank 0: journal, prompts
+        self.rounds: list[list[Microbatch]] = []
+        self.stopped = False
+
+    def configure(self, cx: Any) -> None:
+        self.opts = ScoreOptions.resolve(self.flags, cx.job)
+
+    def outputs(self, cx: Any) -> tuple[list, dict]:
+        o = self.opts
+        inputs = {"the job file": cx.job.path, "the checkpoint": cx.job.model.checkpoint,
+                  "the prompt file": o.prompts, "the output file": o.out}
+        return [("--json", self.flags.json)], inputs
+
+    def load(self, cx: Any) -> tuple[int, int] | None:
+        """Prompts and journal on rank 0; the rounds on every rank; None when all are done."""
+        from ..journal import Journal, RunIdentity
+        from ..prompts import load_tokenizer
+        from ..scoring import read_score_prompts
+
+        cx.prepare()
+        dims, job, opts = cx.dims, cx.job, self.opts
+
+        def load() -> dict | None:
+            if not cx.is_root:
+                return None
+            tokenizer = load_tokenizer(job.model.checkpoint)
+            prompts = read_score_prompts(opts.prompts, vocab_size=dims.vocab_size, max_positions=dims.max_positions,
+                                         tokenizer=tokenizer)
+            journal = Journal(opts.out, prompts, inputs=(opts.prompts, job.path, job.model.checkpoint,
+                                                         *self.argv_inputs), sync_s=opts.sync_s,
+                              identity=RunIdentity.for_score(job.model.checkpoint))
+            self.holder.update(journal=journal, prompts=prompts)
+            pending = [[p.index, p.id, list(p.tokens), p.start] for p in journal.pending]
+            return {"pending": pending, "total": len(prompts)}
+
+        doc = cx.agree(load, "reading the prompts")
+        self.doc = doc = transport.bcast_json(cx.world, doc, 0, job.run.startup_timeout_s, cx.ctx, "the prompts")
+        if not doc["pending"]:
+            if cx.is_root:
+                self.holder["journal"].close()
+                log.info("all %d lines of %s are already in %s", doc["total"], opts.prompts, opts.out)
+            return None
+        n_stages = cx.world.size // job.placement.tp
+        per_round = max(job.run.microbatches, 2 * n_stages)
+        self.rounds = plan_rounds([len(p[2]) for p in doc["pending"]], opts.batch, per_round)
+        rows = max(len(mb.lines) for r in self.rounds for mb in r)
+        longest = max(mb.length for r in self.rounds for mb in r)
+        return rows, longest  # the planner prices one microbatch at most this shape
+
+    def cost(self, cx: Any) -> Any:
+        return cx.cost()
+
+    def check_plan(self, cx: Any) -> None:
+        pass
+
+    def ready(self, cx: Any) -> None:
+        pass
+
+    def drive(self, cx: Any) -> ScoreResult | None:
+        """Every round's forward on every rank; the `ScoreResult` on rank 0 (None elsewhere)."""
+        from ..progress import Progress
+        from ..scoring import gather_logprobs, score_row
+
+        job, topo, stage, a, stop = cx.job, cx.topology, cx.stage, cx.assignment, cx.stop
+        timeout = job.run.timeout_s
+        doc, pending = self.doc, self.doc["pending"]
+        journal, prompts = self.holder.get("journal"), self.holder.get("prompts")
+        done_before = doc["total"] - len(pending)
+        progress = Progress(doc["total"], done_before, interval_s=self.opts.progress_s, label="score") \
+            if journal is not None else None
+        grace = max(1.0, 0.1 * timeout)  # staggered deadlines: see drivers/run.py's forward
+        link = transport.Link(cx.world, cx.ctx, timeout + topo.stage * grace,
+                              send_timeout_s=timeout + (topo.n_stages - 1 - topo.stage) * grace)
+        final = transport.Link(cx.world, cx.ctx, timeout + topo.n_stages * grace)
+        ex = Executor(link, cx.ctx, rank_of=lambda s: topo.prev if s < topo.stage else topo.next,
+                      codec=wire_codec(job), record=False)
+        keeps = a.last and topo.tp_rank == 0  # computes the log-probs
+        checks = topo.tp_rank == 0  # names a non-finite output (one line, not one per TP rank)
+        H = cx.dims.hidden_size
+        counts = {"done": 0, "scored": 0, "padded": 0, "tokens": 0}
+
+        def line_name(k: int) -> str:
+            index, pid = pending[k][0], pending[k][1]
+            return f"line {pid!r} (line {index + 1} of the prompt file)"
+
+        def check(out: np.ndarray, mb: Microbatch, m: int, what: str) -> None:
+            if np.isfinite(out).all():
+                return
+            for b, k in enumerate(mb.lines):
+                part = out[b, :len(pending[k][2])]
+                if not np.isfinite(part).all():
+                    bad = int(part.size - np.count_nonzero(np.isfinite(part)))
+                    raise RankFault(cx.ctx.describe(), f"{what} of stage {a.stage} for {line_name(k)} has {bad} "
+                                    f"non-finite values (NaN or Inf); no row of this round is written",
+                                    "the weights or the model config are broken (rms_norm_eps, rope_theta); set "
+                                    "[model] check_finite = true to find a bad tensor, or re-convert the model")
+
+        def ids_of(mb: Microbatch) -> np.ndarray:
+            ids = np.zeros((len(mb.lines), mb.length), np.int64)  # right-padded with id 0
+            for b, k in enumerate(mb.lines):
+                t = pending[k][2]
+                ids[b, :len(t)] = t
+            return ids
+
+        def run_round(mbs: list[Microbatch]) -> tuple[np.ndarray | None, dict[int, tuple[int, int]]]:
+            # where each line's log-probs sit in the round's flat array (microbatch, then row order)
+            where, n = {}, 0
+            for mb in mbs:
+                for k in mb.lines:
+                    s, ln = pending[k][3], len(pending[k][2])
+                    where[k] = (n, n + ln - s)
+                    n += ln - s
+            lps = np.empty(n, np.float32) if keeps or cx.is_root else None
+            recv = None
+            if cx.is_root and not keeps:  # posted first: the last stage's send never waits on buffering
+                recv = final.irecv(lps, topo.output_rank, _TAG_LOGPROBS, "the log-probs of a round")
+
+            def recv_spec(act: Action):
+                mb = mbs[act.microbatch]
+                return (len(mb.lines), mb.length, H), np.float32
+
+            def compute(m: int, x: np.ndarray | None) -> np.ndarray | None:
+                mb = mbs[m]
+                ids = ids_of(mb) if a.first or keeps else None
+                out = stage.forward(ids if a.first else x)
+                want = (len(mb.lines), mb.length) + ((cx.dims.vocab_size,) if a.last else (H,))
+                if out.shape != want or out.dtype != np.float32:
+                    raise RankFault(cx.ctx.describe(), f"the stage returned {out.dtype} {out.shape} for microbatch "
+                                    f"{m}, expected float32 {want}", "the model family's forward disagrees with "
+                                    "its dims: fix the plug-in")
+                if checks and not a.last:
+                    check(out, mb, m, "the hidden state")
+                if not a.last:
+                    return out
+                if keeps:
+                    for b, k in enumerate(mb.lines):
+                        s, ln = pending[k][3], len(pending[k][2])
+                        view = out[b, s - 1:ln - 1]  # position t-1 predicts token t: a view, no copy
+                        if not np.isfinite(view).all():
+                            check(out[b:b + 1, s - 1:ln - 1], Microbatch((k,), ln), m, "the logits")
+                        lo, hi = where[k]
+                        lps[lo:hi] = gather_logprobs(view, ids[b, s:ln])
+                return None
+
+            ex.run(forward_schedule(topo.stage, topo.n_stages, len(mbs)), compute, recv_spec)
+            if recv is not None:
+                recv.wait()
+            elif keeps and not cx.is_root:
+                final.send(lps, 0, _TAG_LOGPROBS, "the log-probs of a round")
+            return lps, where
+
+        def stop_now() -> bool:
+            from mpi4py import MPI
+
+            flag = np.array([1 if stop is not None and stop.requested else 0], np.int32)
+            if cx.world.size > 1:  # every rank leaves after the same round
+                req = cx.world.Iallreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
+                wait(req, timeout + (topo.n_stages + 1) * grace, cx.ctx, lambda: "every rank to finish the round",
+                     "some rank")
+            return bool(flag[0])
+
+        wait(cx.world.Ibarrier(), timeout, cx.ctx, lambda: "every rank to start scoring", "some rank")
+        t0 = time.perf_counter()
+        stopped, done_rounds = False, 0
+        for r, mbs in enumerate(self.rounds):
+            lps, where = run_round(mbs)
+            done_rounds += 1
+            lines = sorted(where)  # pending positions of this round, in file order
+            counts["padded"] += sum(len(mb.lines) * mb.length for mb in mbs)
+            counts["tokens"] += sum(len(pending[k][2]) for k in lines)
+            if journal is not None:
+                for k in lines:
+                    lo, hi = where[k]
+                    index = pending[k][0]
+                    journal.complete(index, score_row(prompts[index], lps[lo:hi]))
+                    counts["scored"] += hi - lo
+                journal.flush()
+                counts["done"] += len(lines)
+                progress.update(done_before + counts["done"], sum(len(pending[k][2]) for k in lines))
+            if r + 1 < len(self.rounds) and stop_now():
+                stopped = True
+                break
+        wall = time.perf_counter() - t0
+        self.stopped = stopped  # agreed by every rank (stop_now)
+        if journal is not None:
+            journal.close()
+            progress.finish()
+        st = ex.stats
+        timing = StageTiming(
+            rank=cx.world.rank, host=cx.ctx.host, stage=a.stage, tp_rank=topo.tp_rank, tp_ranks=a.ranks,
+            layers=a.layers, device=job.override_for(cx.world.rank).device, build_ms=cx.build_ms,
+            forward_ms=st.compute_s * 1e3, recv_wait_ms=(st.recv_wait_s + final.recv_wait_s) * 1e3,
+            send_ms=st.send_wait_s * 1e3, bytes_sent=link.bytes_sent + final.bytes_sent, est_bytes=a.est_bytes,
+            weight_bytes=stage.weight_bytes, peak_rss_bytes=peak_rss_bytes(), pack_ms=st.pack_s * 1e3,
+            unpack_ms=st.unpack_s * 1e3, wall_ms=st.wall_s * 1e3, precision=job.precision_for(cx.world.rank).value)
+        mine = {"timing": timing.to_dict(), "signal": stop.signal_name if stop is not None else None}
+        rows = transport.gather_json(cx.world, mine, 0, timeout + (topo.n_stages + 1) * grace, cx.ctx,
+                                     "the score stats")
+        if not cx.is_root:
+            return None
+        stopped_by = (next((r["signal"] for r in rows if r["signal"]), None) or "a stop request") if stopped else None
+        run = ClusterRun(timings=[StageTiming.from_dict(r["timing"]) for r in rows], total_forward_ms=wall * 1e3,
+                         tokens=counts["tokens"], microbatches=sum(len(mbs) for mbs in self.rounds[:done_rounds]))
+        run.wire = job.run.wire
+        return ScoreResult(run=run, total=doc["total"], done_before=done_before, done_now=counts["done"],
+                           scored_tokens=counts["scored"], padded_tokens=counts["padded"], rounds=done_rounds,
+                           stopped_by=stopped_by)
+
+    def report(self, cx: Any, result: ScoreResult | None) -> int:
+        """Rank 0 prints the table and the file's summary, writes --json; 75 when stopped by a signal."""
+        from ..journal import REQUEUE_EXIT
+        from ..outputs import write_output
+
+        if not cx.is_root:
+            return REQUEUE_EXIT if self.stopped else 0
+        print(result.run.table())
+        pad = 1 - result.run.tokens / result.padded_tokens if result.padded_tokens else 0.0
+        print(f"{result.done_now} lines scored in {result.rounds} round{'s' if result.rounds != 1 else ''} "
+              f"({result.done_before} done before, {result.total} in total): {result.scored_tokens} scored tokens; "
+              f"{result.padded_tokens} positions computed, {100 * pad:.1f}% of them padding")
+        summary = self.summary_line()
+        if "--json" in cx.outputs:
+            doc = {**result.to_dict(), "summary": asdict(self.summary())}
+            write_output(cx.outputs["--json"], lambda tmp: tmp.write_text(json.dumps(doc, indent=2)))
+        print(summary)
+        sys.stdout.flush()
+        if result.stopped_by:
+            print(f"rlx-mpi: stopped by {result.stopped_by} after the current round: "
+                  f"{result.done_before + result.done_now} of {result.total} lines are in {self.opts.out}; "
+                  f"run the same command again to resume (exit code {REQUEUE_EXIT})", file=sys.stderr)
+            return REQUEUE_EXIT
+        return 0
+
+    def summary(self):
+        from ..scoring import read_summary
+
+        return read_summary(self.opts.out)
+
+    def summary_line(self) -> str:
+        """``score: <summary of every row of --out>`` (rank 0, after the journal is closed)."""
+        if not self.opts.out.exists():
+            return f"score: no rows in {self.opts.out}"
+        return f"score: {self.opts.out}: {self.summary().line()}"
