@@ -17,14 +17,15 @@ set against llama.cpp's q8_0 (one scale per 32 weights).
 Cases, each side pinned to the same first T cores (``taskset -c 0..T-1``; our rank probes T
 cpus and pins T BLAS/numba threads; llama.cpp gets ``-t T``), trials interleaved, medians:
 
-- batch-1 decode after 32 cached tokens, f32 / bf16 / int8-vs-q8_0: ours = 32 / (wall of
-  ``generate`` with a 32-token prompt and 33 new tokens - wall with 1 new token); theirs =
-  ``llama-bench -p 0 -n 32 -d 32 -fa off`` (median of its per-repetition t/s).
+- batch-1 decode after 32 cached tokens, f32 / bf16 / int8-vs-q8_0: ours = 32 / the decode
+  time (``decode_s`` of ``generate --json``, the table's decode_ms) of a 32-token prompt and 33
+  new tokens; theirs = ``llama-bench -p 0 -n 32 -d 32 -fa off`` (median of its per-repetition
+  t/s); both time the decode evaluations alone.
 - 8 prompts x 32 new tokens, f32, new tokens over the whole time (prefill included): ours =
   8 x 32 / wall (``--batch 8``); theirs = ``llama-batched-bench -npp 32 -ntg 32 -npl 8
   -ctk f32 -ctv f32 -fa off``: B x TG / T.
-- prefill of 128 and 512 tokens, f32, batch 1: ours = P / wall with 1 new token (the prefill
-  and one sampled token); theirs = ``llama-bench -p P -n 0 -fa off``.
+- prefill of 128 and 512 tokens, f32, batch 1: ours = P / the prefill time (``prefill_s``) of
+  a ``generate`` with 1 new token; theirs = ``llama-bench -p P -n 0 -fa off``.
 - decode as a fraction of the memory-bandwidth bound: weight bytes a decode step reads (every
   layer, final norm and head in the side's own format: q8_0 is 34 bytes per 32 weights, our
   int8 1 byte plus a 4-byte scale per row) over the copy bandwidth measured here with T
@@ -157,6 +158,15 @@ def ours(folder: Path, job: Path, prompts: Path, new: int, batch: int, threads: 
                         _cores(threads))
 
 
+def ours_decode(folder: Path, job: Path, prompts: Path, new: int, threads: int, mpiexec: str) -> float:
+    """Batch-1 decode tokens/s of one ``generate``: the new - 1 decode steps over their time in
+    the generate table (decode_ms: the stage's decode steps, sampling apart), as llama-bench's tg
+    times its decode evaluations alone."""
+    ours(folder, job, prompts, new, 1, threads, mpiexec)
+    rows = json.loads((folder / "stats.json").read_text())["rows"]
+    return (new - 1) / max(r["decode_s"] for r in rows)
+
+
 def llama_bench(bin_dir: Path, gguf: Path, threads: int, reps: int, *, p: int, n: int, d: int = 0) -> float:
     """Median t/s over llama-bench's repetitions."""
     out = _run([*_cores(threads), str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", str(p), "-n", str(n),
@@ -264,9 +274,7 @@ def main() -> None:
                     for prec in args.precisions.split(","):
                         key = f"decode batch 1, {prec} vs {PREC[prec]}, {t} thread(s)"
                         wait_quiet(args.quiet, args.quiet_wait)
-                        w1 = ours(folder, jobs[prec], p32[1], 1, 1, t, args.mpiexec)
-                        wn = ours(folder, jobs[prec], p32[1], new, 1, t, args.mpiexec)
-                        mine.setdefault(key, []).append((new - 1) / max(wn - w1, 1e-9))
+                        mine.setdefault(key, []).append(ours_decode(folder, jobs[prec], p32[1], new, t, args.mpiexec))
                         theirs.setdefault(key, []).append(llama_bench(bin_dir, m["gguf"][PREC[prec]], t, 1, p=0, n=32,
                                                                       d=32))
                 if "batch8" not in skip:
@@ -278,7 +286,9 @@ def main() -> None:
                     for n in (128, 512):
                         key = f"prefill {n}, f32, {t} thread(s)"
                         wait_quiet(args.quiet, args.quiet_wait)
-                        mine.setdefault(key, []).append(n / ours(folder, jobs["f32"], plong[n], 1, 1, t, args.mpiexec))
+                        ours(folder, jobs["f32"], plong[n], 1, 1, t, args.mpiexec)
+                        rows_ = json.loads((folder / "stats.json").read_text())["rows"]
+                        mine.setdefault(key, []).append(n / max(r["prefill_s"] for r in rows_))
                         theirs.setdefault(key, []).append(llama_bench(bin_dir, m["gguf"]["f32"], t, 1, p=n, n=0))
             print(f"  trial {trial + 1}/{args.trials} done (load {loadavg()})", file=sys.stderr, flush=True)
         bw = {t: copy_bandwidth(t) for t in args.threads_list}
