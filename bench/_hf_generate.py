@@ -1,6 +1,6 @@
 """The transformers side of bench_generate.py; run with the torch venv's Python.
 
-    PY bench/_hf_generate.py build --preset small --hf-dir DIR
+    PY bench/_hf_generate.py build --preset small --hf-dir DIR [--vocab V] [--dims JSON]
     PY bench/_hf_generate.py time --hf-dir DIR --threads 2 --prompt-len 64 --new 17 --batches 1,8 --trials 3
 
 ``build`` saves a random ``LlamaForCausalLM`` of the preset's shape (bench_hf.build_hf). ``time``
@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("what", choices=["build", "time"])
     ap.add_argument("--preset", default="small")
     ap.add_argument("--hf-dir", required=True)
+    ap.add_argument("--vocab", type=int, help="build: vocabulary size (default: the preset's)")
+    ap.add_argument("--dims", help="build: the preset's fields as JSON (then rlx_mpi, which needs numba, is not imported)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new", type=int, default=17)
@@ -44,7 +46,8 @@ def main() -> None:
     if args.what == "build":
         from bench_hf import build_hf
 
-        build_hf(Path(args.hf_dir), args.preset, seed=0)
+        build_hf(Path(args.hf_dir), args.preset, seed=0, vocab=args.vocab,
+                 dims=json.loads(args.dims) if args.dims else None)
         return
     import torch
     from transformers import LlamaForCausalLM

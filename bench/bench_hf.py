@@ -33,23 +33,31 @@ import numpy as np
 from _machine import add_common_args, fmt_table, header, loadavg, machine, save_json, wait_quiet
 
 
-def build_hf(hf_dir: Path, preset: str, seed: int):
-    """A transformers Llama of ``preset``'s shape with O(1) random weights, saved to ``hf_dir``."""
+def build_hf(hf_dir: Path, preset: str, seed: int, vocab: int | None = None, dims: dict | None = None):
+    """A transformers Llama of ``preset``'s shape (``vocab`` tokens if given) with O(1) random
+    weights, saved to ``hf_dir``. ``dims`` (the preset's fields as a dict) spares importing
+    rlx_mpi, whose kernels need numba, in a torch-only Python."""
     import torch
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlx_mpi.families.llama import PRESETS
+    if dims is None:
+        from dataclasses import asdict
 
-    p = PRESETS[preset]
-    kw = dict(vocab_size=p.vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
-              num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
-              num_key_value_heads=p.num_key_value_heads, max_position_embeddings=p.max_position_embeddings,
-              rms_norm_eps=p.rms_norm_eps, tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+        from rlx_mpi.families.llama import PRESETS
+
+        dims = asdict(PRESETS[preset])
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "rms_norm_eps")
+    kw = {k: dims[k] for k in keys}
+    kw.update(tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+    if vocab:
+        kw["vocab_size"] = vocab
+    rope_theta = dims["rope_theta"]
     if int(transformers.__version__.split(".")[0]) >= 5:
-        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": p.rope_theta}
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta}
     else:
-        kw["rope_theta"] = p.rope_theta
+        kw["rope_theta"] = rope_theta
     torch.manual_seed(seed)
     model = LlamaForCausalLM._from_config(LlamaConfig(**kw), attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():

@@ -313,3 +313,29 @@ def test_linear_takes_the_same_values_on_every_row_count_path():
     full = x.astype(np.float64) @ w.T.astype(np.float64)
     for rows in (1, kernels.F32_MATVEC_ROWS, kernels.F32_MATVEC_ROWS + 1, 63, 64, 200):
         np.testing.assert_allclose(lin(x[:rows]), full[:rows], rtol=1e-5, atol=1e-4)
+
+
+def test_set_threads_sizes_the_matvec_pool_and_is_remembered():
+    """set_threads pins numba's pool and the count the matvec wrappers split rows by (kept, so
+    a decode step does not ask numba 113 times); the products stay right at either count."""
+    import numba
+
+    from rlx_mpi.kernels._common import pool_threads
+
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((2, 96)).astype(np.float32), rng.standard_normal((70, 96)).astype(np.float32)
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    before = numba.get_num_threads()
+    try:
+        for n in (1, numba.config.NUMBA_NUM_THREADS):
+            kernels.set_threads(n)
+            assert pool_threads() == numba.get_num_threads() == n
+            np.testing.assert_allclose(kernels.matvec_f32(x, w), want, rtol=1e-5, atol=1e-4)
+            bits = kernels.to_bf16(w)
+            np.testing.assert_allclose(kernels.dequant_matmul(x, bits, "bf16"),
+                                       x.astype(np.float64) @ kernels.from_bf16(bits).T.astype(np.float64),
+                                       rtol=1e-5, atol=1e-4)
+        kernels.set_threads(10 ** 6)  # capped at numba's pool size
+        assert pool_threads() == numba.config.NUMBA_NUM_THREADS
+    finally:
+        kernels.set_threads(before)

@@ -14,8 +14,9 @@ matvecs run on numba's pool, sized by `set_threads`; the rest run serial on the 
 
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from ._common import set_threads
 
 from .attention import _row_max, attend, attend_workspace_bytes, causal_softmax_
 from .elementwise import _exp, rms_norm, rope, silu_mul_
@@ -27,12 +28,6 @@ __all__ = ["rms_norm", "silu_mul_", "rope", "attend", "attend_workspace_bytes", 
            "matvec_f32", "F32_MATVEC_ROWS", "dequant_matmul", "dequantize", "f16_has_special", "to_bf16",
            "from_bf16", "quantize_int8", "WEIGHT_FORMATS", "MATVEC_ROWS", "set_threads", "warm_up",
            "warm_up_lowp"]
-
-
-def set_threads(n: int | None) -> None:
-    """Run the parallel kernels (the decode matvecs) on ``n`` threads: the rank's share of its host, like BLAS."""
-    if n:
-        numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
 
 
 def warm_up() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 # Note: threads. The element-wise and attention kernels are written with `numba.prange` but
@@ -18,6 +19,25 @@ PARALLEL = False
 ERR = "numpy"
 
 FAST = {"reassoc", "contract"}  # lets LLVM vectorise float32 dot-product reductions (SIMD lanes)
+
+
+_threads: list[int] = []  # the count `set_threads` last gave numba's pool (empty: never set)
+
+
+def pool_threads() -> int:
+    """Threads of numba's pool for the parallel kernels.
+
+    Note: numba.get_num_threads() first calls numba's _launch_threads, 3-7 us per call (measured
+    under load); a decode step calls a matvec ~113 times (medium preset), so the count
+    `set_threads` gave is kept here and numba asked only when it was never set."""
+    return _threads[0] if _threads else numba.get_num_threads()
+
+
+def set_threads(n: int | None) -> None:
+    """Run the parallel kernels (the decode matvecs) on ``n`` threads: the rank's share of its host, like BLAS."""
+    if n:
+        numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
+        _threads[:] = [numba.get_num_threads()]
 
 
 def check_f32(name: str, a: np.ndarray) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ._common import FAST, check_f32
+from ._common import FAST, check_f32, pool_threads
 from .bits import as_f32, f16_value, pack_bf16, unpack_bf16, unpack_f16
 
 __all__ = ["dequant_matmul", "dequantize", "f16_has_special", "to_bf16", "from_bf16", "quantize_int8",
@@ -146,7 +146,7 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
     if out is None:
         out = np.empty((R, N), np.float32)
     if R <= MATVEC_ROWS and fused:
-        chunks = min(N, 4 * numba.get_num_threads())  # a few per thread: balanced, one scratch row each
+        chunks = min(N, 4 * pool_threads())  # a few per thread: balanced, one scratch row each
         if fmt == "bf16":
             _matvec_bf16(x, w, out, chunks)
         elif fmt == "f16":

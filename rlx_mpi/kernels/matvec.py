@@ -6,7 +6,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ._common import FAST, check_f32
+from ._common import FAST, check_f32, pool_threads
 
 __all__ = ["matvec_f32", "F32_MATVEC_ROWS"]
 
@@ -33,7 +33,7 @@ def matvec_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"matvec_f32: x {x.shape} and w {w.shape} do not fit (R, K) @ (N, K).T")
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    _matvec_f32(x, w, out, min(w.shape[0], 4 * numba.get_num_threads()))
+    _matvec_f32(x, w, out, min(w.shape[0], 4 * pool_threads()))
     return out
 
 
