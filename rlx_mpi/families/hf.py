@@ -448,7 +448,9 @@ def convert(family, hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, d
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what `prompts.load_tokenizer` reads
-_COPIED = (*TOKENIZER_FILES, "generation_config.json")  # generation_config: end-of-sequence ids
+# chat_template.jinja: transformers 5 saves the chat template there (it wins over the config's);
+# generation_config: the end-of-sequence ids, copied even without a tokenizer (ids-only prompts)
+_COPIED = (*TOKENIZER_FILES, "chat_template.jinja", "generation_config.json")
 
 
 def copy_tokenizer(hf_dir: str | os.PathLike, out_path: str | os.PathLike) -> list[Path]:
@@ -456,15 +458,14 @@ def copy_tokenizer(hf_dir: str | os.PathLike, out_path: str | os.PathLike) -> li
 
     The stem prefix lets several models share a folder; ``generate`` finds them there. Each
     file is written through a temporary name and renamed; a source is never a destination.
-    Returns the files written (none when the directory has no ``tokenizer.json``).
+    Returns the files written (only ``generation_config.json`` when there is no ``tokenizer.json``).
     """
     import shutil
 
     hf_dir, out_path = Path(hf_dir), Path(out_path)
-    if not (hf_dir / "tokenizer.json").is_file():
-        return []
+    names = _COPIED if (hf_dir / "tokenizer.json").is_file() else ("generation_config.json",)
     written = []
-    for name in _COPIED:
+    for name in names:
         src, dst = hf_dir / name, out_path.with_name(f"{out_path.stem}.{name}")
         if not src.is_file() or (dst.exists() and os.path.samefile(src, dst)):
             continue
