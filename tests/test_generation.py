@@ -210,7 +210,8 @@ def test_prompt_key_is_stable():
 
 def test_scheduler_prefills_new_prompts_then_decodes_and_reuses_slots():
     prompts = [(i, f"p{i}", tuple(range(1, 2 + i))) for i in range(5)]
-    s = Scheduler(prompts, groups=2, batch=2, max_new_tokens=2, eos_id=99, recompute=False)
+    s = Scheduler(prompts, groups=2, batch=2, max_new_tokens=2, eos_ids=frozenset({99, 98}),
+                  recompute=False)
     a = s.next_step(0)
     assert a.kind == PREFILL and [r.id for r in a.rows] == ["p0", "p1"] and a.ids.shape == (2, 2)
     kind, g, n, T, rows = read_header(a.header)
@@ -218,6 +219,7 @@ def test_scheduler_prefills_new_prompts_then_decodes_and_reuses_slots():
     b = s.next_step(1)
     assert [r.slot for r in b.rows] == [2, 3]
     assert s.complete(a, np.array([99, 5])) and a.rows[0].finish_reason == "stop"  # eos frees slot 0
+    assert s.complete(b, np.array([4, 98])) and b.rows[1].finish_reason == "stop"  # so does the other eos id
     c = s.next_step(0)  # p4 takes slot 0 and is prefilled; p1 waits a turn
     assert c.kind == PREFILL and [(r.id, r.slot) for r in c.rows] == [("p4", 0)]
     s.complete(c, np.array([7]))
@@ -232,7 +234,8 @@ def test_scheduler_prefills_new_prompts_then_decodes_and_reuses_slots():
 
 
 def test_scheduler_recompute_prefills_whole_sequences():
-    s = Scheduler([(0, "a", (1, 2, 3))], groups=1, batch=1, max_new_tokens=3, eos_id=None, recompute=True)
+    s = Scheduler([(0, "a", (1, 2, 3))], groups=1, batch=1, max_new_tokens=3, eos_ids=frozenset(),
+                  recompute=True)
     step = s.next_step(0)
     s.complete(step, np.array([9]))
     step = s.next_step(0)
@@ -335,3 +338,16 @@ def test_plan_kv_cache_flag(capsys, tmp_path):
     assert main(["plan", "--preset", "medium", "--ranks", "2", "--kv-cache", "window"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("rlx-mpi: error: plan --kv-cache: got 'window'"), err
+
+
+def test_scheduler_keeps_each_tokens_logprobs():
+    s = Scheduler([(0, "a", (1, 2)), (1, "b", (3,))], groups=1, batch=2, max_new_tokens=2, eos_ids=frozenset(),
+                  recompute=False)
+    lp = lambda base: (np.array([base, base + 1], np.float32), np.array([[5], [6]]), np.array([[-.5], [-.6]], np.float32))  # noqa: E731
+    step = s.next_step(0)
+    s.complete(step, np.array([5, 6]), lp(-1.0))
+    step = s.next_step(0)
+    done = s.complete(step, np.array([7, 8]), lp(-3.0))
+    a, b = done
+    assert [float(v[0]) for v in a.logprobs] == [-1.0, -3.0] and [float(v[0]) for v in b.logprobs] == [0.0, -2.0]
+    assert [v[1].tolist() for v in b.logprobs] == [[6], [6]]
