@@ -293,16 +293,18 @@ def test_generate_section_and_kv_cache_in_the_job_file(tmp_path):
 
     raw = {"model": {"checkpoint": "m.h5"}, "run": {"kv_cache": "window:8"},
            "generate": {"prompts": "p.jsonl", "out": "out/c.jsonl", "max_new_tokens": 5, "temperature": 0.7,
-                        "top_k": 3, "top_p": 0.9, "seed": 4, "eos_id": 2, "batch": 2, "groups": 3},
+                        "top_k": 3, "top_p": 0.9, "seed": 4, "eos_id": 2, "batch": 2, "groups": 3,
+                        "logprobs": 5},
            "rank": [{"rank": 1, "kv_cache": "none"}]}
     job = parse_job(raw, tmp_path / "job.toml")
     g = job.generate
     assert g.prompts == tmp_path / "p.jsonl" and g.out == tmp_path / "out" / "c.jsonl"
-    assert (g.max_new_tokens, g.temperature, g.top_k, g.top_p, g.seed, g.eos_id, g.batch, g.groups) == \
-        (5, 0.7, 3, 0.9, 4, 2, 2, 3)
+    assert (g.max_new_tokens, g.temperature, g.top_k, g.top_p, g.seed, g.eos_id, g.batch, g.groups, g.logprobs) == \
+        (5, 0.7, 3, 0.9, 4, 2, 2, 3, 5)
     assert job.kv_for(0) == KvSpec("window", 8) and job.kv_for(1) == KvSpec("none")
     assert parse_job({"model": {"checkpoint": "m.h5"}}, tmp_path / "j.toml").kv_for(0) == KvSpec("full")
     for section, key, value, needle in (("generate", "max_new_tokens", 0, "> 0"), ("generate", "top_k", -1, ">= 0"),
+                                        ("generate", "logprobs", 21, "<= 20"), ("generate", "logprobs", -1, ">= 0"),
                                         ("generate", "what", 1, "unknown key"), ("run", "kv_cache", "all", "window:W")):
         with pytest.raises(ConfigError, match=needle):
             parse_job({"model": {"checkpoint": "m.h5"}, section: {key: value}}, tmp_path / "j.toml")
@@ -351,3 +353,24 @@ def test_scheduler_keeps_each_tokens_logprobs():
     a, b = done
     assert [float(v[0]) for v in a.logprobs] == [-1.0, -3.0] and [float(v[0]) for v in b.logprobs] == [0.0, -2.0]
     assert [v[1].tolist() for v in b.logprobs] == [[6], [6]]
+
+
+def test_logprobs_flag_over_the_job_and_its_bounds(tmp_path):
+    """--logprobs overrides [generate] logprobs; outside 0..20 it is one ConfigError naming the flag."""
+    from argparse import Namespace
+
+    from rlx_mpi.config import parse_job
+    from rlx_mpi.drivers.generate import GenerateOptions
+
+    job = parse_job({"model": {"checkpoint": "m.h5"}, "generate": {"prompts": "p", "out": "o", "logprobs": 3}},
+                    tmp_path / "job.toml")
+    flags = dict(prompts=None, out=None, max_new_tokens=None, temperature=None, top_k=None, top_p=None, seed=None,
+                 eos_id=None, batch=None, groups=None, logprobs=None)
+    opts = GenerateOptions.resolve(Namespace(**flags), job)
+    assert opts.logprobs == 3 and opts.eos_where.endswith("[generate] eos_id")
+    assert GenerateOptions.resolve(Namespace(**{**flags, "logprobs": 0}), job).logprobs == 0
+    assert GenerateOptions.resolve(Namespace(**{**flags, "eos_id": 2}), job).eos_where == "generate --eos-id"
+    for bad, needle in ((21, "give at most 20"), (-1, "give an integer >= 0")):
+        with pytest.raises(ConfigError, match=needle) as e:
+            GenerateOptions.resolve(Namespace(**{**flags, "logprobs": bad}), job)
+        assert e.value.where == "generate --logprobs"

@@ -11,8 +11,12 @@ prompt sits in which cache slot, what each group computes next). A step travels 
 state; the last stage samples one token per row and sends the tokens back to stage 0 (with
 tensor parallelism each TP rank talks to its counterpart, so every rank of the first stage
 gets them). With ``groups`` >= stages, stage s works on group i while stage s-1 works on group
-i+1. A row that ends (max_new_tokens, or the end-of-sequence id) frees its slot, and the next
-prompt takes it at the group's next turn (continuous batching). Steps flow first-in first-out
+i+1. A row that ends (max_new_tokens, or any of the end-of-sequence ids) frees its slot, and the
+next prompt takes it at the group's next turn (continuous batching). The last stage samples
+only from finite logits: a NaN or Inf ends the job (exit 4) naming the prompts, which every
+rank knows by their keys (the pending prompts are broadcast at start-up). With ``--logprobs
+K`` it sends back `sampling.pack_sampled` rows (token, its log-prob, the top K ids and
+log-probs, as int64) instead of the tokens alone, in the same message. Steps flow first-in first-out
 through every stage, so stage 0 receives tokens in the order it issued the steps.
 
 Stopping: stage 0 stops admitting prompts (all prompts done, or a stop signal agreed by the
@@ -131,8 +135,8 @@ class DecodeRing:
         names = [self.names.get(int(rows[b, 2]), f"key {int(rows[b, 2])}") for b in bad]
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         which = sorted({int(rows[b, 3]) for b in bad})
-        check_finite(logits[bad], f"the logits of {'prompt' if len(bad) == 1 else 'prompts'} {shown} "
-                     f"(new token {', '.join(map(str, which))}; nothing sampled from them is written)", self.ctx)
+        check_finite(logits[bad], f"the last stage's output for new token {', '.join(map(str, which))} of "
+                     f"{'prompt' if len(bad) == 1 else 'prompts'} {shown}", self.ctx)
 
     def _recv_spec(self, header: np.ndarray) -> Callable[[Action], tuple]:
         _, _, n, T, _ = read_header(header)
