@@ -119,6 +119,23 @@ def test_nan_in_one_prompt_keeps_the_rows_before_it_and_resume_refuses_again(tmp
     nothing_left(tmp_path)
 
 
+def test_nan_at_a_decode_step_is_caught_there(tmp_path, tiny_ckpt, full_run):
+    """The logits are checked at every decode step too: a NaN in the embedding of the second
+    token m0 generates first poisons new token 2 of m0 (its prefill and first decode are fine)."""
+    _, rows = full_run
+    t0, t1 = rows[0]["tokens"][:2]
+    assert t1 != t0 and all(t1 not in t for _, t in PROMPTS)
+    ckpt = copy_with_nan(tiny_ckpt, tmp_path / "nan.h5", "embed_tokens", (t1, 0))
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    out = tmp_path / "c.jsonl"
+    proc = generate(tmp_path, ckpt, 2, prompts, out, *FLAGS, "--groups", 1)
+    assert proc.returncode == 4, proc.stderr
+    error = one_error(proc)
+    assert "stage 1" in error and "new token 2 of prompt 'm0'" in error, error
+    assert not out.exists() and not meta_path(out).exists()
+    nothing_left(tmp_path)
+
+
 # -- finding 2: one run per file --------------------------------------------------------------
 
 FLAGS = ("--max-new-tokens", 5, "--batch", 1)
