@@ -289,3 +289,27 @@ def test_logprobs_equal_transformers(tmp_path, hf_ckpt, ranks, tp):
         assert [[i for i, _ in e["top"]] for e in lp] == want["top_ids"][b].tolist()
         np.testing.assert_allclose([[v for _, v in e["top"]] for e in lp], want["top_lp"][b], atol=1e-4, rtol=0)
     assert json.loads(meta_path(out).read_text())["settings"]["logprobs"] == K
+
+
+def test_sampled_logprobs_change_no_draw_and_reproduce_across_layouts(tmp_path, tiny_ckpt):
+    """With temperature the log-probs are still the model's own (temperature-free) ones: asking
+    for them changes no token, and they are the same on 1 rank and on 2 ranks at another batch."""
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    flags = ("--max-new-tokens", 5, "--temperature", 0.9, "--top-k", 40, "--seed", 11)
+    runs = {}
+    for name, ranks, extra in (("plain", 1, ()), ("one", 1, ("--logprobs", 3)),
+                               ("two", 2, ("--logprobs", 3, "--batch", 2))):
+        proc = generate(tmp_path, tiny_ckpt, ranks, prompts, tmp_path / f"{name}.jsonl", *flags, *extra)
+        assert proc.returncode == 0, proc.stderr
+        runs[name] = without_ms(rows_of(tmp_path / f"{name}.jsonl"))
+    tokens = [r["tokens"] for r in runs["plain"]]
+    assert [r["tokens"] for r in runs["one"]] == [r["tokens"] for r in runs["two"]] == tokens
+    for one, two in zip(runs["one"], runs["two"]):  # float32 sums in another order: not bit for bit
+        assert [[i for i, _ in e["top"]] for e in one["logprobs"]] == [[i for i, _ in e["top"]] for e in two["logprobs"]]
+        flat = lambda r: [[e["logprob"], *(v for _, v in e["top"])] for e in r["logprobs"]]  # noqa: E731
+        np.testing.assert_allclose(flat(one), flat(two), atol=1e-5, rtol=0)
+    for r in runs["one"]:
+        for e in r["logprobs"]:
+            best = e["top"][0][1]
+            assert len(e["top"]) == 3 and e["logprob"] <= best + 1e-7
+            assert all(v == e["logprob"] for i, v in e["top"] if i == e["id"])  # one value per token
