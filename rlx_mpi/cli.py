@@ -91,7 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, metavar="P", help="sample within probability mass P (1 = off)")
     g.add_argument("--seed", type=int, metavar="S", help="seed of the draws (default: [generate] seed, else [run] seed)")
-    g.add_argument("--eos-id", type=int, metavar="ID", help="end-of-sequence token (default: the tokenizer's)")
+    g.add_argument("--eos-id", type=int, metavar="ID", help="end-of-sequence token (default: every one the checkpoint "
+                   "names in generation_config.json, else the tokenizer's)")
+    g.add_argument("--logprobs", type=int, metavar="K", help="add each new token's log-prob and the top K alternatives "
+                   "to every row (1..20; 0 = none, the default)")
     g.add_argument("--batch", type=int, metavar="B", help="sequences per group")
     g.add_argument("--groups", type=int, metavar="G", help="groups in flight (0 = one per stage)")
     g.add_argument("--json", metavar="STATS.json", help="write the run's per-rank stats and totals as JSON")

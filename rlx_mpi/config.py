@@ -140,7 +140,10 @@ class GenerateSection:
     seed: int | None = None
     """Seed of the draws (default [run] seed); with the prompt id and step it fixes every draw."""
     eos_id: int | None = None
-    """End-of-sequence token id (default: the tokenizer's, else none)."""
+    """End-of-sequence token id (default: every one the checkpoint names: generation_config.json,
+    else the tokenizer's; none when neither does)."""
+    logprobs: int = 0
+    """Log-probabilities in each row: the chosen token's and the top K alternatives' (0 = none)."""
     batch: int = 4
     """Sequences per group (cache slots per group)."""
     groups: int = 0
@@ -220,12 +223,12 @@ def _count(n: int, noun: str) -> str:
 _SECTIONS = {"model": ModelSection, "run": RunSection, "placement": PlacementSection, "generate": GenerateSection,
              "score": ScoreSection}
 _POSITIVE = {"batch", "seq", "microbatches", "tp", "timeout_s", "startup_timeout_s", "max_new_tokens", "sync_s"}
-_NON_NEGATIVE = {"reserve_ram_gb", "init_seed", "seed", "rank", "temperature", "top_k", "groups", "eos_id"}
+_NON_NEGATIVE = {"reserve_ram_gb", "init_seed", "seed", "rank", "temperature", "top_k", "groups", "eos_id", "logprobs"}
 # Bounds far past any real job, so an absurd value is refused here instead of overflowing later
 # (1e300 GB as bytes is not an integer; a 1e300 s wait is too long for a thread join).
 _AT_MOST = {"batch": 2**31, "seq": 2**31, "microbatches": 2**31, "tp": 2**20, "rank": 2**31,
             "seed": 2**63 - 1, "init_seed": 2**63 - 1, "timeout_s": 1e7, "startup_timeout_s": 1e7,
-            "reserve_ram_gb": 1e6}
+            "reserve_ram_gb": 1e6, "logprobs": rules.LOGPROBS_MAX}
 DEVICES = ("cpu",)  # [[rank]] device values that are implemented today
 
 

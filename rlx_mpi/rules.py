@@ -17,10 +17,12 @@ from typing import Any, Sequence
 from .errors import ConfigError, InputError
 
 __all__ = ["PRECISIONS", "WIRE_FORMATS", "precision_name", "tp_divides_ranks", "stages_fit_layers",
-           "manual_ranges_tile", "seq_fits", "ids_array", "microbatches_fit", "int_at_least", "at_most"]
+           "manual_ranges_tile", "seq_fits", "ids_array", "microbatches_fit", "int_at_least", "at_most",
+           "token_in_vocab", "LOGPROBS_MAX"]
 
 PRECISIONS = ("f32", "bf16", "f16", "int8")  # how a rank holds its weights (config.Precision)
 _PRECISION_ALIASES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # numpy-style spellings
+LOGPROBS_MAX = 20  # generate --logprobs K: top alternatives per token at most (as OpenAI's and vLLM's APIs)
 WIRE_FORMATS = ("f32", "bf16", "f16")  # wire.py's codecs, named here so the job file is checked without numba
 
 
@@ -116,3 +118,10 @@ def at_most(value: float | None, most: float, where: str) -> None:
     """Bounds far past any machine, so absurd values are refused instead of overflowing."""
     if value is not None and value > most:
         raise ConfigError(where, f"got {value}", f"give at most {most:g}")
+
+
+def token_in_vocab(value: int | None, vocab_size: int, where: str, fix: str = "", error: type = ConfigError) -> None:
+    """A token id given by the user (an end-of-sequence id): None (not given) or in [0, vocab_size)."""
+    if value is not None and not 0 <= value < vocab_size:
+        raise error(where, f"got {value}, but the model's vocabulary has {vocab_size} tokens (ids 0..{vocab_size - 1})",
+                    fix or f"give an id in [0, {vocab_size})")

@@ -38,6 +38,7 @@ class Seq:
     slot: int
     key: int  # prompt_key(id): seeds its draws
     new: list[int] = field(default_factory=list)
+    logprobs: list[tuple] = field(default_factory=list)  # per new token (chosen_lp, top_ids, top_lp) with --logprobs
     prefilled: bool = False
     start: float = 0.0  # perf_counter when it took the slot
     finish_reason: str | None = None
@@ -56,7 +57,7 @@ class Step:
     rows: list[Seq]
     ids: np.ndarray  # (n, T) int64: stage 0's input
     header: np.ndarray  # int64 (_HEAD + _ROW * batch,)
-    tokens: np.ndarray | None = None  # (n,) once sampled
+    tokens: np.ndarray | None = None  # (n,) once sampled; (n, 2 + 2K) `sampling.pack_sampled` with --logprobs K
     pending: Any = None  # the posted receive of the tokens (pipelines of 2+ stages)
 
 
@@ -78,15 +79,17 @@ def read_header(h: np.ndarray) -> tuple[int, int, int, int, np.ndarray]:
 class Scheduler:
     """Which prompt takes which slot, and what each group computes next (continuous batching).
 
-    ``prompts``: (index, id, tokens) in file order, not yet done. With ``recompute`` (kv_cache
-    "none" on some stage) every step is a prefill of each row's whole sequence so far.
+    ``prompts``: (index, id, tokens) in file order, not yet done. A row ends at any id of
+    ``eos_ids`` (a checkpoint may name several: Llama 3's ``<|eot_id|>`` and ``<|end_of_text|>``).
+    With ``recompute`` (kv_cache "none" on some stage) every step is a prefill of each row's
+    whole sequence so far.
     """
 
     def __init__(self, prompts: list[tuple[int, str, tuple[int, ...]]], groups: int, batch: int,
-                 max_new_tokens: int, eos_id: int | None, recompute: bool):
+                 max_new_tokens: int, eos_ids: frozenset[int], recompute: bool):
         self.queue = deque(prompts)
         self.groups, self.batch = groups, batch
-        self.max_new_tokens, self.eos_id, self.recompute = max_new_tokens, eos_id, recompute
+        self.max_new_tokens, self.eos_ids, self.recompute = max_new_tokens, frozenset(eos_ids), recompute
         self.rows: list[list[Seq | None]] = [[None] * batch for _ in range(groups)]
         self.stopping = False
         self.header_size = _HEAD + _ROW * batch
@@ -124,13 +127,16 @@ class Scheduler:
                              [r.key for r in rows], [len(r.new) for r in rows], self.header_size)
         return Step(PREFILL, g, rows, ids, header)
 
-    def complete(self, step: Step, tokens: np.ndarray) -> list[Seq]:
-        """Append each row's new token; return the rows that finished (their slots are free)."""
+    def complete(self, step: Step, tokens: np.ndarray, logprobs: tuple | None = None) -> list[Seq]:
+        """Append each row's new token (and its ``logprobs``: `sampling.logprobs`' arrays, one
+        row each); return the rows that finished (their slots are free)."""
         done = []
-        for r, t in zip(step.rows, tokens.tolist()):
+        for b, (r, t) in enumerate(zip(step.rows, tokens.tolist())):
             r.new.append(int(t))
+            if logprobs is not None:
+                r.logprobs.append(tuple(a[b] for a in logprobs))
             r.prefilled = True
-            if self.eos_id is not None and t == self.eos_id:
+            if t in self.eos_ids:
                 r.finish_reason = "stop"
             elif len(r.new) >= self.max_new_tokens:
                 r.finish_reason = "length"

@@ -212,7 +212,8 @@ def test_prompt_key_is_stable():
 
 def test_scheduler_prefills_new_prompts_then_decodes_and_reuses_slots():
     prompts = [(i, f"p{i}", tuple(range(1, 2 + i))) for i in range(5)]
-    s = Scheduler(prompts, groups=2, batch=2, max_new_tokens=2, eos_id=99, recompute=False)
+    s = Scheduler(prompts, groups=2, batch=2, max_new_tokens=2, eos_ids=frozenset({99, 98}),
+                  recompute=False)
     a = s.next_step(0)
     assert a.kind == PREFILL and [r.id for r in a.rows] == ["p0", "p1"] and a.ids.shape == (2, 2)
     kind, g, n, T, rows = read_header(a.header)
@@ -220,6 +221,7 @@ def test_scheduler_prefills_new_prompts_then_decodes_and_reuses_slots():
     b = s.next_step(1)
     assert [r.slot for r in b.rows] == [2, 3]
     assert s.complete(a, np.array([99, 5])) and a.rows[0].finish_reason == "stop"  # eos frees slot 0
+    assert s.complete(b, np.array([4, 98])) and b.rows[1].finish_reason == "stop"  # so does the other eos id
     c = s.next_step(0)  # p4 takes slot 0 and is prefilled; p1 waits a turn
     assert c.kind == PREFILL and [(r.id, r.slot) for r in c.rows] == [("p4", 0)]
     s.complete(c, np.array([7]))
@@ -234,7 +236,8 @@ def test_scheduler_prefills_new_prompts_then_decodes_and_reuses_slots():
 
 
 def test_scheduler_recompute_prefills_whole_sequences():
-    s = Scheduler([(0, "a", (1, 2, 3))], groups=1, batch=1, max_new_tokens=3, eos_id=None, recompute=True)
+    s = Scheduler([(0, "a", (1, 2, 3))], groups=1, batch=1, max_new_tokens=3, eos_ids=frozenset(),
+                  recompute=True)
     step = s.next_step(0)
     s.complete(step, np.array([9]))
     step = s.next_step(0)
@@ -292,16 +295,18 @@ def test_generate_section_and_kv_cache_in_the_job_file(tmp_path):
 
     raw = {"model": {"checkpoint": "m.h5"}, "run": {"kv_cache": "window:8"},
            "generate": {"prompts": "p.jsonl", "out": "out/c.jsonl", "max_new_tokens": 5, "temperature": 0.7,
-                        "top_k": 3, "top_p": 0.9, "seed": 4, "eos_id": 2, "batch": 2, "groups": 3},
+                        "top_k": 3, "top_p": 0.9, "seed": 4, "eos_id": 2, "batch": 2, "groups": 3,
+                        "logprobs": 5},
            "rank": [{"rank": 1, "kv_cache": "none"}]}
     job = parse_job(raw, tmp_path / "job.toml")
     g = job.generate
     assert g.prompts == tmp_path / "p.jsonl" and g.out == tmp_path / "out" / "c.jsonl"
-    assert (g.max_new_tokens, g.temperature, g.top_k, g.top_p, g.seed, g.eos_id, g.batch, g.groups) == \
-        (5, 0.7, 3, 0.9, 4, 2, 2, 3)
+    assert (g.max_new_tokens, g.temperature, g.top_k, g.top_p, g.seed, g.eos_id, g.batch, g.groups, g.logprobs) == \
+        (5, 0.7, 3, 0.9, 4, 2, 2, 3, 5)
     assert job.kv_for(0) == KvSpec("window", 8) and job.kv_for(1) == KvSpec("none")
     assert parse_job({"model": {"checkpoint": "m.h5"}}, tmp_path / "j.toml").kv_for(0) == KvSpec("full")
     for section, key, value, needle in (("generate", "max_new_tokens", 0, "> 0"), ("generate", "top_k", -1, ">= 0"),
+                                        ("generate", "logprobs", 21, "<= 20"), ("generate", "logprobs", -1, ">= 0"),
                                         ("generate", "what", 1, "unknown key"), ("run", "kv_cache", "all", "window:W")):
         with pytest.raises(ConfigError, match=needle):
             parse_job({"model": {"checkpoint": "m.h5"}, section: {key: value}}, tmp_path / "j.toml")
@@ -337,3 +342,37 @@ def test_plan_kv_cache_flag(capsys, tmp_path):
     assert main(["plan", "--preset", "medium", "--ranks", "2", "--kv-cache", "window"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("rlx-mpi: error: plan --kv-cache: got 'window'"), err
+
+
+def test_scheduler_keeps_each_tokens_logprobs():
+    s = Scheduler([(0, "a", (1, 2)), (1, "b", (3,))], groups=1, batch=2, max_new_tokens=2, eos_ids=frozenset(),
+                  recompute=False)
+    lp = lambda base: (np.array([base, base + 1], np.float32), np.array([[5], [6]]), np.array([[-.5], [-.6]], np.float32))  # noqa: E731
+    step = s.next_step(0)
+    s.complete(step, np.array([5, 6]), lp(-1.0))
+    step = s.next_step(0)
+    done = s.complete(step, np.array([7, 8]), lp(-3.0))
+    a, b = done
+    assert [float(v[0]) for v in a.logprobs] == [-1.0, -3.0] and [float(v[0]) for v in b.logprobs] == [0.0, -2.0]
+    assert [v[1].tolist() for v in b.logprobs] == [[6], [6]]
+
+
+def test_logprobs_flag_over_the_job_and_its_bounds(tmp_path):
+    """--logprobs overrides [generate] logprobs; outside 0..20 it is one ConfigError naming the flag."""
+    from argparse import Namespace
+
+    from rlx_mpi.config import parse_job
+    from rlx_mpi.drivers.generate import GenerateOptions
+
+    job = parse_job({"model": {"checkpoint": "m.h5"}, "generate": {"prompts": "p", "out": "o", "logprobs": 3}},
+                    tmp_path / "job.toml")
+    flags = dict(prompts=None, out=None, max_new_tokens=None, temperature=None, top_k=None, top_p=None, seed=None,
+                 eos_id=None, batch=None, groups=None, logprobs=None)
+    opts = GenerateOptions.resolve(Namespace(**flags), job)
+    assert opts.logprobs == 3 and opts.eos_where.endswith("[generate] eos_id")
+    assert GenerateOptions.resolve(Namespace(**{**flags, "logprobs": 0}), job).logprobs == 0
+    assert GenerateOptions.resolve(Namespace(**{**flags, "eos_id": 2}), job).eos_where == "generate --eos-id"
+    for bad, needle in ((21, "give at most 20"), (-1, "give an integer >= 0")):
+        with pytest.raises(ConfigError, match=needle) as e:
+            GenerateOptions.resolve(Namespace(**{**flags, "logprobs": bad}), job)
+        assert e.value.where == "generate --logprobs"

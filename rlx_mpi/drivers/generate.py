@@ -11,8 +11,12 @@ prompt sits in which cache slot, what each group computes next). A step travels 
 state; the last stage samples one token per row and sends the tokens back to stage 0 (with
 tensor parallelism each TP rank talks to its counterpart, so every rank of the first stage
 gets them). With ``groups`` >= stages, stage s works on group i while stage s-1 works on group
-i+1. A row that ends (max_new_tokens, or the end-of-sequence id) frees its slot, and the next
-prompt takes it at the group's next turn (continuous batching). Steps flow first-in first-out
+i+1. A row that ends (max_new_tokens, or any of the end-of-sequence ids) frees its slot, and the
+next prompt takes it at the group's next turn (continuous batching). The last stage samples
+only from finite logits: a NaN or Inf ends the job (exit 4) naming the prompts, which every
+rank knows by their keys (the pending prompts are broadcast at start-up). With ``--logprobs
+K`` it sends back `sampling.pack_sampled` rows (token, its log-prob, the top K ids and
+log-probs, as int64) instead of the tokens alone, in the same message. Steps flow first-in first-out
 through every stage, so stage 0 receives tokens in the order it issued the steps.
 
 Stopping: stage 0 stops admitting prompts (all prompts done, or a stop signal agreed by the
@@ -40,7 +44,9 @@ import numpy as np
 from .. import rules, transport
 from ..errors import ConfigError
 from ..executor import Executor, wire_codec
-from ..sampling import SamplingParams, sample
+from ..faults import check_finite
+from ..sampling import (SamplingParams, logprob_entries, logprobs, pack_sampled, prompt_key, sample,
+                        unpack_sampled)
 from ..schedule import Action, decode_step_actions
 from ..scheduler import PREFILL, STOP, Scheduler, Seq, Step, make_header, read_header
 from ..stats import GenerateResult, StageTiming, peak_rss_bytes
@@ -65,8 +71,11 @@ class GenStats:
 class DecodeRing:
     """One rank's part of the decode: stage 0 drives (`drive`), the other stages relay (`relay`)."""
 
-    def __init__(self, cx: Any, params: SamplingParams, header_size: int):
+    def __init__(self, cx: Any, params: SamplingParams, header_size: int, *, k_logprobs: int = 0,
+                 names: dict[int, str] | None = None):
         self.cx, self.params, self.header_size = cx, params, header_size
+        self.k = k_logprobs  # 0: tokens alone travel back; K: `pack_sampled` rows of 2 + 2K
+        self.names = names or {}  # prompt key -> how an error names the prompt
         topo, job = cx.topology, cx.job
         self.topo, self.stage, self.ctx = topo, cx.stage, cx.ctx
         timeout = job.run.timeout_s
@@ -106,9 +115,28 @@ class DecodeRing:
             st.decode_s += t1 - t0
         if not self.stage.last:
             return out
+        self._check_logits(out, rows)
         tokens = sample(out, rows[:, 2], rows[:, 3], self.params)
+        if self.k:
+            tokens = pack_sampled(tokens, *logprobs(out, tokens, self.k))
         st.sample_s += time.perf_counter() - t1
         return tokens
+
+    def _check_logits(self, logits: np.ndarray, rows: np.ndarray) -> None:
+        """Nothing is sampled from a non-finite logit: the job ends (exit 4) naming the prompts.
+
+        Every TP rank of the last stage holds the same logits; the first reports (the others'
+        tokens go to ranks that write nothing, and the abort ends them).
+        """
+        finite = np.isfinite(logits).all(axis=1)
+        if finite.all() or self.topo.tp_rank != 0:
+            return
+        bad = np.flatnonzero(~finite)
+        names = [self.names.get(int(rows[b, 2]), f"key {int(rows[b, 2])}") for b in bad]
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        which = sorted({int(rows[b, 3]) for b in bad})
+        check_finite(logits[bad], f"the last stage's output for new token {', '.join(map(str, which))} of "
+                     f"{'prompt' if len(bad) == 1 else 'prompts'} {shown}", self.ctx)
 
     def _recv_spec(self, header: np.ndarray) -> Callable[[Action], tuple]:
         _, _, n, T, _ = read_header(header)
@@ -139,7 +167,8 @@ class DecodeRing:
             self.ex.run(decode_step_actions(0, self.n_stages, g), compute, lambda a: None, tag_base=_TAG_HIDDEN)
             if self.n_stages > 1:  # post the receive of its tokens now: the last stage's send
                 # then never depends on MPI buffering it (no cycle in the ring under rendezvous)
-                step.pending = self.ring.irecv(np.empty(len(step.rows), np.int64), self.topo.grid[-1][self.topo.tp_rank],
+                shape = (len(step.rows), 2 + 2 * self.k) if self.k else (len(step.rows),)
+                step.pending = self.ring.irecv(np.empty(shape, np.int64), self.topo.grid[-1][self.topo.tp_rank],
                                                _TAG_HIDDEN + g, f"the sampled tokens of group {g}")
             in_flight.append(step)
 
@@ -151,7 +180,11 @@ class DecodeRing:
                 self.ctx.microbatch = step.group
                 step.pending.wait()
                 step.tokens = step.pending.buf
-            on_done(sched.complete(step, step.tokens))
+            if self.k:
+                tokens, *lps = unpack_sampled(step.tokens)
+                on_done(sched.complete(step, tokens, tuple(lps)))
+            else:
+                on_done(sched.complete(step, step.tokens))
             if not sched.stopping and stop_now():
                 sched.stopping = stopped = True
             issue(step.group)
@@ -201,11 +234,13 @@ class GenerateOptions:
     out: Any  # Path
     max_new_tokens: int
     sampling: SamplingParams
-    eos_id: int | None
+    eos_id: int | None  # None: every one the checkpoint names (`prompts.eos_ids_beside`)
     batch: int
     groups: int  # 0: one per stage
     sync_s: float
     progress_s: float = 10.0
+    logprobs: int = 0  # top alternatives per token in each row's "logprobs"; 0: no "logprobs"
+    eos_where: str = "generate --eos-id"  # where eos_id came from, for its error
 
     @classmethod
     def resolve(cls, flags: Any, job: Any) -> "GenerateOptions":
@@ -220,14 +255,17 @@ class GenerateOptions:
             raise ConfigError("generate --out", "no output file given", "pass --out FILE or set [generate] out")
         for flag, value, low in (("--max-new-tokens", flags.max_new_tokens, 1), ("--top-k", flags.top_k, 0),
                                  ("--seed", flags.seed, 0), ("--eos-id", flags.eos_id, 0), ("--batch", flags.batch, 1),
-                                 ("--groups", flags.groups, 0)):
+                                 ("--groups", flags.groups, 0), ("--logprobs", flags.logprobs, 0)):
             rules.int_at_least(value, low, f"generate {flag}")
+        rules.at_most(flags.logprobs, rules.LOGPROBS_MAX, "generate --logprobs")
         seed = pick(flags.seed, sec.seed if sec.seed is not None else job.run.seed)
         sampling = SamplingParams(pick(flags.temperature, sec.temperature), pick(flags.top_k, sec.top_k),
                                   pick(flags.top_p, sec.top_p), seed).check("generate")
         return cls(prompts=Path(prompts), out=Path(out), max_new_tokens=pick(flags.max_new_tokens, sec.max_new_tokens),
                    sampling=sampling, eos_id=pick(flags.eos_id, sec.eos_id), batch=pick(flags.batch, sec.batch),
-                   groups=pick(flags.groups, sec.groups), sync_s=sec.sync_s)
+                   groups=pick(flags.groups, sec.groups), sync_s=sec.sync_s,
+                   logprobs=pick(flags.logprobs, sec.logprobs),
+                   eos_where="generate --eos-id" if flags.eos_id is not None else f"{job.path}: [generate] eos_id")
 
 
 class GenerateDriver:
@@ -261,8 +299,8 @@ class GenerateDriver:
 
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; (cache slots, longest sequence), None when all are done."""
-        from ..journal import Journal
-        from ..prompts import load_tokenizer, read_prompts
+        from ..journal import Journal, RunIdentity
+        from ..prompts import eos_ids_beside, load_tokenizer, read_prompts
 
         cx.prepare()
         dims, job, opts = cx.dims, cx.job, self.opts
@@ -270,13 +308,18 @@ class GenerateDriver:
         def load() -> dict | None:
             if not cx.is_root:
                 return None
+            rules.token_in_vocab(opts.eos_id, dims.vocab_size, opts.eos_where, f"give an id in [0, {dims.vocab_size}), "
+                                 "or leave it unset to stop at the checkpoint's own (generation_config.json)")
+            rules.at_most(opts.logprobs, dims.vocab_size, "generate --logprobs")
+            eos = sorted({opts.eos_id} if opts.eos_id is not None else set(eos_ids_beside(job.model.checkpoint)))
             tokenizer = load_tokenizer(job.model.checkpoint)
             prompts = read_prompts(opts.prompts, vocab_size=dims.vocab_size, max_positions=dims.max_positions,
                                    max_new_tokens=opts.max_new_tokens, tokenizer=tokenizer)
+            identity = RunIdentity.for_generate(job.model.checkpoint, opts.sampling, opts.max_new_tokens,
+                                                eos_ids=eos, logprobs=opts.logprobs)
             journal = Journal(opts.out, prompts, inputs=(opts.prompts, job.path, job.model.checkpoint,
-                                                         *self.argv_inputs), sync_s=opts.sync_s)
+                                                         *self.argv_inputs), sync_s=opts.sync_s, identity=identity)
             self.holder.update(journal=journal, tokenizer=tokenizer, prompts=prompts)
-            eos = opts.eos_id if opts.eos_id is not None else (tokenizer.eos_token_id if tokenizer else None)
             pending = [[p.index, p.id, list(p.tokens)] for p in journal.pending]
             longest = max((len(p[2]) for p in pending), default=1)
             return {"pending": pending, "total": len(prompts), "eos": eos, "max_seq": longest + opts.max_new_tokens}
@@ -336,8 +379,9 @@ class GenerateDriver:
         recompute = any(job.kv_for(r).recompute for r in range(cx.world.size))
         timeout = job.run.timeout_s
         sched = Scheduler([(i, pid, tuple(t)) for i, pid, t in doc["pending"]], self.groups, opts.batch,
-                          opts.max_new_tokens, doc["eos"], recompute)
-        ring = DecodeRing(cx, opts.sampling, sched.header_size)
+                          opts.max_new_tokens, frozenset(doc["eos"]), recompute)
+        names = {prompt_key(pid): f"{pid!r} (prompt {i + 1} of {opts.prompts.name})" for i, pid, _ in doc["pending"]}
+        ring = DecodeRing(cx, opts.sampling, sched.header_size, k_logprobs=opts.logprobs, names=names)
         journal, tokenizer = holder.get("journal"), holder.get("tokenizer")
         texts = {p.index: p.text for p in holder.get("prompts", [])}
         done_before = doc["total"] - len(doc["pending"])
@@ -357,6 +401,8 @@ class GenerateDriver:
                     row["text"] = tokenizer.decode(r.new)
                 row.update(finish_reason=r.finish_reason, prompt_tokens=len(r.prompt), new_tokens=len(r.new),
                            ms=round((now - r.start) * 1e3, 1))
+                if opts.logprobs:
+                    row["logprobs"] = logprob_entries(r.new, *zip(*r.logprobs))
                 journal.complete(r.index, row)
             if journal is not None:
                 journal.flush()
