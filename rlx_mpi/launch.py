@@ -92,7 +92,7 @@ def run(command: Callable[[Any], int], args: Any, *, mpi: bool, supervise: bool 
         if (code := _check_pmix()) is not None:
             return code
         startup_s = _start_mpi(getattr(args, "job", None))
-        if (code := _check_launch()) is not None:
+        if refused is None and (code := _check_launch()) is not None:  # (refused: the usage line says more)
             return code
     try:
         try:
@@ -200,7 +200,7 @@ def _agree_command_line(refused: UsageError | None, timeout_s: float, debug: boo
     first_refused, first_accepted = first
     if first_refused == n:
         return None
-    if rank == first_refused:
+    if rank == first_refused and (n > 1 or launch_rank() in (None, 0)):  # (n tasks of a world of 1: one line)
         sys.stderr.write(refused.usage)
         if first_accepted == n:  # the same argv everywhere: one line, as outside MPI
             line = refused.line
@@ -238,12 +238,14 @@ def _startup_timeout_of(job: str | None) -> float | None:
 def _test_fault_before_mpi() -> None:
     """Test-only fault injection before MPI_Init (tests/test_reliability_mpi.py).
 
-    ``RLX_MPI_TEST_PREINIT`` = exit0 | exit3 | kill | stop | hang, on the rank given by
-    ``RLX_MPI_TEST_PREINIT_RANK`` (default 1); it stands for a broken Python or MPI on one
-    node, the OOM killer at start-up, a SIGSTOP or a hung mount. Unset in normal use.
+    ``RLX_MPI_TEST_PREINIT`` = exit0 | exit3 | kill | stop | hang, on the ranks given by
+    ``RLX_MPI_TEST_PREINIT_RANK`` (default 1; a comma list, or ``all``); it stands for a broken
+    Python or MPI on one node, the OOM killer at start-up, a SIGSTOP or a hung mount (on every
+    node: a shared filesystem). Unset in normal use.
     """
     kind = os.environ.get("RLX_MPI_TEST_PREINIT")
-    if not kind or launch_rank() != int(os.environ.get("RLX_MPI_TEST_PREINIT_RANK", "1")):
+    ranks = os.environ.get("RLX_MPI_TEST_PREINIT_RANK", "1")
+    if not kind or (ranks != "all" and str(launch_rank()) not in ranks.split(",")):
         return
     import signal
 

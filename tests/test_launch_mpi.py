@@ -97,3 +97,26 @@ def test_every_rank_refusing_the_same_command_line_prints_it_once(tmp_path, tiny
     assert p.returncode == BAD_INPUT and len(errors) == 1, report(p)
     assert errors[0] == "rlx-mpi: error: rlx-mpi: unrecognized arguments: --bogus-flag; see rlx-mpi --help", report(p)
     assert p.stderr.count("usage: rlx-mpi") == 1 and p.elapsed < 25 and not no_leftovers(tmp_path), report(p)
+
+
+# -- 2. every rank's start-up deadline expiring together (issue 17, finding 4) ---------------------
+
+STARTUP_S = 4.0
+
+
+@pytest.mark.parametrize("trial", range(3))
+@pytest.mark.parametrize("kind, words", [("hang", "stuck for 4 s ([run] startup_timeout_s) before MPI start-up"),
+                                         ("stop", "stopped (SIGSTOP or SIGTSTP) during start-up")])
+def test_every_rank_stalling_before_mpi_prints_one_line(tmp_path, tiny_ckpt, kind, words, trial):
+    """4 ranks stall before MPI_Init (a hung shared filesystem, a stopped job): their deadlines
+    expire together. Before: every rank's supervisor reported at its own deadline, and 2 lines
+    (sometimes 3) reached the log in about half the trials; now rank 0 alone speaks."""
+    path = job(tmp_path, tiny_ckpt, run={"timeout_s": 3.0, "startup_timeout_s": STARTUP_S})
+    p = run_cli(["run", path], ranks=4, timeout=40,
+                env={"RLX_MPI_TEST_PREINIT": kind, "RLX_MPI_TEST_PREINIT_RANK": "all"})
+    errors = errors_of(p)
+    assert p.returncode == LAUNCHER_KILL, report(p)
+    assert len(errors) == 1, report(p)
+    assert f"rank 0 ({HOST}): {words}" in errors[0], report(p)
+    assert "Traceback" not in p.stderr and p.elapsed < STARTUP_S + 10, report(p)
+    assert not no_leftovers(tmp_path), report(p)
