@@ -28,7 +28,6 @@ from pathlib import Path
 
 from . import rules
 from .errors import ConfigError
-from .launch import launch_rank
 
 __all__ = ["main"]
 
@@ -40,13 +39,13 @@ docs: README.md"""
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one ``rlx-mpi: error:`` line, printed by one rank only."""
+    """argparse, but a usage error is one ``rlx-mpi: error:`` line, printed by one rank only
+    (`launch.refuse`, which also ends an MPMD launch whose other ranks accepted theirs)."""
 
     def error(self, message: str):
-        if launch_rank() in (None, 0):  # every rank parses the same argv: rank 0 speaks for all
-            sys.stderr.write(self.format_usage())
-            sys.stderr.write(f"rlx-mpi: error: {self.prog}: {message}; see {self.prog} --help\n")
-        sys.exit(2)
+        from .launch import UsageError
+
+        raise UsageError(self.format_usage(), f"{self.prog}: {message}; see {self.prog} --help")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -452,8 +451,17 @@ def main(argv: list[str] | None = None, *, supervise: bool = False) -> int:
     supervisor (`rlx_mpi.supervisor`). Returns the exit code."""
     from . import launch
 
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except launch.UsageError as e:
+        return launch.refuse(e, mpi=_may_start_mpi(sys.argv[1:] if argv is None else argv), supervise=supervise)
     return launch.run(COMMANDS[args.command], args, mpi=args.command in MPI_COMMANDS, supervise=supervise)
+
+
+def _may_start_mpi(argv: list[str]) -> bool:
+    """Could this refused command line be meant for an MPI command (or name none we know)?"""
+    word = next((str(a) for a in argv if not str(a).startswith("-")), None)
+    return word not in COMMANDS or word in MPI_COMMANDS
 
 
 def entry() -> None:

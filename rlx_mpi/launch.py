@@ -26,7 +26,7 @@ from typing import Any, Callable
 from .errors import EXIT_BAD_INPUT, EXIT_FAULT, EXIT_INTERNAL, EXIT_TIMEOUT, ConfigError, RlxError
 from .supervisor import DEFAULT_STARTUP_TIMEOUT_S
 
-__all__ = ["run", "launch_rank", "set_finish_timeout"]
+__all__ = ["run", "refuse", "UsageError", "launch_rank", "set_finish_timeout"]
 
 
 _LAUNCH_RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
@@ -40,7 +40,38 @@ def launch_rank() -> int | None:
     return None
 
 
-def run(command: Callable[[Any], int], args: Any, *, mpi: bool, supervise: bool = False) -> int:
+class UsageError(Exception):
+    """A command line the parser refused (exit 2): ``usage`` and ``line``, the message without
+    the ``rlx-mpi: error:`` prefix. Raised by the CLI's parser, handed to `refuse`."""
+
+    def __init__(self, usage: str, line: str):
+        super().__init__(line)
+        self.usage, self.line = usage, line
+
+
+def refuse(usage: UsageError, *, mpi: bool, supervise: bool = False) -> int:
+    """End a process whose command line was refused, with one line and exit code 2.
+
+    Outside a launch (or for a command that never starts MPI) the process says so and exits,
+    once per launch: every rank parses the same argv, so the rank the launcher numbers 0 speaks.
+    Under a launch of an MPI command (``mpi``) the refused rank starts MPI like the others and
+    agrees with them first (`_agree_command_line`), so the whole job ends in seconds with exit 2.
+
+    Note: why not just exit. The ranks of an MPMD launch (``mpiexec -n 1 rlx-mpi run job : -n 3
+    rlx-mpi run --bogus job``) get different command lines; MPICH's launcher ignores an exit before
+    MPI_Init, so a refused rank that exits leaves the others in MPI_Init until the start-up
+    deadline (600 s by default), and a silent one (not numbered 0) is named by nobody.
+    """
+    if not mpi or launch_rank() is None:
+        if launch_rank() in (None, 0):
+            sys.stderr.write(usage.usage)
+            print(f"rlx-mpi: error: {usage.line}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return run(lambda _: EXIT_BAD_INPUT, None, mpi=True, supervise=supervise, refused=usage)
+
+
+def run(command: Callable[[Any], int], args: Any, *, mpi: bool, supervise: bool = False,
+        refused: UsageError | None = None) -> int:
     """Run ``command(args)`` as one process of the job and return its exit code.
 
     With ``mpi`` (run, generate, probe): fork the supervisor first when ``supervise`` (the
@@ -49,7 +80,8 @@ def run(command: Callable[[Any], int], args: Any, *, mpi: bool, supervise: bool 
     start MPI under the start-up deadline, and after the command meet every rank at the finish
     barrier and finalize under a deadline. Every failure becomes one ``rlx-mpi: error:`` line
     and the exit code of its `RlxError` (`errors.py`); outside an agreed step a failing rank
-    ends every rank (`faults.report_and_abort`).
+    ends every rank (`faults.report_and_abort`). ``refused`` (from `refuse`): this rank's command
+    line was refused; it takes part in MPI start-up only to end the job with the others.
     """
     debug = bool(getattr(args, "debug", False))
     if supervise and mpi:
@@ -59,11 +91,14 @@ def run(command: Callable[[Any], int], args: Any, *, mpi: bool, supervise: bool 
     if mpi:
         if (code := _check_pmix()) is not None:
             return code
-        _start_mpi(getattr(args, "job", None))
-        if (code := _check_launch()) is not None:
+        startup_s = _start_mpi(getattr(args, "job", None))
+        if refused is None and (code := _check_launch()) is not None:  # (refused: the usage line says more)
             return code
     try:
         try:
+            if mpi and (code := _agree_command_line(refused, startup_s, debug)) is not None:
+                _finish(_finish_timeout_s, debug)
+                return code
             code = command(args)
         except ImportError as e:  # numpy, numba, h5py...: the node's Python, not a bug of ours
             raise _broken_import(e) from e
@@ -113,11 +148,11 @@ def set_finish_timeout(run_timeout_s: float, world_size: int) -> float:
     return _finish_timeout_s
 
 
-def _start_mpi(job: str | None) -> None:
+def _start_mpi(job: str | None) -> float:
     """Initialise MPI under the supervisor's start-up deadline, then tell it MPI is up.
 
-    The deadline is the job's ``[run] startup_timeout_s`` when the job file can be read
-    without blocking (a regular file), else the supervisor's default.
+    The deadline (returned) is the job's ``[run] startup_timeout_s`` when the job file can be
+    read without blocking (a regular file), else the supervisor's default.
     """
     from . import supervisor
 
@@ -135,6 +170,46 @@ def _start_mpi(job: str | None) -> None:
         os._exit(EXIT_FAULT)
     MPI.COMM_WORLD  # noqa: B018  (initialised on import; touched so the order is plain)
     supervisor.ready()
+    return supervisor.default_startup_timeout_s() if limit is None else limit
+
+
+def _agree_command_line(refused: UsageError | None, timeout_s: float, debug: bool) -> int | None:
+    """Did every rank accept its command line? None if so, else exit code 2 on every rank.
+
+    One small all-reduce right after MPI_Init (numpy-free: an ``array``). When every rank
+    refused its command line (the same argv everywhere), rank 0 prints the usage and the line
+    as outside MPI; when only some did (an MPMD launch), the lowest of them prints its line
+    naming itself. The others stay quiet; every rank then meets the finish barrier and exits 2.
+    """
+    import socket
+    from array import array
+
+    from mpi4py import MPI
+
+    from .faults import RankContext, wait
+
+    world = MPI.COMM_WORLD
+    n, rank = world.size, world.rank
+    # (lowest refused rank, lowest accepting rank): n when there is none
+    mine = array("i", [rank, n] if refused is not None else [n, rank])
+    first = array("i", mine)
+    if n > 1:
+        ctx = RankContext(rank, n, host=socket.gethostname(), debug=debug)
+        wait(world.Iallreduce(mine, first, op=MPI.MIN), timeout_s, ctx,
+             lambda: "every rank to check its command line", "some rank", "[run] startup_timeout_s")
+    first_refused, first_accepted = first
+    if first_refused == n:
+        return None
+    if rank == first_refused and (n > 1 or launch_rank() in (None, 0)):  # (n tasks of a world of 1: one line)
+        sys.stderr.write(refused.usage)
+        if first_accepted == n:  # the same argv everywhere: one line, as outside MPI
+            line = refused.line
+        else:
+            line = (f"rank {rank} ({socket.gethostname()}) of {n}: {refused.line} (rank {first_accepted} accepted "
+                    "its own: the launch gave the ranks different command lines)")
+        print(f"rlx-mpi: error: {line}", file=sys.stderr)
+        sys.stderr.flush()
+    return EXIT_BAD_INPUT
 
 
 def _startup_timeout_of(job: str | None) -> float | None:
@@ -163,12 +238,14 @@ def _startup_timeout_of(job: str | None) -> float | None:
 def _test_fault_before_mpi() -> None:
     """Test-only fault injection before MPI_Init (tests/test_reliability_mpi.py).
 
-    ``RLX_MPI_TEST_PREINIT`` = exit0 | exit3 | kill | stop | hang, on the rank given by
-    ``RLX_MPI_TEST_PREINIT_RANK`` (default 1); it stands for a broken Python or MPI on one
-    node, the OOM killer at start-up, a SIGSTOP or a hung mount. Unset in normal use.
+    ``RLX_MPI_TEST_PREINIT`` = exit0 | exit3 | kill | stop | hang, on the ranks given by
+    ``RLX_MPI_TEST_PREINIT_RANK`` (default 1; a comma list, or ``all``); it stands for a broken
+    Python or MPI on one node, the OOM killer at start-up, a SIGSTOP or a hung mount (on every
+    node: a shared filesystem). Unset in normal use.
     """
     kind = os.environ.get("RLX_MPI_TEST_PREINIT")
-    if not kind or launch_rank() != int(os.environ.get("RLX_MPI_TEST_PREINIT_RANK", "1")):
+    ranks = os.environ.get("RLX_MPI_TEST_PREINIT_RANK", "1")
+    if not kind or (ranks != "all" and str(launch_rank()) not in ranks.split(",")):
         return
     import signal
 

@@ -18,9 +18,19 @@ The parent ends the job, naming the rank, when the child
 - dies of a signal nobody sent the parent too (the launcher's SIGTERM, a Ctrl-C are not faults);
 - exits without posting ``done`` (``os._exit(0)`` in a plug-in, an import error, a broken MPI);
 - has not posted ``ready`` when the start-up deadline passes (a stopped rank, a hung mount).
-  A rank stopped, or stuck before it even reached MPI_Init, is reported at the deadline; a
-  rank inside MPI_Init is most likely waiting for such a rank, so its parent waits a few
-  seconds more (staggered by rank) before it reports that start-up did not finish.
+  A rank stopped, or stuck before it even reached MPI_Init, is reported at the deadline
+  (rank r ``STAGGER_S`` x r later, at most 10 steps); a rank inside MPI_Init is most likely
+  waiting for such a rank, so its parent waits a few seconds more (``GRACE_S``, staggered by
+  rank) before it reports that start-up did not finish.
+
+Note: one line when every rank stalls. A hung shared filesystem stalls every rank at once, and
+their deadlines then expire together: each parent reported, and 2 to 4 lines raced to the log
+before the launcher ended the job. So the deadline counts from the start of the launched process
+(not the fork, which a loaded node delays differently for each rank), the ranks' verdicts are
+staggered (the lowest rank speaks first, its death ends the job before the next one's turn), and
+on one host the parents of one launch agree that only the first reports: it holds an abstract
+socket named after the launcher's process (`_first_report`, nothing left on disk), the others end
+the job without a line.
 Launchers react to a death by signal, not reliably to an exit code, so after its report the
 parent cancels the Slurm step (under srun) and kills itself with SIGKILL (MPICH then ends the
 job with code 9, srun --kill-on-bad-exit likewise). A waiting rank's parent gives a stopped or dead rank's parent a few seconds' grace
@@ -52,11 +62,13 @@ import sys
 import time
 
 __all__ = ["supervise", "active", "post_context", "watch", "entering_mpi", "ready", "done", "default_startup_timeout_s",
-           "stopped_supervisor_s", "DEFAULT_STARTUP_TIMEOUT_S", "DEFAULT_STOPPED_SUPERVISOR_S", "GRACE_S"]
+           "stopped_supervisor_s", "DEFAULT_STARTUP_TIMEOUT_S", "DEFAULT_STOPPED_SUPERVISOR_S", "GRACE_S",
+           "STAGGER_S"]
 
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 DEFAULT_STOPPED_SUPERVISOR_S = 10.0  # RLX_MPI_SUPERVISOR_STOP_S: a stopped supervisor ends the job after this
 GRACE_S = 3.0  # a waiting rank's parent reports this much after a stopped rank's parent
+STAGGER_S = 0.25  # a stalled rank's parent reports this much x rank (at most 10) after the deadline (< GRACE_S)
 _EXIT_FAULT = 4  # errors.EXIT_FAULT, without importing the package's heavier modules here
 
 _post_fd: int | None = None  # in a supervised rank: the pipe to its supervisor
@@ -137,7 +149,7 @@ def supervise() -> None:
     read_fd, write_fd = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
-    parent, started = os.getpid(), time.monotonic()
+    parent, started = os.getpid(), _launched_at()
     child = os.fork()
     if child == 0:
         os.close(read_fd)
@@ -260,6 +272,8 @@ class _Watcher:
         self.child, self.fd, self.started = child, fd, started
         self.limit_s, self.limit_by = default_startup_timeout_s(), "RLX_MPI_STARTUP_TIMEOUT_S"
         self.grace_until: float | None = None
+        self.waited = False  # the in-MPI grace was given
+        self.claim: socket.socket | None = None  # held from the report to the end (`_first_report`)
         self.context, self.in_mpi, self.is_ready, self.is_done = "", False, False, False
         self.noted: set[int] = set()
         self.pending = b""
@@ -349,6 +363,10 @@ class _Watcher:
         return self.context or f"{_rank_from_env()} ({socket.gethostname()})"
 
     def _report(self, what: str, fix: str) -> None:
+        """One line naming the rank, unless another rank's parent on this host reported first."""
+        self.claim, first = _first_report()
+        if not first:  # its line is the job's; the launcher is ending every rank
+            return
         sys.stderr.write(f"rlx-mpi: error: {self._who()}: {what}; {fix}\nrlx-mpi: ending the job\n")
         sys.stderr.flush()
         drain(sys.stderr.fileno())
@@ -406,9 +424,14 @@ class _Watcher:
     def _stalled(self) -> int | None:
         """The start-up deadline passed and MPI is not up: report a stopped rank now, a waiting one later."""
         stopped = _state(self.child) in ("T", "t")
-        if not stopped and self.in_mpi and self.grace_until is None:
-            rank = _rank_from_env().rpartition(" ")[2]
-            self.grace_until = time.monotonic() + GRACE_S + 0.5 * min(int(rank) if rank.isdigit() else 0, 10)
+        rank = _rank_from_env().rpartition(" ")[2]
+        steps = min(int(rank) if rank.isdigit() else 0, 10)
+        if not stopped and self.in_mpi and not self.waited:  # most likely waiting for a rank reported first
+            self.waited = True
+            self.grace_until = time.monotonic() + GRACE_S + 0.5 * steps
+            return None
+        if self.grace_until is None and steps:  # stalled here, maybe on every rank: the lowest speaks first
+            self.grace_until = time.monotonic() + STAGGER_S * steps
             return None
         setting = ("[run] startup_timeout_s" if self.limit_by == "startup_timeout_s"
                    else f"{self.limit_by}, the start-up deadline before the job file is read")
@@ -433,10 +456,53 @@ class _Watcher:
         return self._end_job()
 
 
+def _stat_fields(pid: int | str) -> list[str]:
+    """``/proc/<pid>/stat`` from field 3 (the state) on: field k is at index k - 3."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()
+
+
+def _launched_at() -> float:
+    """When this process started, on the `time.monotonic` clock (now, if /proc cannot say).
+
+    Note: the fork of the supervisor comes after Python has imported the CLI, which a loaded node
+    makes take a different time on each rank; the launcher starts them all within milliseconds.
+    """
+    now = time.monotonic()
+    try:
+        ticks = int(_stat_fields("self")[19])  # field 22: start time in clock ticks after boot
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return now
+    return now - min(max(age, 0.0), 3600.0)
+
+
+def _first_report() -> tuple[socket.socket | None, bool]:
+    """Is this the first rank's parent on this host, in this launch, to report? (the claim, yes/no)
+
+    The claim is an abstract Unix socket named after the launcher's process here (MPICH's proxy,
+    slurmstepd, prted: the parent of every supervisor of the launch on this node) and its start
+    time; the kernel frees it when the holder dies, and it leaves no file behind.
+    """
+    import errno
+
+    launcher = os.getppid()
+    try:
+        name = f"\0rlx-mpi-report-{launcher}-{_stat_fields(launcher)[19]}"
+        claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    except (OSError, IndexError):
+        return None, True
+    try:
+        claim.bind(name)
+    except OSError as e:
+        claim.close()
+        return None, e.errno != errno.EADDRINUSE  # anything else: better two lines than none
+    return claim, True
+
+
 def _state(pid: int) -> str:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]
+        return _stat_fields(pid)[0]
     except (OSError, IndexError):
         return "?"
 
