@@ -33,10 +33,9 @@ import numpy as np
 
 from .errors import ConfigError
 from .kernels.bits import pack_bf16, pack_f16, unpack_bf16, unpack_f16
+from .rules import WIRE_FORMATS  # named once, where the job file is checked without numba
 
 __all__ = ["WIRE_FORMATS", "Codec", "get_codec", "warm_up"]
-
-WIRE_FORMATS = ("f32", "bf16", "f16")
 
 
 # --- validating wrappers (the kernels: flat 1-D views, no validation, in kernels/bits.py) ----

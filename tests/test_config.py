@@ -85,11 +85,6 @@ def test_shipped_jobs_load():
         load_job(path)
 
 
-def test_wire_formats_match_the_codecs():
-    from rlx_mpi.config import WIRE_FORMATS
-    from rlx_mpi.wire import WIRE_FORMATS as CODECS
-
-    assert WIRE_FORMATS == CODECS
 def test_precision_per_job_and_per_rank():
     from rlx_mpi.config import Precision
 
