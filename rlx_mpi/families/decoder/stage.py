@@ -84,12 +84,12 @@ class DecoderStage(Stage):
             w["attn_out_norm"], w["mlp_out_norm"] = self._norm(source, p + "attn_out_norm"), self._norm(source, p + "mlp_out_norm")
         if cfg.num_experts:  # expert parallelism: this rank's experts whole
             a, b = part_bounds(cfg.num_experts, tp.rank, tp.size)
-            experts = [Mlp(*(read_linear(source, f"{p}experts/{e}/{k}", self.precision) for k in _MLP))
+            experts = [Mlp.of(*(read_linear(source, f"{p}experts/{e}/{k}", self.precision) for k in _MLP))
                        for e in range(a, b)]
             w["mlp"] = Experts(source.read(p + "router"), a, experts)
         else:
-            w["mlp"] = Mlp(*(shard(p + k, axis) for k, axis in _MLP.items()))
-        return LayerWeights(**w, window=cfg.window(n))
+            w["mlp"] = Mlp.of(*(shard(p + k, axis) for k, axis in _MLP.items()))
+        return LayerWeights.of(**w, window=cfg.window(n))  # q/k/v and gate/up fused after sharding
 
     @property
     def weight_bytes(self) -> int:
