@@ -8,7 +8,7 @@ group (identity when tp = 1).
 A layer (``block``):
     x = x + out_norm?(attention(norm(x)))      out_norm: Gemma 2's sandwich norm
     x = x + out_norm?(mlp_or_experts(norm(x)))
-attention: q/k/v (+bias) -> per-head q/k norm? -> RoPE -> KV cache -> scaled (soft-capped)
+attention: q/k/v (one fused product, +bias) -> per-head q/k norm? -> RoPE -> KV cache -> scaled (soft-capped)
 causal attention over the layer's window -> o_proj.
 """
 

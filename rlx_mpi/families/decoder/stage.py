@@ -9,7 +9,9 @@ rank holds the one kv head its query heads read, replicated (as Megatron does). 
 Norms, q/k norms and the router are replicated; the input embedding too (a lookup costs no
 FLOPs, and replication avoids a collective); the LM head is vocab-sharded (the largest
 matrix) and its logits are all-gathered. Fused Hugging Face tensors (Phi-3's qkv_proj and
-gate_up_proj) are split at convert time, so a shard never straddles q/k/v or gate/up.
+gate_up_proj) are split at convert time, so a shard never straddles q/k/v or gate/up; after
+sharding, each rank fuses its own q/k/v rows (and biases) and gate/up rows (each expert's too)
+into one matrix (`weights.fuse`), so decode runs one matvec for each.
 """
 
 from __future__ import annotations
