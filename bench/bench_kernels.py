@@ -84,10 +84,10 @@ def layer_weights(cfg, rng):
     def lin(o, i):  # a float32 Linear; .data is the (o, i) matrix the raw GEMM timings use
         return make_linear(rng.standard_normal((o, i), dtype=np.float32) * np.float32(i ** -0.5), "f32")
 
-    return model.LayerWeights(
+    return model.LayerWeights.of(
         input_layernorm=np.ones(C, np.float32), q_proj=lin(cfg.q_dim, C), k_proj=lin(cfg.kv_dim, C),
         v_proj=lin(cfg.kv_dim, C), o_proj=lin(C, cfg.q_dim), post_attention_layernorm=np.ones(C, np.float32),
-        mlp=Mlp(gate_proj=lin(I, C), up_proj=lin(I, C), down_proj=lin(C, I)))
+        mlp=Mlp.of(gate_proj=lin(I, C), up_proj=lin(I, C), down_proj=lin(C, I)))
 
 
 def profile(cfg, B: int, T: int, reps: int) -> dict:

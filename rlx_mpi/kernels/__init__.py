@@ -1,6 +1,6 @@
 """numba kernels of a forward, by concern (BLAS does the large matmuls).
 
-- ``elementwise``: rms_norm, silu_mul_, rope and the vectorisable exp behind them
+- ``elementwise``: rms_norm, silu_mul_ / swiglu, rope and the vectorisable exp behind them
 - ``attention``: blocked attention (`attend`, `attend_workspace_bytes`), a reference softmax
 - ``matvec``: decode's float32 matvec on the rank's numba threads
 - ``lowp``: bf16 / f16 / int8 weights, their decode matvecs and prefill tiles
@@ -19,12 +19,12 @@ import numpy as np
 from ._common import set_threads
 
 from .attention import _row_max, attend, attend_workspace_bytes, causal_softmax_
-from .elementwise import _exp, rms_norm, rope, silu_mul_
+from .elementwise import _exp, rms_norm, rope, silu_mul_, swiglu
 from .lowp import (MATVEC_ROWS, WEIGHT_FORMATS, _matvec_bf16, dequant_matmul, dequantize, f16_has_special,
                    from_bf16, quantize_int8, to_bf16)
 from .matvec import F32_MATVEC_ROWS, matvec_f32
 
-__all__ = ["rms_norm", "silu_mul_", "rope", "attend", "attend_workspace_bytes", "causal_softmax_",
+__all__ = ["rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_workspace_bytes", "causal_softmax_",
            "matvec_f32", "F32_MATVEC_ROWS", "dequant_matmul", "dequantize", "f16_has_special", "to_bf16",
            "from_bf16", "quantize_int8", "WEIGHT_FORMATS", "MATVEC_ROWS", "set_threads", "warm_up",
            "warm_up_lowp"]
@@ -35,6 +35,7 @@ def warm_up() -> None:
     timed forward (`causal_softmax_` is for tests and benches: compiled on first use)."""
     rms_norm(np.ones((1, 2), np.float32), np.ones(2, np.float32), 1e-6)
     silu_mul_(np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
+    swiglu(np.ones((1, 4), np.float32))
     x = np.ones((1, 2, 1, 2), np.float32)
     rope(x, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
     for t in (1, 9):  # the decode path and the blocked path

@@ -8,7 +8,7 @@ group (identity when tp = 1).
 A layer (``block``):
     x = x + out_norm?(attention(norm(x)))      out_norm: Gemma 2's sandwich norm
     x = x + out_norm?(mlp_or_experts(norm(x)))
-attention: q/k/v (+bias) -> per-head q/k norm? -> RoPE -> KV cache -> scaled (soft-capped)
+attention: q/k/v (one fused product, +bias) -> per-head q/k norm? -> RoPE -> KV cache -> scaled (soft-capped)
 causal attention over the layer's window -> o_proj.
 """
 
@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from ... import kernels
-from ...kv_cache import KvSpec, LayerCache, decode_kv, prefill_kv
+from ...kv_cache import KvSpec, LayerCache, decode_kv, prefill_kv, slot_run
 from . import moe, ops
 from .arch import Arch
 from .weights import Experts, LayerWeights, Linear, Mlp
@@ -59,6 +59,10 @@ class KvStep:
     positions: np.ndarray | None = None  # (B,) without
     caches: list[LayerCache] | None = None
     layer: int = 0  # index into caches and specs, advanced by the stage
+    run: int = -1  # `slot_run(slots)`: the step's first slot if consecutive, checked once per step
+
+    def __post_init__(self):
+        self.run = slot_run(self.slots)
 
     def attend_inputs(self, k: np.ndarray, v: np.ndarray, model_window: int):
         cache = self.caches[self.layer] if self.caches is not None else None
@@ -68,23 +72,22 @@ class KvStep:
             if model_window:  # the chunk attends to itself: the model's own window applies
                 window = min(window, model_window) if window else model_window
             return keys, values, q_pos, window
-        return decode_kv(cache, spec, k, v, self.slots, self.positions)  # a window layer's ring is its window
+        return decode_kv(cache, spec, k, v, self.slots, self.positions, self.run)  # a window layer's ring is its window
 
 
 def attention(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray,
               reduce: Reduce = _identity, kv: KvStep | None = None) -> np.ndarray:
     B, T, C = x.shape
-    hs = cfg.head_dim
-    nh, nkv = w.q_proj.shape[0] // hs, w.k_proj.shape[0] // hs
-    q, k, v = w.q_proj(x), w.k_proj(x), w.v_proj(x)  # (B, T, nh*hs), (B, T, nkv*hs) x2
-    if w.q_bias is not None:
-        q += w.q_bias
-        k += w.k_bias
-        v += w.v_bias
+    hs, qd, kd = cfg.head_dim, w.q_dim, w.kv_dim
+    nh, nkv = qd // hs, kd // hs
+    qkv = w.qkv(x)  # (B, T, nh*hs + 2*nkv*hs): q, k, v in one product (fused at load)
+    if w.qkv_bias is not None:
+        qkv += w.qkv_bias
+    q, k, v = qkv[..., :qd], qkv[..., qd:qd + kd], qkv[..., qd + kd:]  # views
     if w.q_norm is not None:  # Qwen3: RMSNorm over each head's hs values
         q = rms_norm(q.reshape(B * T * nh, hs), w.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k.reshape(B * T * nkv, hs), w.k_norm, cfg.rms_norm_eps)
-    q = q.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
+    q = q.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs), a view
     k = k.reshape(B, T, nkv, hs).transpose(0, 2, 1, 3)  # (B, nkv, T, hs)
     v = v.reshape(B, T, nkv, hs).transpose(0, 2, 1, 3)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # cos (T, hs), or (B, 1, T, hs) at positions
@@ -100,11 +103,12 @@ def attention(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: n
 
 def gated_mlp(x: np.ndarray, w: Mlp, activation: str) -> np.ndarray:
     """down(act(gate(x)) * up(x)) without the reduction: one dense shard or one expert."""
-    gate = w.gate_proj(x)
-    if activation == "gelu_tanh":
-        h = ops.gelu_tanh_mul_(gate, w.up_proj(x))  # GeGLU, in place
+    gu = w.gate_up(x)  # (..., 2I): [gate | up] in one product (fused at load)
+    if activation == "gelu_tanh":  # GeGLU, in place into a copy of the gate
+        I = gu.shape[-1] // 2
+        h = ops.gelu_tanh_mul_(np.ascontiguousarray(gu[..., :I]), gu[..., I:])
     else:
-        h = kernels.silu_mul_(gate, w.up_proj(x))  # silu(gate) * up, in place: no temporaries
+        h = kernels.swiglu(gu)  # silu(gate) * up, one pass, (..., I)
     return w.down_proj(h)
 
 

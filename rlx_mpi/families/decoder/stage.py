@@ -9,7 +9,9 @@ rank holds the one kv head its query heads read, replicated (as Megatron does). 
 Norms, q/k norms and the router are replicated; the input embedding too (a lookup costs no
 FLOPs, and replication avoids a collective); the LM head is vocab-sharded (the largest
 matrix) and its logits are all-gathered. Fused Hugging Face tensors (Phi-3's qkv_proj and
-gate_up_proj) are split at convert time, so a shard never straddles q/k/v or gate/up.
+gate_up_proj) are split at convert time, so a shard never straddles q/k/v or gate/up; after
+sharding, each rank fuses its own q/k/v rows (and biases) and gate/up rows (each expert's too)
+into one matrix (`weights.fuse`), so decode runs one matvec for each.
 """
 
 from __future__ import annotations
@@ -84,12 +86,12 @@ class DecoderStage(Stage):
             w["attn_out_norm"], w["mlp_out_norm"] = self._norm(source, p + "attn_out_norm"), self._norm(source, p + "mlp_out_norm")
         if cfg.num_experts:  # expert parallelism: this rank's experts whole
             a, b = part_bounds(cfg.num_experts, tp.rank, tp.size)
-            experts = [Mlp(*(read_linear(source, f"{p}experts/{e}/{k}", self.precision) for k in _MLP))
+            experts = [Mlp.of(*(read_linear(source, f"{p}experts/{e}/{k}", self.precision) for k in _MLP))
                        for e in range(a, b)]
             w["mlp"] = Experts(source.read(p + "router"), a, experts)
         else:
-            w["mlp"] = Mlp(*(shard(p + k, axis) for k, axis in _MLP.items()))
-        return LayerWeights(**w, window=cfg.window(n))
+            w["mlp"] = Mlp.of(*(shard(p + k, axis) for k, axis in _MLP.items()))
+        return LayerWeights.of(**w, window=cfg.window(n))  # q/k/v and gate/up fused after sharding
 
     @property
     def weight_bytes(self) -> int:
