@@ -16,6 +16,7 @@ output bytes unchanged, and nothing left behind (no file, no process):
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import h5py
