@@ -104,8 +104,10 @@ def bench_preset(preset: str, args, folder: Path, mpiexec: str) -> dict:
     hf = None
     if torch_py:
         hf_dir = folder / f"hf_{preset}"
-        subprocess.run([torch_py, str(HERE / "_hf_generate.py"), "build", "--preset", preset, "--hf-dir", str(hf_dir)],
-                       check=True, capture_output=True)
+        from dataclasses import asdict
+
+        subprocess.run([torch_py, str(HERE / "_hf_generate.py"), "build", "--preset", preset, "--hf-dir", str(hf_dir),
+                        "--dims", json.dumps(asdict(cfg))], check=True, capture_output=True)
         from rlx_mpi.families import convert_hf
 
         convert_hf(hf_dir, ckpt)

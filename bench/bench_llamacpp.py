@@ -18,13 +18,13 @@ Cases, each side pinned to the same first T cores (``taskset -c 0..T-1``; our ra
 cpus and pins T BLAS/numba threads; llama.cpp gets ``-t T``), trials interleaved, medians:
 
 - batch-1 decode after 32 cached tokens, f32 / bf16 / int8-vs-q8_0: ours = 32 / the decode
-  time (``decode_s`` of ``generate --json``, the table's decode_ms) of a 32-token prompt and 33
+  time (``decode_ms`` of ``generate --json``, the table's column) of a 32-token prompt and 33
   new tokens; theirs = ``llama-bench -p 0 -n 32 -d 32 -fa off`` (median of its per-repetition
   t/s); both time the decode evaluations alone.
 - 8 prompts x 32 new tokens, f32, new tokens over the whole time (prefill included): ours =
   8 x 32 / wall (``--batch 8``); theirs = ``llama-batched-bench -npp 32 -ntg 32 -npl 8
   -ctk f32 -ctv f32 -fa off``: B x TG / T.
-- prefill of 128 and 512 tokens, f32, batch 1: ours = P / the prefill time (``prefill_s``) of
+- prefill of 128 and 512 tokens, f32, batch 1: ours = P / the prefill time (``prefill_ms``) of
   a ``generate`` with 1 new token; theirs = ``llama-bench -p P -n 0 -fa off``.
 - decode as a fraction of the memory-bandwidth bound: weight bytes a decode step reads (every
   layer, final norm and head in the side's own format: q8_0 is 34 bytes per 32 weights, our
@@ -164,7 +164,7 @@ def ours_decode(folder: Path, job: Path, prompts: Path, new: int, threads: int, 
     times its decode evaluations alone."""
     ours(folder, job, prompts, new, 1, threads, mpiexec)
     rows = json.loads((folder / "stats.json").read_text())["rows"]
-    return (new - 1) / max(r["decode_s"] for r in rows)
+    return (new - 1) / (max(r["decode_ms"] for r in rows) / 1e3)
 
 
 def llama_bench(bin_dir: Path, gguf: Path, threads: int, reps: int, *, p: int, n: int, d: int = 0) -> float:
@@ -288,7 +288,7 @@ def main() -> None:
                         wait_quiet(args.quiet, args.quiet_wait)
                         ours(folder, jobs["f32"], plong[n], 1, 1, t, args.mpiexec)
                         rows_ = json.loads((folder / "stats.json").read_text())["rows"]
-                        mine.setdefault(key, []).append(n / max(r["prefill_s"] for r in rows_))
+                        mine.setdefault(key, []).append(n / (max(r["prefill_ms"] for r in rows_) / 1e3))
                         theirs.setdefault(key, []).append(llama_bench(bin_dir, m["gguf"]["f32"], t, 1, p=n, n=0))
             print(f"  trial {trial + 1}/{args.trials} done (load {loadavg()})", file=sys.stderr, flush=True)
         bw = {t: copy_bandwidth(t) for t in args.threads_list}

@@ -230,28 +230,6 @@ def test_swiglu_reads_a_fused_gate_up_output():
         kernels.swiglu(gu[..., :73].copy())
 
 
-def test_set_threads_picks_workqueue_for_several_threads_only():
-    """Fresh processes: more than one thread -> numba's workqueue layer (the note in _common.py);
-    one thread, or NUMBA_THREADING_LAYER set, -> numba's own choice."""
-    import os
-    import subprocess
-    import sys
-
-    code = ("import numba, numpy as np; from rlx_mpi import kernels; kernels.set_threads({n} or None); "
-            "kernels.matvec_f32(np.ones((1, 4), np.float32), np.ones((8, 4), np.float32)); "
-            "print(numba.threading_layer())")
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
-
-    def layer(n, **extra):
-        return subprocess.run([sys.executable, "-c", code.format(n=n)], env={**env, **extra}, check=True,
-                              capture_output=True, text=True, timeout=120).stdout.strip()
-
-    default = layer(0)  # set_threads(None): numba's own choice (omp where libgomp is there)
-    assert layer(2) == "workqueue"
-    assert layer(1) == default
-    assert layer(2, NUMBA_THREADING_LAYER="omp") == "omp"
-
-
 def test_attend_memory_follows_the_planner_estimate():
     """The peak numpy allocation of a prefill is the block workspace, not the (B, nh, T, S) scores."""
     import tracemalloc

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import numba
 import numpy as np
@@ -35,25 +34,19 @@ def pool_threads() -> int:
     return _threads[0] if _threads else numba.get_num_threads()
 
 
-# Note: threading layer. numba's default (OpenMP, GNU libgomp) workers spin after each parallel
-# region; on a shared or oversubscribed core that spin takes the core from the next serial
-# kernel and from other processes. Batch-1 decode, medium preset, 2 threads, fresh processes,
-# 3 interleaved pairs (2026-12-01, host at load 4.6-5.8 from other jobs): ms/token omp /
-# workqueue f32 611/216, 802/188, 427/194; bf16 631/134, 299/71, 461/73 (2.2-8.7x); at load
-# ~2.7, bf16 102/92, 137/74. With OMP_WAIT_POLICY=passive omp came within 1.1-1.3x of workqueue.
-# At 1 thread (taskset one core) workqueue was slower (bf16 66/79 vs 56/58 ms: its one worker
-# is a thread apart from the caller), so a rank given more than one thread uses workqueue
-# unless NUMBA_THREADING_LAYER says otherwise; one thread keeps the default. Chosen before
-# numba first starts its pool (set_threads runs before the stage is built); afterwards numba
-# ignores the setting. Taken under load: re-check on a quiet host (bench_llamacpp.py).
-_THREADED_LAYER = "workqueue"
+# Note: threading layer. numba's default (OpenMP, GNU libgomp) is kept. Its workers spin after
+# each parallel region; on a shared or oversubscribed core that spin takes the core from the next
+# serial kernel: under load (2026-12-01, load 4.6-5.8 from other jobs) workqueue decoded the
+# medium preset 2.2-8.7x faster at 2 threads. On a quiet host, the case of a batch job on its own
+# node, it is the other way round: bench_llamacpp.py, medium preset, batch-1 decode, 2 threads,
+# tokens/s workqueue / omp / omp with OMP_WAIT_POLICY=passive: f32 13.7 / 16.9 / 18.5, bf16
+# 20.4 / 30.2 / 31.2. A user on an oversubscribed node can set NUMBA_THREADING_LAYER=workqueue
+# (or OMP_WAIT_POLICY=passive); it passes through mpiexec and srun.
 
 
 def set_threads(n: int | None) -> None:
     """Run the parallel kernels (the decode matvecs) on ``n`` threads: the rank's share of its host, like BLAS."""
     if n:
-        if int(n) > 1 and "NUMBA_THREADING_LAYER" not in os.environ:
-            numba.config.THREADING_LAYER = _THREADED_LAYER  # see the note above
         numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
         _threads[:] = [numba.get_num_threads()]
 
