@@ -19,5 +19,29 @@ the order `Cluster.start` and `Cluster.run` call them on every rank:
     report(cx, r)  print and write the result; return the exit code
 
 `run.py` is the GPipe forward of ``rlx-mpi run``; `generate.py` the decode ring of ``rlx-mpi
-generate``.
+generate``; `score.py` the teacher-forced forward of ``rlx-mpi score``. `Driver` gives the
+members most commands leave as they are.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Driver"]
+
+
+class Driver:
+    """Defaults of the driver members above; a command overrides what differs."""
+
+    command = ""
+    stop_signals = False
+    plan_only = False
+
+    def cost(self, cx: Any) -> Any:
+        return cx.cost()
+
+    def check_plan(self, cx: Any) -> None:
+        pass
+
+    def ready(self, cx: Any) -> None:
+        pass

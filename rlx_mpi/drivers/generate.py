@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import Driver
 from .. import rules, transport
 from ..errors import ConfigError
 from ..executor import Executor, wire_codec
@@ -268,7 +269,7 @@ class GenerateOptions:
                    eos_where="generate --eos-id" if flags.eos_id is not None else f"{job.path}: [generate] eos_id")
 
 
-class GenerateDriver:
+class GenerateDriver(Driver):
     """The ``generate`` command as a driver of the shared start-up (see `rlx_mpi.drivers`).
 
     Rank 0 reads the prompts and opens the journal (an agreed step), every rank learns the
@@ -278,7 +279,6 @@ class GenerateDriver:
 
     command = "generate"
     stop_signals = True  # finish the step, write what is complete, exit 75
-    plan_only = False
 
     def __init__(self, flags: Any, *, argv_inputs: tuple = ()):
         self.flags, self.argv_inputs = flags, argv_inputs

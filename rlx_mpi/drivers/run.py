@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from . import Driver
 from .. import transport
 from ..errors import RankFault
 from ..executor import Executor, wire_codec
@@ -32,7 +33,7 @@ __all__ = ["RunDriver", "forward", "microbatch_bounds", "clock_offset", "trace_d
 log = logging.getLogger("rlx_mpi")
 
 
-class RunDriver:
+class RunDriver(Driver):
     """The ``run`` command as a driver of the shared start-up (see `rlx_mpi.drivers`)."""
 
     command = "run"
@@ -54,15 +55,6 @@ class RunDriver:
     def load(self, cx: Any) -> tuple[int, int]:
         self.ids = cx.load_inputs(self.input_ids)
         return cx.batch, cx.seq
-
-    def cost(self, cx: Any) -> Any:
-        return cx.cost()
-
-    def check_plan(self, cx: Any) -> None:
-        pass
-
-    def ready(self, cx: Any) -> None:
-        pass
 
     def drive(self, cx: Any) -> ClusterRun | None:
         if self.plan_only:

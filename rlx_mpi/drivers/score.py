@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from . import Driver
 from .. import rules, transport
 from ..config import ScoreSection
 from ..errors import ConfigError, RankFault
@@ -140,12 +141,11 @@ class ScoreResult:
         return {**d, **self.run.to_dict()}
 
 
-class ScoreDriver:
+class ScoreDriver(Driver):
     """The ``score`` command as a driver of the shared start-up (see `rlx_mpi.drivers`)."""
 
     command = "score"
     stop_signals = True  # finish the round, write its rows, exit 75
-    plan_only = False
 
     def __init__(self, flags: Any, *, argv_inputs: tuple = ()):
         self.flags, self.argv_inputs = flags, argv_inputs
@@ -199,15 +199,6 @@ class ScoreDriver:
         rows = max(len(mb.lines) for r in self.rounds for mb in r)
         longest = max(mb.length for r in self.rounds for mb in r)
         return rows, longest  # the planner prices one microbatch at most this shape
-
-    def cost(self, cx: Any) -> Any:
-        return cx.cost()
-
-    def check_plan(self, cx: Any) -> None:
-        pass
-
-    def ready(self, cx: Any) -> None:
-        pass
 
     def drive(self, cx: Any) -> ScoreResult | None:
         """Every round's forward on every rank; the `ScoreResult` on rank 0 (None elsewhere)."""
