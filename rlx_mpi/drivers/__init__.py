@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Driver"]
+__all__ = ["Driver", "JournalDriver"]
 
 
 class Driver:
@@ -45,3 +45,16 @@ class Driver:
 
     def ready(self, cx: Any) -> None:
         pass
+
+
+class JournalDriver(Driver):
+    """A command that reads a prompt file and writes a resumable output file (generate, score):
+    ``self.opts`` has ``prompts`` and ``out``; ``self.flags`` has ``json``."""
+
+    stop_signals = True  # finish the step or round, write what is complete, exit 75
+
+    def outputs(self, cx: Any) -> tuple[list, dict]:
+        o = self.opts
+        inputs = {"the job file": cx.job.path, "the checkpoint": cx.job.model.checkpoint,
+                  "the prompt file": o.prompts, "the output file": o.out}
+        return [("--json", self.flags.json)], inputs

@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import Driver
+from . import JournalDriver
 from .. import rules, transport
 from ..errors import ConfigError
 from ..executor import Executor, wire_codec
@@ -269,7 +269,7 @@ class GenerateOptions:
                    eos_where="generate --eos-id" if flags.eos_id is not None else f"{job.path}: [generate] eos_id")
 
 
-class GenerateDriver(Driver):
+class GenerateDriver(JournalDriver):
     """The ``generate`` command as a driver of the shared start-up (see `rlx_mpi.drivers`).
 
     Rank 0 reads the prompts and opens the journal (an agreed step), every rank learns the
@@ -278,7 +278,6 @@ class GenerateDriver(Driver):
     """
 
     command = "generate"
-    stop_signals = True  # finish the step, write what is complete, exit 75
 
     def __init__(self, flags: Any, *, argv_inputs: tuple = ()):
         self.flags, self.argv_inputs = flags, argv_inputs
@@ -290,12 +289,6 @@ class GenerateDriver(Driver):
 
     def configure(self, cx: Any) -> None:
         self.opts = GenerateOptions.resolve(self.flags, cx.job)
-
-    def outputs(self, cx: Any) -> tuple[list, dict]:
-        o = self.opts
-        inputs = {"the job file": cx.job.path, "the checkpoint": cx.job.model.checkpoint,
-                  "the prompt file": o.prompts, "the output file": o.out}
-        return [("--json", self.flags.json)], inputs
 
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; (cache slots, longest sequence), None when all are done."""

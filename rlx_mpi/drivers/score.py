@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from . import Driver
+from . import JournalDriver
 from .. import rules, transport
 from ..config import ScoreSection
 from ..errors import ConfigError, RankFault
@@ -141,11 +141,10 @@ class ScoreResult:
         return {**d, **self.run.to_dict()}
 
 
-class ScoreDriver(Driver):
+class ScoreDriver(JournalDriver):
     """The ``score`` command as a driver of the shared start-up (see `rlx_mpi.drivers`)."""
 
     command = "score"
-    stop_signals = True  # finish the round, write its rows, exit 75
 
     def __init__(self, flags: Any, *, argv_inputs: tuple = ()):
         self.flags, self.argv_inputs = flags, argv_inputs
@@ -157,12 +156,6 @@ class ScoreDriver(Driver):
 
     def configure(self, cx: Any) -> None:
         self.opts = ScoreOptions.resolve(self.flags, cx.job)
-
-    def outputs(self, cx: Any) -> tuple[list, dict]:
-        o = self.opts
-        inputs = {"the job file": cx.job.path, "the checkpoint": cx.job.model.checkpoint,
-                  "the prompt file": o.prompts, "the output file": o.out}
-        return [("--json", self.flags.json)], inputs
 
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; the rounds on every rank; None when all are done."""
