@@ -43,7 +43,7 @@ class PlacementPolicy(str, enum.Enum):
 
 class Precision(str, enum.Enum):
     """How a rank holds its weights (activations are always float32): converted at load from
-    whatever the checkpoint stores. int8 is symmetric with one scale per output channel."""
+    whatever the checkpoint stores. int8 is symmetric with one float32 scale per 64 weights of a row (kernels.INT8_BLOCK)."""
 
     F32 = "f32"  # the names are rules.PRECISIONS (one list for job files, plan and the planner)
     BF16 = "bf16"
@@ -53,8 +53,8 @@ class Precision(str, enum.Enum):
 
     @property
     def bytes_per_param(self) -> float:
-        """Resident bytes per weight (int8's per-row scales are under 1% and left out)."""
-        return {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "int8": 1.0}[self.value]
+        """Resident bytes per weight (int8: one byte and a 4-byte scale per 64 weights)."""
+        return {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "int8": 1.0 + 4.0 / 64}[self.value]
 
 
 

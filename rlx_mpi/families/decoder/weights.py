@@ -2,14 +2,13 @@
 
 ``Linear(x)`` maps float32 activations ``(..., in)`` to float32 ``(..., out)`` whatever the
 storage: f32 (one BLAS GEMM over all B*T rows), bf16 / f16 (uint16 bit patterns) or int8 with
-symmetric per-output-row scales computed at load. Low-precision weights are multiplied by
+symmetric scales per block of 64 weights of a row, computed at load (kernels.quantize_int8). Low-precision weights are multiplied by
 the fused kernels in `rlx_mpi.kernels` and never expanded to a float32 copy of the matrix.
 A `Linear` also answers ``table[ids]`` (float32 rows), so one object serves as the
 embedding table and, with tied embeddings, as the LM head.
 
 Note: under tensor parallelism a row-parallel shard (o_proj, down_proj: a slice of the
-input columns) gets int8 scales from its own columns only; that is at least as accurate as
-the whole row's scale and needs no communication at load.
+input columns) gets int8 blocks cut from its own columns; no communication at load.
 """
 
 from __future__ import annotations
@@ -122,7 +121,7 @@ def fuse(parts: list[Linear]) -> Linear:
     Note: fused projections. Decode at batch 1 is 113 matvec calls per token on the medium
     preset, and per-call Python and thread start-up is what limits 2 threads (bench/README.md);
     one product for q/k/v and one for gate/up make 4 calls per layer instead of 7. Every output
-    element is the same dot product as before (rows are independent; int8's per-row scales
+    element is the same dot product as before (rows are independent; int8's block scales
     concatenate with their rows), so results are bit-for-bit those of the separate matrices.
     Built once at load after TP sharding; the parts are dropped, so weight bytes do not grow."""
     if len({p.precision for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
