@@ -23,7 +23,7 @@ import numpy as np
 
 from .errors import ConfigError
 
-__all__ = ["KvSpec", "LayerCache", "prefill_kv", "decode_kv", "slot_run"]
+__all__ = ["KvSpec", "LayerCache", "prefill_kv", "decode_store"]
 
 
 @dataclass(frozen=True)
@@ -69,20 +69,6 @@ class LayerCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def rows(self, slots: np.ndarray, stop: int, run: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """K, V of ``slots`` over columns 0..stop-1: a view when the slots are consecutive.
-        ``run`` is `slot_run(slots)` when the caller has it (once per step, not per layer)."""
-        a = slot_run(slots) if run is None else run
-        if a >= 0:
-            return self.k[a:a + len(slots), :, :stop], self.v[a:a + len(slots), :, :stop]
-        return self.k[slots, :, :stop], self.v[slots, :, :stop]
-
-
-def slot_run(slots: np.ndarray) -> int:
-    """The first slot when ``slots`` are consecutive (a cache view can serve them), else -1."""
-    a = int(slots[0])
-    return a if np.array_equal(slots, np.arange(a, a + len(slots))) else -1
-
 
 def prefill_kv(cache: LayerCache | None, spec: KvSpec, k: np.ndarray, v: np.ndarray, slots: np.ndarray,
                lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -105,20 +91,18 @@ def prefill_kv(cache: LayerCache | None, spec: KvSpec, k: np.ndarray, v: np.ndar
     return k, v, q_pos, spec.window if spec.policy == "window" else 0
 
 
-def decode_kv(cache: LayerCache, spec: KvSpec, k: np.ndarray, v: np.ndarray, slots: np.ndarray,
-              positions: np.ndarray, run: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Store one new token per row at ``positions`` (B,) and return what its query attends to.
+def decode_store(cache: LayerCache, k: np.ndarray, v: np.ndarray, slots: np.ndarray,
+                 positions: np.ndarray) -> np.ndarray:
+    """Store one new token per row at ``positions`` (B,) and return each row's query position
+    in the cache (B,) for `kernels.attend_cache`, which reads columns 0..q_pos of the row.
 
-    k, v (B, nkv, 1, hs). Full cache: keys 0..p of each row (q_pos = p). Ring of L = W
-    columns: column j holds position p - ((p - j) mod L); once a row has written L positions
-    all L columns are in its window, before that only columns 0..p are; so q_pos = min(p, L-1)
-    with a plain causal mask selects exactly the window, whatever order the ring is in.
-    ``run``: `slot_run(slots)`, computed once per step by the caller (else here).
+    k, v (B, nkv, 1, hs). Full cache: columns 0..p (q_pos = p). Ring of L = W columns: column
+    j holds position p - ((p - j) mod L); once a row has written L positions all L columns are
+    in its window, before that only columns 0..p are; so q_pos = min(p, L-1) with a plain
+    causal mask selects exactly the window, whatever order the ring is in.
     """
     L = cache.k.shape[2]
     cols = positions % L
     cache.k[slots, :, cols] = k[:, :, 0]
     cache.v[slots, :, cols] = v[:, :, 0]
-    q_pos = np.minimum(positions, L - 1)[:, None]  # (B, 1)
-    keys, values = cache.rows(slots, int(q_pos.max()) + 1, run)
-    return keys, values, q_pos, 0
+    return np.minimum(positions, L - 1)

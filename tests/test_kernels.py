@@ -289,6 +289,44 @@ def test_row_max_orders_floats_as_numpy_does():
     assert np.isnan(kernels._row_max(np.float32([1.0, np.nan, 2.0])))  # a NaN score reaches the output
 
 
+@pytest.mark.parametrize("nh, nkv, hs, window, softcap", [(4, 2, 8, 0, 0.0), (6, 1, 16, 0, 0.0), (4, 4, 64, 3, 0.0),
+                                                     (8, 2, 32, 0, 5.0)])
+def test_attend_cache_against_naive(nh, nkv, hs, window, softcap):
+    """Decode attention read in place from a cache: rows in any slot order (one slot read twice),
+    GQA, a window, Gemma 2's soft-cap; against the float64 definition on gathered keys."""
+    rng = np.random.default_rng(13)
+    slots_total, L = 5, 11
+    ck = rng.standard_normal((slots_total, nkv, L, hs)).astype(np.float32)
+    cv = rng.standard_normal((slots_total, nkv, L, hs)).astype(np.float32)
+    slots, q_pos = np.array([3, 0, 4, 3]), np.array([10, 0, 5, 2])
+    q = rng.standard_normal((4, nh, 1, hs)).astype(np.float32) * 3
+    got = kernels.attend_cache(q, ck, cv, slots, q_pos, window, scale=0.3 if softcap else None, softcap=softcap)
+    assert got.shape == (4, 1, nh, hs) and got.dtype == np.float32 and got.flags.c_contiguous
+    want = np.zeros((4, 1, nh, hs))
+    for b, (slot, p) in enumerate(zip(slots, q_pos)):
+        for h in range(nh):
+            kh = h // (nh // nkv)
+            keys = [j for j in range(L) if j <= p and (window <= 0 or j > p - window)]
+            s = np.array([q[b, h, 0].astype(np.float64) @ ck[slot, kh, j] for j in keys])
+            s *= 0.3 if softcap else hs ** -0.5
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
+            w = np.exp(s - s.max())
+            want[b, 0, h] = (w / w.sum()) @ cv[slot, kh, keys].astype(np.float64)
+    np.testing.assert_allclose(got, want, atol=3e-6)
+    if not window and not softcap:  # and the same as `attend` over the gathered prefix views
+        for b in range(4):
+            view = (ck[slots[b:b + 1], :, :q_pos[b] + 1], cv[slots[b:b + 1], :, :q_pos[b] + 1])
+            np.testing.assert_allclose(got[b:b + 1], kernels.attend(q[b:b + 1], *view), atol=2e-6)
+    q[2, 1, 0, 0] = np.nan  # a NaN query comes out NaN in its own head only
+    y = kernels.attend_cache(q, ck, cv, slots, q_pos, window)
+    assert np.isnan(y[2, 0, 1]).all() and np.isfinite(np.delete(y.reshape(4 * nh, hs), 2 * nh + 1, axis=0)).all()
+    with pytest.raises(ValueError, match="slots must lie in"):
+        kernels.attend_cache(q, ck, cv, np.array([0, 1, 2, 5]), q_pos)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.attend_cache(q[:, :, :0], ck, cv, slots, q_pos)
+
+
 def test_attend_propagates_nan():
     """A NaN query must come out NaN (the stage's finite check names it), not be masked away."""
     rng = np.random.default_rng(12)

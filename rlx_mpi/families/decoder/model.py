@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from ... import kernels
-from ...kv_cache import KvSpec, LayerCache, decode_kv, prefill_kv, slot_run
+from ...kv_cache import KvSpec, LayerCache, decode_store, prefill_kv
 from . import moe, ops
 from .arch import Arch
 from .weights import Experts, LayerWeights, Linear, Mlp
@@ -59,20 +59,19 @@ class KvStep:
     positions: np.ndarray | None = None  # (B,) without
     caches: list[LayerCache] | None = None
     layer: int = 0  # index into caches and specs, advanced by the stage
-    run: int = -1  # `slot_run(slots)`: the step's first slot if consecutive, checked once per step
 
-    def __post_init__(self):
-        self.run = slot_run(self.slots)
-
-    def attend_inputs(self, k: np.ndarray, v: np.ndarray, model_window: int):
+    def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, model_window: int, scale: float | None,
+               softcap: float) -> np.ndarray:
+        """Store this step's k, v (B, nkv, T, hs) and attend q (B, nh, T, hs) over what the cache
+        holds for each row: (B, T, nh, hs)."""
         cache = self.caches[self.layer] if self.caches is not None else None
-        spec = self.specs[self.layer]
         if self.prefill:
-            keys, values, q_pos, window = prefill_kv(cache, spec, k, v, self.slots, self.lengths)
+            keys, values, q_pos, window = prefill_kv(cache, self.specs[self.layer], k, v, self.slots, self.lengths)
             if model_window:  # the chunk attends to itself: the model's own window applies
                 window = min(window, model_window) if window else model_window
-            return keys, values, q_pos, window
-        return decode_kv(cache, spec, k, v, self.slots, self.positions, self.run)  # a window layer's ring is its window
+            return kernels.attend(q, keys, values, q_pos, window, scale=scale, softcap=softcap)
+        q_pos = decode_store(cache, k, v, self.slots, self.positions)  # a window layer's ring is its window
+        return kernels.attend_cache(q, cache.k, cache.v, self.slots, q_pos, scale=scale, softcap=softcap)
 
 
 def attention(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray,
@@ -95,8 +94,7 @@ def attention(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: n
     if kv is None:
         y = kernels.attend(q, k, v, None, w.window, scale=scale, softcap=cfg.attn_logit_softcap)  # causal
     else:  # generation: store this step's K/V, attend over the cached prefix
-        keys, values, q_pos, window = kv.attend_inputs(k, v, w.window)
-        y = kernels.attend(q, keys, values, q_pos, window, scale=scale, softcap=cfg.attn_logit_softcap)
+        y = kv.attend(q, k, v, w.window, scale, cfg.attn_logit_softcap)
     y = y.reshape(B, T, nh * hs)
     return reduce(w.o_proj(y))  # row-parallel: partial sums over heads
 
