@@ -30,7 +30,7 @@ def build(pkg: str, path: str, preset: str, precision: str, threads: int, max_se
     kvm = importlib.import_module(f"{pkg}.kv_cache")
     kern = importlib.import_module(f"{pkg}.kernels")
     kern.set_threads(threads)
-    cfg = fam.get_family("llama").presets[preset]
+    cfg = fam.get_family(ck.read_header(path)[0]).load_config(ck.read_header(path)[1], path) if preset == "file" else fam.get_family("llama").presets[preset]
     with ck.H5ParamSource(path) as src:
         stage = stage_mod.DecoderStage(cfg, src, range(cfg.num_hidden_layers), True, True, precision=precision)
     stage.reset(1, max_seq, kvm.KvSpec("full"))
