@@ -30,7 +30,11 @@ def build(pkg: str, path: str, preset: str, precision: str, threads: int, max_se
     kvm = importlib.import_module(f"{pkg}.kv_cache")
     kern = importlib.import_module(f"{pkg}.kernels")
     kern.set_threads(threads)
-    cfg = fam.get_family(ck.read_header(path)[0]).load_config(ck.read_header(path)[1], path) if preset == "file" else fam.get_family("llama").presets[preset]
+    if preset == "file":  # the checkpoint's own family and config
+        family, config_json = ck.read_header(path)
+        cfg = fam.get_family(family).load_config(config_json, path)
+    else:
+        cfg = fam.get_family("llama").presets[preset]
     with ck.H5ParamSource(path) as src:
         stage = stage_mod.DecoderStage(cfg, src, range(cfg.num_hidden_layers), True, True, precision=precision)
     stage.reset(1, max_seq, kvm.KvSpec("full"))
@@ -41,7 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("checkpoint")
     ap.add_argument("--old", required=True, help="directory holding the package rlx_mpi_old")
-    ap.add_argument("--preset", default="medium")
+    ap.add_argument("--preset", default="medium", help="a llama preset of the checkpoint, or \"file\": its own config")
     ap.add_argument("--precision", default="f32")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=16)
