@@ -2,6 +2,7 @@
 
     python bench/bench_generate.py [--presets small,medium] [--new 17] [--prompt-len 64] [--trials 3]
                                    [--torch-python /work/torchvenv/bin/python] [--json bench/results/generate.json]
+                                   [--pipeline]
 
 Method. Every case launches ``mpiexec -n R python -m rlx_mpi generate`` twice per trial, with
 ``--max-new-tokens`` N and 1, on the same seeded prompts (length --prompt-len, all equal), and
@@ -54,8 +55,16 @@ CASES = [("1 rank x 2 threads, batch 1", 1, 1, 1, 1, []),
          ("1 rank x 1 thread (taskset -c 0), batch 8", 1, 8, 8, 1, ["taskset", "-c", "0"])]
 
 
+# --pipeline: #16's target, 2 stages of one core against one rank with both, at 8 and 16 prompts
+PIPELINE_CASES = [("1 rank x 2 threads, batch 8", 1, 8, 8, 1, []),
+                  ("2 ranks x 1 thread, 2 groups x 4", 2, 8, 4, 2, []),
+                  ("1 rank x 2 threads, batch 16", 1, 16, 16, 1, []),
+                  ("2 ranks x 1 thread, 2 groups x 8", 2, 16, 8, 2, []),
+                  ("2 ranks x 1 thread, 4 groups x 4", 2, 16, 4, 4, [])]
+
+
 def write_prompts(path: Path, n: int, length: int, vocab: int) -> Path:
-    ids = np.random.default_rng(0).integers(0, vocab, (8, length))[:n]  # as _hf_generate.prompts
+    ids = np.random.default_rng(0).integers(0, vocab, (max(n, 8), length))[:n]  # the first 8 as _hf_generate.prompts
     path.write_text("".join(json.dumps({"id": f"b{i}", "tokens": row.tolist()}) + "\n" for i, row in enumerate(ids)))
     return path
 
@@ -115,21 +124,30 @@ def bench_preset(preset: str, args, folder: Path, mpiexec: str) -> dict:
         ensure_checkpoint(ckpt, preset)
     job = folder / f"{preset}.toml"
     job.write_text(f'[model]\ncheckpoint = "{ckpt}"\n[run]\ntimeout_s = 600.0\n[placement]\nreserve_ram_gb = 0.0\n')
-    prompts = {n: write_prompts(folder / f"p{n}.jsonl", n, args.prompt_len, cfg.vocab_size) for n in (1, 8)}
-    walls: dict[str, dict[int, list[float]]] = {c[0]: {1: [], args.new: []} for c in CASES}
+    cases = PIPELINE_CASES if args.pipeline else CASES
+    prompts = {n: write_prompts(folder / f"p{n}.jsonl", n, args.prompt_len, cfg.vocab_size) for n in (1, 8, 16)}
+    walls: dict[str, dict[int, list[float]]] = {c[0]: {1: [], args.new: []} for c in cases}
     for trial in range(args.trials):
-        for label, ranks, seqs, batch, groups, prefix in CASES:
+        for label, ranks, seqs, batch, groups, prefix in cases:
             for n in (1, args.new):
                 wait_quiet(args.quiet, args.quiet_wait)
                 walls[label][n].append(run_generate(ranks, job, prompts[seqs], folder / "out.jsonl",
                                                     folder / "stats.json", n, batch, groups, mpiexec, prefix))
         print(f"  {preset}: trial {trial + 1}/{args.trials} done (load {loadavg()})", file=sys.stderr, flush=True)
     rows = {}
-    for label, ranks, seqs, batch, groups, _ in CASES:
+    for label, ranks, seqs, batch, groups, _ in cases:
         w1, wn = statistics.median(walls[label][1]), statistics.median(walls[label][args.new])
         rows[label] = {"ranks": ranks, "sequences": seqs, "batch": batch, "groups": groups, "wall_1": w1, "wall_n": wn,
                        "walls": walls[label], "decode_tok_s": seqs * (args.new - 1) / max(wn - w1, 1e-9),
                        "prefill_tok_s": seqs * args.prompt_len / w1}
+    if args.pipeline:
+        c = [rows[case[0]] for case in PIPELINE_CASES]
+        return {"preset": preset, "cases": rows, "ratios": {
+            "8 prompts: 2 ranks (2 groups x 4) / 1 rank x 2 threads, decode": c[1]["decode_tok_s"] / c[0]["decode_tok_s"],
+            "16 prompts: 2 ranks (2 groups x 8) / 1 rank x 2 threads, decode": c[3]["decode_tok_s"] / c[2]["decode_tok_s"],
+            "16 prompts: 2 ranks (4 groups x 4) / 1 rank x 2 threads, decode": c[4]["decode_tok_s"] / c[2]["decode_tok_s"],
+            "8 prompts: 2 ranks / 1 rank, whole wall (prefill included)": c[0]["wall_n"] / c[1]["wall_n"],
+            "16 prompts: 2 ranks (2 x 8) / 1 rank, whole wall (prefill included)": c[2]["wall_n"] / c[3]["wall_n"]}}
     bw = gemv_bandwidth(2)
     bound = bw / decode_bytes(cfg)
     doc = {"preset": preset, "cases": rows, "gemv_bandwidth_GBs": bw / 1e9, "decode_bytes": decode_bytes(cfg),
@@ -177,6 +195,8 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--torch-python", help="a Python with torch + transformers (or env RLX_TORCH_PYTHON)")
     ap.add_argument("--mpiexec", default=default_mpiexec())
+    ap.add_argument("--pipeline", action="store_true",
+                    help="only 2 stages x 1 thread against 1 rank x 2 threads at 8 and 16 prompts (issue #16's target)")
     add_common_args(ap, quiet_wait_s=20.0)
     args = ap.parse_args()
     info = machine()
@@ -188,12 +208,13 @@ def main() -> None:
             docs.append(doc)
             head = ["case", "decode tok/s", "prefill tok/s"]
             table = [[k, f"{v['decode_tok_s']:.1f}", f"{v['prefill_tok_s']:.1f}"] for k, v in doc["cases"].items()]
-            for threads, hf in doc.get("transformers", {}).items():
+            for threads, hf in (doc.get("transformers") or {}).items():
                 for b, r in hf["batches"].items():
                     table.append([f"transformers generate, batch {b}, {threads} thread(s)", f"{r['decode_tok_s']:.1f}",
                                   f"{r['prefill_tok_s']:.1f}"])
-            print(f"\n{preset}: bandwidth bound at batch 1 {doc['bound_tok_s_batch1']:.1f} tok/s "
-                  f"({doc['decode_bytes'] / 1e6:.0f} MB per step at {doc['gemv_bandwidth_GBs']:.1f} GB/s)")
+            if "bound_tok_s_batch1" in doc:
+                print(f"\n{preset}: bandwidth bound at batch 1 {doc['bound_tok_s_batch1']:.1f} tok/s "
+                      f"({doc['decode_bytes'] / 1e6:.0f} MB per step at {doc['gemv_bandwidth_GBs']:.1f} GB/s)")
             print(fmt_table(head, table))
             for k, v in doc["ratios"].items():
                 print(f"  {k}: {v:.2f}")

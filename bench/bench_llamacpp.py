@@ -11,8 +11,8 @@ its gguf venv). Nothing here names a machine path.
 The model (made once in --workdir, reused after): a transformers random Llama of the medium
 preset's shape with a vocabulary of 8192 (205 M parameters) saved by bench/_hf_generate.py,
 converted to GGUF f32 / bf16 / q8_0 by hf_to_gguf.py and to our checkpoint by
-``rlx-mpi convert``: the same weights on both sides. Our int8 (one scale per output row) is
-set against llama.cpp's q8_0 (one scale per 32 weights).
+``rlx-mpi convert``: the same weights on both sides. Our int8 (one float32 scale per 64 weights
+of a row) is set against llama.cpp's q8_0 (one f16 scale per 32 weights).
 
 Cases, each side pinned to the same first T cores (``taskset -c 0..T-1``; our rank probes T
 cpus and pins T BLAS/numba threads; llama.cpp gets ``-t T``), trials interleaved, medians:
@@ -28,7 +28,7 @@ cpus and pins T BLAS/numba threads; llama.cpp gets ``-t T``), trials interleaved
   a ``generate`` with 1 new token; theirs = ``llama-bench -p P -n 0 -fa off``.
 - decode as a fraction of the memory-bandwidth bound: weight bytes a decode step reads (every
   layer, final norm and head in the side's own format: q8_0 is 34 bytes per 32 weights, our
-  int8 1 byte plus a 4-byte scale per row) over the copy bandwidth measured here with T
+  int8 1 byte per weight plus a 4-byte scale per 64) over the copy bandwidth measured here with T
   threads (a numba parallel copy of 256 MB, read + write bytes, as STREAM counts them).
 - accuracy against the f32 model on the same 8 x 256 random tokens (ids 3..V-1; the GGUF's
   stand-in vocabulary maps token i to one character, checked with llama-tokenize): ours from
@@ -118,7 +118,7 @@ def weight_bytes(cfg: dict, fmt: str) -> float:
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     rows_cols = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)] * cfg["num_hidden_layers"] + [(v, h)]
     per = {"f32": 4.0, "bf16": 2.0, "q8_0": 34 / 32, "int8": 1.0}[fmt]
-    total = sum(n * k * per + (4 * n if fmt == "int8" else 0) for n, k in rows_cols)
+    total = sum(n * k * per + (4 * n * -(-k // 64) if fmt == "int8" else 0) for n, k in rows_cols)
     return total + 4 * h * (2 * cfg["num_hidden_layers"] + 1)
 
 
