@@ -38,6 +38,21 @@ class ModelCost:
     tokens: int = 1  # batch * seq of the forward being planned
     shared_end_bytes: int = 0  # counted in both embed_bytes and head_bytes, held once by a stage
     # that has both ends (tied embeddings on a one-stage plan)
+    kv_heads: int = 0  # key/value heads (0: not told); under tp > kv_heads each TP rank holds one
+    kv_weight_bytes: int = 0  # k and v projections (and biases) of one layer, within layer_bytes
+
+    def under_tp(self, tp: int) -> "ModelCost":
+        """The whole stage's bytes when its ``tp`` ranks split the layers: every rank holds the
+        whole embedding (a lookup needs no collective), no rank holds a tied head as its
+        embedding, and with tp > kv_heads each rank holds the kv head its queries read (k/v
+        weights and cache replicated tp / kv_heads times, as `decoder.stage` loads them)."""
+        if tp == 1:
+            return self
+        rep = tp / self.kv_heads if 0 < self.kv_heads < tp else 1.0
+        return dataclasses.replace(
+            self, embed_bytes=self.embed_bytes * tp, shared_end_bytes=0,
+            layer_bytes=self.layer_bytes + int(self.kv_weight_bytes * (rep - 1)),
+            kv_bytes_per_layer=int(self.kv_bytes_per_layer * rep))
 
     def stage_bytes(self, layers: range, first: bool, last: bool, weight_scale: float = 1.0) -> int:
         """Resident bytes of a stage holding ``layers`` (whole stage, all TP shards);
@@ -317,9 +332,7 @@ def plan_placement(cost: ModelCost, caps: Sequence[NodeCaps], policy: PlacementP
                           f"rlx_mpi plans 1 to {MAX_LAYERS} layers; check the model shape")
     stages = _check_grid(caps, grid)
     S, L, tp = len(stages), cost.n_layers, len(stages[0])
-    if tp > 1:  # every TP rank of the first stage holds the whole embedding (a lookup needs no
-        # collective), so the stage holds tp copies; and no rank holds a tied head as its embedding
-        cost = dataclasses.replace(cost, embed_bytes=cost.embed_bytes * tp, shared_end_bytes=0)
+    cost = cost.under_tp(tp)
     if S > L:
         rules.stages_fit_layers(len(caps), len(caps) // S, L, "placement")
     if precision is not None and len(precision) != len(caps):

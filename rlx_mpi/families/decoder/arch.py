@@ -210,6 +210,8 @@ class Arch:
             + attend_workspace_bytes(batch, self.num_attention_heads, seq, self.head_dim),  # blocked: no seq^2
             tokens=tokens,
             shared_end_bytes=embed if self.tie_word_embeddings else 0,  # the stage holds one matrix for both
+            kv_heads=self.num_key_value_heads,
+            kv_weight_bytes=2 * self.kv_dim * (h + (1 if self.qkv_bias else 0)) * weight_bytes,
         )
 
 
