@@ -9,6 +9,9 @@ Note: three policies (``[run] kv_cache``, per-rank ``[[rank]] kv_cache``).
   *different model* from the checkpoint's (as Mistral's window is), not an approximation of
   it: tokens differ from ``full`` once a sequence is longer than W. The cache is a ring of W
   positions (position p lives in column p % W), so memory does not grow with the sequence.
+  A decode step writes position p at column p % L and its query reads columns 0..min(p, L-1)
+  with a plain causal mask: once a row has written L positions all L columns are in its window,
+  before that only 0..p are, whatever order the ring is in (`kernels.decode_attention`).
 
 A cache row ("slot") holds one sequence; a finished sequence's slot is reused by the next
 prompt without clearing: a prefill writes positions 0..len-1 and every read is masked to the
@@ -23,7 +26,7 @@ import numpy as np
 
 from .errors import ConfigError
 
-__all__ = ["KvSpec", "LayerCache", "prefill_kv", "decode_store"]
+__all__ = ["KvSpec", "LayerCache", "prefill_kv"]
 
 
 @dataclass(frozen=True)
@@ -89,20 +92,3 @@ def prefill_kv(cache: LayerCache | None, spec: KvSpec, k: np.ndarray, v: np.ndar
             cache.v[slots[b], :, cols] = v[b, :, first:n].transpose(1, 0, 2)
     q_pos = np.broadcast_to(np.arange(T), (B, T))
     return k, v, q_pos, spec.window if spec.policy == "window" else 0
-
-
-def decode_store(cache: LayerCache, k: np.ndarray, v: np.ndarray, slots: np.ndarray,
-                 positions: np.ndarray) -> np.ndarray:
-    """Store one new token per row at ``positions`` (B,) and return each row's query position
-    in the cache (B,) for `kernels.attend_cache`, which reads columns 0..q_pos of the row.
-
-    k, v (B, nkv, 1, hs). Full cache: columns 0..p (q_pos = p). Ring of L = W columns: column
-    j holds position p - ((p - j) mod L); once a row has written L positions all L columns are
-    in its window, before that only columns 0..p are; so q_pos = min(p, L-1) with a plain
-    causal mask selects exactly the window, whatever order the ring is in.
-    """
-    L = cache.k.shape[2]
-    cols = positions % L
-    cache.k[slots, :, cols] = k[:, :, 0]
-    cache.v[slots, :, cols] = v[:, :, 0]
-    return np.minimum(positions, L - 1)

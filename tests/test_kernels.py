@@ -327,6 +327,40 @@ def test_attend_cache_against_naive(nh, nkv, hs, window, softcap):
         kernels.attend_cache(q[:, :, :0], ck, cv, slots, q_pos)
 
 
+@pytest.mark.parametrize("qk_norm, softcap, L", [(False, 0.0, 12), (True, 0.0, 12), (False, 4.0, 5)])
+def test_decode_attention_against_numpy(qk_norm, softcap, L):
+    """The fused decode step (norms, RoPE, cache write, attention) against the numpy sequence it
+    replaces: rms_norm, rope, the cache write at p % L, attention over columns 0..min(p, L-1)."""
+    rng = np.random.default_rng(14)
+    B, nh, nkv, hs, slots_total = 3, 4, 2, 16, 4
+    qd, kd = nh * hs, nkv * hs
+    qkv = rng.standard_normal((B, qd + 2 * kd)).astype(np.float32)
+    cos, sin = rng.standard_normal((2, B, hs)).astype(np.float32)
+    ck = rng.standard_normal((slots_total, nkv, L, hs)).astype(np.float32)
+    cv = rng.standard_normal((slots_total, nkv, L, hs)).astype(np.float32)
+    slots, pos = np.array([2, 0, 3]), np.array([7, 0, 11])  # L = 5: a ring that has wrapped
+    norm = rng.uniform(0.5, 1.5, hs).astype(np.float32) if qk_norm else None
+    want_k, want_v = ck.copy(), cv.copy()
+    q = qkv[:, :qd].reshape(B, nh, hs)
+    k = qkv[:, qd:qd + kd].reshape(B, nkv, hs)
+    if qk_norm:
+        q = kernels.rms_norm(np.ascontiguousarray(q), norm, 1e-5)
+        k = kernels.rms_norm(np.ascontiguousarray(k), norm, 1e-5)
+    q = kernels.rope(q[:, :, None], cos[:, None, None], sin[:, None, None])  # (B, nh, 1, hs)
+    k = kernels.rope(k[:, :, None], cos[:, None, None], sin[:, None, None])
+    for b in range(B):
+        want_k[slots[b], :, pos[b] % L] = k[b, :, 0]
+        want_v[slots[b], :, pos[b] % L] = qkv[b, qd + kd:].reshape(nkv, hs)
+    want = kernels.attend_cache(q, want_k, want_v, slots, np.minimum(pos, L - 1), scale=0.2, softcap=softcap)
+    got = kernels.decode_attention(qkv, qd, cos, sin, ck, cv, slots, pos, q_norm=norm, k_norm=norm, eps=1e-5,
+                                   scale=0.2, softcap=softcap)
+    np.testing.assert_allclose(ck, want_k, atol=1e-6)
+    np.testing.assert_array_equal(cv, want_v)
+    np.testing.assert_allclose(got, want.reshape(B, qd), atol=2e-6)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.decode_attention(np.ascontiguousarray(qkv[:, 1:]), qd, cos, sin, ck, cv, slots, pos)
+
+
 def test_attend_propagates_nan():
     """A NaN query must come out NaN (the stage's finite check names it), not be masked away."""
     rng = np.random.default_rng(12)

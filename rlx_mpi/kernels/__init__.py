@@ -2,7 +2,8 @@
 
 - ``elementwise``: rms_norm, silu_mul_ / swiglu, rope and the vectorisable exp behind them
 - ``attention``: blocked attention (`attend`, `attend_workspace_bytes`), decode attention read in
-  place from a KV cache (`attend_cache`), a reference softmax
+  place from a KV cache (`attend_cache`; `decode_attention` adds RoPE and the cache write), a
+  reference softmax
 - ``matvec``: decode's float32 matvec on the rank's numba threads
 - ``lowp``: bf16 / f16 / int8 weights, their decode matvecs and prefill tiles
 - ``bits``: float32 <-> bf16 / f16 bit patterns, shared with the wire codecs (rlx_mpi.wire)
@@ -19,13 +20,13 @@ import numpy as np
 
 from ._common import set_threads
 
-from .attention import _row_max, attend, attend_cache, attend_workspace_bytes, causal_softmax_
+from .attention import _row_max, attend, attend_cache, attend_workspace_bytes, causal_softmax_, decode_attention
 from .elementwise import _exp, rms_norm, rope, silu_mul_, swiglu
 from .lowp import (INT8_BLOCK, MATVEC_ROWS, WEIGHT_FORMATS, _matvec_bf16, dequant_matmul, dequantize,
                    f16_has_special, from_bf16, int8_blocks, quantize_int8, to_bf16)
 from .matvec import F32_MATVEC_ROWS, matvec_f32
 
-__all__ = ["rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_cache", "attend_workspace_bytes", "causal_softmax_",
+__all__ = ["rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_cache", "decode_attention", "attend_workspace_bytes", "causal_softmax_",
            "matvec_f32", "F32_MATVEC_ROWS", "dequant_matmul", "dequantize", "f16_has_special", "to_bf16",
            "from_bf16", "quantize_int8", "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "MATVEC_ROWS", "set_threads", "warm_up",
            "warm_up_lowp"]
@@ -43,6 +44,9 @@ def warm_up() -> None:
         q, kv = np.ones((1, 2, t, 2), np.float32), np.ones((1, 1, 9, 2), np.float32)
         attend(q, kv, kv)
     attend_cache(np.ones((1, 2, 1, 2), np.float32), kv, kv, np.zeros(1, np.int64), np.full(1, 8))
+    for norm in (None, np.ones(2, np.float32)):
+        decode_attention(np.ones((1, 8), np.float32), 4, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32),
+                         kv.copy(), kv.copy(), np.zeros(1, np.int64), np.full(1, 3), q_norm=norm, k_norm=norm)
     matvec_f32(np.ones((1, 2), np.float32), np.ones((3, 2), np.float32))
 
 

@@ -14,7 +14,7 @@ from ._common import ERR, FAST, PARALLEL, check_f32
 from .bits import as_f32
 from .elementwise import _exp
 
-__all__ = ["attend", "attend_cache", "attend_workspace_bytes", "causal_softmax_"]
+__all__ = ["attend", "attend_cache", "decode_attention", "attend_workspace_bytes", "causal_softmax_"]
 
 
 # Note: blocked attention. `attend` never holds a (B, nh, T, S) score matrix: queries go in
@@ -155,6 +155,81 @@ def _attend_cache(q, ck, cv, slots, pos, window, scale, softcap, y):
                     pj = scores[i, j] * inv
                     for d in range(hs):
                         yb[h, d] += pj * values[j, d]
+
+
+@numba.njit(cache=True, error_model=ERR, fastmath=FAST)
+def _rope_row(x, c, sn, eps, norm, out):  # one head: out <- rope(rms_norm?(x)); norm empty: none
+    hs = x.shape[0]
+    half = hs // 2
+    if norm.shape[0]:  # Qwen3's per-head RMSNorm, as `_rms_norm` computes it
+        acc = 0.0
+        for d in range(hs):
+            acc += np.float64(x[d]) * x[d]
+        scale = np.float32(1.0 / np.sqrt(acc / hs + eps))
+        for d in range(hs):
+            out[d] = norm[d] * (x[d] * scale)
+        x = out.copy()
+    for d in range(half):  # as `_rope`
+        out[d] = x[d] * c[d] + (-x[d + half]) * sn[d]
+        out[d + half] = x[d + half] * c[d + half] + x[d] * sn[d + half]
+
+
+@numba.njit(cache=True, error_model=ERR)
+def _decode_qkv(qkv, q_dim, cos, sin, q_norm, k_norm, eps, ck, cv, slots, positions, q):
+    """Per row: rope (after the optional per-head norms) into q (B, nh, hs) and into the
+    cache's column positions % L of row slots[b], v as is."""
+    B = qkv.shape[0]
+    nh, hs = q.shape[1], q.shape[2]
+    nkv, L = ck.shape[1], ck.shape[2]
+    for b in range(B):
+        col, slot = positions[b] % L, slots[b]
+        for h in range(nh):
+            _rope_row(qkv[b, h * hs:(h + 1) * hs], cos[b], sin[b], eps, q_norm, q[b, h])
+        for kh in range(nkv):
+            k0 = q_dim + kh * hs
+            v0 = q_dim + (nkv + kh) * hs
+            _rope_row(qkv[b, k0:k0 + hs], cos[b], sin[b], eps, k_norm, ck[slot, kh, col])
+            cv[slot, kh, col, :] = qkv[b, v0:v0 + hs]
+
+
+def decode_attention(qkv: np.ndarray, q_dim: int, cos: np.ndarray, sin: np.ndarray, cache_k: np.ndarray,
+                     cache_v: np.ndarray, slots: np.ndarray, positions: np.ndarray, *,
+                     q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None, eps: float = 1e-6,
+                     scale: float | None = None, softcap: float = 0.0) -> np.ndarray:
+    """A decode step's attention from the fused q|k|v projection, in two numba passes.
+
+    qkv (B, q_dim + 2 * kv_dim): one new token per row (bias already added); cos, sin (B, hs) at
+    each row's position; cache_k, cache_v (slots, nkv, L, hs). Applies the optional per-head
+    RMSNorms (``q_norm``, ``k_norm`` (hs,), Qwen3) and RoPE to q and k, writes k and v into
+    column ``positions[b] % L`` of cache row ``slots[b]`` (a ring when L is a window: see
+    `kv_cache.decode_store`), then attends as `attend_cache` over columns 0..min(p, L - 1).
+    Returns y (B, nh * hs), o_proj's input. The same values as rope + `decode_store` +
+    `attend_cache` in numpy, without their ~25 array operations per layer.
+    """
+    check_f32("decode_attention qkv", qkv)
+    check_f32("decode_attention cache_k", cache_k)
+    check_f32("decode_attention cache_v", cache_v)
+    B, width = qkv.shape
+    nkv, L, hs = cache_k.shape[1:]
+    nh = q_dim // hs
+    if (cache_v.shape != cache_k.shape or q_dim % hs or width != q_dim + 2 * nkv * hs or nh % nkv
+            or cos.shape != (B, hs) or sin.shape != (B, hs)):
+        raise ValueError(f"decode_attention: qkv {qkv.shape} (q_dim {q_dim}), cache {cache_k.shape} / "
+                         f"{cache_v.shape} and cos/sin {cos.shape} / {sin.shape} do not fit")
+    slots, positions = np.asarray(slots, np.int64).reshape(-1), np.asarray(positions, np.int64).reshape(-1)
+    if B and (slots.shape != (B,) or positions.shape != (B,) or slots.min() < 0 or slots.max() >= cache_k.shape[0]
+              or positions.min() < 0):
+        raise ValueError(f"decode_attention: slots {slots.tolist()} must lie in 0..{cache_k.shape[0] - 1} and "
+                         f"positions {positions.tolist()} be >= 0, one each per row ({B})")
+    none = np.empty(0, np.float32)
+    q = np.empty((B, nh, hs), np.float32)
+    _decode_qkv(qkv, q_dim, np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32),
+                none if q_norm is None else q_norm, none if k_norm is None else k_norm, np.float32(eps),
+                cache_k, cache_v, slots, positions, q)
+    y = np.empty((B, nh, hs), np.float32)
+    _attend_cache(q, cache_k, cache_v, slots, np.minimum(positions, L - 1), 0,
+                  np.float32(hs ** -0.5 if scale is None else scale), np.float32(softcap), y)
+    return y.reshape(B, nh * hs)
 
 
 def attend_cache(q: np.ndarray, cache_k: np.ndarray, cache_v: np.ndarray, slots: np.ndarray,

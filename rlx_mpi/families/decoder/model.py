@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from ... import kernels
-from ...kv_cache import KvSpec, LayerCache, decode_store, prefill_kv
+from ...kv_cache import KvSpec, LayerCache, prefill_kv
 from . import moe, ops
 from .arch import Arch
 from .weights import Experts, LayerWeights, Linear, Mlp
@@ -62,16 +62,24 @@ class KvStep:
 
     def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, model_window: int, scale: float | None,
                softcap: float) -> np.ndarray:
-        """Store this step's k, v (B, nkv, T, hs) and attend q (B, nh, T, hs) over what the cache
-        holds for each row: (B, T, nh, hs)."""
+        """A prefill chunk (or, without a cache, a whole prefix): store its k, v (B, nkv, T, hs)
+        and attend q (B, nh, T, hs) over the chunk: (B, T, nh, hs)."""
         cache = self.caches[self.layer] if self.caches is not None else None
-        if self.prefill:
-            keys, values, q_pos, window = prefill_kv(cache, self.specs[self.layer], k, v, self.slots, self.lengths)
-            if model_window:  # the chunk attends to itself: the model's own window applies
-                window = min(window, model_window) if window else model_window
-            return kernels.attend(q, keys, values, q_pos, window, scale=scale, softcap=softcap)
-        q_pos = decode_store(cache, k, v, self.slots, self.positions)  # a window layer's ring is its window
-        return kernels.attend_cache(q, cache.k, cache.v, self.slots, q_pos, scale=scale, softcap=softcap)
+        keys, values, q_pos, window = prefill_kv(cache, self.specs[self.layer], k, v, self.slots, self.lengths)
+        if model_window:  # the chunk attends to itself: the model's own window applies
+            window = min(window, model_window) if window else model_window
+        return kernels.attend(q, keys, values, q_pos, window, scale=scale, softcap=softcap)
+
+    def attend_decode(self, qkv: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """A decode step from the fused projection qkv (B, 1, q|k|v): RoPE, the cache write and
+        attention in `kernels.decode_attention` (a window layer's ring is its window). (B, 1, nh*hs)."""
+        cache = self.caches[self.layer]
+        B = qkv.shape[0]
+        y = kernels.decode_attention(qkv.reshape(B, -1), w.q_dim, cos.reshape(B, -1), sin.reshape(B, -1), cache.k,
+                                     cache.v, self.slots, self.positions, q_norm=w.q_norm, k_norm=w.k_norm,
+                                     eps=cfg.rms_norm_eps, scale=cfg.attention_scale or None,
+                                     softcap=cfg.attn_logit_softcap)
+        return y.reshape(B, 1, -1)
 
 
 def attention(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray,
@@ -82,6 +90,8 @@ def attention(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: n
     qkv = w.qkv(x)  # (B, T, nh*hs + 2*nkv*hs): q, k, v in one product (fused at load)
     if w.qkv_bias is not None:
         qkv += w.qkv_bias
+    if kv is not None and not kv.prefill:  # decode: RoPE, cache write and attention in numba
+        return reduce(w.o_proj(kv.attend_decode(qkv, w, cfg, cos, sin)))
     q, k, v = qkv[..., :qd], qkv[..., qd:qd + kd], qkv[..., qd + kd:]  # views
     if w.q_norm is not None:  # Qwen3: RMSNorm over each head's hs values
         q = rms_norm(q.reshape(B * T * nh, hs), w.q_norm, cfg.rms_norm_eps)
