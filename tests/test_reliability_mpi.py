@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from conftest import MPIEXEC, TESTS, _env, finish_cli, run_cli
-from helpers import job_builder, pids_matching
+from helpers import gone_within, job_builder
 
 pytestmark = pytest.mark.mpi
 
@@ -370,8 +370,7 @@ def test_reliability(case: Case, tmp_path, tiny_ckpt):
 
 def leftover_processes(d: Path) -> list[int]:
     """Processes (ranks, supervisors, the launcher) whose command line names the case's folder."""
-    time.sleep(0.3)  # the launcher's SIGKILLs are asynchronous
-    pids = pids_matching(str(d))
+    pids = gone_within(str(d), 0.3)  # the launcher's SIGKILLs are asynchronous: a grace, polled
     for pid in pids:
         try:
             os.kill(pid, 9)
