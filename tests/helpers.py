@@ -20,6 +20,7 @@ import os
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Callable
 
@@ -84,6 +85,10 @@ class LaunchAhead:
 
     def result(self, request):
         return self._futures[request.node.nodeid].result()
+
+    def drain(self) -> None:
+        """Wait until no run is in flight (before a test that times a run of its own)."""
+        futures_wait(list(self._futures.values()))
 
     def close(self) -> None:
         for f in self._futures.values():
