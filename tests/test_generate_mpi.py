@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import kill_tree, run_cli, start_cli, write_job
-from helpers import faulty_ckpt, rows_of  # noqa: F401 (a fixture)
+from helpers import LaunchAhead, faulty_ckpt, rows_of  # noqa: F401 (a fixture)
 from rlx_mpi.checkpoint import H5ParamSource
 from rlx_mpi.journal import REQUEUE_EXIT
 from rlx_mpi.kv_cache import KvSpec
@@ -50,13 +50,36 @@ def hf_ckpt(tmp_path_factory):
     return out
 
 
+MIXED = [(f"m{i}", np.random.default_rng(i).integers(0, 512, n)) for i, n in enumerate([3, 11, 6, 1, 8, 4, 9])]
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, hf_ckpt, tiny_ckpt):
+    """The runs of the two parametrized tests below, started ahead of them two at a time
+    (helpers.LaunchAhead: they are start-up bound): (CompletedProcess, completions path)."""
+    def launch(item):
+        p = item.callspec.params
+        d = tmp_path_factory.mktemp(item.name.replace("[", "_").replace("]", ""))
+        out = d / "c.jsonl"
+        if item.originalname == "test_greedy_equals_transformers_across_ranks":
+            ref = json.loads((FIXTURES / "hf_tiny_llama" / "generate.json").read_text())
+            prompts = write_prompts(d / "p.jsonl", [(f"r{i}", t) for i, t in enumerate(ref["prompts"])])
+            return generate(d, hf_ckpt, p["ranks"], prompts, out, "--max-new-tokens", ref["max_new_tokens"],
+                            placement={"tp": p["tp"]}), out
+        prompts = write_prompts(d / "p.jsonl", MIXED)
+        return generate(d, tiny_ckpt, p["ranks"], prompts, out, "--max-new-tokens", 7, "--batch", p["batch"],
+                        run={"kv_cache": p["kv"]}), out
+
+    ahead = LaunchAhead(LaunchAhead.fixture_items(request, "test_greedy_equals_transformers_across_ranks",
+                                                  "test_continuous_batching_equals_single_process"), launch)
+    yield ahead
+    ahead.close()
+
+
 @pytest.mark.parametrize("ranks, tp", [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)])
-def test_greedy_equals_transformers_across_ranks(tmp_path, hf_ckpt, ranks, tp):
+def test_greedy_equals_transformers_across_ranks(request, runs, ranks, tp):
     ref = json.loads((FIXTURES / "hf_tiny_llama" / "generate.json").read_text())
-    prompts = write_prompts(tmp_path / "p.jsonl", [(f"r{i}", p) for i, p in enumerate(ref["prompts"])])
-    out = tmp_path / "c.jsonl"
-    proc = generate(tmp_path, hf_ckpt, ranks, prompts, out, "--max-new-tokens", ref["max_new_tokens"],
-                    placement={"tp": tp})
+    proc, out = runs.result(request)
     assert proc.returncode == 0, proc.stderr
     rows = rows_of(out)
     assert [r["tokens"] for r in rows] == ref["tokens"]
@@ -66,9 +89,6 @@ def test_greedy_equals_transformers_across_ranks(tmp_path, hf_ckpt, ranks, tp):
     assert "prefill_ms" in proc.stdout and "kv_MB" in proc.stdout  # the per-stage summary
 
 
-MIXED = [(f"m{i}", np.random.default_rng(i).integers(0, 512, n)) for i, n in enumerate([3, 11, 6, 1, 8, 4, 9])]
-
-
 @pytest.fixture(scope="module")
 def tiny_stage(tiny_ckpt):
     with H5ParamSource(tiny_ckpt) as src:
@@ -76,13 +96,10 @@ def tiny_stage(tiny_ckpt):
 
 
 @pytest.mark.parametrize("kv, ranks, batch", [("full", 2, 2), ("none", 2, 3), ("full", 3, 1)])
-def test_continuous_batching_equals_single_process(tmp_path, tiny_ckpt, tiny_stage, kv, ranks, batch):
+def test_continuous_batching_equals_single_process(request, runs, tiny_stage, kv, ranks, batch):
     """7 prompts of mixed lengths through groups of `batch` slots: slots are reused as rows end;
     every row equals that prompt generated alone by a plain forward per token."""
-    prompts = write_prompts(tmp_path / "p.jsonl", MIXED)
-    out = tmp_path / "c.jsonl"
-    proc = generate(tmp_path, tiny_ckpt, ranks, prompts, out, "--max-new-tokens", 7, "--batch", batch,
-                    run={"kv_cache": kv})
+    proc, out = runs.result(request)  # MIXED, --max-new-tokens 7 --batch `batch`, kv_cache = `kv`
     assert proc.returncode == 0, proc.stderr
     assert [r["tokens"] for r in rows_of(out)] == [forward_greedy(tiny_stage, t, 7) for _, t in MIXED]
 
