@@ -79,12 +79,16 @@ class LaunchAhead:
     own run and returns that, or raises what the launch raised (a timeout fails that test).
     """
 
-    def __init__(self, items, launch: Callable, workers: int = 2):
+    def __init__(self, items, launch: Callable, workers: int = 2, key: Callable = lambda item: item.nodeid):
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="launch-ahead")
-        self._futures = {item.nodeid: self._pool.submit(launch, item) for item in items}
+        self._futures = {key(item): self._pool.submit(launch, item) for item in items}
 
     def result(self, request):
         return self._futures[request.node.nodeid].result()
+
+    def get(self, key):
+        """The result of the run started for ``key`` (with ``key=`` other than the node id)."""
+        return self._futures[key].result()
 
     def drain(self) -> None:
         """Wait until no run is in flight (before a test that times a run of its own)."""
