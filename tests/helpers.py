@@ -11,6 +11,7 @@
                                seconds (the launcher's SIGKILLs are asynchronous: poll, don't sleep)
     LaunchAhead                a module's CLI runs started ahead of the tests that check them, two at
                                a time (see its docstring); the tests still make every assertion
+    in_pairs(*thunks)          one test's independent runs, two at a time: their results in order
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import pytest
 
 from conftest import write_job
 
-__all__ = ["job_builder", "faulty_ckpt", "rows_of", "pids_matching", "gone_within", "LaunchAhead"]
+__all__ = ["job_builder", "faulty_ckpt", "rows_of", "pids_matching", "gone_within", "LaunchAhead", "in_pairs"]
 
 PLACE = {"reserve_ram_gb": 0.0}
 
@@ -103,3 +104,12 @@ class LaunchAhead:
     def fixture_items(cls, request, *names: str) -> list:
         """The selected tests of ``request``'s module whose function is one of ``names``."""
         return [i for i in request.session.items if i.module is request.module and i.originalname in names]
+
+
+def in_pairs(*thunks: Callable) -> list:
+    """Call ``thunks`` two at a time (independent CLI runs, start-up bound, of one test whose
+    checks are of results, not times); their results in order, or the first exception raised.
+    Runs at once must not share a file they write (give each its own job file and output)."""
+    with ThreadPoolExecutor(2, thread_name_prefix="in-pairs") as pool:
+        futures = [pool.submit(t) for t in thunks]
+        return [f.result() for f in futures]

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, write_job
-from helpers import LaunchAhead, pids_matching, rows_of
+from helpers import LaunchAhead, in_pairs, pids_matching, rows_of
 from rlx_mpi.journal import meta_path
 from rlx_mpi.families import convert_hf
 from rlx_mpi.families.llama import FAMILY as _LLAMA
@@ -321,9 +321,13 @@ def test_sampled_logprobs_change_no_draw_and_reproduce_across_layouts(tmp_path, 
     prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
     flags = ("--max-new-tokens", 5, "--temperature", 0.9, "--top-k", 40, "--seed", 11)
     runs = {}
-    for name, ranks, extra in (("plain", 1, ()), ("one", 1, ("--logprobs", 3)),
-                               ("two", 2, ("--logprobs", 3, "--batch", 2))):
-        proc = generate(tmp_path, tiny_ckpt, ranks, prompts, tmp_path / f"{name}.jsonl", *flags, *extra)
+    layouts = (("plain", 1, ()), ("one", 1, ("--logprobs", 3)), ("two", 2, ("--logprobs", 3, "--batch", 2)))
+
+    def run_in_own_folder(name, ranks, extra):  # each its own job file: the runs go two at once
+        (tmp_path / name).mkdir()
+        return lambda: generate(tmp_path / name, tiny_ckpt, ranks, prompts, tmp_path / f"{name}.jsonl", *flags,
+                                *extra)
+    for (name, _, _), proc in zip(layouts, in_pairs(*(run_in_own_folder(*x) for x in layouts))):
         assert proc.returncode == 0, proc.stderr
         runs[name] = without_ms(rows_of(tmp_path / f"{name}.jsonl"))
     tokens = [r["tokens"] for r in runs["plain"]]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import kill_tree, run_cli, start_cli, write_job
-from helpers import LaunchAhead, faulty_ckpt, rows_of  # noqa: F401 (a fixture)
+from helpers import LaunchAhead, faulty_ckpt, in_pairs, rows_of  # noqa: F401 (a fixture)
 from rlx_mpi.checkpoint import H5ParamSource
 from rlx_mpi.journal import REQUEUE_EXIT
 from rlx_mpi.kv_cache import KvSpec
@@ -110,12 +110,13 @@ def test_window_and_per_rank_override(tmp_path, tiny_ckpt, tiny_stage):
     which must differ from both uniform ones."""
     prompts = write_prompts(tmp_path / "p.jsonl", MIXED[:3])
     want = cached_greedy(tiny_stage, [t for _, t in MIXED[:3]], 9, KvSpec("window", 4))
-    proc = generate(tmp_path, tiny_ckpt, 2, prompts, tmp_path / "w.jsonl", "--max-new-tokens", 9,
-                    run={"kv_cache": "window:4"})
-    assert proc.returncode == 0, proc.stderr
+    window, proc = in_pairs(  # independent runs, two at once
+        lambda: generate(tmp_path, tiny_ckpt, 2, prompts, tmp_path / "w.jsonl", "--max-new-tokens", 9,
+                         run={"kv_cache": "window:4"}, name="w.toml"),
+        lambda: generate(tmp_path, tiny_ckpt, 2, prompts, tmp_path / "mix.jsonl", "--max-new-tokens", 9,
+                         ranks_cfg=[{"rank": 0, "kv_cache": "window:4"}], name="mix.toml"))
+    assert window.returncode == 0, window.stderr
     assert [r["tokens"] for r in rows_of(tmp_path / "w.jsonl")] == want
-    proc = generate(tmp_path, tiny_ckpt, 2, prompts, tmp_path / "mix.jsonl", "--max-new-tokens", 9,
-                    ranks_cfg=[{"rank": 0, "kv_cache": "window:4"}])
     assert proc.returncode == 0, proc.stderr
     assert "window:4" in proc.stdout and " full " in proc.stdout
     mixed = [r["tokens"] for r in rows_of(tmp_path / "mix.jsonl")]
@@ -126,12 +127,16 @@ def test_sampled_run_reproduces_across_layouts(tmp_path, tiny_ckpt):
     prompts = write_prompts(tmp_path / "p.jsonl", MIXED)
     flags = ("--max-new-tokens", 6, "--temperature", 0.9, "--top-k", 40, "--top-p", 0.95, "--seed", 11)
     a, b, c = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
-    for out, ranks, batch in ((a, 2, 2), (b, 2, 2), (c, 1, 5)):
-        proc = generate(tmp_path, tiny_ckpt, ranks, prompts, out, *flags, "--batch", batch)
+    greedy = tmp_path / "g.jsonl"
+
+    def sampled(out, ranks, batch):
+        return lambda: generate(tmp_path, tiny_ckpt, ranks, prompts, out, *flags, "--batch", batch,
+                                name=f"{out.stem}.toml")
+    *procs, _ = in_pairs(sampled(a, 2, 2), sampled(b, 2, 2), sampled(c, 1, 5),  # independent runs, two at once
+                         lambda: generate(tmp_path, tiny_ckpt, 1, prompts, greedy, "--max-new-tokens", 6, name="g.toml"))
+    for proc in procs:
         assert proc.returncode == 0, proc.stderr
     assert without_ms(rows_of(a)) == without_ms(rows_of(b)) == without_ms(rows_of(c))
-    greedy = tmp_path / "g.jsonl"
-    generate(tmp_path, tiny_ckpt, 1, prompts, greedy, "--max-new-tokens", 6)
     assert without_ms(rows_of(a)) != without_ms(rows_of(greedy))  # it did sample
 
 
