@@ -56,8 +56,11 @@ MIXED = [(f"m{i}", np.random.default_rng(i).integers(0, 512, n)) for i, n in enu
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory, hf_ckpt, tiny_ckpt):
     """The runs of the two parametrized tests below, started ahead of them two at a time
-    (helpers.LaunchAhead: they are start-up bound): (CompletedProcess, completions path)."""
+    (helpers.LaunchAhead: they are start-up bound): (CompletedProcess, completions path); and
+    last the uninterrupted reference run of `long_run` (checked for results only)."""
     def launch(item):
+        if item == "long_run":
+            return _long_run(tmp_path_factory.mktemp("long"), tiny_ckpt)
         p = item.callspec.params
         d = tmp_path_factory.mktemp(item.name.replace("[", "_").replace("]", ""))
         out = d / "c.jsonl"
@@ -70,8 +73,9 @@ def runs(request, tmp_path_factory, hf_ckpt, tiny_ckpt):
         return generate(d, tiny_ckpt, p["ranks"], prompts, out, "--max-new-tokens", 7, "--batch", p["batch"],
                         run={"kv_cache": p["kv"]}), out
 
-    ahead = LaunchAhead(LaunchAhead.fixture_items(request, "test_greedy_equals_transformers_across_ranks",
-                                                  "test_continuous_batching_equals_single_process"), launch)
+    items = LaunchAhead.fixture_items(request, "test_greedy_equals_transformers_across_ranks",
+                                      "test_continuous_batching_equals_single_process")
+    ahead = LaunchAhead([*items, "long_run"], launch, key=lambda item: item if item == "long_run" else item.nodeid)
     yield ahead
     ahead.close()
 
@@ -147,8 +151,12 @@ LONG_FLAGS = ("--max-new-tokens", 30, "--batch", 2)
 
 
 @pytest.fixture(scope="module")
-def long_run(tmp_path_factory, tiny_ckpt):
-    d = tmp_path_factory.mktemp("long")
+def long_run(runs):
+    """The uninterrupted run the stop and kill tests resume to (started ahead in `runs`)."""
+    return runs.get("long_run")
+
+
+def _long_run(d, tiny_ckpt):
     prompts = write_prompts(d / "p.jsonl", LONG)
     proc = generate(d, tiny_ckpt, 2, prompts, d / "full.jsonl", *LONG_FLAGS)
     assert proc.returncode == 0, proc.stderr

@@ -70,12 +70,15 @@ def lines_of(ids) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(request, tmp_path_factory, hf):
+def runs(request, tmp_path_factory, hf, tiny_ckpt):
     """test_log_probs_equal_transformers' runs, started ahead of the tests two at a time
-    (helpers.LaunchAhead: they are start-up bound): (CompletedProcess, folder)."""
+    (helpers.LaunchAhead: they are start-up bound): (CompletedProcess, folder); and last the
+    uninterrupted reference run of `long_run` (checked for results only)."""
     ckpt, ids, _ = hf
 
     def launch(item):
+        if item == "long_run":
+            return _long_run(tmp_path_factory.mktemp("long"), tiny_ckpt)
         p = item.callspec.params
         d = tmp_path_factory.mktemp(f"logprobs_{p['ranks']}_{p['tp']}")
         prompts = write_lines(d / "p.jsonl", lines_of(ids))
@@ -84,7 +87,8 @@ def runs(request, tmp_path_factory, hf):
         # 14 tokens per microbatch: two lines of 7, or a line of 7 with the 5-token one padded to 7
         return score(job, prompts, d / "s.jsonl", "--batch", 14, "--json", d / "stats.json", ranks=p["ranks"]), d
 
-    ahead = LaunchAhead(LaunchAhead.fixture_items(request, "test_log_probs_equal_transformers"), launch)
+    items = LaunchAhead.fixture_items(request, "test_log_probs_equal_transformers")
+    ahead = LaunchAhead([*items, "long_run"], launch, key=lambda item: item if item == "long_run" else item.nodeid)
     yield ahead
     ahead.close()
 
@@ -146,8 +150,12 @@ LONG_FLAGS = ("--batch", 32)  # every line its own microbatch, ~2 lines a round:
 
 
 @pytest.fixture(scope="module")
-def long_run(tmp_path_factory, tiny_ckpt):
-    d = tmp_path_factory.mktemp("long")
+def long_run(runs):
+    """The uninterrupted run the stop and resume tests compare with (started ahead in `runs`)."""
+    return runs.get("long_run")
+
+
+def _long_run(d, tiny_ckpt):
     prompts = write_lines(d / "p.jsonl", LONG)
     job = job_of(d, tiny_ckpt)
     proc = score(job, prompts, d / "full.jsonl", *LONG_FLAGS)
