@@ -12,6 +12,7 @@
     kill_tree(pid)           SIGKILL a started CLI, its launcher and every rank under it
     write_job(dir, **sections)   a job TOML from dicts: write_job(tmp_path, model={...}, run={...})
     tiny_ckpt                session fixture: a random "tiny" Llama checkpoint (written once)
+    numba_cache_warm         autouse session fixture: numba's cache filled once before MPI tests
     markers                  mpi, slurm, twohost: registered in pyproject.toml (see tests/README.md)
 
 Subprocesses get ``OMP_NUM_THREADS=1`` and ``tests/`` on ``PYTHONPATH`` (for plug-in families).
@@ -137,6 +138,25 @@ def write_job(dir, name: str = "job.toml", **sections) -> Path:
     path = Path(dir) / name
     path.write_text(toml_text(**sections))
     return path
+
+
+_WARM_NUMBA = """
+from rlx_mpi import kernels, wire
+from rlx_mpi.families.decoder import ops
+kernels.warm_up(); kernels.warm_up_lowp(); ops.warm_up(); wire.warm_up()
+"""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def numba_cache_warm(request) -> None:
+    """Fill numba's on-disk cache (``cache=True``: beside the package's sources, shared by every
+    process) once, in one process, before the first test that launches ranks. On a fresh
+    machine the cache is empty, and each rank of the first launches compiled every kernel at
+    the same time as its neighbours (~10 s of one core each); afterwards ranks only load it.
+    Only when MPI tests were selected; a failure here is left for the tests to show."""
+    if any(item.get_closest_marker("mpi") for item in request.session.items):
+        subprocess.run([sys.executable, "-c", _WARM_NUMBA], env=_env(None), timeout=600,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,11 @@
                                into the test module: ``from helpers import faulty_ckpt``)
     rows_of(path)              the JSON rows of a JSON-lines file (completions), blank lines skipped
     pids_matching(needle)      pids whose command line contains ``needle`` (pgrep -f), not this one
+    gone_within(needle, s)     [] once no such process is left, else the pids still there after ``s``
+                               seconds (the launcher's SIGKILLs are asynchronous: poll, don't sleep)
+    LaunchAhead                a module's CLI runs started ahead of the tests that check them, two at
+                               a time (see its docstring); the tests still make every assertion
+    in_pairs(*thunks)          one test's independent runs, two at a time: their results in order
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Callable
 
@@ -21,7 +29,7 @@ import pytest
 
 from conftest import write_job
 
-__all__ = ["job_builder", "faulty_ckpt", "rows_of", "pids_matching"]
+__all__ = ["job_builder", "faulty_ckpt", "rows_of", "pids_matching", "gone_within", "LaunchAhead", "in_pairs"]
 
 PLACE = {"reserve_ram_gb": 0.0}
 
@@ -48,3 +56,60 @@ def rows_of(path) -> list[dict]:
 def pids_matching(needle: str) -> list[int]:
     out = subprocess.run(["pgrep", "-f", str(needle)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split() if int(p) != os.getpid()]
+
+
+def gone_within(needle: str, grace_s: float) -> list[int]:
+    """[] as soon as no process's command line contains ``needle``; else, after ``grace_s``
+    seconds of polling, the pids still there (a process that outlives the grace is a leftover,
+    as it was after the fixed sleep this replaces; an empty list no longer waits the grace out)."""
+    deadline = time.monotonic() + grace_s
+    while (pids := pids_matching(needle)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return pids
+
+
+class LaunchAhead:
+    """The CLI runs of a module's tests, started ahead of the tests, ``workers`` at a time.
+
+    A run under ``mpiexec`` spends most of its ~2 s starting up (interpreter, imports, numba
+    cache loads, MPI wire-up), mostly on one core per rank: two runs at once finish sooner than
+    one after the other on 2 cores. Only for runs whose tests check results, never times or
+    deadlines (those stay in the tests, launched alone). ``launch(item)`` is called in a worker
+    thread, in the session's order of the selected tests, and returns whatever its test needs
+    (typically the CompletedProcess and the paths); ``result(request)`` waits for the test's
+    own run and returns that, or raises what the launch raised (a timeout fails that test).
+    """
+
+    def __init__(self, items, launch: Callable, workers: int = 2, key: Callable = lambda item: item.nodeid):
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="launch-ahead")
+        self._futures = {key(item): self._pool.submit(launch, item) for item in items}
+
+    def result(self, request):
+        return self._futures[request.node.nodeid].result()
+
+    def get(self, key):
+        """The result of the run started for ``key`` (with ``key=`` other than the node id)."""
+        return self._futures[key].result()
+
+    def drain(self) -> None:
+        """Wait until no run is in flight (before a test that times a run of its own)."""
+        futures_wait(list(self._futures.values()))
+
+    def close(self) -> None:
+        for f in self._futures.values():
+            f.cancel()
+        self._pool.shutdown(wait=True)
+
+    @classmethod
+    def fixture_items(cls, request, *names: str) -> list:
+        """The selected tests of ``request``'s module whose function is one of ``names``."""
+        return [i for i in request.session.items if i.module is request.module and i.originalname in names]
+
+
+def in_pairs(*thunks: Callable) -> list:
+    """Call ``thunks`` two at a time (independent CLI runs, start-up bound, of one test whose
+    checks are of results, not times); their results in order, or the first exception raised.
+    Runs at once must not share a file they write (give each its own job file and output)."""
+    with ThreadPoolExecutor(2, thread_name_prefix="in-pairs") as pool:
+        futures = [pool.submit(t) for t in thunks]
+        return [f.result() for f in futures]

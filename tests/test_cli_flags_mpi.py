@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, write_job
+from helpers import in_pairs
 
 pytestmark = pytest.mark.mpi
 
@@ -38,10 +39,13 @@ def test_generate_groups_gives_the_same_greedy_tokens(tmp_path, tiny_ckpt):
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "tokens": rng.integers(0, 512, 5 + i).tolist()}) + "\n"
                                for i in range(6)))
     outs = {}
-    for groups in (1, 2):
+    job = job_for(tmp_path, tiny_ckpt)  # read by both runs, written once
+
+    def generate(groups):
+        return lambda: run_cli(["generate", job, "--prompts", prompts, "--out", tmp_path / f"g{groups}.jsonl",
+                                "--max-new-tokens", "5", "--batch", "2", "--groups", str(groups)], ranks=2, timeout=120)
+    for groups, p in zip((1, 2), in_pairs(generate(1), generate(2))):  # independent runs, two at once
         out = tmp_path / f"g{groups}.jsonl"
-        p = run_cli(["generate", job_for(tmp_path, tiny_ckpt), "--prompts", prompts, "--out", out,
-                     "--max-new-tokens", "5", "--batch", "2", "--groups", str(groups)], ranks=2, timeout=120)
         assert p.returncode == 0, p.stderr
         outs[groups] = [{k: v for k, v in json.loads(line).items() if k != "ms"} for line in out.read_text().splitlines()]
     assert len(outs[1]) == 6 and outs[1] == outs[2]

@@ -1,5 +1,8 @@
 """The executor under a real mpiexec: uneven microbatches x wire formats against a one-
-microbatch f32 run, a plug-in family written only to the documented Protocol, and the trace."""
+microbatch f32 run, a plug-in family written only to the documented Protocol, and the trace.
+
+The module's runs (11 of them, 3 ranks each) are started ahead of the tests, two at a time
+(helpers.LaunchAhead: they are start-up bound); each test checks its runs as before."""
 
 import json
 
@@ -8,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, write_job
+from helpers import LaunchAhead
 from rlx_mpi.families.llama import PRESETS
 
 pytestmark = pytest.mark.mpi
@@ -38,15 +42,60 @@ def ids():
     return np.random.default_rng(8).integers(0, PRESETS["tiny"].vocab_size, (BATCH, SEQ))
 
 
+def _proto_run(d, ckpt_unused, ids_unused):
+    from protocol_family import write_checkpoint
+
+    ckpt = d / "proto.h5"
+    cfg = write_checkpoint(ckpt)
+    ids = np.random.default_rng(1).integers(0, cfg["vocab"], (3, 7))
+    return cfg, ids, run(d, "proto", ckpt, ids, plugins=["protocol_family"], microbatches=2)
+
+
+# test -> {key: (name, run keys, extra args)} of the runs it checks; the reference serves three
+RUNS = {
+    "test_uneven_microbatches_f32_equal_one_microbatch": {
+        ("f32", m): (f"m{m}", {"microbatches": m, "wire": "f32"}, ()) for m in (2, 3)},
+    "test_half_wire_within_bound": {
+        (w, m): (f"{w}{m}", {"microbatches": m, "wire": w}, ()) for w in ("bf16", "f16") for m in (1, 2, 3)},
+    "test_trace_one_lane_per_rank_and_gantt": {
+        "trace": ("tr", {"microbatches": 3, "wire": "bf16"}, ("--trace", "TRACE"))},
+}
+NEEDS_REF = ("test_uneven_microbatches_f32_equal_one_microbatch", "test_half_wire_within_bound")
+
+
 @pytest.fixture(scope="module")
-def f32_one(tmp_path_factory, tiny_ckpt, ids):
+def runs(request, tmp_path_factory, tiny_ckpt, ids):
+    """Every run the selected tests check, started ahead: key -> run()'s (logits, stats, proc),
+    "proto" -> (cfg, ids, run()'s); "trace" runs with --trace into its own folder."""
+    wanted = {i.originalname for i in LaunchAhead.fixture_items(request, *RUNS, "test_protocol_only_family_runs")}
+    todo = [("ref", ("ref", {"microbatches": 1}, ()))] if wanted & set(NEEDS_REF) else []
+    todo += [kv for name in RUNS if name in wanted for kv in RUNS[name].items()]
+    if "test_protocol_only_family_runs" in wanted:
+        todo.append(("proto", None))
+
+    def launch(entry):
+        key, spec = entry
+        d = tmp_path_factory.mktemp(str(key).replace(" ", "").replace("'", ""))
+        if key == "proto":
+            return _proto_run(d, tiny_ckpt, ids)
+        name, keys, extra = spec
+        extra = tuple(str(d / "trace.json") if a == "TRACE" else a for a in extra)
+        return (*run(d, name, tiny_ckpt, ids, extra_args=extra, **keys), d)
+
+    ahead = LaunchAhead(todo, launch, key=lambda entry: entry[0])
+    yield ahead
+    ahead.close()
+
+
+@pytest.fixture(scope="module")
+def f32_one(runs):
     """The reference: f32 wire, one microbatch."""
-    return run(tmp_path_factory.mktemp("ref"), "ref", tiny_ckpt, ids, microbatches=1)[0]
+    return runs.get("ref")[0]
 
 
-def test_uneven_microbatches_f32_equal_one_microbatch(tmp_path, tiny_ckpt, ids, f32_one):
+def test_uneven_microbatches_f32_equal_one_microbatch(runs, ids, f32_one):
     for m in (2, 3):
-        logits, stats, proc = run(tmp_path, f"m{m}", tiny_ckpt, ids, microbatches=m, wire="f32")
+        logits, stats, proc, _ = runs.get(("f32", m))
         assert logits.shape == f32_one.shape
         # not bit for bit: each projection is one (rows, C) @ W.T GEMM and OpenBLAS picks its
         # kernel (and summation order) by the row count, which the microbatch size changes
@@ -61,13 +110,10 @@ def test_uneven_microbatches_f32_equal_one_microbatch(tmp_path, tiny_ckpt, ids, 
         assert "bubble" in proc.stdout
 
 
-def test_protocol_only_family_runs(tmp_path):
-    from protocol_family import reference, write_checkpoint
+def test_protocol_only_family_runs(runs):
+    from protocol_family import reference
 
-    ckpt = tmp_path / "proto.h5"
-    cfg = write_checkpoint(ckpt)
-    ids = np.random.default_rng(1).integers(0, cfg["vocab"], (3, 7))
-    logits, stats, _ = run(tmp_path, "proto", ckpt, ids, plugins=["protocol_family"], microbatches=2)
+    cfg, ids, (logits, stats, _) = runs.get("proto")  # rng(1) ids (3, 7), microbatches = 2
     ref = reference(cfg, ids)
     assert logits.shape == ref.shape
     assert np.abs(logits - ref).max() <= 1e-4 * np.abs(ref).max()
@@ -75,13 +121,13 @@ def test_protocol_only_family_runs(tmp_path):
 
 
 @pytest.mark.parametrize("wire", ["bf16", "f16"])
-def test_half_wire_within_bound(tmp_path, tiny_ckpt, ids, f32_one, wire):
+def test_half_wire_within_bound(runs, ids, f32_one, wire):
     from rlx_mpi.executor import wire_error_bound
     from rlx_mpi.wire import get_codec
 
     bound = wire_error_bound(get_codec(wire), hops=RANKS - 1)
     for m in (1, 2, 3):
-        logits, stats, _ = run(tmp_path, f"{wire}{m}", tiny_ckpt, ids, microbatches=m, wire=wire)
+        logits, stats, _, _ = runs.get((wire, m))
         err = np.abs(logits - f32_one).max() / np.abs(f32_one).max()
         assert 0 < err <= bound, (wire, m, err, bound)  # > 0: the codec really ran
         assert stats["wire"] == wire
@@ -91,12 +137,12 @@ def test_half_wire_within_bound(tmp_path, tiny_ckpt, ids, f32_one, wire):
                 assert r["bytes_sent"] == BATCH * SEQ * hidden * 2  # half the bytes of f32
 
 
-def test_trace_one_lane_per_rank_and_gantt(tmp_path, tiny_ckpt, ids):
+def test_trace_one_lane_per_rank_and_gantt(tmp_path, runs):
     from conftest import run_cli
     from rlx_mpi.trace import bubble, load_trace, spans_from_trace, validate_trace
 
-    path = tmp_path / "trace.json"
-    _, stats, _ = run(tmp_path, "tr", tiny_ckpt, ids, extra_args=["--trace", path], microbatches=3, wire="bf16")
+    _, stats, _, d = runs.get("trace")  # --trace d/trace.json, microbatches = 3, wire = bf16
+    path = d / "trace.json"
     doc = json.loads(path.read_text())
     validate_trace(doc)
     lanes = {e["pid"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}

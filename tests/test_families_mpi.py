@@ -1,14 +1,20 @@
 """Every family under a real mpiexec through ``rlx-mpi run --out``: one rank, a two-stage
 pipeline and TP = 2 (expert parallelism for Mixtral), against transformers' logits
-(tests/fixtures/families)."""
+(tests/fixtures/families).
+
+Each family is converted once (``convert_hf``, as before in every test) and the runs are
+started ahead of their tests, two at a time (helpers.LaunchAhead): they are start-up bound,
+and every test still checks its own run's exit code and numbers."""
 
 import json
+import threading
 
 import h5py
 import numpy as np
 import pytest
 
 from conftest import TESTS, run_cli, write_job
+from helpers import LaunchAhead
 from rlx_mpi.families import convert_hf
 
 pytestmark = pytest.mark.mpi
@@ -18,41 +24,66 @@ CASES = ["llama3", "llama_linear", "mistral", "qwen2", "qwen3", "phi3", "phi3_lo
 LAYOUTS = [(1, 1), (2, 1), (2, 2)]  # (ranks, tp)
 
 
+def reference(case):
+    return np.load(FAMILIES / case / "reference.npz", allow_pickle=False)
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """Each selected test's run, launched ahead: (CompletedProcess, output path)."""
+    lock, ckpts = threading.Lock(), {}
+
+    def checkpoint(case):
+        with lock:  # one conversion per family, shared by its runs (read-only)
+            if case not in ckpts:
+                ckpts[case] = tmp_path_factory.mktemp(f"ckpt_{case}") / "m.h5"
+                convert_hf(FAMILIES / case, ckpts[case], tokenizer=False)
+            return ckpts[case]
+
+    def launch(item):
+        p = item.callspec.params
+        case, ranks, tp = p["case"], p["ranks"], p["tp"]
+        d = tmp_path_factory.mktemp(f"{item.originalname[5:13]}_{case}_{ranks}_{tp}")
+        ref = reference(case)
+        ckpt = checkpoint(case)
+        if item.originalname == "test_run_matches_transformers":
+            ids = ref["input_ids"]
+            np.save(d / "ids.npy", ids)
+            job = write_job(d, model={"checkpoint": str(ckpt)},
+                            run={"timeout_s": 30.0, "batch": ids.shape[0], "seq": ids.shape[1]},
+                            placement={"reserve_ram_gb": 0.0, "tp": tp})
+            out = d / "out.h5"
+            return run_cli(["run", job, "--input-ids", d / "ids.npy", "--out", out], ranks=ranks, timeout=120), out
+        prompts = d / "p.jsonl"
+        prompts.write_text(json.dumps({"id": "p0", "tokens": ref["prompt_ids"][0].tolist()}) + "\n")
+        job = write_job(d, model={"checkpoint": str(ckpt)}, run={"timeout_s": 30.0},
+                        placement={"reserve_ram_gb": 0.0, "tp": tp})
+        out = d / "c.jsonl"
+        return run_cli(["generate", job, "--prompts", prompts, "--out", out, "--max-new-tokens",
+                        len(ref["greedy_ids"][0])], ranks=ranks, timeout=120), out
+
+    ahead = LaunchAhead(LaunchAhead.fixture_items(request, "test_run_matches_transformers",
+                                                  "test_generate_greedy_equals_transformers"), launch)
+    yield ahead
+    ahead.close()
+
+
 @pytest.mark.parametrize("ranks, tp", LAYOUTS)
 @pytest.mark.parametrize("case", CASES)
-def test_run_matches_transformers(tmp_path, case, ranks, tp):
-    ref = np.load(FAMILIES / case / "reference.npz", allow_pickle=False)
-    ckpt = tmp_path / "m.h5"
-    convert_hf(FAMILIES / case, ckpt, tokenizer=False)
-    ids = ref["input_ids"]
-    np.save(tmp_path / "ids.npy", ids)
-    job = write_job(tmp_path, model={"checkpoint": str(ckpt)},
-                    run={"timeout_s": 30.0, "batch": ids.shape[0], "seq": ids.shape[1]},
-                    placement={"reserve_ram_gb": 0.0, "tp": tp})
-    out = tmp_path / "out.h5"
-    proc = run_cli(["run", job, "--input-ids", tmp_path / "ids.npy", "--out", out], ranks=ranks, timeout=120)
+def test_run_matches_transformers(request, runs, case, ranks, tp):
+    proc, out = runs.result(request)
     assert proc.returncode == 0, proc.stderr
     with h5py.File(out, "r") as f:
         logits = f["logits"][()]
-    assert np.abs(logits - ref["logits"]).max() <= 1e-4
+    assert np.abs(logits - reference(case)["logits"]).max() <= 1e-4
 
 
 @pytest.mark.parametrize("ranks, tp", [(1, 1), (2, 2)])
 @pytest.mark.parametrize("case", CASES)
-def test_generate_greedy_equals_transformers(tmp_path, case, ranks, tp):
+def test_generate_greedy_equals_transformers(request, runs, case, ranks, tp):
     """``rlx-mpi generate`` (prefill + cached decode over the pipeline) gives the tokens of
     transformers' ``generate(do_sample=False)``."""
-    ref = np.load(FAMILIES / case / "reference.npz", allow_pickle=False)
-    ckpt = tmp_path / "m.h5"
-    convert_hf(FAMILIES / case, ckpt, tokenizer=False)
-    want = ref["greedy_ids"][0].tolist()
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"id": "p0", "tokens": ref["prompt_ids"][0].tolist()}) + "\n")
-    job = write_job(tmp_path, model={"checkpoint": str(ckpt)}, run={"timeout_s": 30.0},
-                    placement={"reserve_ram_gb": 0.0, "tp": tp})
-    out = tmp_path / "c.jsonl"
-    proc = run_cli(["generate", job, "--prompts", prompts, "--out", out, "--max-new-tokens", len(want)],
-                   ranks=ranks, timeout=120)
+    proc, out = runs.result(request)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert rows[0]["tokens"] == want
+    assert rows[0]["tokens"] == reference(case)["greedy_ids"][0].tolist()

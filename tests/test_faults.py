@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import kill_tree, run_cli, start_cli, write_job
-from helpers import faulty_ckpt, pids_matching  # noqa: F401 (a fixture)
+from conftest import finish_cli, kill_tree, run_cli, start_cli, write_job
+from helpers import faulty_ckpt, gone_within, pids_matching  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.mpi
 
@@ -66,8 +66,7 @@ def run_fault(tmp_path, ckpt, kind: str, ranks: int, rank: int = 1):
         if not (tmp_path / "stamp").exists():
             pytest.fail(f"the fault never fired (exit {p.returncode})\n{p.stderr}")
         p.after_fault = since_fault(tmp_path)
-        time.sleep(0.2)  # the launcher's SIGKILLs are asynchronous
-        p.leftovers = job_pids(job)
+        p.leftovers = gone_within(job.name, 0.2)  # the launcher's SIGKILLs are asynchronous: a grace, polled
     finally:
         kill_leftovers(job)
     print(f"{kind}: exit {p.returncode}, {p.elapsed:.2f} s from launch, {p.after_fault:.2f} s after the fault")
@@ -146,18 +145,6 @@ def test_hung_last_stage_is_named_by_rank_0(tmp_path, faulty_ckpt):
     assert not p.leftovers, report
 
 
-def test_stuck_middle_stage_is_named(tmp_path, faulty_ckpt):
-    """Rank 1 of 3 stops: rank 2 (waiting for its hidden state) must be the one to report."""
-    p = run_fault(tmp_path, faulty_ckpt, "stop", ranks=3, rank=1)
-    report = p.stderr
-    assert p.returncode == EXIT_TIMEOUT, report
-    assert len(errors(p)) == 1, report
-    assert waited(errors(p)[0], 2, f"{HOST}, stage 2, layers 6:8, microbatch 0",
-                  "the hidden state of microbatch 0 from rank 1; rank 1 is stuck or dead"), report
-    assert p.after_fault < TIMEOUT_S + 5, report
-    assert not p.leftovers, report
-
-
 def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
@@ -169,9 +156,14 @@ def _state(pid: int) -> str:
         return f.read().rpartition(")")[2].split()[0]
 
 
-def test_waiting_does_not_burn_a_core(tmp_path, faulty_ckpt):
-    """While rank 1 is stopped, the ranks waiting for it (and their supervisors) mostly sleep."""
-    job = fault_job(tmp_path, faulty_ckpt, "cpu")
+@pytest.fixture(scope="module")
+def middle_stopped(tmp_path_factory, faulty_ckpt):
+    """Rank 1 of 3 stopped (SIGSTOP) mid-forward, run once for the two tests below (they were two
+    launches of the same job): while the others wait for it, the CPU the waiting processes use
+    over 1.5 s, then the job's end as ``run_fault`` reports it."""
+    tmp_path = tmp_path_factory.mktemp("middle_stopped")
+    job = fault_job(tmp_path, faulty_ckpt, "stop")
+    t0 = time.monotonic()
     proc = start_cli(["run", job], ranks=3, env=fault_env(tmp_path, "stop"))
     try:
         deadline = time.monotonic() + 30
@@ -180,16 +172,37 @@ def test_waiting_does_not_burn_a_core(tmp_path, faulty_ckpt):
             time.sleep(0.02)
         time.sleep(0.1)  # past the first fast polls
         pids = [pid for pid in job_pids(job) if _state(pid) != "T"]
-        before, t0 = {pid: _cpu_seconds(pid) for pid in pids}, time.monotonic()
+        before, t1 = {pid: _cpu_seconds(pid) for pid in pids}, time.monotonic()
         time.sleep(1.5)
         used = sum(_cpu_seconds(pid) - before[pid] for pid in pids)
-        share = used / (time.monotonic() - t0)
-        out, err = proc.communicate(timeout=30)
-        print(f"{len(pids)} waiting processes used {share:.1%} of a core")
-        assert proc.returncode == EXIT_TIMEOUT, err
-        assert share < 0.5, f"{len(pids)} waiting processes used {share:.0%} of a core"
+        share = used / (time.monotonic() - t1)
+        p = finish_cli(proc, 60, t0)
+        p.after_fault = since_fault(tmp_path)
+        p.leftovers = gone_within(job.name, 0.2)  # the launcher's SIGKILLs are asynchronous: a grace, polled
+        print(f"{len(pids)} waiting processes used {share:.1%} of a core; "
+              f"exit {p.returncode}, {p.after_fault:.2f} s after the fault")
+        return p, share, len(pids)
     finally:
         if proc.poll() is None:
             kill_tree(proc.pid)
             proc.communicate()
         kill_leftovers(job)
+
+
+def test_stuck_middle_stage_is_named(middle_stopped):
+    """Rank 1 of 3 stops: rank 2 (waiting for its hidden state) must be the one to report."""
+    p, _, _ = middle_stopped
+    report = p.stderr
+    assert p.returncode == EXIT_TIMEOUT, report
+    assert len(errors(p)) == 1, report
+    assert waited(errors(p)[0], 2, f"{HOST}, stage 2, layers 6:8, microbatch 0",
+                  "the hidden state of microbatch 0 from rank 1; rank 1 is stuck or dead"), report
+    assert p.after_fault < TIMEOUT_S + 5, report
+    assert not p.leftovers, report
+
+
+def test_waiting_does_not_burn_a_core(middle_stopped):
+    """While rank 1 is stopped, the ranks waiting for it (and their supervisors) mostly sleep."""
+    p, share, n = middle_stopped
+    assert p.returncode == EXIT_TIMEOUT, p.stderr
+    assert share < 0.5, f"{n} waiting processes used {share:.0%} of a core"

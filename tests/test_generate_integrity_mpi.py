@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, write_job
-from helpers import pids_matching, rows_of
+from helpers import LaunchAhead, in_pairs, pids_matching, rows_of
 from rlx_mpi.journal import meta_path
 from rlx_mpi.families import convert_hf
 from rlx_mpi.families.llama import FAMILY as _LLAMA
@@ -276,17 +276,33 @@ def hf_ckpt(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def logprobs_runs(request, tmp_path_factory, hf_ckpt):
+    """test_logprobs_equal_transformers' runs, started ahead of the tests two at a time
+    (helpers.LaunchAhead: they are start-up bound): (CompletedProcess, completions path)."""
+    ref = json.loads((FIXTURES / "hf_tiny_llama" / "generate.json").read_text())
+    K = np.load(FIXTURES / "logprobs_generate_hf_tiny_llama.npz")["top_ids"].shape[2]
+
+    def launch(item):
+        p = item.callspec.params
+        d = tmp_path_factory.mktemp(f"logprobs_{p['ranks']}_{p['tp']}")
+        prompts = write_prompts(d / "p.jsonl", [(f"r{i}", t) for i, t in enumerate(ref["prompts"])])
+        out = d / "c.jsonl"
+        return generate(d, hf_ckpt, p["ranks"], prompts, out, "--max-new-tokens", ref["max_new_tokens"],
+                        "--logprobs", K, placement={"tp": p["tp"]}), out
+
+    ahead = LaunchAhead(LaunchAhead.fixture_items(request, "test_logprobs_equal_transformers"), launch)
+    yield ahead
+    ahead.close()
+
+
 @pytest.mark.parametrize("ranks, tp", [(1, 1), (2, 1), (2, 2)])
-def test_logprobs_equal_transformers(tmp_path, hf_ckpt, ranks, tp):
+def test_logprobs_equal_transformers(request, logprobs_runs, ranks, tp):
     """Each row's "logprobs": the chosen token's and the top 5, as transformers' log_softmax of
     its own greedy logits (tests/make_logprobs_generate_fixture.py), within 1e-4 in float32."""
-    ref = json.loads((FIXTURES / "hf_tiny_llama" / "generate.json").read_text())
     want = np.load(FIXTURES / "logprobs_generate_hf_tiny_llama.npz")
     K = want["top_ids"].shape[2]
-    prompts = write_prompts(tmp_path / "p.jsonl", [(f"r{i}", p) for i, p in enumerate(ref["prompts"])])
-    out = tmp_path / "c.jsonl"
-    proc = generate(tmp_path, hf_ckpt, ranks, prompts, out, "--max-new-tokens", ref["max_new_tokens"],
-                    "--logprobs", K, placement={"tp": tp})
+    proc, out = logprobs_runs.result(request)  # --max-new-tokens of generate.json, --logprobs K, tp
     assert proc.returncode == 0, proc.stderr
     rows = rows_of(out)
     assert [r["tokens"] for r in rows] == want["tokens"].tolist()
@@ -305,9 +321,13 @@ def test_sampled_logprobs_change_no_draw_and_reproduce_across_layouts(tmp_path, 
     prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
     flags = ("--max-new-tokens", 5, "--temperature", 0.9, "--top-k", 40, "--seed", 11)
     runs = {}
-    for name, ranks, extra in (("plain", 1, ()), ("one", 1, ("--logprobs", 3)),
-                               ("two", 2, ("--logprobs", 3, "--batch", 2))):
-        proc = generate(tmp_path, tiny_ckpt, ranks, prompts, tmp_path / f"{name}.jsonl", *flags, *extra)
+    layouts = (("plain", 1, ()), ("one", 1, ("--logprobs", 3)), ("two", 2, ("--logprobs", 3, "--batch", 2)))
+
+    def run_in_own_folder(name, ranks, extra):  # each its own job file: the runs go two at once
+        (tmp_path / name).mkdir()
+        return lambda: generate(tmp_path / name, tiny_ckpt, ranks, prompts, tmp_path / f"{name}.jsonl", *flags,
+                                *extra)
+    for (name, _, _), proc in zip(layouts, in_pairs(*(run_in_own_folder(*x) for x in layouts))):
         assert proc.returncode == 0, proc.stderr
         runs[name] = without_ms(rows_of(tmp_path / f"{name}.jsonl"))
     tokens = [r["tokens"] for r in runs["plain"]]

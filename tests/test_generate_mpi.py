@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import kill_tree, run_cli, start_cli, write_job
-from helpers import faulty_ckpt, rows_of  # noqa: F401 (a fixture)
+from helpers import LaunchAhead, faulty_ckpt, in_pairs, rows_of  # noqa: F401 (a fixture)
 from rlx_mpi.checkpoint import H5ParamSource
 from rlx_mpi.journal import REQUEUE_EXIT
 from rlx_mpi.kv_cache import KvSpec
@@ -50,13 +50,40 @@ def hf_ckpt(tmp_path_factory):
     return out
 
 
+MIXED = [(f"m{i}", np.random.default_rng(i).integers(0, 512, n)) for i, n in enumerate([3, 11, 6, 1, 8, 4, 9])]
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, hf_ckpt, tiny_ckpt):
+    """The runs of the two parametrized tests below, started ahead of them two at a time
+    (helpers.LaunchAhead: they are start-up bound): (CompletedProcess, completions path); and
+    last the uninterrupted reference run of `long_run` (checked for results only)."""
+    def launch(item):
+        if item == "long_run":
+            return _long_run(tmp_path_factory.mktemp("long"), tiny_ckpt)
+        p = item.callspec.params
+        d = tmp_path_factory.mktemp(item.name.replace("[", "_").replace("]", ""))
+        out = d / "c.jsonl"
+        if item.originalname == "test_greedy_equals_transformers_across_ranks":
+            ref = json.loads((FIXTURES / "hf_tiny_llama" / "generate.json").read_text())
+            prompts = write_prompts(d / "p.jsonl", [(f"r{i}", t) for i, t in enumerate(ref["prompts"])])
+            return generate(d, hf_ckpt, p["ranks"], prompts, out, "--max-new-tokens", ref["max_new_tokens"],
+                            placement={"tp": p["tp"]}), out
+        prompts = write_prompts(d / "p.jsonl", MIXED)
+        return generate(d, tiny_ckpt, p["ranks"], prompts, out, "--max-new-tokens", 7, "--batch", p["batch"],
+                        run={"kv_cache": p["kv"]}), out
+
+    items = LaunchAhead.fixture_items(request, "test_greedy_equals_transformers_across_ranks",
+                                      "test_continuous_batching_equals_single_process")
+    ahead = LaunchAhead([*items, "long_run"], launch, key=lambda item: item if item == "long_run" else item.nodeid)
+    yield ahead
+    ahead.close()
+
+
 @pytest.mark.parametrize("ranks, tp", [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)])
-def test_greedy_equals_transformers_across_ranks(tmp_path, hf_ckpt, ranks, tp):
+def test_greedy_equals_transformers_across_ranks(request, runs, ranks, tp):
     ref = json.loads((FIXTURES / "hf_tiny_llama" / "generate.json").read_text())
-    prompts = write_prompts(tmp_path / "p.jsonl", [(f"r{i}", p) for i, p in enumerate(ref["prompts"])])
-    out = tmp_path / "c.jsonl"
-    proc = generate(tmp_path, hf_ckpt, ranks, prompts, out, "--max-new-tokens", ref["max_new_tokens"],
-                    placement={"tp": tp})
+    proc, out = runs.result(request)
     assert proc.returncode == 0, proc.stderr
     rows = rows_of(out)
     assert [r["tokens"] for r in rows] == ref["tokens"]
@@ -66,9 +93,6 @@ def test_greedy_equals_transformers_across_ranks(tmp_path, hf_ckpt, ranks, tp):
     assert "prefill_ms" in proc.stdout and "kv_MB" in proc.stdout  # the per-stage summary
 
 
-MIXED = [(f"m{i}", np.random.default_rng(i).integers(0, 512, n)) for i, n in enumerate([3, 11, 6, 1, 8, 4, 9])]
-
-
 @pytest.fixture(scope="module")
 def tiny_stage(tiny_ckpt):
     with H5ParamSource(tiny_ckpt) as src:
@@ -76,13 +100,10 @@ def tiny_stage(tiny_ckpt):
 
 
 @pytest.mark.parametrize("kv, ranks, batch", [("full", 2, 2), ("none", 2, 3), ("full", 3, 1)])
-def test_continuous_batching_equals_single_process(tmp_path, tiny_ckpt, tiny_stage, kv, ranks, batch):
+def test_continuous_batching_equals_single_process(request, runs, tiny_stage, kv, ranks, batch):
     """7 prompts of mixed lengths through groups of `batch` slots: slots are reused as rows end;
     every row equals that prompt generated alone by a plain forward per token."""
-    prompts = write_prompts(tmp_path / "p.jsonl", MIXED)
-    out = tmp_path / "c.jsonl"
-    proc = generate(tmp_path, tiny_ckpt, ranks, prompts, out, "--max-new-tokens", 7, "--batch", batch,
-                    run={"kv_cache": kv})
+    proc, out = runs.result(request)  # MIXED, --max-new-tokens 7 --batch `batch`, kv_cache = `kv`
     assert proc.returncode == 0, proc.stderr
     assert [r["tokens"] for r in rows_of(out)] == [forward_greedy(tiny_stage, t, 7) for _, t in MIXED]
 
@@ -93,12 +114,13 @@ def test_window_and_per_rank_override(tmp_path, tiny_ckpt, tiny_stage):
     which must differ from both uniform ones."""
     prompts = write_prompts(tmp_path / "p.jsonl", MIXED[:3])
     want = cached_greedy(tiny_stage, [t for _, t in MIXED[:3]], 9, KvSpec("window", 4))
-    proc = generate(tmp_path, tiny_ckpt, 2, prompts, tmp_path / "w.jsonl", "--max-new-tokens", 9,
-                    run={"kv_cache": "window:4"})
-    assert proc.returncode == 0, proc.stderr
+    window, proc = in_pairs(  # independent runs, two at once
+        lambda: generate(tmp_path, tiny_ckpt, 2, prompts, tmp_path / "w.jsonl", "--max-new-tokens", 9,
+                         run={"kv_cache": "window:4"}, name="w.toml"),
+        lambda: generate(tmp_path, tiny_ckpt, 2, prompts, tmp_path / "mix.jsonl", "--max-new-tokens", 9,
+                         ranks_cfg=[{"rank": 0, "kv_cache": "window:4"}], name="mix.toml"))
+    assert window.returncode == 0, window.stderr
     assert [r["tokens"] for r in rows_of(tmp_path / "w.jsonl")] == want
-    proc = generate(tmp_path, tiny_ckpt, 2, prompts, tmp_path / "mix.jsonl", "--max-new-tokens", 9,
-                    ranks_cfg=[{"rank": 0, "kv_cache": "window:4"}])
     assert proc.returncode == 0, proc.stderr
     assert "window:4" in proc.stdout and " full " in proc.stdout
     mixed = [r["tokens"] for r in rows_of(tmp_path / "mix.jsonl")]
@@ -109,12 +131,16 @@ def test_sampled_run_reproduces_across_layouts(tmp_path, tiny_ckpt):
     prompts = write_prompts(tmp_path / "p.jsonl", MIXED)
     flags = ("--max-new-tokens", 6, "--temperature", 0.9, "--top-k", 40, "--top-p", 0.95, "--seed", 11)
     a, b, c = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
-    for out, ranks, batch in ((a, 2, 2), (b, 2, 2), (c, 1, 5)):
-        proc = generate(tmp_path, tiny_ckpt, ranks, prompts, out, *flags, "--batch", batch)
+    greedy = tmp_path / "g.jsonl"
+
+    def sampled(out, ranks, batch):
+        return lambda: generate(tmp_path, tiny_ckpt, ranks, prompts, out, *flags, "--batch", batch,
+                                name=f"{out.stem}.toml")
+    *procs, _ = in_pairs(sampled(a, 2, 2), sampled(b, 2, 2), sampled(c, 1, 5),  # independent runs, two at once
+                         lambda: generate(tmp_path, tiny_ckpt, 1, prompts, greedy, "--max-new-tokens", 6, name="g.toml"))
+    for proc in procs:
         assert proc.returncode == 0, proc.stderr
     assert without_ms(rows_of(a)) == without_ms(rows_of(b)) == without_ms(rows_of(c))
-    greedy = tmp_path / "g.jsonl"
-    generate(tmp_path, tiny_ckpt, 1, prompts, greedy, "--max-new-tokens", 6)
     assert without_ms(rows_of(a)) != without_ms(rows_of(greedy))  # it did sample
 
 
@@ -125,8 +151,12 @@ LONG_FLAGS = ("--max-new-tokens", 30, "--batch", 2)
 
 
 @pytest.fixture(scope="module")
-def long_run(tmp_path_factory, tiny_ckpt):
-    d = tmp_path_factory.mktemp("long")
+def long_run(runs):
+    """The uninterrupted run the stop and kill tests resume to (started ahead in `runs`)."""
+    return runs.get("long_run")
+
+
+def _long_run(d, tiny_ckpt):
     prompts = write_prompts(d / "p.jsonl", LONG)
     proc = generate(d, tiny_ckpt, 2, prompts, d / "full.jsonl", *LONG_FLAGS)
     assert proc.returncode == 0, proc.stderr

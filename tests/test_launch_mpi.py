@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import MPIEXEC, MPIEXEC_ARGS, _env, finish_cli, run_cli
-from helpers import job_builder, pids_matching
+from helpers import gone_within, job_builder
 
 pytestmark = pytest.mark.mpi
 
@@ -49,8 +49,7 @@ def report(p) -> str:
 
 def no_leftovers(d) -> list[int]:
     """Ranks, supervisors or the launcher still running with the case's folder in their command line."""
-    time.sleep(0.3)  # the launcher's SIGKILLs are asynchronous
-    pids = pids_matching(str(d))
+    pids = gone_within(str(d), 0.3)  # the launcher's SIGKILLs are asynchronous: a grace, polled
     for pid in pids:
         try:
             import os

@@ -1,5 +1,9 @@
 """End to end under a real mpiexec: pipeline and tensor-parallel logits against a
-single-process run, and a transformers-made model against transformers' own logits."""
+single-process run, and a transformers-made model against transformers' own logits.
+
+The runs of the two parametrized tests are started ahead of them, two at a time
+(helpers.LaunchAhead: they are start-up bound); each test checks its own run as before. Each
+transformers fixture is converted once, not once per layout."""
 
 import json
 
@@ -7,7 +11,10 @@ import h5py
 import numpy as np
 import pytest
 
+import threading
+
 from conftest import TESTS, run_cli, write_job
+from helpers import LaunchAhead
 from rlx_mpi.checkpoint import H5ParamSource
 from rlx_mpi.families.llama import PRESETS
 from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
@@ -34,15 +41,42 @@ def run_job(tmp_path, ckpt, ranks, ids, placement=None, run=None, timeout=90):
     return logits, json.loads(stats.read_text()), proc
 
 
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, tiny_ckpt):
+    """Each selected parametrized test's ``run_job``, launched ahead: (logits, stats, proc, ids)."""
+    lock, converted = threading.Lock(), {}
+
+    def hf_ckpt(fixture):
+        with lock:
+            if fixture not in converted:
+                converted[fixture] = tmp_path_factory.mktemp(f"hf_{fixture}") / "hf.h5"
+                convert_hf(TESTS / "fixtures" / fixture, converted[fixture])
+            return converted[fixture]
+
+    def launch(item):
+        p = item.callspec.params
+        d = tmp_path_factory.mktemp(item.name.replace("[", "_").replace("]", ""))
+        if item.originalname == "test_logits_equal_single_process":
+            ids = np.random.default_rng(p["ranks"]).integers(0, PRESETS["tiny"].vocab_size, (2, 13))
+            return (*run_job(d, tiny_ckpt, p["ranks"], ids, {"tp": p["tp"]},
+                             {"batch": 2, "microbatches": p["microbatches"]}), ids)
+        src = TESTS / "fixtures" / p["fixture"]
+        ids = np.load(src / "input_ids.npy")
+        return (*run_job(d, hf_ckpt(p["fixture"]), p["ranks"], ids, {"tp": p["tp"]}), ids)
+
+    ahead = LaunchAhead(LaunchAhead.fixture_items(request, "test_logits_equal_single_process",
+                                                  "test_transformers_model_matches_transformers"), launch)
+    yield ahead
+    ahead.close()
+
+
 @pytest.mark.parametrize("ranks, tp, microbatches", [
     (1, 1, 1), (2, 1, 1), (3, 1, 2), (4, 1, 1),  # pipeline only
     (2, 2, 1), (4, 2, 2), (4, 4, 1),  # TP=2; TP=2 x PP=2; TP=4
 ])
-def test_logits_equal_single_process(tmp_path, tiny_ckpt, ranks, tp, microbatches):
+def test_logits_equal_single_process(request, runs, tiny_ckpt, ranks, tp, microbatches):
     cfg = PRESETS["tiny"]
-    ids = np.random.default_rng(ranks).integers(0, cfg.vocab_size, (2, 13))
-    logits, stats, proc = run_job(tmp_path, tiny_ckpt, ranks, ids, {"tp": tp},
-                                  {"batch": 2, "microbatches": microbatches})
+    logits, stats, proc, ids = runs.result(request)  # ids: rng(ranks) integers of shape (2, 13)
     ref = single_process_logits(tiny_ckpt, cfg, ids)
     assert logits.shape == ref.shape
     assert np.abs(logits - ref).max() <= 1e-5
@@ -63,11 +97,9 @@ def test_logits_equal_single_process(tmp_path, tiny_ckpt, ranks, tp, microbatche
     ("hf_tiny_llama", 1, 1), ("hf_tiny_llama", 2, 1), ("hf_tiny_llama", 3, 1), ("hf_tiny_llama", 4, 1),
     ("hf_tiny_llama", 4, 2), ("hf_tiny_llama_tied", 3, 1), ("hf_tiny_llama_tied", 2, 2),  # tied: 3 layers, 2 kv heads
 ])
-def test_transformers_model_matches_transformers(tmp_path, fixture, ranks, tp):
+def test_transformers_model_matches_transformers(request, runs, fixture, ranks, tp):
     src = TESTS / "fixtures" / fixture
-    ckpt = tmp_path / "hf.h5"
-    convert_hf(src, ckpt)
-    logits, _, _ = run_job(tmp_path, ckpt, ranks, np.load(src / "input_ids.npy"), {"tp": tp})
+    logits, _, _, _ = runs.result(request)
     assert np.abs(logits - np.load(src / "logits.npy")).max() <= 1e-4
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from conftest import MPIEXEC, TESTS, _env, finish_cli, run_cli
-from helpers import job_builder, pids_matching
+from helpers import LaunchAhead, gone_within, job_builder
 
 pytestmark = pytest.mark.mpi
 
@@ -342,14 +342,47 @@ def launch(argv: list, ranks: int | None, env: dict | None, timeout: float):
     return run_cli(argv, ranks=ranks, timeout=timeout, env=env)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_reliability(case: Case, tmp_path, tiny_ckpt):
-    d = tmp_path / "work"
+def timed_alone(case: Case) -> bool:
+    """The cases about a start-up deadline (their limit_s is the deadline plus a grace) and
+    plan's 10 s: launched by their test alone, nothing else in flight. The others (limit_s 20 s,
+    far above a run's few seconds) are started ahead, two at a time (helpers.LaunchAhead)."""
+    return case.limit_s < 20.0
+
+
+def prepare_and_launch(case: Case, d: Path, ckpt: Path):
+    """Make the case's inputs in ``d``, run it, and look at once at what it left: (the
+    CompletedProcess, the checksums before and after, temporary files left, processes left)."""
     d.mkdir()
-    made = case.make(d, tiny_ckpt)
+    made = case.make(d, ckpt)
     argv, env = made if isinstance(made, tuple) else (made, None)
-    before = checksums(d, tiny_ckpt)
+    before = checksums(d, ckpt)
     p = launch(argv, case.ranks, env, timeout=case.limit_s + 30)
+    after = checksums(d, ckpt)
+    left = [f for f in d.rglob(".*tmp*")] + [f for f in d.rglob(".rlx-mpi-check*")]
+    return p, before, after, left, leftover_processes(d)
+
+
+@pytest.fixture(scope="module")
+def ahead(request, tmp_path_factory, tiny_ckpt):
+    items = [i for i in LaunchAhead.fixture_items(request, "test_reliability")
+             if not timed_alone(i.callspec.params["case"])]
+
+    def run_ahead(item):
+        d = tmp_path_factory.mktemp(item.callspec.params["case"].id) / "work"
+        return prepare_and_launch(item.callspec.params["case"], d, tiny_ckpt)
+
+    runs = LaunchAhead(items, run_ahead)
+    yield runs
+    runs.close()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_reliability(case: Case, request, ahead, tmp_path, tiny_ckpt):
+    if timed_alone(case):
+        ahead.drain()
+        p, before, after, left, leftovers = prepare_and_launch(case, tmp_path / "work", tiny_ckpt)
+    else:
+        p, before, after, left, leftovers = ahead.result(request)
     report = f"exit {p.returncode} after {p.elapsed:.1f} s\n--- stdout\n{p.stdout[-2000:]}\n--- stderr\n{p.stderr}"
     errors = [line for line in p.stderr.splitlines() if line.startswith("rlx-mpi: error:")]
     assert p.returncode in (case.code if isinstance(case.code, tuple) else (case.code,)), report
@@ -360,18 +393,15 @@ def test_reliability(case: Case, tmp_path, tiny_ckpt):
         assert case.needle in errors[0], report
     assert "Traceback" not in p.stderr, report
     assert p.elapsed < case.limit_s, report
-    after = checksums(d, tiny_ckpt)
     changed = [f for f, s in before.items() if after.get(f) != s]
     assert not changed, f"inputs changed: {changed}\n{report}"
-    left = [p for p in d.rglob(".*tmp*")] + [p for p in d.rglob(".rlx-mpi-check*")]
     assert not left, f"temporary files left: {left}\n{report}"
-    assert not leftover_processes(d), f"processes left behind\n{report}"
+    assert not leftovers, f"processes left behind\n{report}"
 
 
 def leftover_processes(d: Path) -> list[int]:
     """Processes (ranks, supervisors, the launcher) whose command line names the case's folder."""
-    time.sleep(0.3)  # the launcher's SIGKILLs are asynchronous
-    pids = pids_matching(str(d))
+    pids = gone_within(str(d), 0.3)  # the launcher's SIGKILLs are asynchronous: a grace, polled
     for pid in pids:
         try:
             os.kill(pid, 9)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import kill_tree, run_cli, start_cli, write_job
-from helpers import rows_of
+from helpers import LaunchAhead, rows_of
 from rlx_mpi.journal import REQUEUE_EXIT, meta_path
 
 pytestmark = pytest.mark.mpi
@@ -61,20 +61,45 @@ def hf(tmp_path_factory):
     return d / "m.h5", np.load(FIXTURES / "hf_tiny_llama" / "input_ids.npy", allow_pickle=False), ref
 
 
+def lines_of(ids) -> list[dict]:
+    a, b = ids[0].tolist(), ids[1].tolist()
+    return [{"id": "a", "tokens": a}, {"id": "b", "tokens": b},
+            {"id": "ca", "context": a[:4], "continuation": a[4:]},  # only the continuation is scored
+            {"id": "pb", "tokens": b[:5]},  # shorter: padded beside a longer line in its microbatch
+            {"id": "cb", "context": b[:1], "continuation": b[1:3]}]
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, hf, tiny_ckpt):
+    """test_log_probs_equal_transformers' runs, started ahead of the tests two at a time
+    (helpers.LaunchAhead: they are start-up bound): (CompletedProcess, folder); and last the
+    uninterrupted reference run of `long_run` (checked for results only)."""
+    ckpt, ids, _ = hf
+
+    def launch(item):
+        if item == "long_run":
+            return _long_run(tmp_path_factory.mktemp("long"), tiny_ckpt)
+        p = item.callspec.params
+        d = tmp_path_factory.mktemp(f"logprobs_{p['ranks']}_{p['tp']}")
+        prompts = write_lines(d / "p.jsonl", lines_of(ids))
+        job = write_job(d, model={"checkpoint": str(ckpt)}, run={"timeout_s": 30.0},
+                        placement={"reserve_ram_gb": 0.0, "tp": p["tp"]})
+        # 14 tokens per microbatch: two lines of 7, or a line of 7 with the 5-token one padded to 7
+        return score(job, prompts, d / "s.jsonl", "--batch", 14, "--json", d / "stats.json", ranks=p["ranks"]), d
+
+    items = LaunchAhead.fixture_items(request, "test_log_probs_equal_transformers")
+    ahead = LaunchAhead([*items, "long_run"], launch, key=lambda item: item if item == "long_run" else item.nodeid)
+    yield ahead
+    ahead.close()
+
+
 @pytest.mark.parametrize("ranks, tp", [(1, 1), (2, 1), (2, 2), (4, 2)])
-def test_log_probs_equal_transformers(tmp_path, hf, ranks, tp):
+def test_log_probs_equal_transformers(request, runs, hf, ranks, tp):
     ckpt, ids, ref = hf
     a, b = ids[0].tolist(), ids[1].tolist()
-    lines = [{"id": "a", "tokens": a}, {"id": "b", "tokens": b},
-             {"id": "ca", "context": a[:4], "continuation": a[4:]},  # only the continuation is scored
-             {"id": "pb", "tokens": b[:5]},  # shorter: padded beside a longer line in its microbatch
-             {"id": "cb", "context": b[:1], "continuation": b[1:3]}]
-    prompts = write_lines(tmp_path / "p.jsonl", lines)
-    job = write_job(tmp_path, model={"checkpoint": str(ckpt)}, run={"timeout_s": 30.0},
-                    placement={"reserve_ram_gb": 0.0, "tp": tp})
+    lines = lines_of(ids)
+    proc, tmp_path = runs.result(request)
     out = tmp_path / "s.jsonl"
-    # 14 tokens per microbatch: two lines of 7, or a line of 7 with the 5-token one padded to 7
-    proc = score(job, prompts, out, "--batch", 14, "--json", tmp_path / "stats.json", ranks=ranks)
     assert proc.returncode == 0, proc.stderr
     rows = {r["id"]: r for r in rows_of(out)}
     assert [r["id"] for r in rows_of(out)] == [x["id"] for x in lines]  # prompt order
@@ -125,8 +150,12 @@ LONG_FLAGS = ("--batch", 32)  # every line its own microbatch, ~2 lines a round:
 
 
 @pytest.fixture(scope="module")
-def long_run(tmp_path_factory, tiny_ckpt):
-    d = tmp_path_factory.mktemp("long")
+def long_run(runs):
+    """The uninterrupted run the stop and resume tests compare with (started ahead in `runs`)."""
+    return runs.get("long_run")
+
+
+def _long_run(d, tiny_ckpt):
     prompts = write_lines(d / "p.jsonl", LONG)
     job = job_of(d, tiny_ckpt)
     proc = score(job, prompts, d / "full.jsonl", *LONG_FLAGS)

@@ -117,7 +117,11 @@ def test_generate_sbatch_requeues_and_resumes(slurm, tmp_path, tiny_ckpt):
         pytest.skip(reason)
     job = _job(tmp_path, tiny_ckpt)
     prompts = tmp_path / "prompts.jsonl"
-    n = 600  # enough work (~40k tokens) that the signal lands mid-run on a fast machine
+    # enough work that the signal (sent once the first row is written) lands mid-run on a fast
+    # machine: ~13k tokens, ~12 s of decode after the first row on a 2-core CI box (600 prompts,
+    # ~40k tokens, made the resumed run alone take ~35 s there); scancel reaches the ranks in well
+    # under a second, so even a machine 10x faster is still decoding when it does
+    n = 200
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "tokens": [1 + i % 100, 2, 3]}) + "\n" for i in range(n)))
     out = tmp_path / "completions.jsonl"
     jid = slurm.sbatch(str(REPO / "slurm" / "generate.sbatch"), str(job), str(prompts), str(out),

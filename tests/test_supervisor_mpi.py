@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import finish_cli, kill_tree, run_cli, start_cli, write_job
+from helpers import gone_within
 
 pytestmark = pytest.mark.mpi
 
@@ -81,9 +81,7 @@ def wait_rows(proc, out: Path, rows: int, timeout: float = 90.0) -> None:
 
 
 def leftovers(folder: Path) -> list[int]:
-    time.sleep(0.5)  # the launcher's SIGKILLs are asynchronous
-    out = subprocess.run(["pgrep", "-f", str(folder)], capture_output=True, text=True).stdout
-    pids = [int(x) for x in out.split() if int(x) != os.getpid()]
+    pids = gone_within(str(folder), 0.5)  # the launcher's SIGKILLs are asynchronous: a grace, polled
     for pid in pids:
         for sig in (signal.SIGCONT, signal.SIGKILL):
             try:
