@@ -68,6 +68,19 @@ def gone_within(needle: str, grace_s: float) -> list[int]:
     return pids
 
 
+def leftovers_killed(folder, grace_s: float = 0.3) -> list[int]:
+    """Processes (ranks, supervisors, the launcher) whose command line names a case's ``folder``
+    after a polled grace (the launcher's SIGKILLs are asynchronous): killed, and returned so
+    the test fails naming them."""
+    pids = gone_within(str(folder), grace_s)
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
 class LaunchAhead:
     """The CLI runs of a module's tests, started ahead of the tests, ``workers`` at a time.
 

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import MPIEXEC, MPIEXEC_ARGS, _env, finish_cli, run_cli
-from helpers import gone_within, job_builder
+from helpers import job_builder, leftovers_killed
 
 pytestmark = pytest.mark.mpi
 
@@ -47,17 +47,6 @@ def report(p) -> str:
     return f"exit {p.returncode} after {p.elapsed:.1f} s\n--- stdout\n{p.stdout[-2000:]}\n--- stderr\n{p.stderr}"
 
 
-def no_leftovers(d) -> list[int]:
-    """Ranks, supervisors or the launcher still running with the case's folder in their command line."""
-    pids = gone_within(str(d), 0.3)  # the launcher's SIGKILLs are asynchronous: a grace, polled
-    for pid in pids:
-        try:
-            import os
-
-            os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
-    return pids
 
 
 # -- 1. a rank whose command line is refused before MPI_Init (issue 17, finding 4) -----------------
@@ -75,7 +64,7 @@ def test_mpmd_rank_refusing_its_command_line_ends_the_job_at_once(tmp_path, tiny
     assert f"rank {named} ({HOST}) of 4: rlx-mpi: unrecognized arguments: --bogus-flag" in errors[0], report(p)
     assert "the launch gave the ranks different command lines" in errors[0], report(p)
     assert "Traceback" not in p.stderr and p.elapsed < 25, report(p)
-    assert not no_leftovers(tmp_path), report(p)
+    assert not leftovers_killed(tmp_path), report(p)
 
 
 def test_mpmd_rank_0_refusing_a_missing_job_is_named(tmp_path, tiny_ckpt):
@@ -85,7 +74,7 @@ def test_mpmd_rank_0_refusing_a_missing_job_is_named(tmp_path, tiny_ckpt):
     errors = errors_of(p)
     assert p.returncode == BAD_INPUT and len(errors) == 1, report(p)
     assert f"rank 0 ({HOST}) of 3: rlx-mpi run: the following arguments are required: job" in errors[0], report(p)
-    assert p.elapsed < 25 and not (tmp_path / "s.json").exists() and not no_leftovers(tmp_path), report(p)
+    assert p.elapsed < 25 and not (tmp_path / "s.json").exists() and not leftovers_killed(tmp_path), report(p)
 
 
 def test_every_rank_refusing_the_same_command_line_prints_it_once(tmp_path, tiny_ckpt):
@@ -95,7 +84,7 @@ def test_every_rank_refusing_the_same_command_line_prints_it_once(tmp_path, tiny
     errors = errors_of(p)
     assert p.returncode == BAD_INPUT and len(errors) == 1, report(p)
     assert errors[0] == "rlx-mpi: error: rlx-mpi: unrecognized arguments: --bogus-flag; see rlx-mpi --help", report(p)
-    assert p.stderr.count("usage: rlx-mpi") == 1 and p.elapsed < 25 and not no_leftovers(tmp_path), report(p)
+    assert p.stderr.count("usage: rlx-mpi") == 1 and p.elapsed < 25 and not leftovers_killed(tmp_path), report(p)
 
 
 # -- 2. every rank's start-up deadline expiring together (issue 17, finding 4) ---------------------
@@ -118,7 +107,7 @@ def test_every_rank_stalling_before_mpi_prints_one_line(tmp_path, tiny_ckpt, kin
     assert len(errors) == 1, report(p)
     assert f"rank 0 ({HOST}): {words}" in errors[0], report(p)
     assert "Traceback" not in p.stderr and p.elapsed < STARTUP_S + 10, report(p)
-    assert not no_leftovers(tmp_path), report(p)
+    assert not leftovers_killed(tmp_path), report(p)
 
 
 def test_the_first_report_claim_is_held_until_its_holder_lets_go():

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from conftest import MPIEXEC, TESTS, _env, finish_cli, run_cli
-from helpers import LaunchAhead, gone_within, job_builder
+from helpers import LaunchAhead, job_builder, leftovers_killed
 
 pytestmark = pytest.mark.mpi
 
@@ -359,7 +359,7 @@ def prepare_and_launch(case: Case, d: Path, ckpt: Path):
     p = launch(argv, case.ranks, env, timeout=case.limit_s + 30)
     after = checksums(d, ckpt)
     left = [f for f in d.rglob(".*tmp*")] + [f for f in d.rglob(".rlx-mpi-check*")]
-    return p, before, after, left, leftover_processes(d)
+    return p, before, after, left, leftovers_killed(d)
 
 
 @pytest.fixture(scope="module")
@@ -399,15 +399,6 @@ def test_reliability(case: Case, request, ahead, tmp_path, tiny_ckpt):
     assert not leftovers, f"processes left behind\n{report}"
 
 
-def leftover_processes(d: Path) -> list[int]:
-    """Processes (ranks, supervisors, the launcher) whose command line names the case's folder."""
-    pids = gone_within(str(d), 0.3)  # the launcher's SIGKILLs are asynchronous: a grace, polled
-    for pid in pids:
-        try:
-            os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
-    return pids
 
 
 # -- a full disk: a 8 KB tmpfs --------------------------------------------------------------------
