@@ -188,17 +188,19 @@ def _attend_kernel(rows: int, nkv: int):
 def _rope_row(x, c, sn, eps, norm, out):  # one head: out <- rope(rms_norm?(x)); norm empty: none
     hs = x.shape[0]
     half = hs // 2
-    if norm.shape[0]:  # Qwen3's per-head RMSNorm, as `_rms_norm` computes it
+    normed = norm.shape[0] > 0
+    scale = np.float32(1.0)
+    if normed:  # Qwen3's per-head RMSNorm, as `_rms_norm` computes it, applied as rope reads x
         acc = 0.0
         for d in range(hs):
             acc += np.float64(x[d]) * x[d]
         scale = np.float32(1.0 / np.sqrt(acc / hs + eps))
-        for d in range(hs):
-            out[d] = norm[d] * (x[d] * scale)
-        x = out.copy()
     for d in range(half):  # as `_rope`
-        out[d] = x[d] * c[d] + (-x[d + half]) * sn[d]
-        out[d + half] = x[d + half] * c[d + half] + x[d] * sn[d + half]
+        a, b = x[d], x[d + half]
+        if normed:
+            a, b = norm[d] * (a * scale), norm[d + half] * (b * scale)
+        out[d] = a * c[d] + (-b) * sn[d]
+        out[d + half] = b * c[d + half] + a * sn[d + half]
 
 
 @numba.njit(cache=True, error_model=ERR)
