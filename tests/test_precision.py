@@ -134,10 +134,13 @@ def test_int8_decode_keeps_a_non_finite_activation(bad):
     """The fused int8 kernel rounds x to int16 by block; a NaN or Inf must not be rounded away."""
     w, _ = kernels.quantize_int8(RNG.standard_normal((4, 200)).astype(np.float32))
     q, scale = kernels.quantize_int8(RNG.standard_normal((4, 200)).astype(np.float32))
-    x = RNG.standard_normal((2, 200)).astype(np.float32)
-    x[1, 150] = bad
+    x = RNG.standard_normal((6, 200)).astype(np.float32)  # rows 0-3 go through the kernel together, 4-5 alone
+    x[1, 195] = bad  # in the last, shorter block (192..199)
+    x[2, 150] = bad  # in a whole block
+    x[5, 10] = bad
     got = kernels.dequant_matmul(x, q, "int8", scale)
-    assert np.isfinite(got[0]).all() and not np.isfinite(got[1]).any()
+    bad_rows = np.array([False, True, True, False, False, True])
+    assert np.isfinite(got[~bad_rows]).all() and not np.isfinite(got[bad_rows]).any()
 
 
 @pytest.mark.parametrize("k", [31, 64, 150])

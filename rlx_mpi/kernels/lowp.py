@@ -11,6 +11,7 @@ import numpy as np
 
 from ._common import ERR, FAST, check_f32, pool_threads
 from .bits import as_f32, f16_value, pack_bf16, unpack_bf16, unpack_f16
+from .i8dot import INT8_BLOCK, ROWS as I8_ROWS, row_dot_i8, row_dots_i8
 
 __all__ = ["dequant_matmul", "dequantize", "f16_has_special", "to_bf16", "from_bf16", "quantize_int8",
            "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "MATVEC_ROWS"]
@@ -71,11 +72,12 @@ def _matvec_f16(x, w, out, chunks):  # w (N, K) uint16 f16 bits, none Inf/NaN (t
 # product is int8 x int16 -> int32, which LLVM turns into vpmaddwd (16 products and pairwise sums
 # per instruction) only when the arithmetic is written in int32 (numba widens int arithmetic to
 # int64 unless each step is cast back) and the block's trip count is at least 64 (at 32 the loop
-# is unrolled to scalar multiplies, 10x slower). Measured (medium shapes, 64 distinct matrices,
-# 200 MB, 1 thread, against the per-row kernel that converted each weight to float32):
-# 1.03-1.05x at one activation row, 1.09x at 8. Blocks are 64 wide, the last one of a row may
-# be shorter; products stay below 2**31 (64 * 127 * 32767).
-INT8_BLOCK = 64
+# is unrolled to scalar multiplies, 10x slower). That loop, measured against the per-row kernel
+# that converted each weight to float32 (medium shapes, 64 matrices, 200 MB, 1 thread): 1.03-1.05x
+# at one activation row, 1.09x at 8. It is now vector IR (i8dot.py: 256-bit, the scales applied
+# lane-wise, I8_ROWS activation rows per weight load; its note has the measurements). Blocks are
+# 64 wide, the last one of a row may be shorter (a numba loop); products stay below 2**31
+# (64 * 127 * 32767).
 
 
 def int8_blocks(k: int) -> int:
@@ -101,23 +103,12 @@ def _quantize_rows_i16(x, xq, xs):  # x (R, K) f32 -> xq (R, K) int16, xs (R, nb
                 xq[r, k] = np.int16(np.rint(x[r, k] * inv))
 
 
-@numba.njit(cache=True, fastmath=FAST)
-def _dot_i8_i16(w, x, ws, xs, blocks):  # one row's first `blocks` blocks: sum of (w . x in int32) * ws[b] * xs[b]
-    acc = np.float32(0.0)
-    for b in range(blocks):
-        isum = np.int32(0)
-        for k in range(b * INT8_BLOCK, (b + 1) * INT8_BLOCK):  # each step cast back to int32: vpmaddwd
-            isum = np.int32(isum + np.int32(w[k]) * np.int32(x[k]))
-        acc += np.float32(isum) * (ws[b] * xs[b])
-    return acc
-
-
 @numba.njit(cache=True)
-def _dot_i8_i16_tail(w, x, ws, xs, b):  # the shorter last block b of a row
+def _dot_i8_i16_tail(w, n, x, r, ws, xs, b):  # the shorter last block b of row n (by index: no views)
     isum = np.int32(0)
-    for k in range(b * INT8_BLOCK, w.shape[0]):
-        isum = np.int32(isum + np.int32(w[k]) * np.int32(x[k]))
-    return np.float32(isum) * (ws[b] * xs[b])
+    for k in range(b * INT8_BLOCK, w.shape[1]):
+        isum = np.int32(isum + np.int32(w[n, k]) * np.int32(x[r, k]))
+    return np.float32(isum) * (ws[n, b] * xs[r, b])
 
 
 @numba.njit(cache=True, parallel=True, fastmath=FAST)
@@ -125,15 +116,18 @@ def _matvec_int8(xq, xs, w, scale, out, chunks):  # xq (R, K) int16, xs (R, nb);
     r_len, k_len = xq.shape
     n_len = w.shape[0]
     full = k_len // INT8_BLOCK
+    grouped = r_len - r_len % I8_ROWS
     for c in numba.prange(chunks):
         for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
-            for r in range(r_len):  # (called kernels, kept small so LLVM inlines the first: written
-                # inline in the prange body the block loop was left scalar, 8x slower; with the
-                # tail inside it was not inlined, 1.12x slower)
-                acc = _dot_i8_i16(w[n], xq[r], scale[n], xs[r], full)
-                if full < scale.shape[1]:
-                    acc += _dot_i8_i16_tail(w[n], xq[r], scale[n], xs[r], full)
-                out[r, n] = acc
+            for r in range(0, grouped, I8_ROWS):  # I8_ROWS activation rows share each weight load
+                sums = row_dots_i8(w, n, xq, r, scale, xs, full)
+                for i in range(I8_ROWS):
+                    out[r + i, n] = sums[i]
+            for r in range(grouped, r_len):
+                out[r, n] = row_dot_i8(w, n, xq, r, scale, xs, full)[0]
+            if full < scale.shape[1]:  # a shorter last block
+                for r in range(r_len):
+                    out[r, n] += _dot_i8_i16_tail(w, n, xq, r, scale, xs, full)
 
 
 @numba.njit(cache=True)

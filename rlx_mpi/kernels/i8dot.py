@@ -1,0 +1,109 @@
+"""The int8 decode dot product written as LLVM vector IR (a numba intrinsic), for the int8 matvec.
+
+``row_dots_i8(w, n, x, r0, ws, xs, blocks)`` -> a tuple of ROWS float32: for each activation
+row r0 .. r0+ROWS-1, the sum over the first ``blocks`` blocks of weight row n of
+``(w[n, block] . x[r, block] in int32) * ws[n, b] * xs[r, b]``. w (N, K) int8, x (R, K) int16,
+ws (N, nb) and xs (R, nb) float32, all C-contiguous (typing refuses any other layout); the
+caller keeps n < N, r0 + ROWS <= R and blocks * INT8_BLOCK <= K (no bounds checks here).
+
+Note: why IR and not a numba loop. Written as numba loops (lowp.py's history), LLVM vectorised
+each 64-weight block to 128-bit ``vpmaddwd`` (it picks the width from the int32 multiply's cost)
+and summed every block's lanes to one scalar before applying the block's scale. Here the block
+is four 16-lane steps, ``sext`` to i32, multiply, and the sum of even and odd lanes: the pattern
+LLVM's x86 back end turns into one 256-bit ``vpmaddwd`` on AVX2 (and into whatever the target
+has elsewhere: nothing x86-specific is named). A block's 8 int32 lanes are converted to float32
+and scaled lane-wise into 8 float32 accumulators; the horizontal sum is taken once per row. The
+weights' sign-extension is shared by ROWS activation rows. Measured (2-core EPYC znver3,
+1 thread, medium shapes, against the numba-loop kernel it replaced, same run): the compute rate
+with the weights in L2 16 vs 13 GB/s at 1 row, 1.5x at 4 rows; from DRAM (115 MB) 1.0-1.1x at 1
+row (both are then at the core's read bandwidth), 1.5x at 4 rows.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+INT8_BLOCK = 64  # weights per scale (lowp.INT8_BLOCK re-exports this one)
+_LANES = 16  # int16 products per vector step: one 256-bit vpmaddwd
+_HALF = _LANES // 2  # int32 / float32 accumulator lanes
+_FAST = ("reassoc", "contract")
+_I32 = ir.IntType(32)
+
+
+def _idx(values) -> ir.Constant:
+    return ir.Constant(ir.VectorType(_I32, len(values)), list(values))
+
+
+def _hsum(builder, v, width: int):  # <width x float> -> float, pairwise
+    while width > 1:
+        width //= 2
+        lo = builder.shuffle_vector(v, v, _idx(range(width)))
+        hi = builder.shuffle_vector(v, v, _idx(range(width, 2 * width)))
+        v = builder.fadd(lo, hi, flags=_FAST)
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _make(rows: int):
+    @intrinsic
+    def row_dots(typingctx, w, n, x, r0, ws, xs, blocks):
+        arrays = (w, x, ws, xs)
+        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays):
+            return None
+        if (w.dtype, x.dtype, ws.dtype, xs.dtype) != (types.int8, types.int16, types.float32, types.float32):
+            return None
+        sig = types.UniTuple(types.float32, rows)(w, n, x, r0, ws, xs, blocks)
+
+        def codegen(context, builder, signature, args):
+            wt, nt, xt, rt, wst, xst, bt = signature.args
+            w_, n_, x_, r_, ws_, xs_, b_ = args
+            intp = lambda v: context.get_constant(types.intp, v)  # noqa: E731
+            n_ = context.cast(builder, n_, nt, types.intp)
+            r_ = context.cast(builder, r_, rt, types.intp)
+
+            def row(aty, a, i):  # pointer to a[i, 0]
+                arr = context.make_array(aty)(context, builder, a)
+                return cgutils.get_item_pointer(context, builder, aty, arr, [i, intp(0)], wraparound=False)
+
+            wp, wsp = row(wt, w_, n_), row(wst, ws_, n_)
+            xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
+            xsps = [row(xst, xs_, builder.add(r_, intp(i))) for i in range(rows)]
+            vi8, vi16 = ir.VectorType(ir.IntType(8), _LANES), ir.VectorType(ir.IntType(16), _LANES)
+            vi32, hi32 = ir.VectorType(_I32, _LANES), ir.VectorType(_I32, _HALF)
+            hf32 = ir.VectorType(ir.FloatType(), _HALF)
+            even, odd = _idx(range(0, _LANES, 2)), _idx(range(1, _LANES, 2))
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(hf32, [0.0] * _HALF)) for _ in range(rows)]
+            nb = context.cast(builder, b_, bt, types.intp)
+            with cgutils.for_range(builder, nb) as loop:
+                b = loop.index
+                base = builder.mul(b, intp(INT8_BLOCK))
+                isums = [ir.Constant(hi32, [0] * _HALF)] * rows
+                for j in range(INT8_BLOCK // _LANES):
+                    off = builder.add(base, intp(j * _LANES))
+                    wv = builder.load(builder.bitcast(builder.gep(wp, [off]), vi8.as_pointer()), align=1)
+                    w32 = builder.sext(wv, vi32)
+                    for i in range(rows):
+                        xv = builder.load(builder.bitcast(builder.gep(xps[i], [off]), vi16.as_pointer()), align=2)
+                        p = builder.mul(w32, builder.sext(xv, vi32))
+                        pair = builder.add(builder.shuffle_vector(p, p, even), builder.shuffle_vector(p, p, odd))
+                        isums[i] = builder.add(isums[i], pair)
+                wscale = builder.load(builder.gep(wsp, [b]))
+                for i in range(rows):
+                    s = builder.fmul(wscale, builder.load(builder.gep(xsps[i], [b])))
+                    sv = builder.insert_element(ir.Constant(hf32, ir.Undefined), s, ir.Constant(_I32, 0))
+                    sv = builder.shuffle_vector(sv, sv, _idx([0] * _HALF))
+                    f = builder.sitofp(isums[i], hf32)
+                    acc = builder.fadd(builder.load(accs[i]), builder.fmul(f, sv, flags=_FAST), flags=_FAST)
+                    builder.store(acc, accs[i])
+            sums = [_hsum(builder, builder.load(a), _HALF) for a in accs]
+            return context.make_tuple(builder, signature.return_type, sums)
+
+        return sig, codegen
+
+    return row_dots
+
+
+ROWS = 4  # activation rows per call of row_dots_i8: 4 float and 4 int accumulators fit 16 ymm registers
+row_dots_i8 = _make(ROWS)
+row_dot_i8 = _make(1)  # the rows left over after steps of ROWS
