@@ -378,7 +378,7 @@ def test_attend_propagates_nan():
     assert np.isnan(y[0, 66, 1]).all() and np.isfinite(np.delete(y[0], 66, axis=0)).all()
 
 
-@pytest.mark.parametrize("R, N, K", [(1, 1, 1), (1, 37, 65), (3, 129, 300), (8, 1376, 512)])
+@pytest.mark.parametrize("R, N, K", [(1, 1, 1), (1, 37, 65), (3, 129, 300), (8, 1376, 512), (5, 20, 100), (4, 7, 8)])  # 4-row groups, tails
 def test_matvec_f32_against_numpy(R, N, K):
     """Decode's f32 product (llama/weights.py takes it up to F32_MATVEC_ROWS rows)."""
     rng = np.random.default_rng(R * N + K)

@@ -7,21 +7,33 @@ import numba
 import numpy as np
 
 from ._common import FAST, check_f32, pool_threads
+from .rowdot import ROWS, STEP, row_dots
 
 __all__ = ["matvec_f32", "F32_MATVEC_ROWS"]
+
+
+@numba.njit(cache=True, fastmath=FAST)
+def _dot_from(w, n, x, r, k0):  # w[n, k0:] . x[r, k0:]: a row alone, or the columns past the vector steps
+    acc = np.float32(0.0)
+    for k in range(k0, w.shape[1]):
+        acc += x[r, k] * np.float32(w[n, k])
+    return acc
 
 
 @numba.njit(cache=True, parallel=True, fastmath=FAST)
 def _matvec_f32(x, w, out, chunks):  # x (R, K) f32, w (N, K) f32, out (R, N) f32: decode's f32 product
     r_len, k_len = x.shape
     n_len = w.shape[0]
+    k_vec = k_len - k_len % STEP
+    grouped = r_len - r_len % ROWS
     for c in numba.prange(chunks):
         for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
-            for r in range(r_len):
-                acc = np.float32(0.0)
-                for k in range(k_len):
-                    acc += x[r, k] * w[n, k]
-                out[r, n] = acc
+            for r in range(0, grouped, ROWS):  # ROWS activation rows share each weight load
+                sums = row_dots(w, n, x, r, k_vec)
+                for i in range(ROWS):
+                    out[r + i, n] = sums[i] + _dot_from(w, n, x, r + i, k_vec)
+            for r in range(grouped, r_len):
+                out[r, n] = _dot_from(w, n, x, r, 0)  # one row: LLVM's own loop (4 accumulators) was faster
 
 
 def matvec_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:

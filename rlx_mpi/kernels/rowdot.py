@@ -1,4 +1,13 @@
-"""The int8 decode dot product written as LLVM vector IR (a numba intrinsic), for the int8 matvec.
+"""Decode's dot products written as LLVM vector IR (numba intrinsics): one weight row against a
+few activation rows, for the matvecs of matvec.py (float32) and lowp.py (bf16, int8).
+
+``row_dots(w, n, x, r0, k)`` -> a tuple of ROWS float32: ``w[n, :k] . x[r, :k]`` for r in
+r0 .. r0+ROWS-1, w (N, K) float32 or bfloat16 bits (uint16), x (R, K) float32, k a multiple of
+STEP (the caller adds the columns past it). Each weight
+vector is loaded (and for bf16 widened) once and multiplied into ROWS x 2 float32 accumulators
+of 8 lanes (fused multiply-adds; two per row hide their latency). Written as numba loops, the
+product over each activation row re-read the weight row and kept one accumulator chain per row,
+which made a few-row matvec load-bound: see the measurements under the float32 note below.
 
 ``row_dots_i8(w, n, x, r0, ws, xs, blocks)`` -> a tuple of ROWS float32: for each activation
 row r0 .. r0+ROWS-1, the sum over the first ``blocks`` blocks of weight row n of
@@ -107,3 +116,58 @@ def _make(rows: int):
 ROWS = 4  # activation rows per call of row_dots_i8: 4 float and 4 int accumulators fit 16 ymm registers
 row_dots_i8 = _make(ROWS)
 row_dot_i8 = _make(1)  # the rows left over after steps of ROWS
+
+
+STEP = 16  # float32 columns per step of row_dots: two 8-lane vectors
+
+
+def _make_float(rows: int):
+    @intrinsic
+    def row_dots(typingctx, w, n, x, r0, k):
+        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, x)):
+            return None
+        if w.dtype not in (types.float32, types.uint16) or x.dtype != types.float32:
+            return None
+        sig = types.UniTuple(types.float32, rows)(w, n, x, r0, k)
+        bf16 = w.dtype == types.uint16
+
+        def codegen(context, builder, signature, args):
+            wt, nt, xt, rt, kt = signature.args
+            w_, n_, x_, r_, k_ = args
+            intp = lambda v: context.get_constant(types.intp, v)  # noqa: E731
+            n_ = context.cast(builder, n_, nt, types.intp)
+            r_ = context.cast(builder, r_, rt, types.intp)
+
+            def row(aty, a, i):  # pointer to a[i, 0]
+                arr = context.make_array(aty)(context, builder, a)
+                return cgutils.get_item_pointer(context, builder, aty, arr, [i, intp(0)], wraparound=False)
+
+            wp = row(wt, w_, n_)
+            xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
+            f8 = ir.VectorType(ir.FloatType(), _HALF)
+            w8 = ir.VectorType(ir.IntType(16), _HALF) if bf16 else f8
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(f8, [0.0] * _HALF)) for _ in range(2)]
+                    for _ in range(rows)]
+            steps = builder.sdiv(context.cast(builder, k_, kt, types.intp), intp(STEP))
+            with cgutils.for_range(builder, steps) as loop:
+                base = builder.mul(loop.index, intp(STEP))
+                for u in range(2):
+                    off = builder.add(base, intp(u * _HALF))
+                    wv = builder.load(builder.bitcast(builder.gep(wp, [off]), w8.as_pointer()), align=2 if bf16 else 4)
+                    if bf16:  # the float32 with these top 16 bits: exact
+                        wide = builder.zext(wv, ir.VectorType(_I32, _HALF))
+                        wide = builder.shl(wide, ir.Constant(ir.VectorType(_I32, _HALF), [16] * _HALF))
+                        wv = builder.bitcast(wide, f8)
+                    for i in range(rows):
+                        xv = builder.load(builder.bitcast(builder.gep(xps[i], [off]), f8.as_pointer()), align=4)
+                        acc = builder.fadd(builder.load(accs[i][u]), builder.fmul(wv, xv, flags=_FAST), flags=_FAST)
+                        builder.store(acc, accs[i][u])
+            sums = [_hsum(builder, builder.fadd(builder.load(a), builder.load(b), flags=_FAST), _HALF) for a, b in accs]
+            return context.make_tuple(builder, signature.return_type, sums)
+
+        return sig, codegen
+
+    return row_dots
+
+
+row_dots = _make_float(ROWS)  # (one row alone is left to numba's loop: LLVM unrolls it 4 wide, measured faster)
