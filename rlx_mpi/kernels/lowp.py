@@ -13,7 +13,7 @@ from ._common import ERR, FAST, check_f32, pool_threads
 from .bits import as_f32, f16_value, pack_bf16, unpack_bf16, unpack_f16
 from .rowdot import INT8_BLOCK, ROWS as I8_ROWS, STEP, row_dot_i8, row_dots, row_dots_i8
 
-__all__ = ["dequant_matmul", "dequantize", "f16_has_special", "to_bf16", "from_bf16", "quantize_int8",
+__all__ = ["dequant_matmul", "fused_matvec", "check_weight", "dequantize", "f16_has_special", "to_bf16", "from_bf16", "quantize_int8",
            "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "MATVEC_ROWS"]
 
 # Note: storage. bf16 is kept as its uint16 bit pattern (the top half of a float32: decoding
@@ -123,9 +123,12 @@ def _dot_i8_i16_tail(w, n, x, r, ws, xs, b):  # the shorter last block b of row 
 
 
 @numba.njit(cache=True, parallel=True, fastmath=FAST)
-def _matvec_int8(xq, xs, w, scale, out, chunks):  # xq (R, K) int16, xs (R, nb); w (N, K) int8, scale (N, nb)
-    r_len, k_len = xq.shape
+def _matvec_int8(x, w, scale, out, chunks):  # x (R, K) f32; w (N, K) int8, scale (N, nb); out (R, N) f32
+    r_len, k_len = x.shape
     n_len = w.shape[0]
+    xq = np.empty((r_len, k_len), np.int16)  # x rounded to int16 per block, on the calling thread
+    xs = np.empty((r_len, scale.shape[1]), np.float32)
+    _quantize_rows_i16(x, xq, xs)
     full = k_len // INT8_BLOCK
     grouped = r_len - r_len % I8_ROWS
     for c in numba.prange(chunks):
@@ -182,7 +185,8 @@ WEIGHT_FORMATS = ("bf16", "f16", "int8")
 _TILE_BYTES = 1 << 20  # f32 bytes of one dequantised tile: fits L2 beside BLAS's own panels
 
 
-def _check_weight(fmt: str, w: np.ndarray, scale: np.ndarray | None) -> None:
+def check_weight(fmt: str, w: np.ndarray, scale: np.ndarray | None) -> None:
+    """TypeError / ValueError saying what to pass unless ``w`` (and int8's ``scale``) is a weight of ``fmt``."""
     want = {"bf16": np.uint16, "f16": np.uint16, "int8": np.int8}.get(fmt)
     if want is None:
         raise ValueError(f"weight format {fmt!r} is not one of {WEIGHT_FORMATS}")
@@ -199,6 +203,21 @@ def _check_weight(fmt: str, w: np.ndarray, scale: np.ndarray | None) -> None:
         check_f32("int8 scale", scale)
 
 
+def fused_matvec(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | None, out: np.ndarray) -> np.ndarray:
+    """`dequant_matmul`'s decode kernel into ``out`` (R, N) without its checks, for a caller that
+    checked ``w`` once (`check_weight`; a `Linear` does at construction) and passes a float32
+    C-contiguous x (R <= MATVEC_ROWS, R, K) and out. Per call the checks cost more than a small
+    matrix's product (65 calls per token on the medium preset)."""
+    chunks = min(w.shape[0], 4 * pool_threads())  # a few per thread: balanced
+    if fmt == "int8":
+        _matvec_int8(x, w, scale, out, chunks)
+    elif fmt == "bf16":
+        _matvec_bf16(x, w, out, chunks)
+    else:
+        _matvec_f16(x, w, out, chunks)
+    return out
+
+
 def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | None = None,
                    out: np.ndarray | None = None, fused: bool = True) -> np.ndarray:
     """``x @ W.T`` for a low-precision weight ``W`` (N, K) stored as ``fmt``: x (R, K) -> (R, N) f32.
@@ -211,24 +230,14 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
     assumes no Inf/NaN weights (`f16_has_special` tells; a Linear checks once at load).
     """
     check_f32("dequant_matmul x", x)
-    _check_weight(fmt, w, scale)
+    check_weight(fmt, w, scale)
     if x.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"dequant_matmul: x {x.shape} does not fit W {w.shape}; expected (R, {w.shape[1]})")
     R, N = x.shape[0], w.shape[0]
     if out is None:
         out = np.empty((R, N), np.float32)
     if R <= MATVEC_ROWS and fused:
-        chunks = min(N, 4 * pool_threads())  # a few per thread: balanced, one scratch row each
-        if fmt == "bf16":
-            _matvec_bf16(x, w, out, chunks)
-        elif fmt == "f16":
-            _matvec_f16(x, w, out, chunks)
-        else:
-            xq = np.empty(x.shape, np.int16)
-            xs = np.empty((R, scale.shape[1]), np.float32)
-            _quantize_rows_i16(x, xq, xs)
-            _matvec_int8(xq, xs, w, scale, out, chunks)
-        return out
+        return fused_matvec(x, w, fmt, scale, out)
     K = w.shape[1]
     tile = max(16, min(N, _TILE_BYTES // (4 * K)))
     buf = np.empty((tile, K), np.float32)
@@ -268,7 +277,7 @@ def f16_has_special(w: np.ndarray) -> bool:
 
 def dequantize(w: np.ndarray, fmt: str, scale: np.ndarray | None = None, rows: np.ndarray | None = None) -> np.ndarray:
     """float32 copy of ``W`` (or of its ``rows``): for embedding lookups and tests."""
-    _check_weight(fmt, w, scale)
+    check_weight(fmt, w, scale)
     if rows is not None:
         rows = np.asarray(rows).reshape(-1)
         w = np.ascontiguousarray(w[rows])

@@ -41,6 +41,8 @@ class Linear:
         if data.ndim != 2:
             raise ValueError(f"Linear: weight must be 2-D (out, in), got shape {data.shape}")
         self.precision, self.data, self.scale = precision, np.ascontiguousarray(data), scale
+        if precision != "f32":  # checked once here: decode calls the kernel unchecked (kernels.fused_matvec)
+            kernels.check_weight(precision, self.data, scale)
         # the fused f16 kernel skips the Inf/NaN fix-up per weight: a corrupt matrix takes the exact path
         self._fused = not (precision == "f16" and kernels.f16_has_special(self.data))
 
@@ -54,9 +56,14 @@ class Linear:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         lead, c = x.shape[:-1], x.shape[-1]
+        if c != self.data.shape[1]:  # (the decode kernel below reads x unchecked)
+            raise ValueError(f"Linear: input has {c} features, the weight {self.data.shape} takes {self.data.shape[1]}")
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, c)  # (B*T, in): one GEMM, not B
         rows = x2.shape[0]
-        if self.precision != "f32":
+        if self.precision != "f32" and rows <= kernels.MATVEC_ROWS and self._fused:  # decode
+            y = kernels.fused_matvec(x2, self.data, self.precision, self.scale,
+                                     np.empty((rows, self.data.shape[0]), np.float32))
+        elif self.precision != "f32":
             y = kernels.dequant_matmul(x2, self.data, self.precision, self.scale, fused=self._fused)
         elif rows <= kernels.F32_MATVEC_ROWS:  # decode: the numba GEMV
             y = kernels.matvec_f32(x2, self.data)
