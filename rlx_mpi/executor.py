@@ -81,6 +81,12 @@ class Executor:
         self.spans: list[SpanTuple] = []
         self.origin = time.perf_counter()
         self._pool: dict[tuple[str, int], np.ndarray] = {}
+        self._open_sends: dict = {}  # slot -> (microbatch, Pending): sends a keep_sends run left posted
+
+    @property
+    def open_sends(self) -> dict[int, int]:
+        """Send slot -> microbatch of the sends still posted (see ``keep_sends``)."""
+        return {slot: m for slot, (m, _) in self._open_sends.items()}
 
     # -- buffers ------------------------------------------------------------------------------
 
@@ -105,9 +111,11 @@ class Executor:
 
     def run(self, actions: list[Action], compute: Callable[[int, np.ndarray | None], np.ndarray | None],
             recv_spec: Callable[[Action], tuple[tuple[int, ...], Any]], *,
-            codec_for: Callable[[int], Any] | None = None, tag_base: int = 0) -> ExecStats:
-        """Run ``actions`` in order; see the module docstring for the callbacks."""
-        run = _Run(compute, recv_spec, codec_for, tag_base)
+            codec_for: Callable[[int], Any] | None = None, tag_base: int = 0, keep_sends: bool = False) -> ExecStats:
+        """Run ``actions`` in order; see the module docstring for the callbacks. ``keep_sends``:
+        sends may stay posted when the list ends, for a later run to wait on (the decode ring's
+        steps: `schedule.decode_step_actions`); their outputs stay alive until then."""
+        run = _Run(compute, recv_spec, codec_for, tag_base, sends=self._open_sends if keep_sends else {})
         steps = {POST_RECV: self._post_recv, WAIT_RECV: self._wait_recv, COMPUTE: self._compute,
                  POST_SEND: self._post_send, WAIT_SEND: self._wait_send}
         start = time.perf_counter()
@@ -116,7 +124,7 @@ class Executor:
             steps[a.kind](a, run)
         self.ctx.microbatch = None
         self.stats.wall_s += time.perf_counter() - start
-        if run.recvs or run.sends:
+        if run.recvs or (run.sends and not keep_sends):
             raise RankFault(self.ctx.describe(), f"the schedule ended with receives {sorted(run.recvs)} and sends "
                             f"{sorted(run.sends)} still posted", "this is a bug in the schedule, please report it")
         return self.stats

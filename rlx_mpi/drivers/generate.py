@@ -26,8 +26,9 @@ pipeline; every rank leaves its loop after the same step. The hidden states move
 (`schedule.decode_step_actions`; `schedule.decode_ring` writes the whole order out for
 `schedule.simulate`); the headers, and the tokens whose receive stage 0 posts as soon as it
 has sent a step, go over the same `transport.Link`. Every wait has the run's deadline and
-names the rank waited for. Each step's send is waited before the stage takes the next step,
-so hidden states past MPI's eager limit hand over synchronously (see the ring test).
+names the rank waited for. A step's send is waited only before its group sends again (or at
+the end), so a stage goes on to another group while a hidden state past MPI's eager limit
+waits for its receiver (the decode-ring note in schedule.py).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from ..executor import Executor, wire_codec
 from ..faults import check_finite
 from ..sampling import (SamplingParams, logprob_entries, logprobs, pack_sampled, prompt_key, sample,
                         unpack_sampled)
-from ..schedule import Action, decode_step_actions
+from ..schedule import Action, decode_drain_actions, decode_step_actions
 from ..scheduler import PREFILL, STOP, Scheduler, Seq, Step, make_header, read_header
 from ..stats import GenerateResult, StageTiming, peak_rss_bytes
 
@@ -143,6 +144,16 @@ class DecodeRing:
         _, _, n, T, _ = read_header(header)
         return lambda a: ((n, T, self.hidden), np.float32)
 
+    def _step_actions(self, g: int) -> list[Action]:
+        """Group g's step on this stage; its previous send, if still in flight, is waited before it
+        sends again (the schedule note on the decode ring)."""
+        return decode_step_actions(self.topo.stage, self.n_stages, g, self.ex.open_sends.get(g))
+
+    def _drain(self) -> None:
+        """Wait on the hidden-state (or token) sends still in flight, before the STOP header."""
+        self.ex.run(decode_drain_actions(self.topo.stage, self.n_stages, self.ex.open_sends), lambda m, x: None,
+                    lambda a: None, tag_base=_TAG_HIDDEN, keep_sends=True)
+
     # -- stage 0 --------------------------------------------------------------------------------
 
     def drive(self, sched: Scheduler, on_done: Callable[[list[Seq]], None], stop_now: Callable[[], bool]) -> bool:
@@ -165,7 +176,7 @@ class DecodeRing:
                 self.link.send(step.header, self.topo.next, _TAG_HEADER, f"the step header of group {g}")
                 return out
 
-            self.ex.run(decode_step_actions(0, self.n_stages, g), compute, lambda a: None, tag_base=_TAG_HIDDEN)
+            self.ex.run(self._step_actions(g), compute, lambda a: None, tag_base=_TAG_HIDDEN, keep_sends=True)
             if self.n_stages > 1:  # post the receive of its tokens now: the last stage's send
                 # then never depends on MPI buffering it (no cycle in the ring under rendezvous)
                 shape = (len(step.rows), 2 + 2 * self.k) if self.k else (len(step.rows),)
@@ -191,6 +202,7 @@ class DecodeRing:
             issue(step.group)
         self.ctx.microbatch = None
         if self.n_stages > 1:
+            self._drain()
             stop = make_header(STOP, 0, 0, [], [], [], [], self.header_size)
             self.link.send(stop, self.topo.next, _TAG_HEADER, "the stop header")
         return stopped
@@ -206,6 +218,7 @@ class DecodeRing:
             self.link.recv(header, self.topo.prev, _TAG_HEADER, "the next step header")
             kind, g, n, T, _ = read_header(header)
             if kind == STOP:
+                self._drain()
                 if not last:
                     self.link.send(header, self.topo.next, _TAG_HEADER, "the stop header")
                 return
@@ -220,8 +233,7 @@ class DecodeRing:
 
             # the last stage's send is the int64 tokens back to stage 0: the executor sends
             # non-float32 payloads raw (no codec)
-            self.ex.run(decode_step_actions(self.topo.stage, self.n_stages, g), compute, self._recv_spec(hdr),
-                        tag_base=_TAG_HIDDEN)
+            self.ex.run(self._step_actions(g), compute, self._recv_spec(hdr), tag_base=_TAG_HIDDEN, keep_sends=True)
 
 
 # -- the command ---------------------------------------------------------------------------------
