@@ -143,6 +143,38 @@ def copy_bandwidth(threads: int) -> float:
     return 2 * src.nbytes / best
 
 
+def read_bandwidth(threads: int) -> float:
+    """Bytes/s read by a sum over 256 MB of float32 on ``threads`` numba threads (best of 7): the
+    access pattern of a decode step, which only reads its weights."""
+    import numba
+
+    @numba.njit(fastmath=True)
+    def part(src, lo, hi):  # a called kernel: written inside the prange body the sum was not vectorised
+        acc = np.float32(0.0)
+        for i in range(lo, hi):
+            acc += src[i]
+        return acc
+
+    @numba.njit(parallel=True)
+    def total(src, chunks):
+        parts = np.zeros(chunks, np.float32)
+        n = src.shape[0]
+        for c in numba.prange(chunks):
+            parts[c] = part(src, c * n // chunks, (c + 1) * n // chunks)
+        return parts.sum()
+
+    src = np.ones(64 << 20, np.float32)
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    chunks = 4 * threads
+    total(src, chunks)
+    best = float("inf")
+    for _ in range(7):
+        t0 = time.perf_counter()
+        total(src, chunks)
+        best = min(best, time.perf_counter() - t0)
+    return src.nbytes / best
+
+
 # -- one side each --------------------------------------------------------------------------
 
 def _job(folder: Path, ckpt: Path, precision: str) -> Path:

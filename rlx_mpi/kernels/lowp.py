@@ -42,13 +42,16 @@ def _matvec_bf16(x, w, out, chunks):  # x (R, K) f32, w (N, K) uint16 bf16 bits,
                 for i in range(I8_ROWS):
                     out[r + i, n] = sums[i] + _bf16_dot_from(w, n, x, r + i, k_vec)
             for r in range(grouped, r_len):
-                out[r, n] = _bf16_dot_from(w, n, x, r, 0)  # one row: LLVM's own loop was faster
+                acc = np.float32(0.0)  # one row: LLVM's own loop, measured faster
+                for k in range(k_len):
+                    acc += x[r, k] * as_f32(np.uint32(w[n, k]) << np.uint32(16))
+                out[r, n] = acc
 
 
 @numba.njit(cache=True, fastmath=FAST)
-def _bf16_dot_from(w, n, x, r, k0):  # w[n, k0:] . x[r, k0:], w bf16 bits: a row alone, or the columns past the vector steps
+def _bf16_dot_from(w, n, x, r, k0):  # w[n, k0:] . x[r, k0:], w bf16 bits: the columns past the vector steps
     acc = np.float32(0.0)
-    for k in range(k0, w.shape[1]):
+    for k in range(np.uint64(k0), np.uint64(w.shape[1])):  # unsigned: vectorised (matvec._dot_from)
         acc += x[r, k] * as_f32(np.uint32(w[n, k]) << np.uint32(16))
     return acc
 
@@ -117,7 +120,7 @@ def _quantize_rows_i16(x, xq, xs):  # x (R, K) f32 -> xq (R, K) int16, xs (R, nb
 @numba.njit(cache=True)
 def _dot_i8_i16_tail(w, n, x, r, ws, xs, b):  # the shorter last block b of row n (by index: no views)
     isum = np.int32(0)
-    for k in range(b * INT8_BLOCK, w.shape[1]):
+    for k in range(np.uint64(b * INT8_BLOCK), np.uint64(w.shape[1])):
         isum = np.int32(isum + np.int32(w[n, k]) * np.int32(x[r, k]))
     return np.float32(isum) * (ws[n, b] * xs[r, b])
 
