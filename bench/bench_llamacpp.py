@@ -29,7 +29,9 @@ cpus and pins T BLAS/numba threads; llama.cpp gets ``-t T``), trials interleaved
 - decode as a fraction of the memory-bandwidth bound: weight bytes a decode step reads (every
   layer, final norm and head in the side's own format: q8_0 is 34 bytes per 32 weights, our
   int8 1 byte per weight plus a 4-byte scale per 64) over the copy bandwidth measured here with T
-  threads (a numba parallel copy of 256 MB, read + write bytes, as STREAM counts them).
+  threads (a numba parallel copy of 256 MB, read + write bytes, as STREAM counts them), and over
+  the read bandwidth (a numba parallel sum of 256 MB: a decode step only reads; on the 2-core
+  VM the copy probe gave less at 2 threads than at 1, the read probe 1.4-1.6x more).
 - accuracy against the f32 model on the same 8 x 256 random tokens (ids 3..V-1; the GGUF's
   stand-in vocabulary maps token i to one character, checked with llama-tokenize): ours from
   ``rlx-mpi run --out`` logits at f32 and int8 (and bf16), theirs from ``llama-perplexity -c 256
@@ -149,9 +151,9 @@ def read_bandwidth(threads: int) -> float:
     import numba
 
     @numba.njit(fastmath=True)
-    def part(src, lo, hi):  # a called kernel: written inside the prange body the sum was not vectorised
+    def part(src, lo, hi):  # unsigned indices: numba's negative-index wrap kept a signed loop scalar
         acc = np.float32(0.0)
-        for i in range(lo, hi):
+        for i in range(np.uint64(lo), np.uint64(hi)):
             acc += src[i]
         return acc
 
@@ -324,6 +326,7 @@ def main() -> None:
                         theirs.setdefault(key, []).append(llama_bench(bin_dir, m["gguf"]["f32"], t, 1, p=n, n=0))
             print(f"  trial {trial + 1}/{args.trials} done (load {loadavg()})", file=sys.stderr, flush=True)
         bw = {t: copy_bandwidth(t) for t in args.threads_list}
+        rbw = {t: read_bandwidth(t) for t in args.threads_list}
         rows, table = {}, []
         for key in mine:
             a, b = statistics.median(mine[key]), statistics.median(theirs[key])
@@ -333,13 +336,20 @@ def main() -> None:
                 prec, t = key.split(", ")[1].split(" vs ")[0], int(key.split(", ")[2].split()[0])
                 row["ours_of_bound"] = a * weight_bytes(cfg, prec) / bw[t]
                 row["llamacpp_of_bound"] = b * weight_bytes(cfg, PREC[prec]) / bw[t]
+                row["ours_of_read_bound"] = a * weight_bytes(cfg, prec) / rbw[t]
+                row["llamacpp_of_read_bound"] = b * weight_bytes(cfg, PREC[prec]) / rbw[t]
             rows[key] = row
+            bound = "ours_of_bound" in row
             table.append([key, f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}",
-                          f"{row['ours_of_bound']:.2f} / {row['llamacpp_of_bound']:.2f}" if "ours_of_bound" in row else ""])
-        print(fmt_table(["case (tokens/s, medians)", "ours", "llama.cpp", "ratio", "of bw bound (ours / theirs)"], table))
-        print("copy bandwidth: " + ", ".join(f"{t} thread(s) {v / 1e9:.1f} GB/s" for t, v in bw.items()))
+                          f"{row['ours_of_bound']:.2f} / {row['llamacpp_of_bound']:.2f}" if bound else "",
+                          f"{row['ours_of_read_bound']:.2f} / {row['llamacpp_of_read_bound']:.2f}" if bound else ""])
+        print(fmt_table(["case (tokens/s, medians)", "ours", "llama.cpp", "ratio", "of copy bw (ours / theirs)",
+                         "of read bw"], table))
+        print("copy bandwidth (read + write): " + ", ".join(f"{t} thread(s) {v / 1e9:.1f} GB/s" for t, v in bw.items()))
+        print("read bandwidth: " + ", ".join(f"{t} thread(s) {v / 1e9:.1f} GB/s" for t, v in rbw.items()))
         doc = {"machine": info, "loadavg_end": loadavg(), "trials": args.trials, "model": cfg,
                "copy_bandwidth_GBs": {t: v / 1e9 for t, v in bw.items()},
+               "read_bandwidth_GBs": {t: v / 1e9 for t, v in rbw.items()},
                "decode_weight_bytes": {f: weight_bytes(cfg, f) for f in ("f32", "bf16", "int8", "q8_0")}, "cases": rows}
         save_json(args.json, doc)
         if "accuracy" not in skip:
