@@ -328,7 +328,7 @@ def test_attend_cache_against_naive(nh, nkv, hs, window, softcap):
     q[2, 1, 0, 0] = np.nan  # a NaN query comes out NaN in its own head only
     y = kernels.attend_cache(q, ck, cv, slots, q_pos, window)
     assert np.isnan(y[2, 0, 1]).all() and np.isfinite(np.delete(y.reshape(4 * nh, hs), 2 * nh + 1, axis=0)).all()
-    with pytest.raises(ValueError, match="slots must lie in"):
+    with pytest.raises(ValueError, match=r"slots \[0, 1, 2, 5\] must lie in 0\.\."):
         kernels.attend_cache(q, ck, cv, np.array([0, 1, 2, 5]), q_pos)
     with pytest.raises(ValueError, match="do not fit"):
         kernels.attend_cache(q[:, :, :0], ck, cv, slots, q_pos)
@@ -366,6 +366,24 @@ def test_decode_attention_against_numpy(qk_norm, softcap, L):
     np.testing.assert_allclose(got, want.reshape(B, qd), atol=2e-6)
     with pytest.raises(ValueError, match="do not fit"):
         kernels.decode_attention(np.ascontiguousarray(qkv[:, 1:]), qd, cos, sin, ck, cv, slots, pos)
+    with pytest.raises(ValueError, match=r"decode_attention: slots \[2, 0, 4\] must lie in 0\.\.3"):
+        kernels.decode_attention(qkv, qd, cos, sin, ck, cv, np.array([2, 0, 4]), pos)
+
+
+def test_a_decode_step_checks_its_rows_once_for_every_layer():
+    """The slots and positions of a decode step are checked when the step is made (the layers'
+    attention then skips the reductions): a bad slot or position is refused there, named."""
+    from rlx_mpi.families.decoder.model import KvStep
+    from rlx_mpi.kv_cache import KvSpec, LayerCache
+
+    caches = [LayerCache(3, 2, 8, 4) for _ in range(2)]
+    specs = [KvSpec("full")] * 2
+    step = KvStep(specs, [0, 2], False, positions=[5, 0], caches=caches)
+    assert step.slots.dtype == np.int64 and step.positions.tolist() == [5, 0]
+    with pytest.raises(ValueError, match=r"decode step: slots \[0, 3\] must lie in 0\.\.2"):
+        KvStep(specs, [0, 3], False, positions=[5, 0], caches=caches)
+    with pytest.raises(ValueError, match=r"positions \[-1, 0\] be >= 0"):
+        KvStep(specs, [0, 1], False, positions=[-1, 0], caches=caches)
 
 
 def test_attend_propagates_nan():

@@ -20,13 +20,14 @@ import numpy as np
 
 from ._common import set_threads
 
-from .attention import _row_max, attend, attend_cache, attend_workspace_bytes, causal_softmax_, decode_attention
+from .attention import (_row_max, attend, attend_cache, attend_workspace_bytes, causal_softmax_, check_cache_rows,
+                        decode_attention)
 from .elementwise import _exp, rms_norm, rope, silu_mul_, swiglu
 from .lowp import (INT8_BLOCK, MATVEC_ROWS, WEIGHT_FORMATS, _matvec_bf16, check_weight, dequant_matmul, dequantize,
                    f16_has_special, fused_matvec, from_bf16, int8_blocks, quantize_int8, to_bf16)
 from .matvec import F32_MATVEC_ROWS, matvec_f32
 
-__all__ = ["rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_cache", "decode_attention", "attend_workspace_bytes", "causal_softmax_",
+__all__ = ["rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_cache", "decode_attention", "check_cache_rows", "attend_workspace_bytes", "causal_softmax_",
            "matvec_f32", "F32_MATVEC_ROWS", "dequant_matmul", "fused_matvec", "check_weight", "dequantize", "f16_has_special", "to_bf16",
            "from_bf16", "quantize_int8", "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "MATVEC_ROWS", "set_threads", "warm_up",
            "warm_up_lowp"]

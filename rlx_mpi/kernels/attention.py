@@ -15,7 +15,7 @@ from .matvec import F32_MATVEC_ROWS
 from .bits import as_f32
 from .elementwise import _exp
 
-__all__ = ["attend", "attend_cache", "decode_attention", "attend_workspace_bytes", "causal_softmax_"]
+__all__ = ["attend", "attend_cache", "decode_attention", "check_cache_rows", "attend_workspace_bytes", "causal_softmax_"]
 
 
 # Note: blocked attention. `attend` never holds a (B, nh, T, S) score matrix: queries go in
@@ -221,10 +221,21 @@ def _decode_qkv(qkv, q_dim, cos, sin, q_norm, k_norm, eps, ck, cv, slots, positi
             cv[slot, kh, col, :] = qkv[b, v0:v0 + hs]
 
 
+def check_cache_rows(slots, positions, rows: int, n_slots: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """slots and positions as 1-D int64 arrays of ``rows`` entries, each slot in 0..n_slots-1 and
+    each position >= 0; ValueError naming ``where`` otherwise."""
+    slots, positions = np.asarray(slots, np.int64).reshape(-1), np.asarray(positions, np.int64).reshape(-1)
+    if slots.shape != (rows,) or positions.shape != (rows,) or (rows and (
+            slots.min() < 0 or slots.max() >= n_slots or positions.min() < 0)):
+        raise ValueError(f"{where}: slots {slots.tolist()} must lie in 0..{n_slots - 1} and "
+                         f"positions {positions.tolist()} be >= 0, one each per row ({rows})")
+    return slots, positions
+
+
 def decode_attention(qkv: np.ndarray, q_dim: int, cos: np.ndarray, sin: np.ndarray, cache_k: np.ndarray,
                      cache_v: np.ndarray, slots: np.ndarray, positions: np.ndarray, *,
                      q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None, eps: float = 1e-6,
-                     scale: float | None = None, softcap: float = 0.0) -> np.ndarray:
+                     scale: float | None = None, softcap: float = 0.0, rows_checked: bool = False) -> np.ndarray:
     """A decode step's attention from the fused q|k|v projection, in two numba passes.
 
     qkv (B, q_dim + 2 * kv_dim): one new token per row (bias already added); cos, sin (B, hs) at
@@ -233,7 +244,9 @@ def decode_attention(qkv: np.ndarray, q_dim: int, cos: np.ndarray, sin: np.ndarr
     column ``positions[b] % L`` of cache row ``slots[b]`` (a ring when L is a window: see
     `kv_cache.decode_store`), then attends as `attend_cache` over columns 0..min(p, L - 1).
     Returns y (B, nh * hs), o_proj's input. The same values as rope + `decode_store` +
-    `attend_cache` in numpy, without their ~25 array operations per layer.
+    `attend_cache` in numpy, without their ~25 array operations per layer. ``rows_checked``:
+    slots and positions are what `check_cache_rows` returned (a step checks them once, not per
+    layer: the reductions cost more than a small layer's attention).
     """
     check_f32("decode_attention qkv", qkv)
     check_f32("decode_attention cache_k", cache_k)
@@ -245,11 +258,8 @@ def decode_attention(qkv: np.ndarray, q_dim: int, cos: np.ndarray, sin: np.ndarr
             or cos.shape != (B, hs) or sin.shape != (B, hs)):
         raise ValueError(f"decode_attention: qkv {qkv.shape} (q_dim {q_dim}), cache {cache_k.shape} / "
                          f"{cache_v.shape} and cos/sin {cos.shape} / {sin.shape} do not fit")
-    slots, positions = np.asarray(slots, np.int64).reshape(-1), np.asarray(positions, np.int64).reshape(-1)
-    if B and (slots.shape != (B,) or positions.shape != (B,) or slots.min() < 0 or slots.max() >= cache_k.shape[0]
-              or positions.min() < 0):
-        raise ValueError(f"decode_attention: slots {slots.tolist()} must lie in 0..{cache_k.shape[0] - 1} and "
-                         f"positions {positions.tolist()} be >= 0, one each per row ({B})")
+    if not rows_checked:
+        slots, positions = check_cache_rows(slots, positions, B, cache_k.shape[0], "decode_attention")
     none = np.empty(0, np.float32)
     q = np.empty((B, nh, hs), np.float32)
     _decode_qkv(qkv, q_dim, np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32),
@@ -278,12 +288,7 @@ def attend_cache(q: np.ndarray, cache_k: np.ndarray, cache_v: np.ndarray, slots:
                          "(B, nh, 1, hs) / (slots, nkv, L, hs) with nh a multiple of nkv")
     check_f32("attend_cache cache_k", cache_k)
     check_f32("attend_cache cache_v", cache_v)
-    slots, pos = np.asarray(slots, np.int64).reshape(-1), np.asarray(q_pos, np.int64).reshape(-1)
-    if slots.shape != (B,) or pos.shape != (B,):
-        raise ValueError(f"attend_cache: slots {slots.shape} and q_pos {pos.shape} must hold one entry per row ({B})")
-    if B and (slots.min() < 0 or slots.max() >= cache_k.shape[0] or pos.min() < 0):
-        raise ValueError(f"attend_cache: slots must lie in 0..{cache_k.shape[0] - 1} and positions be >= 0; "
-                         f"got slots {slots.tolist()}, q_pos {pos.tolist()}")
+    slots, pos = check_cache_rows(slots, q_pos, B, cache_k.shape[0], "attend_cache")
     y = np.empty((B, 1, nh, hs), np.float32)
     kernel = _attend_kernel(B, cache_k.shape[1])
     kernel(np.ascontiguousarray(q, dtype=np.float32).reshape(B, nh, hs), cache_k, cache_v, slots, pos,

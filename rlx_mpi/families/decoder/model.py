@@ -60,6 +60,11 @@ class KvStep:
     caches: list[LayerCache] | None = None
     layer: int = 0  # index into caches and specs, advanced by the stage
 
+    def __post_init__(self) -> None:
+        if not self.prefill and self.caches:  # once per step, not per layer
+            self.slots, self.positions = kernels.check_cache_rows(self.slots, self.positions, len(self.slots),
+                                                                  self.caches[0].k.shape[0], "decode step")
+
     def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, model_window: int, scale: float | None,
                softcap: float) -> np.ndarray:
         """A prefill chunk (or, without a cache, a whole prefix): store its k, v (B, nkv, T, hs)
@@ -78,7 +83,7 @@ class KvStep:
         y = kernels.decode_attention(qkv.reshape(B, -1), w.q_dim, cos.reshape(B, -1), sin.reshape(B, -1), cache.k,
                                      cache.v, self.slots, self.positions, q_norm=w.q_norm, k_norm=w.k_norm,
                                      eps=cfg.rms_norm_eps, scale=cfg.attention_scale or None,
-                                     softcap=cfg.attn_logit_softcap)
+                                     softcap=cfg.attn_logit_softcap, rows_checked=True)
         return y.reshape(B, 1, -1)
 
 
