@@ -136,13 +136,18 @@ def copy_bandwidth(threads: int) -> float:
     src = np.ones(64 << 20, np.float32)
     dst = np.empty_like(src)
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    copy(src, dst)
+    return 2 * src.nbytes / _best_of(lambda: copy(src, dst))
+
+
+def _best_of(fn, reps: int = 7) -> float:
+    """The shortest of ``reps`` timed calls of ``fn``, after one untimed call (compile, page in)."""
+    fn()
     best = float("inf")
-    for _ in range(7):
+    for _ in range(reps):
         t0 = time.perf_counter()
-        copy(src, dst)
+        fn()
         best = min(best, time.perf_counter() - t0)
-    return 2 * src.nbytes / best
+    return best
 
 
 def read_bandwidth(threads: int) -> float:
@@ -167,14 +172,7 @@ def read_bandwidth(threads: int) -> float:
 
     src = np.ones(64 << 20, np.float32)
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    chunks = 4 * threads
-    total(src, chunks)
-    best = float("inf")
-    for _ in range(7):
-        t0 = time.perf_counter()
-        total(src, chunks)
-        best = min(best, time.perf_counter() - t0)
-    return src.nbytes / best
+    return src.nbytes / _best_of(lambda: total(src, 4 * threads))
 
 
 # -- one side each --------------------------------------------------------------------------

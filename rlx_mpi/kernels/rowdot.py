@@ -7,7 +7,10 @@ STEP (the caller adds the columns past it). Each weight
 vector is loaded (and for bf16 widened) once and multiplied into ROWS x 2 float32 accumulators
 of 8 lanes (fused multiply-adds; two per row hide their latency). Written as numba loops, the
 product over each activation row re-read the weight row and kept one accumulator chain per row,
-which made a few-row matvec load-bound: see the measurements under the float32 note below.
+which made a few-row matvec load-bound (measurements: bench/README.md, "Vector-IR dot products").
+
+numba's on-disk cache keys a kernel on its own file: after editing this module, touch lowp.py
+and matvec.py (or clear rlx_mpi/kernels/__pycache__) or their cached kernels keep the old IR.
 
 ``row_dots_i8(w, n, x, r0, ws, xs, blocks)`` -> a tuple of ROWS float32: for each activation
 row r0 .. r0+ROWS-1, the sum over the first ``blocks`` blocks of weight row n of
@@ -54,6 +57,19 @@ def _hsum(builder, v, width: int):  # <width x float> -> float, pairwise
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
+def _rows_of(context, builder, n, n_type, r, r_type):
+    """What both kinds of intrinsic start with: an intp constant maker, ``row(array type, array,
+    i)`` -> a pointer to ``array[i, 0]``, and the weight row n and first activation row r as intp."""
+    def intp(v):
+        return context.get_constant(types.intp, v)
+
+    def row(aty, a, i):
+        arr = context.make_array(aty)(context, builder, a)
+        return cgutils.get_item_pointer(context, builder, aty, arr, [i, intp(0)], wraparound=False)
+
+    return intp, row, context.cast(builder, n, n_type, types.intp), context.cast(builder, r, r_type, types.intp)
+
+
 def _make(rows: int):
     @intrinsic
     def row_dots(typingctx, w, n, x, r0, ws, xs, blocks):
@@ -67,14 +83,7 @@ def _make(rows: int):
         def codegen(context, builder, signature, args):
             wt, nt, xt, rt, wst, xst, bt = signature.args
             w_, n_, x_, r_, ws_, xs_, b_ = args
-            intp = lambda v: context.get_constant(types.intp, v)  # noqa: E731
-            n_ = context.cast(builder, n_, nt, types.intp)
-            r_ = context.cast(builder, r_, rt, types.intp)
-
-            def row(aty, a, i):  # pointer to a[i, 0]
-                arr = context.make_array(aty)(context, builder, a)
-                return cgutils.get_item_pointer(context, builder, aty, arr, [i, intp(0)], wraparound=False)
-
+            intp, row, n_, r_ = _rows_of(context, builder, n_, nt, r_, rt)
             wp, wsp = row(wt, w_, n_), row(wst, ws_, n_)
             xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
             xsps = [row(xst, xs_, builder.add(r_, intp(i))) for i in range(rows)]
@@ -134,14 +143,7 @@ def _make_float(rows: int):
         def codegen(context, builder, signature, args):
             wt, nt, xt, rt, kt = signature.args
             w_, n_, x_, r_, k_ = args
-            intp = lambda v: context.get_constant(types.intp, v)  # noqa: E731
-            n_ = context.cast(builder, n_, nt, types.intp)
-            r_ = context.cast(builder, r_, rt, types.intp)
-
-            def row(aty, a, i):  # pointer to a[i, 0]
-                arr = context.make_array(aty)(context, builder, a)
-                return cgutils.get_item_pointer(context, builder, aty, arr, [i, intp(0)], wraparound=False)
-
+            intp, row, n_, r_ = _rows_of(context, builder, n_, nt, r_, rt)
             wp = row(wt, w_, n_)
             xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
             f8 = ir.VectorType(ir.FloatType(), _HALF)
