@@ -11,7 +11,7 @@ import numpy as np
 
 from ._common import ERR, FAST, check_f32, pool_threads
 from .bits import as_f32, f16_value, pack_bf16, unpack_bf16, unpack_f16
-from .rowdot import INT8_BLOCK, ROWS as I8_ROWS, STEP, row_dot_i8, row_dots, row_dots_i8
+from .rowdot import INT8_BLOCK, ROWS, STEP, row_dot_i8, row_dots, row_dots_i8
 
 __all__ = ["dequant_matmul", "fused_matvec", "check_weight", "dequantize", "f16_has_special", "to_bf16", "from_bf16", "quantize_int8",
            "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "MATVEC_ROWS"]
@@ -34,12 +34,12 @@ def _matvec_bf16(x, w, out, chunks):  # x (R, K) f32, w (N, K) uint16 bf16 bits,
     r_len, k_len = x.shape
     n_len = w.shape[0]
     k_vec = k_len - k_len % STEP
-    grouped = r_len - r_len % I8_ROWS
+    grouped = r_len - r_len % ROWS
     for c in numba.prange(chunks):
         for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
-            for r in range(0, grouped, I8_ROWS):  # bf16 -> f32 is a shift (exact), done once per weight
+            for r in range(0, grouped, ROWS):  # bf16 -> f32 is a shift (exact), done once per weight
                 sums = row_dots(w, n, x, r, k_vec)
-                for i in range(I8_ROWS):
+                for i in range(ROWS):
                     out[r + i, n] = sums[i] + _bf16_dot_from(w, n, x, r + i, k_vec)
             for r in range(grouped, r_len):
                 acc = np.float32(0.0)  # one row: LLVM's own loop, measured faster
@@ -89,7 +89,7 @@ def _matvec_f16(x, w, out, chunks):  # w (N, K) uint16 f16 bits, none Inf/NaN (t
 # is unrolled to scalar multiplies, 10x slower). That loop, measured against the per-row kernel
 # that converted each weight to float32 (medium shapes, 64 matrices, 200 MB, 1 thread): 1.03-1.05x
 # at one activation row, 1.09x at 8. It is now vector IR (rowdot.py: 256-bit, the scales applied
-# lane-wise, I8_ROWS activation rows per weight load; its note has the measurements). Blocks are
+# lane-wise, ROWS activation rows per weight load; its note has the measurements). Blocks are
 # 64 wide, the last one of a row may be shorter (a numba loop); products stay below 2**31
 # (64 * 127 * 32767).
 
@@ -133,12 +133,12 @@ def _matvec_int8(x, w, scale, out, chunks):  # x (R, K) f32; w (N, K) int8, scal
     xs = np.empty((r_len, scale.shape[1]), np.float32)
     _quantize_rows_i16(x, xq, xs)
     full = k_len // INT8_BLOCK
-    grouped = r_len - r_len % I8_ROWS
+    grouped = r_len - r_len % ROWS
     for c in numba.prange(chunks):
         for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
-            for r in range(0, grouped, I8_ROWS):  # I8_ROWS activation rows share each weight load
+            for r in range(0, grouped, ROWS):  # ROWS activation rows share each weight load
                 sums = row_dots_i8(w, n, xq, r, scale, xs, full)
-                for i in range(I8_ROWS):
+                for i in range(ROWS):
                     out[r + i, n] = sums[i]
             for r in range(grouped, r_len):
                 out[r, n] = row_dot_i8(w, n, xq, r, scale, xs, full)[0]
