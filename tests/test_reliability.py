@@ -260,3 +260,20 @@ def test_the_launch_path_imports_no_numpy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
     assert out[0] == "[]", out  # nothing heavy imported
     assert out[1] == "[]", out  # and every public name still resolves
+
+
+def test_a_launched_rank_lets_openblas_threads_sleep_soon():
+    """launch.run sets OPENBLAS_THREAD_TIMEOUT before numpy loads (OpenBLAS reads it then; see
+    launch.py's note: its spinning threads slowed the decode steps after a prefill), keeps a
+    value the user set, and leaves the variable alone once numpy is loaded (it would be a lie)."""
+    code = ("import os, sys, rlx_mpi.launch as l\n"
+            "l._quiet_blas_threads(); print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+
+    def child(src, **extra):
+        return subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, check=True,
+                              env={**env, **extra}).stdout.strip()
+
+    assert child(code) == "20"
+    assert child(code, OPENBLAS_THREAD_TIMEOUT="26") == "26"
+    assert child("import numpy\n" + code) == "None"
