@@ -121,6 +121,9 @@ class RankOverride:
     """This rank's kv_cache instead of [run] kv_cache (the ranks of one stage must agree)."""
 
 
+PREFILL_CHUNK = 256  # [generate] prefill_chunk's default (see scheduler.py's chunked-prefill note)
+
+
 @dataclass(frozen=True)
 class GenerateSection:
     """``rlx-mpi generate`` settings; command-line flags override them."""
@@ -148,6 +151,9 @@ class GenerateSection:
     """Sequences per group (cache slots per group)."""
     groups: int = 0
     """Groups in flight; 0 = one per pipeline stage, so every stage has work during decode."""
+    prefill_chunk: int = PREFILL_CHUNK
+    """Positions per prefill step of a group whose prompts are all new (0 = the whole prompt in one
+    step): the other groups decode between its chunks, so a long prompt does not stall them."""
     sync_s: float = 2.0
     """Completed rows are fsynced to the output at least this often."""
 
@@ -223,7 +229,8 @@ def _count(n: int, noun: str) -> str:
 _SECTIONS = {"model": ModelSection, "run": RunSection, "placement": PlacementSection, "generate": GenerateSection,
              "score": ScoreSection}
 _POSITIVE = {"batch", "seq", "microbatches", "tp", "timeout_s", "startup_timeout_s", "max_new_tokens", "sync_s"}
-_NON_NEGATIVE = {"reserve_ram_gb", "init_seed", "seed", "rank", "temperature", "top_k", "groups", "eos_id", "logprobs"}
+_NON_NEGATIVE = {"reserve_ram_gb", "init_seed", "seed", "rank", "temperature", "top_k", "groups", "eos_id", "logprobs",
+                 "prefill_chunk"}
 # Bounds far past any real job, so an absurd value is refused here instead of overflowing later
 # (1e300 GB as bytes is not an integer; a 1e300 s wait is too long for a thread join).
 _AT_MOST = {"batch": 2**31, "seq": 2**31, "microbatches": 2**31, "tp": 2**20, "rank": 2**31,

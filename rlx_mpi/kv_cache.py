@@ -74,21 +74,34 @@ class LayerCache:
 
 
 def prefill_kv(cache: LayerCache | None, spec: KvSpec, k: np.ndarray, v: np.ndarray, slots: np.ndarray,
-               lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+               lengths: np.ndarray, start: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Store a prefill chunk's keys and say what its queries attend to.
 
-    k, v (B, nkv, T, hs) at positions 0..T-1 (rows right-padded past ``lengths[b]``). Returns
-    (keys, values, q_pos, window) for `kernels.attend`: the chunk itself, causal, windowed
-    under ``window:W``; padded queries see only real keys before them and are ignored later.
+    k, v (B, nkv, T, hs) at positions start..start+T-1; row b's real tokens are the first
+    ``lengths[b] - start`` (its whole prompt is ``lengths[b]`` long; it is right-padded past
+    that). Returns (keys, values, q_pos, window) for `kernels.attend`: with ``start = 0`` the
+    chunk itself, causal; a later chunk (chunked prefill) also sees the positions before it that
+    the cache still holds (all of them, or a ring's last L), read before the chunk is written.
+    Windowed under ``window:W``; padded queries see only real keys before them and are ignored.
     """
     B, _, T, _ = k.shape
+    keys, values, q_pos = k, v, np.broadcast_to(np.arange(T), (B, T))
+    if start:
+        if cache is None:
+            raise ValueError("prefill_kv: a chunk after position 0 needs a KV cache (kv_cache = none recomputes)")
+        L = cache.k.shape[2]
+        prev = min(start, L)  # the positions start-prev..start-1, in order (a ring: column p % L)
+        cols = np.arange(start - prev, start) % L
+        rows = np.asarray(slots)
+        keys = np.concatenate([cache.k[rows][:, :, cols], k], axis=2)  # (B, nkv, prev + T, hs)
+        values = np.concatenate([cache.v[rows][:, :, cols], v], axis=2)
+        q_pos = np.broadcast_to(prev + np.arange(T), (B, T))  # key j sits at position start - prev + j
     if cache is not None:
         L = cache.k.shape[2]
         for b in range(B):
-            n = int(lengths[b])
+            n = min(T, int(lengths[b]) - start)  # this row's real tokens in the chunk
             first = max(0, n - L)  # a ring keeps only the last L positions
-            cols = np.arange(first, n) % L
+            cols = (start + np.arange(first, n)) % L
             cache.k[slots[b], :, cols] = k[b, :, first:n].transpose(1, 0, 2)  # (n', nkv, hs)
             cache.v[slots[b], :, cols] = v[b, :, first:n].transpose(1, 0, 2)
-    q_pos = np.broadcast_to(np.arange(T), (B, T))
-    return k, v, q_pos, spec.window if spec.policy == "window" else 0
+    return keys, values, q_pos, spec.window if spec.policy == "window" else 0

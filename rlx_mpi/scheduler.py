@@ -7,8 +7,18 @@ at each row's own position). A row that ends (``max_new_tokens``, or an end-of-s
 frees its slot for the next prompt at the group's next turn. With ``recompute`` (kv_cache
 "none" on some stage) every step is a prefill of each row's whole sequence so far. A step
 travels the pipeline as a small int64 header (`make_header`/`read_header`: kind, group, rows,
-T; per row: slot, length|position, prompt key, token index); the decode ring that moves it is
-`rlx_mpi.drivers.generate`.
+T, start; per row: slot, length|position, prompt key, token index); the decode ring that moves
+it is `rlx_mpi.drivers.generate`.
+
+Note: chunked prefill (``prefill_chunk`` C > 0). A group whose rows are all new prefills them C
+positions per turn (steps with ``start`` 0, C, 2C, ...; each row's length in the header is its
+whole prompt's, so a stage knows which chunk ends which row), and the other groups' decode steps
+run between its chunks: in a pipeline a whole prompt's prefill held every stage behind it for
+its full length (the other stages idled), a chunk costs about what a decode step does. A row's
+token is sampled from the chunk that holds its prompt's last position; a row whose prompt ended
+in an earlier chunk waits for the group's longer ones. A group that admits new rows beside rows
+already decoding prefills them whole, in one step: chunked, its decoding rows would wait one turn
+per chunk instead of one turn. No chunking under ``recompute``.
 """
 
 from __future__ import annotations
@@ -22,10 +32,10 @@ import numpy as np
 
 from .sampling import prompt_key
 
-__all__ = ["PREFILL", "DECODE", "STOP", "Seq", "Step", "Scheduler", "make_header", "read_header"]
+__all__ = ["PREFILL", "DECODE", "STOP", "Seq", "Step", "Scheduler", "make_header", "read_header", "chunk_start"]
 
 PREFILL, DECODE, STOP = 1, 2, 3
-_HEAD, _ROW = 4, 4  # header: kind, group, rows, T; then per row: slot, length|position, key, token index
+_HEAD, _ROW = 5, 4  # header: kind, group, rows, T, start; then per row: slot, length|position, key, token index
 
 
 @dataclass
@@ -40,7 +50,9 @@ class Seq:
     new: list[int] = field(default_factory=list)
     logprobs: list[tuple] = field(default_factory=list)  # per new token (chosen_lp, top_ids, top_lp) with --logprobs
     prefilled: bool = False
+    filled: int = 0  # positions in the cache so far, while a chunked prefill is under way
     start: float = 0.0  # perf_counter when it took the slot
+    last: float = 0.0  # perf_counter when its latest token came back
     finish_reason: str | None = None
 
     @property
@@ -57,23 +69,29 @@ class Step:
     rows: list[Seq]
     ids: np.ndarray  # (n, T) int64: stage 0's input
     header: np.ndarray  # int64 (_HEAD + _ROW * batch,)
+    start: int = 0  # a prefill chunk's first position (chunked prefill)
     tokens: np.ndarray | None = None  # (n,) once sampled; (n, 2 + 2K) `sampling.pack_sampled` with --logprobs K
     pending: Any = None  # the posted receive of the tokens (pipelines of 2+ stages)
 
 
-def make_header(kind: int, group: int, T: int, slots, lengths, keys, index, size: int) -> np.ndarray:
+def make_header(kind: int, group: int, T: int, slots, lengths, keys, index, size: int, start: int = 0) -> np.ndarray:
     h = np.zeros(size, np.int64)
     n = len(slots)
-    h[:_HEAD] = (kind, group, n, T)
+    h[:_HEAD] = (kind, group, n, T, start)
     rows = h[_HEAD:_HEAD + _ROW * n].reshape(n, _ROW)
     rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3] = slots, lengths, keys, index
     return h
 
 
 def read_header(h: np.ndarray) -> tuple[int, int, int, int, np.ndarray]:
-    """(kind, group, n, T, rows (n, 4))."""
-    kind, group, n, T = (int(v) for v in h[:_HEAD])
+    """(kind, group, n, T, rows (n, 4)); a prefill chunk's start is `chunk_start`."""
+    kind, group, n, T = (int(v) for v in h[:4])
     return kind, group, n, T, h[_HEAD:_HEAD + _ROW * n].reshape(n, _ROW)
+
+
+def chunk_start(h: np.ndarray) -> int:
+    """A prefill step's first position (0 unless it is a later chunk of a chunked prefill)."""
+    return int(h[4])
 
 
 class Scheduler:
@@ -82,17 +100,21 @@ class Scheduler:
     ``prompts``: (index, id, tokens) in file order, not yet done. A row ends at any id of
     ``eos_ids`` (a checkpoint may name several: Llama 3's ``<|eot_id|>`` and ``<|end_of_text|>``).
     With ``recompute`` (kv_cache "none" on some stage) every step is a prefill of each row's
-    whole sequence so far.
+    whole sequence so far. ``prefill_chunk`` > 0: positions per prefill step of a group whose
+    rows are all new (the chunked-prefill note).
     """
 
     def __init__(self, prompts: list[tuple[int, str, tuple[int, ...]]], groups: int, batch: int,
-                 max_new_tokens: int, eos_ids: frozenset[int], recompute: bool):
+                 max_new_tokens: int, eos_ids: frozenset[int], recompute: bool, prefill_chunk: int = 0):
+        self.chunk = 0 if recompute else prefill_chunk
         self.queue = deque(prompts)
         self.groups, self.batch = groups, batch
         self.max_new_tokens, self.eos_ids, self.recompute = max_new_tokens, frozenset(eos_ids), recompute
         self.rows: list[list[Seq | None]] = [[None] * batch for _ in range(groups)]
         self.stopping = False
         self.header_size = _HEAD + _ROW * batch
+        self.prefill_steps = 0
+        self.gaps: list[float] = []  # seconds between a row's consecutive tokens (`token_gaps_ms`)
 
     def next_step(self, g: int) -> Step | None:
         """Group ``g``'s next step (admitting queued prompts into free slots), or None when idle."""
@@ -108,6 +130,9 @@ class Scheduler:
         fresh = [r for r in live if not r.prefilled]
         if self.recompute and live:
             return self._prefill(g, live)
+        if fresh and self.chunk and (len(fresh) == len(live) or any(r.filled for r in fresh)):
+            start = min(r.filled for r in fresh)  # a new group, one chunk per turn (a row admitted later catches up)
+            return self._prefill(g, [r for r in fresh if r.filled == start], start, self.chunk)
         if fresh:  # new prompts first; the group's other rows wait one turn
             return self._prefill(g, fresh)
         if not live:
@@ -117,22 +142,33 @@ class Scheduler:
                              [r.key for r in live], [len(r.new) for r in live], self.header_size)
         return Step(DECODE, g, live, ids, header)
 
-    def _prefill(self, g: int, rows: list[Seq]) -> Step:
+    def _prefill(self, g: int, rows: list[Seq], start: int = 0, chunk: int = 0) -> Step:
+        """Rows' positions start.. (all of them, or at most ``chunk``), right-padded."""
         seqs = [r.prompt + tuple(r.new) for r in rows]
-        T = max(map(len, seqs))
-        ids = np.zeros((len(rows), T), np.int64)  # right-padded; padding is never attended to
+        T = max(map(len, seqs)) - start
+        if chunk:
+            T = min(T, chunk)
+        ids = np.zeros((len(rows), T), np.int64)  # padding is never attended to
         for b, s in enumerate(seqs):
-            ids[b, :len(s)] = s
+            part = s[start:start + T]
+            ids[b, :len(part)] = part
         header = make_header(PREFILL, g, T, [r.slot for r in rows], [len(s) for s in seqs],
-                             [r.key for r in rows], [len(r.new) for r in rows], self.header_size)
-        return Step(PREFILL, g, rows, ids, header)
+                             [r.key for r in rows], [len(r.new) for r in rows], self.header_size, start)
+        self.prefill_steps += 1
+        return Step(PREFILL, g, rows, ids, header, start=start)
 
     def complete(self, step: Step, tokens: np.ndarray, logprobs: tuple | None = None) -> list[Seq]:
         """Append each row's new token (and its ``logprobs``: `sampling.logprobs`' arrays, one
         row each); return the rows that finished (their slots are free)."""
-        done = []
+        done, now = [], time.perf_counter()
         for b, (r, t) in enumerate(zip(step.rows, tokens.tolist())):
+            if step.kind == PREFILL and step.start + step.ids.shape[1] < r.length:  # a chunk short of its end
+                r.filled = step.start + step.ids.shape[1]
+                continue
+            if len(r.new) >= 2:  # (not the first gap: at start-up it holds the other groups' prefills)
+                self.gaps.append(now - r.last)
             r.new.append(int(t))
+            r.last = now
             if logprobs is not None:
                 r.logprobs.append(tuple(a[b] for a in logprobs))
             r.prefilled = True
@@ -144,6 +180,15 @@ class Scheduler:
                 self.rows[step.group][r.slot - step.group * self.batch] = None
                 done.append(r)
         return done
+
+    def token_gaps_ms(self) -> dict | None:
+        """Median, 99th percentile and largest time between a row's consecutive decode tokens
+        (the second and later gaps of each row: the wait a reader of a decoding row sees; another
+        group's long prefill on the same stages shows as a large max)."""
+        if not self.gaps:
+            return None
+        q = np.percentile(np.array(self.gaps) * 1e3, [50, 99, 100])
+        return {"median": round(float(q[0]), 2), "p99": round(float(q[1]), 2), "max": round(float(q[2]), 2)}
 
     @property
     def idle(self) -> bool:

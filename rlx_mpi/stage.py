@@ -91,8 +91,12 @@ class Stage(abc.ABC):
         tokens; return its bytes."""
         raise NotImplementedError(f"{type(self).__name__} does not support generation")
 
-    def prefill(self, x: np.ndarray, slots: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Positions 0..T-1 of rows ``slots`` (right-padded past ``lengths``), filling the cache."""
+    def prefill(self, x: np.ndarray, slots: np.ndarray, lengths: np.ndarray, start: int = 0) -> np.ndarray:
+        """Positions start..start+T-1 of rows ``slots``, filling the cache; a row's whole prompt is
+        ``lengths`` long (right-padded past it), so the last stage returns the logits of each row's
+        last real token in the chunk. ``start`` > 0 (chunked prefill, ``[generate] prefill_chunk``)
+        is a later chunk: 0..start-1 are in the cache. A Stage whose prefill has no ``start``
+        parameter is only ever given whole prompts (positions 0..T-1)."""
         raise NotImplementedError(f"{type(self).__name__} does not support generation")
 
     def decode(self, x: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -155,6 +155,8 @@ class GenerateResult:
     new_tokens: int
     wall_s: float
     stopped_by: str | None  # a signal name when stopped early
+    prefill_steps: int = 0  # prefill steps stage 0 issued (a chunked prefill takes several per group)
+    token_gap_ms: dict | None = None  # between a row's decode tokens at stage 0: median, p99, max (`Scheduler.token_gaps_ms`)
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k != "timings"}
@@ -171,6 +173,8 @@ class GenerateResult:
                          f"{t.recv_wait_ms:.1f}", f"{t.send_ms:.1f}",
                          _mb(t.kv_bytes or 0), _mb(t.weight_bytes), _mb(t.peak_rss_bytes)))
         rate = self.new_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+        gaps = self.token_gap_ms
+        gap = f"; between a row's tokens {gaps['median']:.1f} ms median, {gaps['max']:.1f} ms at most" if gaps else ""
         return (format_table(head, rows, left=(4,)) + "\n"
                 f"{self.done_now} prompts completed in {self.wall_s:.2f} s ({self.done_before} done before, "
-                f"{self.total} in total): {self.new_tokens} new tokens, {rate:.1f} tokens/s")
+                f"{self.total} in total): {self.new_tokens} new tokens, {rate:.1f} tokens/s{gap}")

@@ -468,3 +468,28 @@ def test_qwen2_sliding_layers_follow_layer_types_or_max_window_layers():
     assert qwen2_arch(v4, "c").layer_windows == (0, 4)
     v5 = {**raw, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}
     assert qwen2_arch(v5, "c").layer_windows == (4, 0)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_chunked_prefill_matches_transformers(converted, case):
+    """Prefill the two 40-token reference rows in chunks of 7 (``start`` > 0: the positions
+    before are read from the cache; a window layer's ring of 8 wraps between chunks): the logits
+    at each chunk's last token match transformers' full forward, then decoding goes on from the
+    chunked cache. Row 1 is shorter (33 tokens), so the last chunks are right-padded."""
+    family, cfg, path = converted(case)
+    ref = reference(case)
+    stage = build(family, cfg, path)
+    ids, want = ref["input_ids"], ref["logits"]
+    lengths = np.array([40, 33])
+    stage.reset(2, 40, KvSpec("full"))
+    for start in range(0, 33, 7):
+        T = min(7, 40 - start)
+        got = stage.prefill(ids[:, start:start + T], np.array([1, 0]), lengths, start=start)
+        for b in range(2):
+            end = min(start + T, lengths[b]) - 1  # each row's last real token in the chunk
+            assert np.abs(got[b] - want[b, end]).max() <= 1e-4, (case, start, b)
+    # row 0 on its own for the rest (start 35): then one decode step at position 39
+    got = stage.prefill(ids[:1, 35:39], np.array([1]), np.array([39]), start=35)
+    assert np.abs(got[0] - want[0, 38]).max() <= 1e-4, case
+    got = stage.decode(ids[:1, 39:40], np.array([1]), np.array([39]))
+    assert np.abs(got[0] - want[0, 39]).max() <= 1e-4, case

@@ -59,8 +59,10 @@ def runs(request, tmp_path_factory):
         job = write_job(d, model={"checkpoint": str(ckpt)}, run={"timeout_s": 30.0},
                         placement={"reserve_ram_gb": 0.0, "tp": tp})
         out = d / "c.jsonl"
+        chunk = 3 if ranks > 1 else 0  # the prompt is prefilled 3 positions per step
         return run_cli(["generate", job, "--prompts", prompts, "--out", out, "--max-new-tokens",
-                        len(ref["greedy_ids"][0])], ranks=ranks, timeout=120), out
+                        len(ref["greedy_ids"][0]), "--prefill-chunk", chunk, "--json", d / "stats.json"],
+                       ranks=ranks, timeout=120), out
 
     ahead = LaunchAhead(LaunchAhead.fixture_items(request, "test_run_matches_transformers",
                                                   "test_generate_greedy_equals_transformers"), launch)
@@ -82,8 +84,13 @@ def test_run_matches_transformers(request, runs, case, ranks, tp):
 @pytest.mark.parametrize("case", CASES)
 def test_generate_greedy_equals_transformers(request, runs, case, ranks, tp):
     """``rlx-mpi generate`` (prefill + cached decode over the pipeline) gives the tokens of
-    transformers' ``generate(do_sample=False)``."""
+    transformers' ``generate(do_sample=False)``; on 2 ranks (TP) the prompt is prefilled in
+    chunks of 3 (``--prefill-chunk``), each after the first reading the cache."""
     proc, out = runs.result(request)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows[0]["tokens"] == reference(case)["greedy_ids"][0].tolist()
+    stats = json.loads((out.parent / "stats.json").read_text())
+    prompt = reference(case)["prompt_ids"].shape[1]
+    assert stats["prefill_steps"] == (-(-prompt // 3) if ranks > 1 else 1)
+    assert stats["token_gap_ms"]["max"] >= stats["token_gap_ms"]["median"] > 0

@@ -71,7 +71,7 @@ def runs(request, tmp_path_factory, hf_ckpt, tiny_ckpt):
                             placement={"tp": p["tp"]}), out
         prompts = write_prompts(d / "p.jsonl", MIXED)
         return generate(d, tiny_ckpt, p["ranks"], prompts, out, "--max-new-tokens", 7, "--batch", p["batch"],
-                        run={"kv_cache": p["kv"]}), out
+                        "--prefill-chunk", p["chunk"], run={"kv_cache": p["kv"]}), out
 
     items = LaunchAhead.fixture_items(request, "test_greedy_equals_transformers_across_ranks",
                                       "test_continuous_batching_equals_single_process")
@@ -99,10 +99,13 @@ def tiny_stage(tiny_ckpt):
         return LlamaStage(PRESETS["tiny"], src, range(8), True, True)
 
 
-@pytest.mark.parametrize("kv, ranks, batch", [("full", 2, 2), ("none", 2, 3), ("full", 3, 1)])
-def test_continuous_batching_equals_single_process(request, runs, tiny_stage, kv, ranks, batch):
+@pytest.mark.parametrize("kv, ranks, batch, chunk", [("full", 2, 2, 4), ("none", 2, 3, 4), ("full", 3, 1, 3),
+                                                     ("full", 2, 3, 0)])
+def test_continuous_batching_equals_single_process(request, runs, tiny_stage, kv, ranks, batch, chunk):
     """7 prompts of mixed lengths through groups of `batch` slots: slots are reused as rows end;
-    every row equals that prompt generated alone by a plain forward per token."""
+    every row equals that prompt generated alone by a plain forward per token. With
+    ``--prefill-chunk`` a new group's prompts (up to 11 tokens) go through the pipeline a few
+    positions per step, the other groups decoding in between (kv none: never chunked)."""
     proc, out = runs.result(request)  # MIXED, --max-new-tokens 7 --batch `batch`, kv_cache = `kv`
     assert proc.returncode == 0, proc.stderr
     assert [r["tokens"] for r in rows_of(out)] == [forward_greedy(tiny_stage, t, 7) for _, t in MIXED]

@@ -10,7 +10,7 @@ import pytest
 from rlx_mpi import kernels
 from rlx_mpi.checkpoint import H5ParamSource
 from rlx_mpi.errors import ConfigError
-from rlx_mpi.scheduler import DECODE, PREFILL, Scheduler, read_header
+from rlx_mpi.scheduler import DECODE, PREFILL, Scheduler, chunk_start, read_header
 from rlx_mpi.kv_cache import KvSpec
 from rlx_mpi.families.llama import PRESETS
 from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
@@ -235,6 +235,42 @@ def test_scheduler_prefills_new_prompts_then_decodes_and_reuses_slots():
     assert s.next_step(1) is None
 
 
+def test_scheduler_chunks_a_new_groups_prefill_and_samples_at_each_rows_end():
+    """prefill_chunk 4: a group whose rows are all new takes its prompts 4 positions per turn;
+    a row's token is kept only from the chunk with its last position; a row admitted beside a
+    row still mid-prefill catches up first; rows joining decoding rows are prefilled whole."""
+    prompts = [(0, "a", tuple(range(1, 11))), (1, "b", (5, 6, 7)), (2, "c", tuple(range(20, 26))),
+               (3, "d", (9, 9))]
+    s = Scheduler(prompts, groups=1, batch=2, max_new_tokens=1, eos_ids=frozenset(), recompute=False,
+                  prefill_chunk=4)
+    a = s.next_step(0)  # a (10 tokens) and b (3): positions 0..3
+    kind, g, n, T, rows = read_header(a.header)
+    assert (kind, n, T, chunk_start(a.header)) == (PREFILL, 2, 4, 0) and rows[:, 1].tolist() == [10, 3]
+    assert a.ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 0]]
+    done = s.complete(a, np.array([50, 51]))  # b ended in this chunk (one new token: done); a did not
+    assert [r.id for r in done] == ["b"] and a.rows[0].new == [] and a.rows[0].filled == 4
+    c = s.next_step(0)  # c took b's slot at position 0; a waits at 4 until c catches up
+    assert [r.id for r in c.rows] == ["c"] and chunk_start(c.header) == 0 and c.ids.tolist() == [[20, 21, 22, 23]]
+    s.complete(c, np.array([0]))
+    e = s.next_step(0)  # both at 4: a's 4..7, c's 4..5 padded
+    assert [r.id for r in e.rows] == ["a", "c"] and chunk_start(e.header) == 4
+    assert e.ids.tolist() == [[5, 6, 7, 8], [24, 25, 0, 0]]
+    assert [r.id for r in s.complete(e, np.array([60, 61]))] == ["c"]
+    f = s.next_step(0)  # d joins beside a, still mid-prefill: d catches up from 0, alone
+    assert [r.id for r in f.rows] == ["d"] and (chunk_start(f.header), f.ids.shape[1]) == (0, 2)
+    s.complete(f, np.array([3]))
+    g8 = s.next_step(0)  # a's last chunk (8..9): its token is kept
+    assert [r.id for r in g8.rows] == ["a"] and chunk_start(g8.header) == 8 and g8.ids.tolist() == [[9, 10]]
+    assert [r.new for r in s.complete(g8, np.array([70]))] == [[70]]
+
+    mixed = Scheduler([(0, "a", (1, 2)), (1, "b", (3, 4)), (2, "c", tuple(range(1, 10)))], groups=1, batch=2,
+                      max_new_tokens=3, eos_ids=frozenset({99}), recompute=False, prefill_chunk=4)
+    first = mixed.next_step(0)
+    mixed.complete(first, np.array([99, 5]))  # a ends at once (eos); b decodes from here
+    second = mixed.next_step(0)  # c joins beside b: prefilled whole (b waits one turn, not three)
+    assert [r.id for r in second.rows] == ["c"] and second.ids.shape == (1, 9) and chunk_start(second.header) == 0
+
+
 def test_scheduler_recompute_prefills_whole_sequences():
     s = Scheduler([(0, "a", (1, 2, 3))], groups=1, batch=1, max_new_tokens=3, eos_ids=frozenset(),
                   recompute=True)
@@ -365,9 +401,14 @@ def test_logprobs_flag_over_the_job_and_its_bounds(tmp_path):
     job = parse_job({"model": {"checkpoint": "m.h5"}, "generate": {"prompts": "p", "out": "o", "logprobs": 3}},
                     tmp_path / "job.toml")
     flags = dict(prompts=None, out=None, max_new_tokens=None, temperature=None, top_k=None, top_p=None, seed=None,
-                 eos_id=None, batch=None, groups=None, logprobs=None)
+                 eos_id=None, batch=None, groups=None, logprobs=None, prefill_chunk=None)
     opts = GenerateOptions.resolve(Namespace(**flags), job)
     assert opts.logprobs == 3 and opts.eos_where.endswith("[generate] eos_id")
+    assert opts.prefill_chunk == 256  # the default; the flag overrides, < 0 is refused naming it
+    assert GenerateOptions.resolve(Namespace(**{**flags, "prefill_chunk": 0}), job).prefill_chunk == 0
+    with pytest.raises(ConfigError, match="give an integer >= 0") as e:
+        GenerateOptions.resolve(Namespace(**{**flags, "prefill_chunk": -4}), job)
+    assert e.value.where == "generate --prefill-chunk"
     assert GenerateOptions.resolve(Namespace(**{**flags, "logprobs": 0}), job).logprobs == 0
     assert GenerateOptions.resolve(Namespace(**{**flags, "eos_id": 2}), job).eos_where == "generate --eos-id"
     for bad, needle in ((21, "give at most 20"), (-1, "give an integer >= 0")):

@@ -33,6 +33,7 @@ waits for its receiver (the decode-ring note in schedule.py).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections import deque
@@ -50,7 +51,7 @@ from ..faults import check_finite
 from ..sampling import (SamplingParams, logprob_entries, logprobs, pack_sampled, prompt_key, sample,
                         unpack_sampled)
 from ..schedule import Action, decode_drain_actions, decode_step_actions
-from ..scheduler import PREFILL, STOP, Scheduler, Seq, Step, make_header, read_header
+from ..scheduler import PREFILL, STOP, Scheduler, Seq, Step, chunk_start, make_header, read_header
 from ..stats import GenerateResult, StageTiming, peak_rss_bytes
 
 __all__ = ["GenerateDriver", "GenerateOptions", "DecodeRing", "GenStats", "GenerateResult"]
@@ -104,9 +105,14 @@ class DecodeRing:
     def _compute(self, header: np.ndarray, x: np.ndarray) -> np.ndarray:
         """This stage's part of a step; on the last stage the sampled tokens (n,) int64."""
         kind, _, n, T, rows = read_header(header)
-        slots, lengths = rows[:, 0].copy(), rows[:, 1].copy()
+        slots, lengths, start = rows[:, 0].copy(), rows[:, 1].copy(), chunk_start(header)
         t0 = time.perf_counter()
-        out = self.stage.prefill(x, slots, lengths) if kind == PREFILL else self.stage.decode(x, slots, lengths)
+        if kind != PREFILL:
+            out = self.stage.decode(x, slots, lengths)
+        elif start:  # a later chunk (a Stage without ``start`` is never given one: see drive)
+            out = self.stage.prefill(x, slots, lengths, start=start)
+        else:
+            out = self.stage.prefill(x, slots, lengths)
         t1 = time.perf_counter()
         st = self.stats
         st.steps += 1
@@ -250,6 +256,7 @@ class GenerateOptions:
     eos_id: int | None  # None: every one the checkpoint names (`prompts.eos_ids_beside`)
     batch: int
     groups: int  # 0: one per stage
+    prefill_chunk: int  # positions per prefill step of a new group; 0: whole prompts
     sync_s: float
     progress_s: float = 10.0
     logprobs: int = 0  # top alternatives per token in each row's "logprobs"; 0: no "logprobs"
@@ -268,7 +275,8 @@ class GenerateOptions:
             raise ConfigError("generate --out", "no output file given", "pass --out FILE or set [generate] out")
         for flag, value, low in (("--max-new-tokens", flags.max_new_tokens, 1), ("--top-k", flags.top_k, 0),
                                  ("--seed", flags.seed, 0), ("--eos-id", flags.eos_id, 0), ("--batch", flags.batch, 1),
-                                 ("--groups", flags.groups, 0), ("--logprobs", flags.logprobs, 0)):
+                                 ("--groups", flags.groups, 0), ("--logprobs", flags.logprobs, 0),
+                                 ("--prefill-chunk", flags.prefill_chunk, 0)):
             rules.int_at_least(value, low, f"generate {flag}")
         rules.at_most(flags.logprobs, rules.LOGPROBS_MAX, "generate --logprobs")
         seed = pick(flags.seed, sec.seed if sec.seed is not None else job.run.seed)
@@ -277,6 +285,7 @@ class GenerateOptions:
         return cls(prompts=Path(prompts), out=Path(out), max_new_tokens=pick(flags.max_new_tokens, sec.max_new_tokens),
                    sampling=sampling, eos_id=pick(flags.eos_id, sec.eos_id), batch=pick(flags.batch, sec.batch),
                    groups=pick(flags.groups, sec.groups), sync_s=sec.sync_s,
+                   prefill_chunk=pick(flags.prefill_chunk, sec.prefill_chunk),
                    logprobs=pick(flags.logprobs, sec.logprobs),
                    eos_where="generate --eos-id" if flags.eos_id is not None else f"{job.path}: [generate] eos_id")
 
@@ -383,8 +392,10 @@ class GenerateDriver(JournalDriver):
         kv = job.kv_for(cx.world.rank)
         recompute = any(job.kv_for(r).recompute for r in range(cx.world.size))
         timeout = job.run.timeout_s
+        # a family's Stage written before chunked prefill (no ``start``) prefills whole prompts
+        chunk = opts.prefill_chunk if "start" in inspect.signature(cx.stage.prefill).parameters else 0
         sched = Scheduler([(i, pid, tuple(t)) for i, pid, t in doc["pending"]], self.groups, opts.batch,
-                          opts.max_new_tokens, frozenset(doc["eos"]), recompute)
+                          opts.max_new_tokens, frozenset(doc["eos"]), recompute, prefill_chunk=chunk)
         names = {prompt_key(pid): f"{pid!r} (prompt {i + 1} of {opts.prompts.name})" for i, pid, _ in doc["pending"]}
         ring = DecodeRing(cx, opts.sampling, sched.header_size, k_logprobs=opts.logprobs, names=names)
         journal, tokenizer = holder.get("journal"), holder.get("tokenizer")
@@ -450,7 +461,8 @@ class GenerateDriver(JournalDriver):
         stopped_by = transport.bcast_json(cx.world, stopped_by, 0, timeout, cx.ctx, "the end of the run")
         timings = [StageTiming.from_dict(r["timing"]) for r in rows or []]
         return GenerateResult(timings=timings, total=doc["total"], done_before=done_before, done_now=counts["done"],
-                              new_tokens=counts["tokens"], wall_s=wall, stopped_by=stopped_by)
+                              new_tokens=counts["tokens"], wall_s=wall, stopped_by=stopped_by,
+                              prefill_steps=sched.prefill_steps, token_gap_ms=sched.token_gaps_ms())
 
     def report(self, cx: Any, result: GenerateResult | None) -> int:
         """Rank 0 prints the table and writes --json; 75 (requeue) when stopped by a signal."""

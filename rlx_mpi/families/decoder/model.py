@@ -46,8 +46,9 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 class KvStep:
     """How one generation step's attention reads and writes a layer's cache.
 
-    ``prefill``: the chunk holds positions 0..T-1 of each row (right-padded past ``lengths``);
-    otherwise one new token per row at ``positions`` (B,). ``caches`` has one `LayerCache` per
+    ``prefill``: the chunk holds positions start..start+T-1 of each row, whose whole prompt is
+    ``lengths`` long (right-padded past it; ``start`` > 0: chunked prefill, the positions before
+    are in the cache); otherwise one new token per row at ``positions`` (B,). ``caches`` has one `LayerCache` per
     layer of the stage, or is None under ``kv_cache = "none"`` (the chunk is the whole prefix).
     ``specs`` is each layer's cache policy (a sliding-window layer keeps a ring of its window).
     """
@@ -59,6 +60,7 @@ class KvStep:
     positions: np.ndarray | None = None  # (B,) without
     caches: list[LayerCache] | None = None
     layer: int = 0  # index into caches and specs, advanced by the stage
+    start: int = 0  # with prefill: the chunk's first position
 
     def __post_init__(self) -> None:
         if not self.prefill and self.caches:  # once per step, not per layer
@@ -70,7 +72,8 @@ class KvStep:
         """A prefill chunk (or, without a cache, a whole prefix): store its k, v (B, nkv, T, hs)
         and attend q (B, nh, T, hs) over the chunk: (B, T, nh, hs)."""
         cache = self.caches[self.layer] if self.caches is not None else None
-        keys, values, q_pos, window = prefill_kv(cache, self.specs[self.layer], k, v, self.slots, self.lengths)
+        keys, values, q_pos, window = prefill_kv(cache, self.specs[self.layer], k, v, self.slots, self.lengths,
+                                              self.start)
         if model_window:  # the chunk attends to itself: the model's own window applies
             window = min(window, model_window) if window else model_window
         return kernels.attend(q, keys, values, q_pos, window, scale=scale, softcap=softcap)

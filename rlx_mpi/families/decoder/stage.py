@@ -134,18 +134,21 @@ class DecoderStage(Stage):
         self.rope = Rope(cfg, max_seq)
         return sum(c.nbytes for c in self.caches) if self.caches else 0
 
-    def prefill(self, x: np.ndarray, slots: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Positions 0..T-1 of each row (right-padded past ``lengths``), filling the cache.
+    def prefill(self, x: np.ndarray, slots: np.ndarray, lengths: np.ndarray, start: int = 0) -> np.ndarray:
+        """Positions start..start+T-1 of each row, filling the cache; a row's whole prompt is
+        ``lengths`` long (right-padded past it). ``start`` > 0 is a later chunk of a chunked
+        prefill: positions 0..start-1 are in the cache (every row has lengths > start).
 
         x: ids (B, T) on the first stage, else hidden (B, T, C). Returns hidden (B, T, C), or
-        on the last stage the logits (B, V) of each row's last real token.
+        on the last stage the logits (B, V) of each row's last real token in the chunk.
         """
         B, T = x.shape[:2]
-        step = model.KvStep(self.specs, slots, True, lengths=lengths, caches=self.caches)
-        h = self._blocks(x, np.broadcast_to(np.arange(T), (B, T)), step, lengths)
+        step = model.KvStep(self.specs, slots, True, lengths=lengths, caches=self.caches, start=start)
+        h = self._blocks(x, np.broadcast_to(start + np.arange(T), (B, T)), step, lengths)
         if not self.last:
             return h
-        return self._head(h[np.arange(B), lengths - 1][:, None])  # (B, 1, C) -> (B, V)
+        last = np.minimum(np.asarray(lengths) - start, T) - 1  # each row's last real token here
+        return self._head(h[np.arange(B), last][:, None])  # (B, 1, C) -> (B, V)
 
     def decode(self, x: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """One new token per row at ``positions`` (B,): ids (B, 1) or hidden (B, 1, C) in;
