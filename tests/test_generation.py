@@ -34,8 +34,23 @@ def forward_greedy(stage, prompt, n):
     return ids[len(prompt):]
 
 
-def cached_greedy(stage, prompts, n, spec, slots=None, max_seq=64):
-    """Prefill all prompts as one right-padded group, then decode n-1 tokens per row."""
+def chunked_prefill(stage, x, slots, lengths, chunk):
+    """`stage.prefill` of right-padded rows ``chunk`` positions at a time (a row leaves once its
+    prompt is in); each row's logits come from the chunk holding its last position."""
+    logits = [None] * len(x)
+    for start in range(0, int(lengths.max()), chunk):
+        live = np.flatnonzero(lengths > start)
+        T = min(chunk, int(lengths[live].max()) - start)
+        out = stage.prefill(x[live, start:start + T], slots[live], lengths[live], start=start)
+        for i, b in enumerate(live):
+            if lengths[b] <= start + T:
+                logits[b] = out[i]
+    return np.stack(logits)
+
+
+def cached_greedy(stage, prompts, n, spec, slots=None, max_seq=64, chunk=0):
+    """Prefill all prompts as one right-padded group (``chunk`` > 0: that many positions per
+    prefill call), then decode n-1 tokens per row."""
     B = len(prompts)
     slots = np.arange(B) if slots is None else np.asarray(slots)
     stage.reset(max(slots) + 1, max_seq, spec)
@@ -44,7 +59,7 @@ def cached_greedy(stage, prompts, n, spec, slots=None, max_seq=64):
     for b, p in enumerate(prompts):
         x[b, :len(p)] = p
     out = [[] for _ in prompts]
-    logits = stage.prefill(x, slots, lengths)
+    logits = chunked_prefill(stage, x, slots, lengths, chunk) if chunk else stage.prefill(x, slots, lengths)
     for i in range(n):
         tok = logits.argmax(-1)
         for b in range(B):
@@ -115,10 +130,19 @@ def windowed_greedy(stage, prompt, n, window):
 
 
 @pytest.mark.parametrize("window", [2, 4, 7])
-def test_window_equals_direct_masked_reference(stage, window):
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_window_equals_direct_masked_reference(stage, window, chunk):
+    """kv_cache window:W (a ring of W) against a direct masked forward; with chunked prefill
+    (3 positions per call) a chunk also reads the ring's positions before it."""
     prompts = [PROMPTS[0], PROMPTS[1]]  # lengths 5 and 9: shorter and longer than some windows
-    got = cached_greedy(stage, prompts, 9, KvSpec("window", window))
+    got = cached_greedy(stage, prompts, 9, KvSpec("window", window), chunk=chunk)
     assert got == [windowed_greedy(stage, p, 9, window) for p in prompts]
+
+
+def test_chunked_prefill_equals_recomputing_forward(stage):
+    want = [forward_greedy(stage, p, 6) for p in PROMPTS]
+    for chunk in (1, 2, 4):
+        assert cached_greedy(stage, PROMPTS, 6, KvSpec("full"), slots=[4, 0, 2], chunk=chunk) == want
 
 
 def test_window_is_a_different_model(stage):
