@@ -493,3 +493,25 @@ def test_chunked_prefill_matches_transformers(converted, case):
     assert np.abs(got[0] - want[0, 38]).max() <= 1e-4, case
     got = stage.decode(ids[:1, 39:40], np.array([1]), np.array([39]))
     assert np.abs(got[0] - want[0, 39]).max() <= 1e-4, case
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16", "int8"])
+@pytest.mark.parametrize("case", ["llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "mixtral"])
+def test_one_call_decode_layer_equals_the_layer_by_layer_path(converted, case, precision):
+    """A decode step through `kernels.decode_layer` (one numba call per layer) gives bit-for-bit
+    the logits of `model.block`'s path, on 2 rows over 3 steps (a ring wraps in Mistral's window
+    of 8), with biases (Qwen2) and per-head norms (Qwen3); Gemma 2 (GeGLU, sandwich norms) and
+    Mixtral (experts) keep the layer-by-layer path."""
+    family, cfg, path = converted(case)
+    ids = reference(case)["input_ids"]
+    stage = build(family, cfg, path, precision=precision)
+    assert stage._fused_decode == (case not in ("gemma2", "mixtral"))
+    runs = []
+    for fused in (stage._fused_decode, False):
+        stage._fused_decode = fused
+        stage.reset(3, 16, KvSpec("full"))
+        logits = [stage.prefill(ids[:, :7], np.array([2, 0]), np.array([7, 5]))]
+        for pos in (7, 8, 9):
+            logits.append(stage.decode(ids[:, pos:pos + 1], np.array([2, 0]), np.array([pos, pos - 2])))
+        runs.append(np.stack(logits))
+    assert np.array_equal(runs[0], runs[1]) and np.isfinite(runs[0]).all()

@@ -25,7 +25,8 @@ from . import moe, ops
 from .arch import Arch
 from .weights import Experts, LayerWeights, Linear, Mlp
 
-__all__ = ["LayerWeights", "rms_norm", "apply_rope", "attention", "mlp", "block", "embed", "lm_head", "KvStep"]
+__all__ = ["LayerWeights", "rms_norm", "apply_rope", "attention", "mlp", "block", "decode_block", "fused_decode",
+           "embed", "lm_head", "KvStep"]
 
 Reduce = Callable[[np.ndarray], np.ndarray]
 
@@ -146,6 +147,28 @@ def block(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.nd
     if w.mlp_out_norm is not None:
         m = rms_norm(m, w.mlp_out_norm, eps)
     return _add_to(m, x)
+
+
+def fused_decode(cfg: Arch, precision: str, tp: int) -> bool:
+    """Whether `decode_block` can run this model's decode steps: dense SwiGLU layers without
+    sandwich norms, weights in one of `kernels.decode_layer`'s formats, no TP partial sums."""
+    return (tp == 1 and precision in kernels.DECODE_LAYER_FORMATS and cfg.activation == "silu"
+            and not cfg.num_experts and not cfg.sandwich_norms)
+
+
+def decode_block(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray, kv: KvStep) -> np.ndarray:
+    """`block` at a decode step of at most F32_MATVEC_ROWS rows, in one numba call
+    (`kernels.decode_layer`, bit-for-bit the same): x (B, 1, C) -> (B, 1, C). Only where
+    `fused_decode` holds."""
+    B, _, C = x.shape
+    cache, mlp_ = kv.caches[kv.layer], w.mlp
+    y = kernels.decode_layer(np.ascontiguousarray(x).reshape(B, C), w.input_layernorm, w.post_attention_layernorm,
+                             cfg.rms_norm_eps, w.qkv.data, w.qkv.scale, w.qkv_bias, w.q_dim, cos.reshape(B, -1),
+                             sin.reshape(B, -1), w.q_norm, w.k_norm, cache.k, cache.v, kv.slots, kv.positions,
+                             cfg.attention_scale or cfg.head_dim ** -0.5, cfg.attn_logit_softcap, w.o_proj.data,
+                             w.o_proj.scale, mlp_.gate_up.data, mlp_.gate_up.scale, mlp_.down_proj.data,
+                             mlp_.down_proj.scale, kernels.pool_threads())
+    return y.reshape(B, 1, C)
 
 
 def _add_to(fresh: np.ndarray, x: np.ndarray) -> np.ndarray:

@@ -46,6 +46,7 @@ class DecoderStage(Stage):
             raise ValueError(f"DecoderStage: precision {precision!r} is not one of {PRECISIONS}")
         self.cfg, self.layers, self.first, self.last, self.tp, self.ctx = cfg, layers, first, last, tp, ctx
         self.precision = precision
+        self._fused_decode = model.fused_decode(cfg, precision, tp.size)
         kernels.warm_up()
         ops.warm_up()
         if precision != "f32":
@@ -163,9 +164,13 @@ class DecoderStage(Stage):
                 lengths: np.ndarray | None = None) -> np.ndarray:
         h = self._embed(x)  # (B, T, C)
         cos, sin = self.rope.at(positions, lengths)  # (B, 1, T, hs)
+        fused = self._fused_decode and not step.prefill and h.shape[0] <= kernels.F32_MATVEC_ROWS
+        if fused:  # one numba call per layer (`model.decode_block`)
+            cos, sin = np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
         for i, w in enumerate(self.blocks):
             step.layer = i
-            h = model.block(h, w, self.cfg, cos, sin, self._reduce, step)
+            h = model.decode_block(h, w, self.cfg, cos, sin, step) if fused else \
+                model.block(h, w, self.cfg, cos, sin, self._reduce, step)
         return h
 
     def _head(self, h: np.ndarray) -> np.ndarray:

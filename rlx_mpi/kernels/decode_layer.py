@@ -1,0 +1,130 @@
+"""One decoder layer's decode step in one numba call: the kernels of the layer-by-layer path
+(`rms_norm`, the decode matvecs, `decode_attention`, `swiglu`) called from compiled code.
+
+``decode_layer(h, ...)`` computes, for a few rows h (B, C) of one new token each,
+
+    a = h + o(attention(rms_norm(h) @ qkv.T + bias))          attention: per-head q/k norm?, RoPE,
+    out = a + down(silu(gate(x)) * up(x)),  x = rms_norm(a)    cache write, cached keys
+
+with the weights in one format (f32, bf16 bits or int8 + block scales; typing picks the matvec).
+It is what `decoder.model.block` does at decode for a dense SwiGLU layer under no tensor
+parallelism, with the same kernels in the same order: the logits are bit-for-bit those of the
+layer-by-layer path (tests/test_kernels.py). Other layers (MoE, GeGLU, sandwich norms, f16, a TP
+shard whose partial sums need an all-reduce in between) keep that path.
+
+Note: why. A decode step at batch 1 is memory-bound in the matvecs, and the layer-by-layer path
+spent ~90-110 us of Python and dispatch per layer around them (about 2 ms of a 17 ms int8 token
+on 2 threads, medium preset): 4 `Linear` calls with their checks and allocations, 2 norms, the
+attention wrapper, the activation and 2 residual adds. Here the layer is one dispatch; the
+matvecs and the attention still fork onto numba's pool (parallel regions of their own).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba.core import types
+from numba.extending import overload
+
+from ._common import ERR
+from .attention import _attend_cache, _attend_cache_par, _decode_qkv
+from .elementwise import _rms_norm, _swiglu
+from .lowp import _matvec_bf16, _matvec_int8
+from .matvec import _matvec_f32
+
+__all__ = ["decode_layer", "FORMATS"]
+
+FORMATS = ("f32", "bf16", "int8")  # weight formats the fused layer takes (f16 shares bf16's uint16 storage)
+
+
+def _matvec(x, w, scale, out, chunks):
+    """x (R, K) @ w.T into out (R, N) with the decode matvec of w's storage (see the overload)."""
+
+
+@overload(_matvec)
+def _matvec_typed(x, w, scale, out, chunks):
+    if w.dtype == types.float32:
+        return lambda x, w, scale, out, chunks: _matvec_f32(x, w, out, chunks)
+    if w.dtype == types.uint16:
+        return lambda x, w, scale, out, chunks: _matvec_bf16(x, w, out, chunks)
+    if w.dtype == types.int8:
+        return lambda x, w, scale, out, chunks: _matvec_int8(x, w, scale, out, chunks)
+    return None
+
+
+@numba.njit(cache=True, error_model=ERR)
+def _decode_layer(h, ln1, ln2, eps, wqkv, sqkv, bqkv, q_dim, cos, sin, q_norm, k_norm, ck, cv, slots, pos,
+                  scale, softcap, wo, so, wgu, sgu, wd, sd, threads, out):
+    B, C = h.shape
+    nkv, L, hs = ck.shape[1], ck.shape[2], ck.shape[3]
+    nh = q_dim // hs
+    x = np.empty((B, C), np.float32)
+    _rms_norm(h, ln1, eps, x)
+    qkv = np.empty((B, wqkv.shape[0]), np.float32)
+    _matvec(x, wqkv, sqkv, qkv, min(wqkv.shape[0], 4 * threads))
+    if bqkv.shape[0]:
+        for b in range(B):
+            for j in range(qkv.shape[1]):
+                qkv[b, j] += bqkv[j]
+    q = np.empty((B, nh, hs), np.float32)
+    _decode_qkv(qkv, q_dim, cos, sin, q_norm, k_norm, eps, ck, cv, slots, pos, q)
+    y = np.empty((B, nh, hs), np.float32)
+    last = np.minimum(pos, L - 1)
+    if threads > 1 and B * nkv > 1:  # as attention._attend_kernel (rows here are few: the pool's side)
+        _attend_cache_par(q, ck, cv, slots, last, 0, scale, softcap, y)
+    else:
+        _attend_cache(q, ck, cv, slots, last, 0, scale, softcap, y)
+    a = np.empty((B, C), np.float32)
+    _matvec(y.reshape(B, nh * hs), wo, so, a, min(C, 4 * threads))
+    for b in range(B):  # a = h + o(...), as model._add_to
+        for j in range(C):
+            a[b, j] += h[b, j]
+    _rms_norm(a, ln2, eps, x)
+    gu = np.empty((B, wgu.shape[0]), np.float32)
+    _matvec(x, wgu, sgu, gu, min(wgu.shape[0], 4 * threads))
+    act = np.empty((B, wgu.shape[0] // 2), np.float32)
+    _swiglu(gu, act)
+    _matvec(act, wd, sd, out, min(C, 4 * threads))
+    for b in range(B):
+        for j in range(C):
+            out[b, j] += a[b, j]
+
+
+def decode_layer(h: np.ndarray, ln1: np.ndarray, ln2: np.ndarray, eps: float, qkv, qkv_scale, qkv_bias, q_dim: int,
+                 cos: np.ndarray, sin: np.ndarray, q_norm, k_norm, cache_k: np.ndarray, cache_v: np.ndarray,
+                 slots: np.ndarray, positions: np.ndarray, scale: float, softcap: float, o, o_scale, gate_up,
+                 gate_up_scale, down, down_scale, threads: int) -> np.ndarray:
+    """One decode step of a dense SwiGLU layer (see the module note): h (B, C) -> (B, C).
+
+    For a caller that checked everything once: h, cos, sin (B, hs) and the norms float32
+    C-contiguous; each weight checked at load (`lowp.check_weight`; float32 for f32, its scale
+    None) and all of one format; slots and positions from `check_cache_rows` (int64, in range);
+    ``scale`` the attention's score scale; ``threads`` the pool's (`pool_threads`)."""
+    none = np.empty(0, np.float32)
+    nosc = np.empty((0, 0), np.float32)
+    out = np.empty_like(h)
+    _decode_layer(h, ln1, ln2, np.float32(eps), qkv, nosc if qkv_scale is None else qkv_scale,
+                  none if qkv_bias is None else qkv_bias, q_dim, cos, sin, none if q_norm is None else q_norm,
+                  none if k_norm is None else k_norm, cache_k, cache_v, slots, positions, np.float32(scale),
+                  np.float32(softcap), o, nosc if o_scale is None else o_scale, gate_up,
+                  nosc if gate_up_scale is None else gate_up_scale, down, nosc if down_scale is None else down_scale,
+                  threads, out)
+    return out
+
+
+def warm_up(fmt: str) -> None:
+    """Load (or compile) the fused layer for weights in ``fmt`` (tiny shapes: C 4, 2 heads of 2)."""
+    from .lowp import quantize_int8, to_bf16
+
+    def weight(n: int, k: int):
+        w = np.full((n, k), 0.5, np.float32)
+        if fmt == "int8":
+            return quantize_int8(w)
+        return (to_bf16(w) if fmt == "bf16" else w), None
+
+    ones = np.ones(4, np.float32)
+    (wqkv, sqkv), (wo, so), (wgu, sgu), (wd, sd) = weight(8, 4), weight(4, 4), weight(8, 4), weight(4, 4)
+    cache = np.zeros((1, 1, 4, 2), np.float32)
+    trig = np.ones((1, 2), np.float32)
+    decode_layer(np.ones((1, 4), np.float32), ones, ones, 1e-6, wqkv, sqkv, None, 4, trig, trig, None, None,
+                 cache, cache.copy(), np.zeros(1, np.int64), np.ones(1, np.int64), 0.7, 0.0, wo, so, wgu, sgu, wd, sd, 1)
