@@ -499,19 +499,23 @@ def test_chunked_prefill_matches_transformers(converted, case):
 @pytest.mark.parametrize("case", ["llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "mixtral"])
 def test_one_call_decode_layer_equals_the_layer_by_layer_path(converted, case, precision):
     """A decode step through `kernels.decode_layer` (one numba call per layer) gives bit-for-bit
-    the logits of `model.block`'s path, on 2 rows over 3 steps (a ring wraps in Mistral's window
-    of 8), with biases (Qwen2) and per-head norms (Qwen3); Gemma 2 (GeGLU, sandwich norms) and
-    Mixtral (experts) keep the layer-by-layer path."""
+    the logits of `model.block`'s path, on 6 rows (a group of 4 through the row-group kernels and
+    2 left over) over 3 steps (a ring wraps in Mistral's window of 8), with biases (Qwen2) and
+    per-head norms (Qwen3); Gemma 2 (GeGLU, sandwich norms) and Mixtral (experts) keep the
+    layer-by-layer path."""
     family, cfg, path = converted(case)
-    ids = reference(case)["input_ids"]
+    ref = reference(case)["input_ids"]
+    ids = np.concatenate([ref, np.roll(ref, 5, axis=1), np.roll(ref, 11, axis=1)])  # (6, 40)
+    slots, lengths = np.array([2, 0, 5, 1, 4, 3]), np.array([7, 5, 6, 7, 4, 7])
     stage = build(family, cfg, path, precision=precision)
-    assert stage._fused_decode == (case not in ("gemma2", "mixtral"))
+    assert bool(stage._fused_rows) == (case not in ("gemma2", "mixtral"))
     runs = []
-    for fused in (stage._fused_decode, False):
-        stage._fused_decode = fused
-        stage.reset(3, 16, KvSpec("full"))
-        logits = [stage.prefill(ids[:, :7], np.array([2, 0]), np.array([7, 5]))]
-        for pos in (7, 8, 9):
-            logits.append(stage.decode(ids[:, pos:pos + 1], np.array([2, 0]), np.array([pos, pos - 2])))
+    for fused in (stage._fused_rows, 0):
+        stage._fused_rows = fused
+        stage.reset(6, 16, KvSpec("full"))
+        logits = [stage.prefill(ids[:, :7], slots, lengths)]
+        for step in range(3):
+            pos = lengths + step
+            logits.append(stage.decode(ids[np.arange(6), pos][:, None], slots, pos))
         runs.append(np.stack(logits))
     assert np.array_equal(runs[0], runs[1]) and np.isfinite(runs[0]).all()

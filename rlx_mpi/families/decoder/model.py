@@ -25,7 +25,7 @@ from . import moe, ops
 from .arch import Arch
 from .weights import Experts, LayerWeights, Linear, Mlp
 
-__all__ = ["LayerWeights", "rms_norm", "apply_rope", "attention", "mlp", "block", "decode_block", "fused_decode",
+__all__ = ["LayerWeights", "rms_norm", "apply_rope", "attention", "mlp", "block", "decode_block", "fused_decode_rows",
            "embed", "lm_head", "KvStep"]
 
 Reduce = Callable[[np.ndarray], np.ndarray]
@@ -149,17 +149,19 @@ def block(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.nd
     return _add_to(m, x)
 
 
-def fused_decode(cfg: Arch, precision: str, tp: int) -> bool:
-    """Whether `decode_block` can run this model's decode steps: dense SwiGLU layers without
-    sandwich norms, weights in one of `kernels.decode_layer`'s formats, no TP partial sums."""
-    return (tp == 1 and precision in kernels.DECODE_LAYER_FORMATS and cfg.activation == "silu"
-            and not cfg.num_experts and not cfg.sandwich_norms)
+def fused_decode_rows(cfg: Arch, precision: str, tp: int) -> int:
+    """Up to how many rows `decode_block` runs this model's decode steps (0: never). It needs dense
+    SwiGLU layers without sandwich norms, weights in one of `kernels.decode_layer`'s formats and no
+    TP partial sums; the rows are those for which a `Linear` takes the decode matvecs."""
+    if (tp == 1 and precision in kernels.DECODE_LAYER_FORMATS and cfg.activation == "silu"
+            and not cfg.num_experts and not cfg.sandwich_norms):
+        return kernels.F32_MATVEC_ROWS if precision == "f32" else kernels.MATVEC_ROWS
+    return 0
 
 
 def decode_block(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray, kv: KvStep) -> np.ndarray:
-    """`block` at a decode step of at most F32_MATVEC_ROWS rows, in one numba call
-    (`kernels.decode_layer`, bit-for-bit the same): x (B, 1, C) -> (B, 1, C). Only where
-    `fused_decode` holds."""
+    """`block` at a decode step in one numba call (`kernels.decode_layer`, bit-for-bit the same):
+    x (B, 1, C) -> (B, 1, C), for B up to `fused_decode_rows`."""
     B, _, C = x.shape
     cache, mlp_ = kv.caches[kv.layer], w.mlp
     y = kernels.decode_layer(np.ascontiguousarray(x).reshape(B, C), w.input_layernorm, w.post_attention_layernorm,

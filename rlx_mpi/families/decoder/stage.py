@@ -46,7 +46,7 @@ class DecoderStage(Stage):
             raise ValueError(f"DecoderStage: precision {precision!r} is not one of {PRECISIONS}")
         self.cfg, self.layers, self.first, self.last, self.tp, self.ctx = cfg, layers, first, last, tp, ctx
         self.precision = precision
-        self._fused_decode = model.fused_decode(cfg, precision, tp.size)
+        self._fused_rows = model.fused_decode_rows(cfg, precision, tp.size)  # 0: layer by layer
         kernels.warm_up()
         ops.warm_up()
         if precision != "f32":
@@ -164,7 +164,7 @@ class DecoderStage(Stage):
                 lengths: np.ndarray | None = None) -> np.ndarray:
         h = self._embed(x)  # (B, T, C)
         cos, sin = self.rope.at(positions, lengths)  # (B, 1, T, hs)
-        fused = self._fused_decode and not step.prefill and h.shape[0] <= kernels.F32_MATVEC_ROWS
+        fused = not step.prefill and h.shape[0] <= self._fused_rows
         if fused:  # one numba call per layer (`model.decode_block`)
             cos, sin = np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
         for i, w in enumerate(self.blocks):
