@@ -12,7 +12,9 @@ import numpy as np
 # than the serial kernels, which match the old materialising attention's time. Their matmuls are
 # BLAS's, on the rank's BLAS threads; flip this to try again. The decode matvecs (matvec.py,
 # lowp.py) are the exception: compiled parallel, they split output rows over numba's pool,
-# which `set_threads` sizes like BLAS's (`cluster._pin_threads`).
+# which `set_threads` sizes like BLAS's (`cluster._pin_threads`). OpenBLAS's threads spin ~0.1 s
+# after each call by default; a launched rank lets them sleep after ~0.4 ms (launch.py's note), or a
+# decode step after a prefill shares its cores with them.
 PARALLEL = False
 
 # IEEE division (Inf/NaN, no ZeroDivisionError check): a float division carries a zero check

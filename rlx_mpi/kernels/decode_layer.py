@@ -17,6 +17,10 @@ spent ~90-110 us of Python and dispatch per layer around them (about 2 ms of a 1
 on 2 threads, medium preset): 4 `Linear` calls with their checks and allocations, 2 norms, the
 attention wrapper, the activation and 2 residual adds. Here the layer is one dispatch; the
 matvecs and the attention still fork onto numba's pool (parallel regions of their own).
+Measured (bench/ab_decode.py, medium, batch 1, interleaved rounds, old ms/token over new, logits
+identical): 2 threads int8 1.12x, bf16 1.14x, f32 1.19x; 1 thread 1.10x, 1.11x, 1.03x. More than
+the Python it removes: between the layer-by-layer calls numba's workers went to sleep and had to
+be woken for the next matvec.
 """
 
 from __future__ import annotations
