@@ -18,9 +18,9 @@ on 2 threads, medium preset): 4 `Linear` calls with their checks and allocations
 attention wrapper, the activation and 2 residual adds. Here the layer is one dispatch; the
 matvecs and the attention still fork onto numba's pool (parallel regions of their own).
 Measured (bench/ab_decode.py, medium, batch 1, interleaved rounds, old ms/token over new, logits
-identical): 2 threads int8 1.12x, bf16 1.14x, f32 1.19x; 1 thread 1.10x, 1.11x, 1.03x. More than
-the Python it removes: between the layer-by-layer calls numba's workers went to sleep and had to
-be woken for the next matvec.
+identical): 2 threads int8 1.12x, bf16 1.14x, f32 1.19x; 1 thread 1.10x, 1.11x, 1.03x. At 2
+threads that is more than the ~2 ms of Python it removes; a likely cause, not measured, is that
+numba's workers no longer idle (and sleep) through Python between two parallel regions.
 """
 
 from __future__ import annotations
