@@ -89,12 +89,9 @@ def prefill_kv(cache: LayerCache | None, spec: KvSpec, k: np.ndarray, v: np.ndar
     if start:
         if cache is None:
             raise ValueError("prefill_kv: a chunk after position 0 needs a KV cache (kv_cache = none recomputes)")
-        L = cache.k.shape[2]
-        prev = min(start, L)  # the positions start-prev..start-1, in order (a ring: column p % L)
-        cols = np.arange(start - prev, start) % L
-        rows = np.asarray(slots)
-        keys = np.concatenate([cache.k[rows][:, :, cols], k], axis=2)  # (B, nkv, prev + T, hs)
-        values = np.concatenate([cache.v[rows][:, :, cols], v], axis=2)
+        prev = min(start, cache.k.shape[2])  # the positions start-prev..start-1
+        keys = np.concatenate([_before(cache.k, slots, start, prev), k], axis=2)  # (B, nkv, prev + T, hs)
+        values = np.concatenate([_before(cache.v, slots, start, prev), v], axis=2)
         q_pos = np.broadcast_to(prev + np.arange(T), (B, T))  # key j sits at position start - prev + j
     if cache is not None:
         L = cache.k.shape[2]
@@ -105,3 +102,14 @@ def prefill_kv(cache: LayerCache | None, spec: KvSpec, k: np.ndarray, v: np.ndar
             cache.k[slots[b], :, cols] = k[b, :, first:n].transpose(1, 0, 2)  # (n', nkv, hs)
             cache.v[slots[b], :, cols] = v[b, :, first:n].transpose(1, 0, 2)
     return keys, values, q_pos, spec.window if spec.policy == "window" else 0
+
+
+def _before(cache: np.ndarray, slots: np.ndarray, start: int, prev: int) -> np.ndarray:
+    """Positions start-prev..start-1 of cache rows ``slots``, in order: (B, nkv, prev, hs). Column
+    p % L holds position p; a slice of each row unless the ring wraps inside the range."""
+    L = cache.shape[2]
+    lo = (start - prev) % L
+    if lo + prev <= L:
+        return np.stack([cache[s, :, lo:lo + prev] for s in slots])
+    cols = np.arange(start - prev, start) % L
+    return np.stack([cache[s][:, cols] for s in slots])
