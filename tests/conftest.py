@@ -144,6 +144,8 @@ _WARM_NUMBA = """
 from rlx_mpi import kernels, wire
 from rlx_mpi.families.decoder import ops
 kernels.warm_up(); kernels.warm_up_lowp(); ops.warm_up(); wire.warm_up()
+for fmt in kernels.DECODE_LAYER_FORMATS:
+    kernels.warm_up_decode_layer(fmt)
 """
 
 

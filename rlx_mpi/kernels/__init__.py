@@ -28,11 +28,11 @@ from .lowp import (INT8_BLOCK, MATVEC_ROWS, WEIGHT_FORMATS, _matvec_bf16, check_
                    f16_has_special, fused_matvec, from_bf16, int8_blocks, quantize_int8, to_bf16)
 from .matvec import F32_MATVEC_ROWS, matvec_f32
 from ._common import pool_threads
-from .decode_layer import FORMATS as DECODE_LAYER_FORMATS, decode_layer, warm_up as _decode_layer_warm_up
+from .decode_layer import FORMATS as DECODE_LAYER_FORMATS, decode_layer, warm_up as warm_up_decode_layer
 
 __all__ = ["rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_cache", "decode_attention", "check_cache_rows", "attend_workspace_bytes", "causal_softmax_",
            "matvec_f32", "F32_MATVEC_ROWS", "dequant_matmul", "fused_matvec", "check_weight", "dequantize", "f16_has_special", "to_bf16",
-           "from_bf16", "quantize_int8", "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "MATVEC_ROWS", "set_threads", "pool_threads", "decode_layer", "DECODE_LAYER_FORMATS", "warm_up",
+           "from_bf16", "quantize_int8", "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "MATVEC_ROWS", "set_threads", "pool_threads", "decode_layer", "DECODE_LAYER_FORMATS", "warm_up_decode_layer", "warm_up",
            "warm_up_lowp"]
 
 
@@ -52,7 +52,6 @@ def warm_up() -> None:
         decode_attention(np.ones((1, 8), np.float32), 4, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32),
                          kv.copy(), kv.copy(), np.zeros(1, np.int64), np.full(1, 3), q_norm=norm, k_norm=norm)
     matvec_f32(np.ones((1, 2), np.float32), np.ones((3, 2), np.float32))
-    _decode_layer_warm_up("f32")
 
 
 def warm_up_lowp() -> None:
@@ -64,5 +63,4 @@ def warm_up_lowp() -> None:
     for fmt, ww, sc in (("bf16", b, None), ("f16", w.astype(np.float16).view(np.uint16), None), ("int8", q, s)):
         dequant_matmul(x1, ww, fmt, sc)
         dequant_matmul(x2, ww, fmt, sc)
-    for fmt in ("bf16", "int8"):
-        _decode_layer_warm_up(fmt)
+

@@ -127,6 +127,8 @@ class DecoderStage(Stage):
         A sliding-window layer keeps only its window (a ring, as Mistral's rolling cache): the
         job's policy and the layer's own window, whichever is narrower."""
         cfg = self.cfg
+        if self._fused_rows:  # generation only: `run` never compiles (or loads) the one-call layer
+            kernels.warm_up_decode_layer(self.precision)
         nkv = cfg.num_key_value_heads // self.kv_part[1]  # this rank's kv heads
         self.specs = [_layer_spec(kv, w.window) for w in self.blocks]
         self.caches = None
