@@ -9,7 +9,7 @@
 with the weights in one format (f32, bf16 bits or int8 + block scales; typing picks the matvec).
 It is what `decoder.model.block` does at decode for a dense SwiGLU layer under no tensor
 parallelism, with the same kernels in the same order: the logits are bit-for-bit those of the
-layer-by-layer path (tests/test_kernels.py). Other layers (MoE, GeGLU, sandwich norms, f16, a TP
+layer-by-layer path (tests/test_families.py, every dense family at f32, bf16 and int8). Other layers (MoE, GeGLU, sandwich norms, f16, a TP
 shard whose partial sums need an all-reduce in between) keep that path.
 
 Note: why. A decode step at batch 1 is memory-bound in the matvecs, and the layer-by-layer path
@@ -100,7 +100,7 @@ def decode_layer(h: np.ndarray, ln1: np.ndarray, ln2: np.ndarray, eps: float, qk
                  gate_up_scale, down, down_scale, threads: int) -> np.ndarray:
     """One decode step of a dense SwiGLU layer (see the module note): h (B, C) -> (B, C).
 
-    For a caller that checked everything once: h, cos, sin (B, hs) and the norms float32
+    For a caller that checked everything once: h (B, C), cos, sin (B, hs) and the norms float32
     C-contiguous; each weight checked at load (`lowp.check_weight`; float32 for f32, its scale
     None) and all of one format; slots and positions from `check_cache_rows` (int64, in range);
     ``scale`` the attention's score scale; ``threads`` the pool's (`pool_threads`)."""
