@@ -117,12 +117,14 @@ def run(command: Callable[[Any], int], args: Any, *, mpi: bool, supervise: bool 
     try:
         try:
             if mpi and (code := _agree_command_line(refused, startup_s, debug)) is not None:
+                _keep_exit_code(code)
                 _finish(_finish_timeout_s, debug)
                 return code
             code = command(args)
         except ImportError as e:  # numpy, numba, h5py...: the node's Python, not a bug of ours
             raise _broken_import(e) from e
         if mpi:
+            _keep_exit_code(code)
             _finish(_finish_timeout_s, debug)
         return code
     except RlxError as e:
@@ -143,6 +145,7 @@ def run(command: Callable[[Any], int], args: Any, *, mpi: bool, supervise: bool 
             if _rank() == 0:
                 print(f"rlx-mpi: error: {e.line}", file=sys.stderr)
             if mpi:
+                _keep_exit_code(e.exit_code)
                 _finish(_finish_timeout_s, debug)
             return e.exit_code
         if mpi:  # a fault outside the agreed steps: report once and end every rank
@@ -153,6 +156,34 @@ def run(command: Callable[[Any], int], args: Any, *, mpi: bool, supervise: bool 
         print(f"rlx-mpi: error: internal error ({type(e).__name__}: {e}); please report it with the traceback above",
               file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def _keep_exit_code(code: int) -> None:
+    """A failure every rank agreed on (exit ``code``) survives the launcher's SIGTERM.
+
+    Note: srun --kill-on-bad-exit (as slurm/run.sbatch runs) terminates the other tasks as soon
+    as the first exits non-zero; a rank still in the finish barrier, MPI_Finalize or Python's
+    exit then died of SIGTERM and the job ended 143:0 instead of 2:0 (1 CI run in ~20, missing
+    checkpoint). So from here a SIGTERM ends the rank with ``code`` at once, and its supervisor
+    is told the code for a death in C code, where no Python handler runs. A code of 0 changes
+    nothing: a launcher that ends a succeeding rank is still reported as it was.
+    """
+    if not code:
+        return
+    import signal
+
+    from . import supervisor
+
+    def leave(*_) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, RuntimeError, ValueError):  # (a reentrant flush, a closed pipe)
+                pass
+        os._exit(code)
+
+    supervisor.exiting(code)
+    signal.signal(signal.SIGTERM, leave)
 
 
 _FINISH_TIMEOUT_S = 60.0  # the end barrier's deadline when no job file gave [run] timeout_s

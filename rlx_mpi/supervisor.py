@@ -12,10 +12,13 @@ short lines the rank posts through a pipe:
     watch <s> <by> the start-up deadline: MPI must be initialised within <s> s of launch
     init           the rank is entering MPI_Init (where it waits for every other rank)
     ready          MPI is initialised; from here on every wait has its own deadline
-    done           the rank reached the normal end of the command (any exit code)
+    code <n>       the rank's exit code is decided (a failure every rank agreed on); it is ending
+    done [code]    the rank reached the normal end of the command, with this exit code
 
 The parent ends the job, naming the rank, when the child
-- dies of a signal nobody sent the parent too (the launcher's SIGTERM, a Ctrl-C are not faults);
+- dies of a signal nobody sent the parent too (the launcher's SIGTERM, a Ctrl-C are not faults;
+  after ``code <n>`` or ``done <n>`` such a death keeps the rank's code: srun --kill-on-bad-exit
+  terminates the ranks still exiting once the first has exited 2, and the job must end with 2);
 - exits without posting ``done`` (``os._exit(0)`` in a plug-in, an import error, a broken MPI);
 - has not posted ``ready`` when the start-up deadline passes (a stopped rank, a hung mount).
   A rank stopped, or stuck before it even reached MPI_Init, is reported at the deadline
@@ -62,7 +65,7 @@ import sys
 import time
 
 __all__ = ["supervise", "active", "post_context", "watch", "entering_mpi", "ready", "done", "default_startup_timeout_s",
-           "stopped_supervisor_s", "DEFAULT_STARTUP_TIMEOUT_S", "DEFAULT_STOPPED_SUPERVISOR_S", "GRACE_S",
+           "stopped_supervisor_s", "exiting", "DEFAULT_STARTUP_TIMEOUT_S", "DEFAULT_STOPPED_SUPERVISOR_S", "GRACE_S",
            "STAGGER_S"]
 
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
@@ -131,9 +134,14 @@ def ready() -> None:
     _post("ready")
 
 
-def done() -> None:
-    """This rank reached the normal end of its command (whatever its exit code)."""
-    _post("done")
+def exiting(code: int) -> None:
+    """This rank's exit code is decided; a launcher's signal from here on must not change it."""
+    _post(f"code {int(code)}")
+
+
+def done(code: int | None = None) -> None:
+    """This rank reached the normal end of its command, with exit code ``code`` (when known)."""
+    _post("done" if code is None else f"done {int(code)}")
 
 
 # -- the supervisor's side ---------------------------------------------------------------------
@@ -275,6 +283,7 @@ class _Watcher:
         self.waited = False  # the in-MPI grace was given
         self.claim: socket.socket | None = None  # held from the report to the end (`_first_report`)
         self.context, self.in_mpi, self.is_ready, self.is_done = "", False, False, False
+        self.decided: int | None = None  # the exit code the rank posted with ``code`` or ``done``
         self.noted: set[int] = set()
         self.pending = b""
 
@@ -354,8 +363,10 @@ class _Watcher:
                 self.in_mpi = True
             elif kind == "ready":
                 self.is_ready = True
-            elif kind == "done":
-                self.is_done = True
+            elif kind in ("code", "done"):
+                self.is_done = self.is_done or kind == "done"
+                if rest.strip().isdigit():
+                    self.decided = int(rest)
 
     # -- verdicts --------------------------------------------------------------------------------
 
@@ -393,7 +404,7 @@ class _Watcher:
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
             if sig in self.noted:  # sent to us both (the launcher, a Ctrl-C): not this rank's fault
-                return 128 + sig
+                return self.decided if self.decided is not None else 128 + sig
             try:
                 name = signal.Signals(sig).name
             except ValueError:

@@ -220,6 +220,14 @@ if what == "ready-exit0":
     supervisor.ready(); os._exit(0)
 if what == "done-exit3":
     supervisor.ready(); supervisor.done(); os._exit(3)
+if what.endswith("-term"):  # the launcher ends the job: SIGTERM to the supervisor, passed on
+    supervisor.ready()
+    if what == "code2-term":
+        supervisor.exiting(2)
+    elif what == "keep2-term":
+        from rlx_mpi import launch
+        launch._keep_exit_code(2)
+    os.kill(os.getppid(), 15); time.sleep(20)
 if what in ("stop", "silent"):
     os.kill(os.getpid(), 19)
 if what == "in-mpi":
@@ -232,6 +240,9 @@ os._exit(0)
     ("exit0", -9, "ended with exit status 0 before MPI start-up finished"),  # SIGKILL: the launcher must see it
     ("ready-exit0", -9, "ended with exit status 0 (pid"),  # after MPI_Init too: an exit code is not enough
     ("done-exit3", 3, None),
+    ("ready-term", 128 + 15, None),  # a launcher's SIGTERM is not the rank's fault, and says so
+    ("code2-term", 2, None),  # a rank dying of it after its failure code was decided keeps the code
+    ("keep2-term", 2, None),  # and a rank in Python leaves with it at once (srun --kill-on-bad-exit)
     ("stop", -9, "stopped (SIGSTOP or SIGTSTP) during start-up and still stopped after 1 s ([run] startup_timeout_s)"),
     ("in-mpi", -9, "MPI start-up did not finish within 1 s"),
     ("silent", -9, "RLX_MPI_STARTUP_TIMEOUT_S, the start-up deadline before the job file is read"),
