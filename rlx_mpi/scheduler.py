@@ -7,8 +7,8 @@ at each row's own position). A row that ends (``max_new_tokens``, or an end-of-s
 frees its slot for the next prompt at the group's next turn. With ``recompute`` (kv_cache
 "none" on some stage) every step is a prefill of each row's whole sequence so far. A step
 travels the pipeline as a small int64 header (`make_header`/`read_header`: kind, group, rows,
-T, start; per row: slot, length|position, prompt key, token index); the decode ring that moves
-it is `rlx_mpi.drivers.generate`.
+T, start, decode rows; per row: slot, length|position, prompt key, token index); the decode ring
+that moves it is `rlx_mpi.drivers.generate`.
 
 Note: chunked prefill (``prefill_chunk`` C > 0). A group whose rows are all new prefills them C
 positions per turn (steps with ``start`` 0, C, 2C, ...; each row's length in the header is its
@@ -16,9 +16,14 @@ whole prompt's, so a stage knows which chunk ends which row), and the other grou
 run between its chunks: in a pipeline a whole prompt's prefill held every stage behind it for
 its full length (the other stages idled), a chunk costs about what a decode step does. A row's
 token is sampled from the chunk that holds its prompt's last position; a row whose prompt ended
-in an earlier chunk waits for the group's longer ones. A group that admits new rows beside rows
-already decoding prefills them whole, in one step: chunked, its decoding rows would wait one turn
-per chunk instead of one turn. No chunking under ``recompute``.
+in an earlier chunk waits for the group's longer ones. No chunking under ``recompute``.
+
+Note: MIXED steps. New rows admitted beside rows already decoding (a row ended, the next prompt
+took its slot) are prefilled a chunk per turn *in the same step* as the decoding rows' next
+token: the step's token rows are the decode rows' tokens, then each new row's chunk, and every
+weight matrix is read once for both (`Stage.mixed`). Before, the new rows were prefilled whole
+in a step of their own and the group's decoding rows waited for it. A Stage without chunked
+prefill gets no MIXED step (its new rows are prefilled whole, as before).
 """
 
 from __future__ import annotations
@@ -33,10 +38,11 @@ import numpy as np
 
 from .sampling import prompt_key
 
-__all__ = ["PREFILL", "DECODE", "STOP", "Seq", "Step", "Scheduler", "make_header", "read_header", "chunk_start"]
+__all__ = ["PREFILL", "DECODE", "STOP", "MIXED", "Seq", "Step", "Scheduler", "make_header", "read_header", "chunk_start",
+           "decode_rows"]
 
-PREFILL, DECODE, STOP = 1, 2, 3
-_HEAD, _ROW = 5, 4  # header: kind, group, rows, T, start; then per row: slot, length|position, key, token index
+PREFILL, DECODE, STOP, MIXED = 1, 2, 3, 4
+_HEAD, _ROW = 6, 4  # header: kind, group, rows, T, start, decode rows; then per row: slot, length|position, key, token index
 
 
 @dataclass
@@ -71,14 +77,17 @@ class Step:
     ids: np.ndarray  # (n, T) int64: stage 0's input
     header: np.ndarray  # int64 (_HEAD + _ROW * batch,)
     start: int = 0  # a prefill chunk's first position (chunked prefill)
+    T: int = 1  # positions per prefill row (a decode row has one)
+    n_decode: int = 0  # MIXED: the first n_decode rows decode, the others prefill a chunk
     tokens: np.ndarray | None = None  # (n,) once sampled; (n, 2 + 2K) `sampling.pack_sampled` with --logprobs K
     pending: Any = None  # the posted receive of the tokens (pipelines of 2+ stages)
 
 
-def make_header(kind: int, group: int, T: int, slots, lengths, keys, index, size: int, start: int = 0) -> np.ndarray:
+def make_header(kind: int, group: int, T: int, slots, lengths, keys, index, size: int, start: int = 0,
+                n_decode: int = 0) -> np.ndarray:
     h = np.zeros(size, np.int64)
     n = len(slots)
-    h[:_HEAD] = (kind, group, n, T, start)
+    h[:_HEAD] = (kind, group, n, T, start, n_decode)
     rows = h[_HEAD:_HEAD + _ROW * n].reshape(n, _ROW)
     rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3] = slots, lengths, keys, index
     return h
@@ -95,6 +104,11 @@ def chunk_start(h: np.ndarray) -> int:
     return int(h[4])
 
 
+def decode_rows(h: np.ndarray) -> int:
+    """A MIXED step's decode rows (its first rows; the others prefill a chunk)."""
+    return int(h[5])
+
+
 class Scheduler:
     """Which prompt takes which slot, and what each group computes next (continuous batching).
 
@@ -102,19 +116,22 @@ class Scheduler:
     ``eos_ids`` (a checkpoint may name several: Llama 3's ``<|eot_id|>`` and ``<|end_of_text|>``).
     With ``recompute`` (kv_cache "none" on some stage) every step is a prefill of each row's
     whole sequence so far. ``prefill_chunk`` > 0: positions per prefill step of a group whose
-    rows are all new (the chunked-prefill note).
+    rows are all new (the chunked-prefill note); with ``mixed`` (the stages implement
+    `Stage.mixed`) new rows beside decoding rows are prefilled that way too, in MIXED steps.
     """
 
     def __init__(self, prompts: list[tuple[int, str, tuple[int, ...]]], groups: int, batch: int,
-                 max_new_tokens: int, eos_ids: frozenset[int], recompute: bool, prefill_chunk: int = 0):
+                 max_new_tokens: int, eos_ids: frozenset[int], recompute: bool, prefill_chunk: int = 0,
+                 mixed: bool = False):
         self.chunk = 0 if recompute else prefill_chunk
+        self.mixed = mixed and bool(self.chunk)
         self.queue = deque(prompts)
         self.groups, self.batch = groups, batch
         self.max_new_tokens, self.eos_ids, self.recompute = max_new_tokens, frozenset(eos_ids), recompute
         self.rows: list[list[Seq | None]] = [[None] * batch for _ in range(groups)]
         self.stopping = False
         self.header_size = _HEAD + _ROW * batch
-        self.prefill_steps = 0
+        self.prefill_steps = 0  # steps that carried prefill positions (MIXED ones too)
         self.gaps = array("d")  # seconds between a row's decode tokens (`token_gaps_ms`): 8 bytes each
 
     def next_step(self, g: int) -> Step | None:
@@ -131,9 +148,13 @@ class Scheduler:
         fresh = [r for r in live if not r.prefilled]
         if self.recompute and live:
             return self._prefill(g, live)
-        if fresh and self.chunk and (len(fresh) == len(live) or any(r.filled for r in fresh)):
-            start = min(r.filled for r in fresh)  # a new group, one chunk per turn (a row admitted later catches up)
-            return self._prefill(g, [r for r in fresh if r.filled == start], start, self.chunk)
+        decoding = [r for r in live if r.prefilled]
+        if fresh and self.chunk and (self.mixed or not decoding or any(r.filled for r in fresh)):
+            start = min(r.filled for r in fresh)  # one chunk per turn (a row admitted later catches up)
+            chunk = [r for r in fresh if r.filled == start]
+            if decoding and self.mixed:  # the decoding rows take their token in the same step
+                return self._mixed(g, decoding, chunk, start)
+            return self._prefill(g, chunk, start, self.chunk)
         if fresh:  # new prompts first; the group's other rows wait one turn
             return self._prefill(g, fresh)
         if not live:
@@ -156,15 +177,32 @@ class Scheduler:
         header = make_header(PREFILL, g, T, [r.slot for r in rows], [len(s) for s in seqs],
                              [r.key for r in rows], [len(r.new) for r in rows], self.header_size, start)
         self.prefill_steps += 1
-        return Step(PREFILL, g, rows, ids, header, start=start)
+        return Step(PREFILL, g, rows, ids, header, start=start, T=T)
+
+    def _mixed(self, g: int, decoding: list[Seq], rows: list[Seq], start: int) -> Step:
+        """The decoding rows' next tokens and positions start.. (at most ``chunk``) of ``rows``,
+        in one step: ids (1, N), the decode tokens then each row's T positions, right-padded."""
+        nd, seqs = len(decoding), [r.prompt + tuple(r.new) for r in rows]
+        T = min(max(map(len, seqs)) - start, self.chunk)
+        ids = np.zeros(nd + len(rows) * T, np.int64)
+        ids[:nd] = [r.new[-1] for r in decoding]
+        chunk = ids[nd:].reshape(len(rows), T)  # a view: padding is never attended to
+        for b, s in enumerate(seqs):
+            part = s[start:start + T]
+            chunk[b, :len(part)] = part
+        both = decoding + rows
+        header = make_header(MIXED, g, T, [r.slot for r in both], [r.length - 1 for r in decoding] + list(map(len, seqs)),
+                             [r.key for r in both], [len(r.new) for r in both], self.header_size, start, nd)
+        self.prefill_steps += 1
+        return Step(MIXED, g, both, ids[None], header, start=start, T=T, n_decode=nd)
 
     def complete(self, step: Step, tokens: np.ndarray, logprobs: tuple | None = None) -> list[Seq]:
         """Append each row's new token (and its ``logprobs``: `sampling.logprobs`' arrays, one
         row each); return the rows that finished (their slots are free)."""
         done, now = [], time.perf_counter()
         for b, (r, t) in enumerate(zip(step.rows, tokens.tolist())):
-            if step.kind == PREFILL and step.start + step.ids.shape[1] < r.length:  # a chunk short of its end
-                r.filled = step.start + step.ids.shape[1]
+            if step.kind != DECODE and b >= step.n_decode and step.start + step.T < r.length:  # a chunk short of its end
+                r.filled = step.start + step.T
                 continue
             if len(r.new) >= 2:  # (not the first gap: at start-up it holds the other groups' prefills)
                 self.gaps.append(now - r.last)

@@ -10,7 +10,8 @@ The contract, exactly as the core uses it (a family implementing only this works
 tests/protocol_family.py): rlx_mpi calls ``load_config``, ``dims``, ``describe``, ``check_tp``,
 ``cost``, ``check_inputs``, ``expected_shapes``, ``output_spec`` and ``build_stage(config,
 source, layers, first, last, tp, ctx)`` on the family, and ``forward`` and ``weight_bytes`` on
-the stage (``layers``, ``first``, ``last`` are read for messages). ``presets``,
+the stage, with ``reset``, ``prefill``, ``decode`` and ``mixed`` for ``generate`` (``layers``,
+``first``, ``last`` are read for messages). ``presets``,
 ``config_from_shape``, ``init_random``, ``hf_model_types`` and ``convert_hf`` serve the
 commands that make or price a model (``init-model``, ``[model] preset``, ``plan``,
 ``convert``); a family may leave them empty or raise `ConfigError` from them. The core never
@@ -102,6 +103,25 @@ class Stage(abc.ABC):
     def decode(self, x: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """One new token per row at ``positions`` (B,), attending over the cache."""
         raise NotImplementedError(f"{type(self).__name__} does not support generation")
+
+    def mixed(self, x: np.ndarray, slots: np.ndarray, pos: np.ndarray, n_decode: int, start: int) -> np.ndarray:
+        """A decode of rows 0..n_decode-1 (at positions ``pos``) and a prefill chunk of the others
+        (positions start..start+T-1 of prompts ``pos`` long) in one step (chunked prefill beside
+        decoding rows). x holds the rows' token rows back to back: ids (1, N) on the first stage,
+        else hidden (1, N, C), N = n_decode + rows x T. Returns the same layout, or on the last
+        stage logits (n, V) as `decode` and `prefill` give them.
+
+        This default runs `decode` and `prefill` one after the other; a family overrides it to
+        read each weight matrix once for both (the decoder family does: `model.MixedKv`). Only
+        used when ``prefill`` takes ``start``."""
+        nd, n = n_decode, len(slots)
+        T = (x.shape[1] - nd) // (n - nd)
+        tail = x.shape[2:]
+        d = self.decode(x[0, :nd].reshape(nd, 1, *tail), slots[:nd], pos[:nd])
+        p = self.prefill(x[0, nd:].reshape(n - nd, T, *tail), slots[nd:], pos[nd:], start=start)
+        if self.last:
+            return np.concatenate([d, p])
+        return np.concatenate([d.reshape(1, nd, -1), p.reshape(1, -1, p.shape[-1])], axis=1)
 
 
 @dataclass(frozen=True)

@@ -495,6 +495,33 @@ def test_chunked_prefill_matches_transformers(converted, case):
     assert np.abs(got[0] - want[0, 39]).max() <= 1e-4, case
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_mixed_steps_match_transformers(converted, case):
+    """`Stage.mixed`: row 0 decodes positions 33.. while row 1 prefills its 33 tokens in chunks
+    of 7 beside it, one pass over the weights per step (`model.MixedKv`); every decode token's
+    logits and each chunk's last real token match transformers' full forward (a window layer's
+    ring of 8 wraps on both rows). The base class's default (decode, then prefill) agrees."""
+    from rlx_mpi.stage import Stage
+
+    family, cfg, path = converted(case)
+    ref = reference(case)
+    stage = build(family, cfg, path)
+    ids, want = ref["input_ids"], ref["logits"]
+    for run in (type(stage).mixed, Stage.mixed):
+        stage.reset(2, 40, KvSpec("full"))
+        got = stage.prefill(ids[:1, :33], np.array([1]), np.array([33]))  # (longrope: past its short range)
+        assert np.abs(got[0] - want[0, 32]).max() <= 1e-4, case
+        for k, start in enumerate(range(0, 33, 7)):
+            T, p = min(7, 33 - start), 33 + k  # the chunk; row 0's position
+            x = np.concatenate([ids[0, p:p + 1], ids[1, start:start + T]])[None]  # (1, 1 + T)
+            got = run(stage, x, np.array([1, 0]), np.array([p, 33]), 1, start)
+            assert got.shape == (2, cfg.vocab_size), case
+            assert np.abs(got[0] - want[0, p]).max() <= 1e-4, (case, run, start)
+            assert np.abs(got[1] - want[1, start + T - 1]).max() <= 1e-4, (case, run, start)
+        got = stage.decode(ids[1:2, 33:34], np.array([0]), np.array([33]))  # row 1 decodes from its chunks
+        assert np.abs(got[0] - want[1, 33]).max() <= 1e-4, (case, run)
+
+
 @pytest.mark.parametrize("precision", ["f32", "bf16", "int8"])
 @pytest.mark.parametrize("case", ["llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "mixtral"])
 def test_one_call_decode_layer_equals_the_layer_by_layer_path(converted, case, precision):

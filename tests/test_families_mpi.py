@@ -55,7 +55,10 @@ def runs(request, tmp_path_factory):
             out = d / "out.h5"
             return run_cli(["run", job, "--input-ids", d / "ids.npy", "--out", out], ranks=ranks, timeout=120), out
         prompts = d / "p.jsonl"
-        prompts.write_text(json.dumps({"id": "p0", "tokens": ref["prompt_ids"][0].tolist()}) + "\n")
+        rows = [{"id": "p0", "tokens": ref["prompt_ids"][0].tolist()}]
+        if ranks > 1:  # a 2-token prompt beside it decodes while p0 is prefilled in MIXED steps
+            rows.append({"id": "short", "tokens": rows[0]["tokens"][:2]})
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
         job = write_job(d, model={"checkpoint": str(ckpt)}, run={"timeout_s": 30.0},
                         placement={"reserve_ram_gb": 0.0, "tp": tp})
         out = d / "c.jsonl"
@@ -85,11 +88,13 @@ def test_run_matches_transformers(request, runs, case, ranks, tp):
 def test_generate_greedy_equals_transformers(request, runs, case, ranks, tp):
     """``rlx-mpi generate`` (prefill + cached decode over the pipeline) gives the tokens of
     transformers' ``generate(do_sample=False)``; on 2 ranks (TP) the prompt is prefilled in
-    chunks of 3 (``--prefill-chunk``), each after the first reading the cache."""
+    chunks of 3 (``--prefill-chunk``), each after the first reading the cache, and beside it a
+    2-token prompt decodes from the second step on: p0's chunks ride in MIXED steps (one pass
+    over the weights for both rows, `Stage.mixed`, experts and all-reduces included)."""
     proc, out = runs.result(request)
     assert proc.returncode == 0, proc.stderr
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert rows[0]["tokens"] == reference(case)["greedy_ids"][0].tolist()
+    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["p0"]["tokens"] == reference(case)["greedy_ids"][0].tolist()
     stats = json.loads((out.parent / "stats.json").read_text())
     prompt = reference(case)["prompt_ids"].shape[1]
     assert stats["prefill_steps"] == (-(-prompt // 3) if ranks > 1 else 1)

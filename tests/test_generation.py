@@ -295,6 +295,31 @@ def test_scheduler_chunks_a_new_groups_prefill_and_samples_at_each_rows_end():
     assert [r.id for r in second.rows] == ["c"] and second.ids.shape == (1, 9) and chunk_start(second.header) == 0
 
 
+def test_scheduler_mixes_new_rows_chunks_into_the_decoding_rows_steps():
+    """With ``mixed``, a row admitted beside a decoding row is prefilled 4 positions per step in
+    the decoding row's own steps (MIXED: the decode token first, then the chunk, right-padded);
+    the decoding row gets a token every step, the new row only from its last chunk."""
+    from rlx_mpi.scheduler import MIXED, decode_rows
+
+    s = Scheduler([(0, "a", (1, 2)), (1, "b", (3, 4)), (2, "c", tuple(range(1, 10)))], groups=1, batch=2,
+                  max_new_tokens=4, eos_ids=frozenset({99}), recompute=False, prefill_chunk=4, mixed=True)
+    s.complete(s.next_step(0), np.array([99, 5]))  # a ends at once (eos); b decodes from here; c takes a's slot
+    want = [(0, [[5, 1, 2, 3, 4]]), (4, [[6, 5, 6, 7, 8]]), (8, [[7, 9]])]  # (start, ids): T 4, 4, then 1
+    for k, (start, ids) in enumerate(want):
+        step = s.next_step(0)
+        kind, _, n, T, rows = read_header(step.header)
+        assert (kind, n, decode_rows(step.header), chunk_start(step.header)) == (MIXED, 2, 1, start)
+        assert [r.id for r in step.rows] == ["b", "c"] and step.ids.tolist() == ids
+        assert rows[:, 0].tolist() == [1, 0] and rows[:, 1].tolist() == [2 + k, 9]  # b's position; c's length
+        s.complete(step, np.array([6 + k, 50 + k]))
+    b, c = step.rows
+    assert b.new == [5, 6, 7, 8] and c.new == [52] and c.prefilled  # c's token: its last chunk's
+    assert s.next_step(0).kind == DECODE and s.prefill_steps == 4
+    one = Scheduler([(0, "a", (1, 2, 3))], groups=1, batch=1, max_new_tokens=2, eos_ids=frozenset(), recompute=False,
+                    prefill_chunk=2, mixed=True)
+    assert one.next_step(0).kind == PREFILL  # nothing decoding beside it: a plain chunk
+
+
 def test_scheduler_recompute_prefills_whole_sequences():
     s = Scheduler([(0, "a", (1, 2, 3))], groups=1, batch=1, max_new_tokens=3, eos_ids=frozenset(),
                   recompute=True)

@@ -51,7 +51,7 @@ from ..faults import check_finite
 from ..sampling import (SamplingParams, logprob_entries, logprobs, pack_sampled, prompt_key, sample,
                         unpack_sampled)
 from ..schedule import Action, decode_drain_actions, decode_step_actions
-from ..scheduler import PREFILL, STOP, Scheduler, Seq, Step, chunk_start, make_header, read_header
+from ..scheduler import DECODE, MIXED, STOP, Scheduler, Seq, Step, chunk_start, decode_rows, make_header, read_header
 from ..stats import GenerateResult, StageTiming, peak_rss_bytes
 
 __all__ = ["GenerateDriver", "GenerateOptions", "DecodeRing", "GenStats", "GenerateResult"]
@@ -107,8 +107,10 @@ class DecodeRing:
         kind, _, n, T, rows = read_header(header)
         slots, lengths, start = rows[:, 0].copy(), rows[:, 1].copy(), chunk_start(header)
         t0 = time.perf_counter()
-        if kind != PREFILL:
+        if kind == DECODE:
             out = self.stage.decode(x, slots, lengths)
+        elif kind == MIXED:  # decode rows and a prefill chunk in one step (the scheduler's MIXED note)
+            out = self.stage.mixed(x, slots, lengths, decode_rows(header), start)
         elif start:  # a later chunk (a Stage without ``start`` is never given one: see drive)
             out = self.stage.prefill(x, slots, lengths, start=start)
         else:
@@ -117,10 +119,10 @@ class DecodeRing:
         st = self.stats
         st.steps += 1
         st.tokens += n
-        if kind == PREFILL:
-            st.prefill_s += t1 - t0
-        else:
+        if kind == DECODE:
             st.decode_s += t1 - t0
+        else:  # (a MIXED step is counted as prefill: its chunk is most of its work)
+            st.prefill_s += t1 - t0
         if not self.stage.last:
             return out
         self._check_logits(out, rows)
@@ -147,7 +149,10 @@ class DecodeRing:
                      f"{'prompt' if len(bad) == 1 else 'prompts'} {shown}", self.ctx)
 
     def _recv_spec(self, header: np.ndarray) -> Callable[[Action], tuple]:
-        _, _, n, T, _ = read_header(header)
+        kind, _, n, T, _ = read_header(header)
+        if kind == MIXED:  # the token rows back to back: decode rows, then each row's chunk
+            nd = decode_rows(header)
+            return lambda a: ((1, nd + (n - nd) * T, self.hidden), np.float32)
         return lambda a: ((n, T, self.hidden), np.float32)
 
     def _step_actions(self, g: int) -> list[Action]:
@@ -392,10 +397,12 @@ class GenerateDriver(JournalDriver):
         kv = job.kv_for(cx.world.rank)
         recompute = any(job.kv_for(r).recompute for r in range(cx.world.size))
         timeout = job.run.timeout_s
-        # a family's Stage written before chunked prefill (no ``start``) prefills whole prompts
+        # a family's Stage written before chunked prefill (no ``start``) prefills whole prompts, and
+        # one without ``mixed`` (not a `Stage` subclass) never gets a MIXED step
         chunk = opts.prefill_chunk if "start" in inspect.signature(cx.stage.prefill).parameters else 0
         sched = Scheduler([(i, pid, tuple(t)) for i, pid, t in doc["pending"]], self.groups, opts.batch,
-                          opts.max_new_tokens, frozenset(doc["eos"]), recompute, prefill_chunk=chunk)
+                          opts.max_new_tokens, frozenset(doc["eos"]), recompute, prefill_chunk=chunk,
+                          mixed=callable(getattr(cx.stage, "mixed", None)))
         names = {prompt_key(pid): f"{pid!r} (prompt {i + 1} of {opts.prompts.name})" for i, pid, _ in doc["pending"]}
         ring = DecodeRing(cx, opts.sampling, sched.header_size, k_logprobs=opts.logprobs, names=names)
         journal, tokenizer = holder.get("journal"), holder.get("tokenizer")

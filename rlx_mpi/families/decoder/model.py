@@ -26,7 +26,7 @@ from .arch import Arch
 from .weights import Experts, LayerWeights, Linear, Mlp
 
 __all__ = ["LayerWeights", "rms_norm", "apply_rope", "attention", "mlp", "block", "decode_block", "fused_decode_rows",
-           "embed", "lm_head", "KvStep"]
+           "embed", "lm_head", "KvStep", "MixedKv"]
 
 Reduce = Callable[[np.ndarray], np.ndarray]
 
@@ -91,16 +91,63 @@ class KvStep:
         return y.reshape(B, 1, -1)
 
 
+@dataclass
+class MixedKv:
+    """A step that decodes some rows and prefills a chunk of others in one pass over the weights.
+
+    The step's token rows (1, N, C) are the ``n_decode`` decode rows' new tokens, then each
+    prefill row's T positions (N = n_decode + rows x T): every projection and the MLP run once
+    over all N (one read of each weight matrix), attention runs per half through its own
+    `KvStep` (``decode``: the cache at each row's position; ``prefill``: the chunk, reading the
+    cache before it), each half with its own RoPE rows (``cos_d``: (n_decode, 1, 1, hs);
+    ``cos_p``: (rows, 1, T, hs)).
+    """
+
+    decode: KvStep
+    prefill: KvStep
+    T: int
+    cos_d: np.ndarray
+    sin_d: np.ndarray
+    cos_p: np.ndarray
+    sin_p: np.ndarray
+
+    @property
+    def layer(self) -> int:
+        return self.decode.layer
+
+    @layer.setter
+    def layer(self, i: int) -> None:
+        self.decode.layer = self.prefill.layer = i
+
+    def attend(self, qkv: np.ndarray, w: LayerWeights, cfg: Arch) -> np.ndarray:
+        """qkv (1, N, q|k|v) -> attention output (1, N, nh*hs), decode rows first."""
+        nd, W = len(self.decode.slots), qkv.shape[-1]
+        yd = self.decode.attend_decode(qkv[:, :nd].reshape(nd, 1, W), w, cfg, self.cos_d, self.sin_d)  # (nd, 1, D)
+        yp = _attend_chunk(qkv[:, nd:].reshape(-1, self.T, W), w, cfg, self.cos_p, self.sin_p, self.prefill)
+        return np.concatenate([yd.reshape(1, nd, -1), yp.reshape(1, -1, yd.shape[-1])], axis=1)
+
+
 def attention(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray,
-              reduce: Reduce = _identity, kv: KvStep | None = None) -> np.ndarray:
-    B, T, C = x.shape
-    hs, qd, kd = cfg.head_dim, w.q_dim, w.kv_dim
-    nh, nkv = qd // hs, kd // hs
+              reduce: Reduce = _identity, kv: KvStep | MixedKv | None = None) -> np.ndarray:
     qkv = w.qkv(x)  # (B, T, nh*hs + 2*nkv*hs): q, k, v in one product (fused at load)
     if w.qkv_bias is not None:
         qkv += w.qkv_bias
-    if kv is not None and not kv.prefill:  # decode: RoPE, cache write and attention in numba
-        return reduce(w.o_proj(kv.attend_decode(qkv, w, cfg, cos, sin)))
+    if isinstance(kv, MixedKv):  # decode rows and a prefill chunk, one projection for both
+        y = kv.attend(qkv, w, cfg)
+    elif kv is not None and not kv.prefill:  # decode: RoPE, cache write and attention in numba
+        y = kv.attend_decode(qkv, w, cfg, cos, sin)
+    else:
+        y = _attend_chunk(qkv, w, cfg, cos, sin, kv)
+    return reduce(w.o_proj(y))  # row-parallel: partial sums over heads
+
+
+def _attend_chunk(qkv: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray,
+                  kv: KvStep | None) -> np.ndarray:
+    """Causal attention of a forward or prefill chunk from its fused projection qkv (B, T, q|k|v):
+    q/k norms, RoPE, the cache (with ``kv``): (B, T, nh*hs)."""
+    B, T, _ = qkv.shape
+    hs, qd, kd = cfg.head_dim, w.q_dim, w.kv_dim
+    nh, nkv = qd // hs, kd // hs
     q, k, v = qkv[..., :qd], qkv[..., qd:qd + kd], qkv[..., qd + kd:]  # views
     if w.q_norm is not None:  # Qwen3: RMSNorm over each head's hs values
         q = rms_norm(q.reshape(B * T * nh, hs), w.q_norm, cfg.rms_norm_eps)
@@ -114,8 +161,7 @@ def attention(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: n
         y = kernels.attend(q, k, v, None, w.window, scale=scale, softcap=cfg.attn_logit_softcap)  # causal
     else:  # generation: store this step's K/V, attend over the cached prefix
         y = kv.attend(q, k, v, w.window, scale, cfg.attn_logit_softcap)
-    y = y.reshape(B, T, nh * hs)
-    return reduce(w.o_proj(y))  # row-parallel: partial sums over heads
+    return y.reshape(B, T, nh * hs)
 
 
 def gated_mlp(x: np.ndarray, w: Mlp, activation: str) -> np.ndarray:
@@ -137,7 +183,7 @@ def mlp(x: np.ndarray, w: Mlp | Experts, cfg: Arch, reduce: Reduce = _identity) 
 
 
 def block(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray,
-          reduce: Reduce = _identity, kv: KvStep | None = None) -> np.ndarray:
+          reduce: Reduce = _identity, kv: KvStep | MixedKv | None = None) -> np.ndarray:
     eps = cfg.rms_norm_eps
     a = attention(rms_norm(x, w.input_layernorm, eps), w, cfg, cos, sin, reduce, kv)
     if w.attn_out_norm is not None:

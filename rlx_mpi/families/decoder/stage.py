@@ -162,6 +162,31 @@ class DecoderStage(Stage):
         h = self._blocks(x, positions[:, None], step)
         return self._head(h) if self.last else h
 
+    def mixed(self, x: np.ndarray, slots: np.ndarray, pos: np.ndarray, n_decode: int, start: int) -> np.ndarray:
+        """Rows 0..n_decode-1 decode one token at ``pos``; the others prefill positions
+        start..start+T-1 of prompts ``pos`` long, in one pass over the weights (`model.MixedKv`).
+
+        x: ids (1, N) on the first stage, else hidden (1, N, C), N = n_decode + rows x T (the
+        decode rows' tokens, then each prefill row's T positions). Returns hidden (1, N, C), or on
+        the last stage the logits (n, V) of each decode row and of each prefill row's last real
+        token in the chunk."""
+        nd, n = n_decode, len(slots)
+        T = (x.shape[1] - nd) // (n - nd)
+        positions = np.broadcast_to(start + np.arange(T), (n - nd, T))
+        cos_d, sin_d = self.rope.at(pos[:nd, None])  # (nd, 1, 1, hs)
+        cos_p, sin_p = self.rope.at(positions, pos[nd:])  # (rows, 1, T, hs)
+        step = model.MixedKv(model.KvStep(self.specs, slots[:nd], False, positions=pos[:nd], caches=self.caches),
+                             model.KvStep(self.specs, slots[nd:], True, lengths=pos[nd:], caches=self.caches,
+                                          start=start), T, cos_d, sin_d, cos_p, sin_p)
+        h = self._embed(x)  # (1, N, C)
+        for i, w in enumerate(self.blocks):
+            step.layer = i
+            h = model.block(h, w, self.cfg, None, None, self._reduce, step)
+        if not self.last:
+            return h
+        last = nd + np.arange(n - nd) * T + np.minimum(pos[nd:] - start, T) - 1  # each chunk row's last real token
+        return self._head(h[0, np.concatenate([np.arange(nd), last])][:, None])  # (n, 1, C) -> (n, V)
+
     def _blocks(self, x: np.ndarray, positions: np.ndarray, step: "model.KvStep",
                 lengths: np.ndarray | None = None) -> np.ndarray:
         h = self._embed(x)  # (B, T, C)
