@@ -24,6 +24,14 @@ token: the step's token rows are the decode rows' tokens, then each new row's ch
 weight matrix is read once for both (`Stage.mixed`). Before, the new rows were prefilled whole
 in a step of their own and the group's decoding rows waited for it. A Stage without chunked
 prefill gets no MIXED step (its new rows are prefilled whole, as before).
+
+Note: riding. A group whose rows are all new (all of them ended together, or at start-up) has no
+decoding rows of its own to mix with: while at least ``stages`` other groups decode, it issues no
+step (parked) and its chunks ride in their decode steps instead, one chunk in flight at a time
+(`Scheduler.riding`), so each chunk shares a pass over the weights with a decode step. With
+fewer decoding groups than stages it prefills in steps of its own, which keep the stages busy
+(a parked group would leave a stage idle). The driver offers every group without a step in flight
+a turn after each completed step, so a parked group starts decoding once its rows are prefilled.
 """
 
 from __future__ import annotations
@@ -117,27 +125,38 @@ class Scheduler:
     With ``recompute`` (kv_cache "none" on some stage) every step is a prefill of each row's
     whole sequence so far. ``prefill_chunk`` > 0: positions per prefill step of a group whose
     rows are all new (the chunked-prefill note); with ``mixed`` (the stages implement
-    `Stage.mixed`) new rows beside decoding rows are prefilled that way too, in MIXED steps.
+    `Stage.mixed`) new rows beside decoding rows are prefilled that way too, in MIXED steps,
+    and a group whose rows are all new rides its chunks in the steps of other groups while at
+    least ``stages`` of them decode (the riding note).
     """
 
     def __init__(self, prompts: list[tuple[int, str, tuple[int, ...]]], groups: int, batch: int,
                  max_new_tokens: int, eos_ids: frozenset[int], recompute: bool, prefill_chunk: int = 0,
-                 mixed: bool = False):
+                 mixed: bool = False, stages: int = 1):
         self.chunk = 0 if recompute else prefill_chunk
         self.mixed = mixed and bool(self.chunk)
+        self.stages = stages
+        self.riding = [False] * groups  # a chunk of the group is in flight in another group's step
+        self.issued = [False] * groups  # the group's own step is in flight
         self.queue = deque(prompts)
         self.groups, self.batch = groups, batch
         self.max_new_tokens, self.eos_ids, self.recompute = max_new_tokens, frozenset(eos_ids), recompute
         self.rows: list[list[Seq | None]] = [[None] * batch for _ in range(groups)]
         self.stopping = False
-        self.header_size = _HEAD + _ROW * batch
+        self.header_size = _HEAD + _ROW * batch * (2 if self.mixed else 1)  # (a step may carry a rider's rows)
         self.prefill_steps = 0  # steps that carried prefill positions (MIXED ones too)
         self.gaps = array("d")  # seconds between a row's decode tokens (`token_gaps_ms`): 8 bytes each
 
     def next_step(self, g: int) -> Step | None:
-        """Group ``g``'s next step (admitting queued prompts into free slots), or None when idle."""
-        if self.stopping:  # finish the steps in flight, start none
+        """Group ``g``'s next step (admitting queued prompts into free slots), or None when it has
+        none: idle, parked, stopping, or a step of its own or a chunk of it is in flight."""
+        if self.stopping or self.riding[g] or self.issued[g]:  # finish the steps in flight, start none
             return None
+        step = self._next(g)
+        self.issued[g] = step is not None
+        return step
+
+    def _next(self, g: int) -> Step | None:
         rows = self.rows[g]
         for i, r in enumerate(rows):
             if r is None and self.queue:
@@ -154,15 +173,37 @@ class Scheduler:
             chunk = [r for r in fresh if r.filled == start]
             if decoding and self.mixed:  # the decoding rows take their token in the same step
                 return self._mixed(g, decoding, chunk, start)
+            if self.mixed and not decoding and self._decoding_groups(g) >= self.stages:
+                return None  # parked: its chunks ride in the decoding groups' steps (`_rider`)
             return self._prefill(g, chunk, start, self.chunk)
         if fresh:  # new prompts first; the group's other rows wait one turn
             return self._prefill(g, fresh)
         if not live:
             return None
+        if self.mixed and (rider := self._rider(g)) is not None:
+            h, chunk, start = rider
+            self.riding[h] = True
+            return self._mixed(g, live, chunk, start)
         ids = np.array([[r.new[-1]] for r in live], np.int64)  # (n, 1): the newest token
         header = make_header(DECODE, g, 1, [r.slot for r in live], [r.length - 1 for r in live],
                              [r.key for r in live], [len(r.new) for r in live], self.header_size)
         return Step(DECODE, g, live, ids, header)
+
+    def _decoding_groups(self, g: int) -> int:
+        """How many groups other than ``g`` have rows decoding (each will issue steps again)."""
+        return sum(any(r is not None and r.prefilled for r in rows) for h, rows in enumerate(self.rows) if h != g)
+
+    def _rider(self, g: int) -> tuple[int, list[Seq], int] | None:
+        """A parked group's next chunk for group ``g``'s decode step: (group, rows, start)."""
+        for h, rows in enumerate(self.rows):
+            live = [r for r in rows if r is not None]
+            if h == g or self.riding[h] or self.issued[h] or not live or any(r.prefilled for r in live):
+                continue
+            if self._decoding_groups(h) < self.stages:  # too few left to keep the stages busy: its own steps
+                continue
+            start = min(r.filled for r in live)
+            return h, [r for r in live if r.filled == start], start
+        return None
 
     def _prefill(self, g: int, rows: list[Seq], start: int = 0, chunk: int = 0) -> Step:
         """Rows' positions start.. (all of them, or at most ``chunk``), right-padded."""
@@ -200,7 +241,11 @@ class Scheduler:
         """Append each row's new token (and its ``logprobs``: `sampling.logprobs`' arrays, one
         row each); return the rows that finished (their slots are free)."""
         done, now = [], time.perf_counter()
+        self.issued[step.group] = False
         for b, (r, t) in enumerate(zip(step.rows, tokens.tolist())):
+            g = r.slot // self.batch  # (a rider's rows belong to another group than the step's)
+            if step.kind == MIXED and b >= step.n_decode:
+                self.riding[g] = False
             if step.kind != DECODE and b >= step.n_decode and step.start + step.T < r.length:  # a chunk short of its end
                 r.filled = step.start + step.T
                 continue
@@ -216,7 +261,7 @@ class Scheduler:
             elif len(r.new) >= self.max_new_tokens:
                 r.finish_reason = "length"
             if r.finish_reason:
-                self.rows[step.group][r.slot - step.group * self.batch] = None
+                self.rows[g][r.slot - g * self.batch] = None
                 done.append(r)
         return done
 

@@ -71,7 +71,7 @@ def runs(request, tmp_path_factory, hf_ckpt, tiny_ckpt):
                             placement={"tp": p["tp"]}), out
         prompts = write_prompts(d / "p.jsonl", MIXED)
         return generate(d, tiny_ckpt, p["ranks"], prompts, out, "--max-new-tokens", 7, "--batch", p["batch"],
-                        "--prefill-chunk", p["chunk"], run={"kv_cache": p["kv"]}), out
+                        "--prefill-chunk", p["chunk"], "--groups", p["groups"], run={"kv_cache": p["kv"]}), out
 
     items = LaunchAhead.fixture_items(request, "test_greedy_equals_transformers_across_ranks",
                                       "test_continuous_batching_equals_single_process")
@@ -99,13 +99,17 @@ def tiny_stage(tiny_ckpt):
         return LlamaStage(PRESETS["tiny"], src, range(8), True, True)
 
 
-@pytest.mark.parametrize("kv, ranks, batch, chunk", [("full", 2, 2, 4), ("none", 2, 3, 4), ("full", 3, 1, 3),
-                                                     ("full", 2, 3, 0)])
-def test_continuous_batching_equals_single_process(request, runs, tiny_stage, kv, ranks, batch, chunk):
+@pytest.mark.parametrize("kv, ranks, batch, chunk, groups", [("full", 2, 2, 4, 0), ("none", 2, 3, 4, 0),
+                                                             ("full", 3, 1, 3, 0), ("full", 2, 3, 0, 0),
+                                                             ("full", 2, 1, 3, 3)])
+def test_continuous_batching_equals_single_process(request, runs, tiny_stage, kv, ranks, batch, chunk, groups):
     """7 prompts of mixed lengths through groups of `batch` slots: slots are reused as rows end;
     every row equals that prompt generated alone by a plain forward per token. With
     ``--prefill-chunk`` a new group's prompts (up to 11 tokens) go through the pipeline a few
-    positions per step, the other groups decoding in between (kv none: never chunked)."""
+    positions per step, the other groups decoding in between (kv none: never chunked); rows
+    admitted beside decoding rows are prefilled in MIXED steps (batch 2: 9 of them), and with 3
+    groups of 1 on 2 stages a new group's chunks ride in the other two's decode steps (9 of them;
+    the schedule is deterministic: both counts are the scheduler's in `test_generation.drive_in_order`)."""
     proc, out = runs.result(request)  # MIXED, --max-new-tokens 7 --batch `batch`, kv_cache = `kv`
     assert proc.returncode == 0, proc.stderr
     assert [r["tokens"] for r in rows_of(out)] == [forward_greedy(tiny_stage, t, 7) for _, t in MIXED]

@@ -320,6 +320,50 @@ def test_scheduler_mixes_new_rows_chunks_into_the_decoding_rows_steps():
     assert one.next_step(0).kind == PREFILL  # nothing decoding beside it: a plain chunk
 
 
+def drive_in_order(s):
+    """Stage 0's loop (`DecodeRing.drive`) with a fake model: steps complete first-in first-out,
+    then the step's group and every other group are offered a turn. Returns (steps, rows done)."""
+    from collections import deque
+
+    fifo, steps, done = deque(), [], []
+
+    def issue(g):
+        if (step := s.next_step(g)) is not None:
+            fifo.append(step)
+            steps.append(step)
+
+    for g in range(s.groups):
+        issue(g)
+    while fifo:
+        step = fifo.popleft()
+        done += s.complete(step, np.array([100 + len(r.new) for r in step.rows]))
+        for g in [step.group, *range(s.groups)]:
+            issue(g)
+    return steps, done
+
+
+def test_scheduler_rides_a_new_groups_chunks_in_other_groups_decode_steps():
+    """A group whose rows are all new parks while 2 (= stages) other groups decode, and its
+    chunks ride in their decode steps, one in flight at a time; with fewer decoding it prefills
+    in its own steps (a stage would idle). Every prompt still gets all its tokens, in order."""
+    from rlx_mpi.scheduler import MIXED
+
+    prompts = [(0, "a", (1,)), (1, "b", (2,)), (2, "c", (3, 4, 5, 6, 7)), (3, "d", (8, 9, 10, 11, 12, 13))]
+    s = Scheduler(prompts, groups=3, batch=1, max_new_tokens=4, eos_ids=frozenset(), recompute=False,
+                  prefill_chunk=2, mixed=True, stages=2)
+    steps, done = drive_in_order(s)
+    assert sorted((r.id, r.new) for r in done) == [(i, [100, 101, 102, 103]) for i in "abcd"]
+    rides = [st for st in steps if st.kind == MIXED and st.rows[-1].slot != st.group]
+    assert rides and all(st.n_decode == 1 and len(st.rows) == 2 for st in rides)
+    assert [st.start for st in rides if st.rows[-1].id == "c"] == [2, 4]  # c's own step took 0..1
+    assert [st.start for st in rides if st.rows[-1].id == "d"] == [0]  # d took a's slot while b and c decoded;
+    assert [st.start for st in steps if st.kind == PREFILL and st.rows[0].id == "d"] == [2, 4]  # b ended: own steps
+    alone = Scheduler(prompts, groups=3, batch=1, max_new_tokens=4, eos_ids=frozenset(), recompute=False,
+                      prefill_chunk=2, mixed=True, stages=3)  # never 3 other groups decoding: no rides
+    steps, done = drive_in_order(alone)
+    assert len(done) == 4 and not [st for st in steps if st.kind == MIXED and st.rows[-1].slot != st.group]
+
+
 def test_scheduler_recompute_prefills_whole_sequences():
     s = Scheduler([(0, "a", (1, 2, 3))], groups=1, batch=1, max_new_tokens=3, eos_ids=frozenset(),
                   recompute=True)

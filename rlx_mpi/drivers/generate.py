@@ -211,6 +211,8 @@ class DecodeRing:
             if not sched.stopping and stop_now():
                 sched.stopping = stopped = True
             issue(step.group)
+            for g in range(sched.groups):  # (None for a group in flight) a parked group whose chunk
+                issue(g)                   # rode in this step, now decoding (the riding note)
         self.ctx.microbatch = None
         if self.n_stages > 1:
             self._drain()
@@ -402,7 +404,7 @@ class GenerateDriver(JournalDriver):
         chunk = opts.prefill_chunk if "start" in inspect.signature(cx.stage.prefill).parameters else 0
         sched = Scheduler([(i, pid, tuple(t)) for i, pid, t in doc["pending"]], self.groups, opts.batch,
                           opts.max_new_tokens, frozenset(doc["eos"]), recompute, prefill_chunk=chunk,
-                          mixed=callable(getattr(cx.stage, "mixed", None)))
+                          mixed=callable(getattr(cx.stage, "mixed", None)), stages=topo.n_stages)
         names = {prompt_key(pid): f"{pid!r} (prompt {i + 1} of {opts.prompts.name})" for i, pid, _ in doc["pending"]}
         ring = DecodeRing(cx, opts.sampling, sched.header_size, k_logprobs=opts.logprobs, names=names)
         journal, tokenizer = holder.get("journal"), holder.get("tokenizer")
