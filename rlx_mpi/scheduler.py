@@ -22,8 +22,13 @@ Note: MIXED steps. New rows admitted beside rows already decoding (a row ended, 
 took its slot) are prefilled a chunk per turn *in the same step* as the decoding rows' next
 token: the step's token rows are the decode rows' tokens, then each new row's chunk, and every
 weight matrix is read once for both (`Stage.mixed`). Before, the new rows were prefilled whole
-in a step of their own and the group's decoding rows waited for it. A Stage without chunked
-prefill gets no MIXED step (its new rows are prefilled whole, as before).
+in a step of their own and the group's decoding rows waited for it. Rows admitted in the same
+turn (a cohort) still start decoding together: one whose prompt ended in an earlier chunk waits
+for the cohort's longer ones. Measured (bench_join, one rank, batch 8, prompts of 32-256
+tokens, chunk 64): letting it decode meanwhile made the group's rows end at different steps,
+so later prompts joined one by one and were prefilled in many small chunks instead of a few
+wide ones, 0.92x the tokens/s on 2 cores where prefill is compute-bound. A Stage without
+chunked prefill gets no MIXED step (its new rows are prefilled whole, as before).
 
 Note: riding. A group whose rows are all new (all of them ended together, or at start-up) has no
 decoding rows of its own to mix with: while at least ``stages`` other groups decode, it issues no
@@ -66,6 +71,7 @@ class Seq:
     logprobs: list[tuple] = field(default_factory=list)  # per new token (chosen_lp, top_ids, top_lp) with --logprobs
     prefilled: bool = False
     filled: int = 0  # positions in the cache so far, while a chunked prefill is under way
+    cohort: int = 0  # rows admitted in the same turn share it and start decoding together (the MIXED note)
     start: float = 0.0  # perf_counter when it took the slot
     last: float = 0.0  # perf_counter when its latest token came back
     finish_reason: str | None = None
@@ -138,6 +144,7 @@ class Scheduler:
         self.stages = stages
         self.riding = [False] * groups  # a chunk of the group is in flight in another group's step
         self.issued = [False] * groups  # the group's own step is in flight
+        self.turns = 0  # turns taken (a row's cohort)
         self.queue = deque(prompts)
         self.groups, self.batch = groups, batch
         self.max_new_tokens, self.eos_ids, self.recompute = max_new_tokens, frozenset(eos_ids), recompute
@@ -158,11 +165,12 @@ class Scheduler:
 
     def _next(self, g: int) -> Step | None:
         rows = self.rows[g]
+        self.turns += 1
         for i, r in enumerate(rows):
             if r is None and self.queue:
                 index, pid, tokens = self.queue.popleft()
                 rows[i] = Seq(index, pid, tuple(tokens), g * self.batch + i, prompt_key(pid),
-                              start=time.perf_counter())
+                              start=time.perf_counter(), cohort=self.turns)
         live = [r for r in rows if r is not None]
         fresh = [r for r in live if not r.prefilled]
         if self.recompute and live:
@@ -171,10 +179,12 @@ class Scheduler:
         if fresh and self.chunk and (self.mixed or not decoding or any(r.filled for r in fresh)):
             start = min(r.filled for r in fresh)  # one chunk per turn (a row admitted later catches up)
             chunk = [r for r in fresh if r.filled == start]
-            if decoding and self.mixed:  # the decoding rows take their token in the same step
-                return self._mixed(g, decoding, chunk, start)
-            if self.mixed and not decoding and self._decoding_groups(g) >= self.stages:
-                return None  # parked: its chunks ride in the decoding groups' steps (`_rider`)
+            if self.mixed:  # rows admitted before them take their token in the same step
+                cohorts = {r.cohort for r in fresh}
+                if older := [r for r in decoding if r.cohort not in cohorts]:
+                    return self._mixed(g, older, chunk, start)
+                if not decoding and self._decoding_groups(g) >= self.stages:
+                    return None  # parked: its chunks ride in the decoding groups' steps (`_rider`)
             return self._prefill(g, chunk, start, self.chunk)
         if fresh:  # new prompts first; the group's other rows wait one turn
             return self._prefill(g, fresh)

@@ -180,7 +180,10 @@ def _attend_kernel(rows: int, nkv: int):
     than one thread and the step is small enough that its projections ran there too (at most
     F32_MATVEC_ROWS rows: the numba matvecs, no BLAS), else on the calling thread, since
     numba's pool right after OpenBLAS's made kernels slower (the threads note in _common.py).
-    Measured at 2 threads, medium heads, quiet host: 1.5-1.75x faster at S 64-2048, B 1 and 8."""
+    Measured at 2 threads, medium heads, quiet host: 1.5-1.75x faster at S 64-2048, B 1 and 8.
+    Note: a MIXED step (7 decode rows beside a 64-token chunk, medium f32, 2 threads) took 577
+    ms with its 7 rows' attention on the pool, 390 ms on the calling thread: the pool's spinning
+    workers slowed each OpenBLAS product that followed; ``rows`` is the step's token rows."""
     return _attend_cache_par if pool_threads() > 1 and rows * nkv > 1 and rows <= F32_MATVEC_ROWS else _attend_cache
 
 
@@ -235,7 +238,8 @@ def check_cache_rows(slots, positions, rows: int, n_slots: int, where: str) -> t
 def decode_attention(qkv: np.ndarray, q_dim: int, cos: np.ndarray, sin: np.ndarray, cache_k: np.ndarray,
                      cache_v: np.ndarray, slots: np.ndarray, positions: np.ndarray, *,
                      q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None, eps: float = 1e-6,
-                     scale: float | None = None, softcap: float = 0.0, rows_checked: bool = False) -> np.ndarray:
+                     scale: float | None = None, softcap: float = 0.0, rows_checked: bool = False,
+                     step_rows: int | None = None) -> np.ndarray:
     """A decode step's attention from the fused q|k|v projection, in two numba passes.
 
     qkv (B, q_dim + 2 * kv_dim): one new token per row (bias already added); cos, sin (B, hs) at
@@ -246,7 +250,9 @@ def decode_attention(qkv: np.ndarray, q_dim: int, cos: np.ndarray, sin: np.ndarr
     Returns y (B, nh * hs), o_proj's input. The same values as rope + `decode_store` +
     `attend_cache` in numpy, without their ~25 array operations per layer. ``rows_checked``:
     slots and positions are what `check_cache_rows` returned (a step checks them once, not per
-    layer: the reductions cost more than a small layer's attention).
+    layer: the reductions cost more than a small layer's attention). ``step_rows``: the token rows
+    the step's projections took (default B; more in a MIXED step, whose prefill chunk rides
+    along), which picks the attention's threads (`_attend_kernel`).
     """
     check_f32("decode_attention qkv", qkv)
     check_f32("decode_attention cache_k", cache_k)
@@ -266,7 +272,7 @@ def decode_attention(qkv: np.ndarray, q_dim: int, cos: np.ndarray, sin: np.ndarr
                 none if q_norm is None else q_norm, none if k_norm is None else k_norm, np.float32(eps),
                 cache_k, cache_v, slots, positions, q)
     y = np.empty((B, nh, hs), np.float32)
-    _attend_kernel(B, nkv)(q, cache_k, cache_v, slots, np.minimum(positions, L - 1), 0,
+    _attend_kernel(B if step_rows is None else step_rows, nkv)(q, cache_k, cache_v, slots, np.minimum(positions, L - 1), 0,
                   np.float32(hs ** -0.5 if scale is None else scale), np.float32(softcap), y)
     return y.reshape(B, nh * hs)
 

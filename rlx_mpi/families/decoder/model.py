@@ -79,15 +79,17 @@ class KvStep:
             window = min(window, model_window) if window else model_window
         return kernels.attend(q, keys, values, q_pos, window, scale=scale, softcap=softcap)
 
-    def attend_decode(self, qkv: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    def attend_decode(self, qkv: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray,
+                      step_rows: int | None = None) -> np.ndarray:
         """A decode step from the fused projection qkv (B, 1, q|k|v): RoPE, the cache write and
-        attention in `kernels.decode_attention` (a window layer's ring is its window). (B, 1, nh*hs)."""
+        attention in `kernels.decode_attention` (a window layer's ring is its window). (B, 1, nh*hs).
+        ``step_rows``: the token rows of the whole step (a MIXED step's chunk too)."""
         cache = self.caches[self.layer]
         B = qkv.shape[0]
         y = kernels.decode_attention(qkv.reshape(B, -1), w.q_dim, cos.reshape(B, -1), sin.reshape(B, -1), cache.k,
                                      cache.v, self.slots, self.positions, q_norm=w.q_norm, k_norm=w.k_norm,
                                      eps=cfg.rms_norm_eps, scale=cfg.attention_scale or None,
-                                     softcap=cfg.attn_logit_softcap, rows_checked=True)
+                                     softcap=cfg.attn_logit_softcap, rows_checked=True, step_rows=step_rows)
         return y.reshape(B, 1, -1)
 
 
@@ -122,7 +124,8 @@ class MixedKv:
     def attend(self, qkv: np.ndarray, w: LayerWeights, cfg: Arch) -> np.ndarray:
         """qkv (1, N, q|k|v) -> attention output (1, N, nh*hs), decode rows first."""
         nd, W = len(self.decode.slots), qkv.shape[-1]
-        yd = self.decode.attend_decode(qkv[:, :nd].reshape(nd, 1, W), w, cfg, self.cos_d, self.sin_d)  # (nd, 1, D)
+        yd = self.decode.attend_decode(qkv[:, :nd].reshape(nd, 1, W), w, cfg, self.cos_d, self.sin_d,
+                                       step_rows=qkv.shape[1])  # (nd, 1, D)
         yp = _attend_chunk(qkv[:, nd:].reshape(-1, self.T, W), w, cfg, self.cos_p, self.sin_p, self.prefill)
         return np.concatenate([yd.reshape(1, nd, -1), yp.reshape(1, -1, yd.shape[-1])], axis=1)
 
