@@ -155,7 +155,7 @@ class GenerateResult:
     new_tokens: int
     wall_s: float
     stopped_by: str | None  # a signal name when stopped early
-    prefill_steps: int = 0  # prefill steps stage 0 issued (a chunked prefill takes several per group)
+    prefill_steps: int = 0  # steps stage 0 issued that carried prefill positions (chunks, MIXED steps too)
     token_gap_ms: dict | None = None  # between a row's decode tokens at stage 0: median, p99, max (`Scheduler.token_gaps_ms`)
 
     def to_dict(self) -> dict:
