@@ -88,8 +88,8 @@ class Step:
     kind: int  # PREFILL | DECODE
     group: int
     rows: list[Seq]
-    ids: np.ndarray  # (n, T) int64: stage 0's input
-    header: np.ndarray  # int64 (_HEAD + _ROW * batch,)
+    ids: np.ndarray  # (n, T) int64: stage 0's input; MIXED (1, N): the token rows back to back
+    header: np.ndarray  # int64 (`Scheduler.header_size`,)
     start: int = 0  # a prefill chunk's first position (chunked prefill)
     T: int = 1  # positions per prefill row (a decode row has one)
     n_decode: int = 0  # MIXED: the first n_decode rows decode, the others prefill a chunk
