@@ -479,7 +479,7 @@ def entry() -> None:
         code = 130
     from . import supervisor
 
-    supervisor.done(code)  # the normal end: any other end of a rank is a fault its supervisor reports
+    supervisor.done()  # the normal end: any other end of a rank is a fault its supervisor reports
     sys.exit(code)
 
 

@@ -91,10 +91,18 @@ class Step:
     ids: np.ndarray  # (n, T) int64: stage 0's input; MIXED (1, N): the token rows back to back
     header: np.ndarray  # int64 (`Scheduler.header_size`,)
     start: int = 0  # a prefill chunk's first position (chunked prefill)
-    T: int = 1  # positions per prefill row (a decode row has one)
-    n_decode: int = 0  # MIXED: the first n_decode rows decode, the others prefill a chunk
     tokens: np.ndarray | None = None  # (n,) once sampled; (n, 2 + 2K) `sampling.pack_sampled` with --logprobs K
     pending: Any = None  # the posted receive of the tokens (pipelines of 2+ stages)
+
+    @property
+    def T(self) -> int:
+        """Positions per prefill row (a decode row has one), as the header says."""
+        return int(self.header[3])
+
+    @property
+    def n_decode(self) -> int:
+        """MIXED: the first n_decode rows decode, the others prefill a chunk (0 otherwise)."""
+        return decode_rows(self.header)
 
 
 def make_header(kind: int, group: int, T: int, slots, lengths, keys, index, size: int, start: int = 0,
@@ -121,6 +129,23 @@ def chunk_start(h: np.ndarray) -> int:
 def decode_rows(h: np.ndarray) -> int:
     """A MIXED step's decode rows (its first rows; the others prefill a chunk)."""
     return int(h[5])
+
+
+def _next_chunk(fresh: list[Seq]) -> tuple[list[Seq], int]:
+    """The rows a group's next chunk prefills, and its first position: those furthest behind
+    (a row admitted later catches up with the others first)."""
+    start = min(r.filled for r in fresh)
+    return [r for r in fresh if r.filled == start], start
+
+
+def _fill_chunk(ids: np.ndarray, seqs: list[tuple[int, ...]], start: int) -> np.ndarray:
+    """Positions start..start+T-1 of each sequence into ids (rows, T), right-padded with 0
+    (padding is never attended to)."""
+    T = ids.shape[1]
+    for b, seq in enumerate(seqs):
+        part = seq[start:start + T]
+        ids[b, :len(part)] = part
+    return ids
 
 
 class Scheduler:
@@ -177,8 +202,7 @@ class Scheduler:
             return self._prefill(g, live)
         decoding = [r for r in live if r.prefilled]
         if fresh and self.chunk and (self.mixed or not decoding or any(r.filled for r in fresh)):
-            start = min(r.filled for r in fresh)  # one chunk per turn (a row admitted later catches up)
-            chunk = [r for r in fresh if r.filled == start]
+            chunk, start = _next_chunk(fresh)
             if self.mixed:  # rows admitted before them take their token in the same step
                 cohorts = {r.cohort for r in fresh}
                 if older := [r for r in decoding if r.cohort not in cohorts]:
@@ -211,8 +235,7 @@ class Scheduler:
                 continue
             if self._decoding_groups(h) < self.stages:  # too few left to keep the stages busy: its own steps
                 continue
-            start = min(r.filled for r in live)
-            return h, [r for r in live if r.filled == start], start
+            return (h, *_next_chunk(live))
         return None
 
     def _prefill(self, g: int, rows: list[Seq], start: int = 0, chunk: int = 0) -> Step:
@@ -221,14 +244,11 @@ class Scheduler:
         T = max(map(len, seqs)) - start
         if chunk:
             T = min(T, chunk)
-        ids = np.zeros((len(rows), T), np.int64)  # padding is never attended to
-        for b, s in enumerate(seqs):
-            part = s[start:start + T]
-            ids[b, :len(part)] = part
+        ids = _fill_chunk(np.zeros((len(rows), T), np.int64), seqs, start)
         header = make_header(PREFILL, g, T, [r.slot for r in rows], [len(s) for s in seqs],
                              [r.key for r in rows], [len(r.new) for r in rows], self.header_size, start)
         self.prefill_steps += 1
-        return Step(PREFILL, g, rows, ids, header, start=start, T=T)
+        return Step(PREFILL, g, rows, ids, header, start=start)
 
     def _mixed(self, g: int, decoding: list[Seq], rows: list[Seq], start: int) -> Step:
         """The decoding rows' next tokens and positions start.. (at most ``chunk``) of ``rows``,
@@ -237,15 +257,12 @@ class Scheduler:
         T = min(max(map(len, seqs)) - start, self.chunk)
         ids = np.zeros(nd + len(rows) * T, np.int64)
         ids[:nd] = [r.new[-1] for r in decoding]
-        chunk = ids[nd:].reshape(len(rows), T)  # a view: padding is never attended to
-        for b, s in enumerate(seqs):
-            part = s[start:start + T]
-            chunk[b, :len(part)] = part
+        _fill_chunk(ids[nd:].reshape(len(rows), T), seqs, start)  # (a view of ids)
         both = decoding + rows
         header = make_header(MIXED, g, T, [r.slot for r in both], [r.length - 1 for r in decoding] + list(map(len, seqs)),
                              [r.key for r in both], [len(r.new) for r in both], self.header_size, start, nd)
         self.prefill_steps += 1
-        return Step(MIXED, g, both, ids[None], header, start=start, T=T, n_decode=nd)
+        return Step(MIXED, g, both, ids[None], header, start=start)
 
     def complete(self, step: Step, tokens: np.ndarray, logprobs: tuple | None = None) -> list[Seq]:
         """Append each row's new token (and its ``logprobs``: `sampling.logprobs`' arrays, one

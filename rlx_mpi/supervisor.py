@@ -13,11 +13,11 @@ short lines the rank posts through a pipe:
     init           the rank is entering MPI_Init (where it waits for every other rank)
     ready          MPI is initialised; from here on every wait has its own deadline
     code <n>       the rank's exit code is decided (a failure every rank agreed on); it is ending
-    done [code]    the rank reached the normal end of the command, with this exit code
+    done           the rank reached the normal end of the command (any exit code)
 
 The parent ends the job, naming the rank, when the child
 - dies of a signal nobody sent the parent too (the launcher's SIGTERM, a Ctrl-C are not faults;
-  after ``code <n>`` or ``done <n>`` such a death keeps the rank's code: srun --kill-on-bad-exit
+  after ``code <n>`` such a death keeps the rank's code: srun --kill-on-bad-exit
   terminates the ranks still exiting once the first has exited 2, and the job must end with 2);
 - exits without posting ``done`` (``os._exit(0)`` in a plug-in, an import error, a broken MPI);
 - has not posted ``ready`` when the start-up deadline passes (a stopped rank, a hung mount).
@@ -139,9 +139,9 @@ def exiting(code: int) -> None:
     _post(f"code {int(code)}")
 
 
-def done(code: int | None = None) -> None:
-    """This rank reached the normal end of its command, with exit code ``code`` (when known)."""
-    _post("done" if code is None else f"done {int(code)}")
+def done() -> None:
+    """This rank reached the normal end of its command (whatever its exit code)."""
+    _post("done")
 
 
 # -- the supervisor's side ---------------------------------------------------------------------
@@ -283,7 +283,7 @@ class _Watcher:
         self.waited = False  # the in-MPI grace was given
         self.claim: socket.socket | None = None  # held from the report to the end (`_first_report`)
         self.context, self.in_mpi, self.is_ready, self.is_done = "", False, False, False
-        self.decided: int | None = None  # the exit code the rank posted with ``code`` or ``done``
+        self.decided: int | None = None  # the exit code the rank posted with ``code``
         self.noted: set[int] = set()
         self.pending = b""
 
@@ -363,10 +363,11 @@ class _Watcher:
                 self.in_mpi = True
             elif kind == "ready":
                 self.is_ready = True
-            elif kind in ("code", "done"):
-                self.is_done = self.is_done or kind == "done"
+            elif kind == "code":
                 if rest.strip().isdigit():
                     self.decided = int(rest)
+            elif kind == "done":
+                self.is_done = True
 
     # -- verdicts --------------------------------------------------------------------------------
 
