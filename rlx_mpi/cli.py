@@ -96,9 +96,10 @@ def _parser() -> argparse.ArgumentParser:
                    "to every row (1..20; 0 = none, the default)")
     g.add_argument("--batch", type=int, metavar="B", help="sequences per group")
     g.add_argument("--groups", type=int, metavar="G", help="groups in flight (0 = one per stage)")
-    g.add_argument("--prefill-chunk", type=int, metavar="N", help="positions per prefill step of a new group, so the "
-                   "other groups keep decoding between its chunks (0 = whole prompts; default: [generate] "
-                   "prefill_chunk, else 256)")
+    g.add_argument("--prefill-chunk", type=int, metavar="N", help="prefill positions per step: a new group's prompts "
+                   "go N positions a step, so the other groups keep decoding between its chunks, and a step that "
+                   "also decodes carries at most N (the longest wait between a row's tokens; 0 = whole prompts; "
+                   "default: [generate] prefill_chunk, else 256)")
     g.add_argument("--json", metavar="STATS.json", help="write the run's per-rank stats and totals as JSON")
     g.add_argument("--log-dir", metavar="DIR", help="one log per rank, DIR/rank-0003.log (lines prefixed with rank "
                    "and host); only rank 0 logs to the terminal")

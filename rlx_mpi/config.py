@@ -153,7 +153,8 @@ class GenerateSection:
     """Groups in flight; 0 = one per pipeline stage, so every stage has work during decode."""
     prefill_chunk: int = PREFILL_CHUNK
     """Positions per prefill step of a group whose prompts are all new (0 = the whole prompt in one
-    step): the other groups decode between its chunks, so a long prompt does not stall them."""
+    step): the other groups decode between its chunks, so a long prompt does not stall them; a
+    step that also decodes carries at most this many prefill positions in all."""
     sync_s: float = 2.0
     """Completed rows are fsynced to the output at least this often."""
 

@@ -320,6 +320,29 @@ def test_scheduler_mixes_new_rows_chunks_into_the_decoding_rows_steps():
     assert one.next_step(0).kind == PREFILL  # nothing decoding beside it: a plain chunk
 
 
+def test_scheduler_bounds_a_mixed_steps_prefill_positions_by_the_chunk():
+    """Three rows joining one decoding row share a budget of ``prefill_chunk`` positions a step
+    (the rows furthest behind first, at least one), so the decoding row's step never grows past one
+    chunk; the three start decoding together once all are prefilled, and every token is kept."""
+    from rlx_mpi.scheduler import MIXED
+
+    prompts = [(0, "a", (1,)), (1, "b", (2,)), (2, "c", (3,)), (3, "d", (4,)),
+               (4, "e", tuple(range(10, 16))), (5, "f", tuple(range(20, 26))), (6, "g", tuple(range(30, 36)))]
+    s = Scheduler(prompts, groups=1, batch=4, max_new_tokens=9, eos_ids=frozenset({99}), recompute=False,
+                  prefill_chunk=4, mixed=True)
+    s.complete(s.next_step(0), np.array([5, 99, 99, 99]))  # b, c, d end at once; a decodes; e, f, g join
+    want = [(["e"], 0, [10, 11, 12, 13]), (["f"], 0, [20, 21, 22, 23]), (["g"], 0, [30, 31, 32, 33]),
+            (["e", "f"], 4, [14, 15, 24, 25]), (["g"], 4, [34, 35])]  # (chunk rows, start, their ids)
+    for k, (ids, start, chunk) in enumerate(want):
+        step = s.next_step(0)
+        assert step.kind == MIXED and [r.id for r in step.rows] == ["a", *ids] and step.start == start
+        assert step.ids.tolist() == [[5 + k, *chunk]]  # a's newest token, then at most 4 positions
+        s.complete(step, np.array([6 + k] + [50 + k] * len(ids)))
+    step = s.next_step(0)
+    assert step.kind == DECODE and [r.id for r in step.rows] == ["a", "e", "f", "g"]
+    assert [r.new for r in step.rows] == [[5, 6, 7, 8, 9, 10], [53], [53], [54]]
+
+
 def drive_in_order(s):
     """Stage 0's loop (`DecodeRing.drive`) with a fake model: steps complete first-in first-out,
     then the step's group and every other group are offered a turn. Returns (steps, rows done)."""
