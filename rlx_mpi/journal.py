@@ -31,7 +31,8 @@ fine-tune (or a single edited weight in a tensor's first or last row) is another
 Note: no leftovers, no torn lines. A new output file is created at the first row (with its
 sidecar just before), so a job that fails before it (a plan that does not fit, a bad flag)
 leaves no empty file behind. A write that fails part-way (a full disk, a quota) is cut back to
-the last whole line before the error is raised, so a reader never sees half a row; only a
+the last line it wrote whole before the error is raised, so a reader never sees half a row and
+no row that reached the file is lost; only a
 ``kill -9`` inside a write can leave one, and the next open repairs it.
 
 A stopped job (SIGTERM/SIGINT/SIGUSR1, see `rlx_mpi.signals`) closes its journal and exits
@@ -418,18 +419,18 @@ class Journal:
             self._last_sync, self._unsynced = now, False
 
     def _write(self, data: bytes) -> None:
-        """Append whole lines; if the kernel fails part-way, cut the file back to where it was."""
+        """Append whole lines; if the kernel fails part-way, cut the file back to the end of the
+        last line it took whole (the rows before it are kept: a rerun does not recompute them)."""
         start = os.fstat(self._fd).st_size  # only we write it (the lock): the end of the last whole line
-        view = memoryview(data)
-        while view:  # one write unless the kernel takes less (a signal, a full quota)
+        view, written = memoryview(data), 0
+        while written < len(data):  # one write unless the kernel takes less (a signal, a full quota)
             try:
-                n = os.write(self._fd, view)
+                written += os.write(self._fd, view[written:])
             except InterruptedError:
                 continue
             except OSError as e:
-                self._cut_back(start)
+                self._cut_back(start + data.rfind(b"\n", 0, written) + 1)
                 raise self._fault(e) from None
-            view = view[n:]
 
     def _cut_back(self, size: int) -> None:
         try:
