@@ -1,11 +1,11 @@
-"""In-process A/B of batch-1 decode: this checkout's decoder against an older copy of the package.
+"""In-process A/B of decode: this checkout's decoder against an older copy of the package.
 
     git archive REF rlx_mpi | tar -x -C OLD && mv OLD/rlx_mpi OLD/rlx_mpi_old
     rlx-mpi init-model --preset medium M.h5
-    python bench/ab_decode.py M.h5 --old OLD --precision f32 --threads 1
+    python bench/ab_decode.py M.h5 --old OLD --precision f32 --threads 1 [--batch 8]
 
 Both stages are built in one process from the same checkpoint; each round times ``--steps``
-decode steps of one sequence (after a 32-token prefill) on each side, alternating which goes
+decode steps of ``--batch`` sequences (default 1, after a 32-token prefill) on each side, alternating which goes
 first, and the report is the median per-token time of each and their ratio (> 1: this checkout
 is faster). The logits of both are compared (the change must not alter results). Meant for
 decisions on a loaded host: ratios, not figures.
@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 
-def build(pkg: str, path: str, preset: str, precision: str, threads: int, max_seq: int):
+def build(pkg: str, path: str, preset: str, precision: str, threads: int, max_seq: int, batch: int):
     fam = importlib.import_module(f"{pkg}.families")
     stage_mod = importlib.import_module(f"{pkg}.families.decoder.stage")
     ck = importlib.import_module(f"{pkg}.checkpoint")
@@ -37,7 +37,7 @@ def build(pkg: str, path: str, preset: str, precision: str, threads: int, max_se
         cfg = fam.get_family("llama").presets[preset]
     with ck.H5ParamSource(path) as src:
         stage = stage_mod.DecoderStage(cfg, src, range(cfg.num_hidden_layers), True, True, precision=precision)
-    stage.reset(1, max_seq, kvm.KvSpec("full"))
+    stage.reset(batch, max_seq, kvm.KvSpec("full"))
     return stage, cfg
 
 
@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     args = ap.parse_args()
     from threadpoolctl import threadpool_limits
 
@@ -59,16 +60,17 @@ def main() -> None:
     stages = {}
     for name, pkg in (("old", "rlx_mpi_old"), ("new", "rlx_mpi")):
         stages[name], cfg = build(pkg, args.checkpoint, args.preset, args.precision, args.threads,
-                                  args.prompt + args.steps + 1)
-    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, args.prompt))
-    slots, lengths = np.array([0]), np.array([args.prompt])
+                                  args.prompt + args.steps + 1, args.batch)
+    b = args.batch
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, args.prompt))
+    slots, lengths = np.arange(b), np.full(b, args.prompt)
     first = {n: s.prefill(ids, slots, lengths) for n, s in stages.items()}
-    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, args.steps)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (args.steps, b, 1))
 
     def run(s):
         out = []
         for i, t in enumerate(tokens):
-            out.append(s.decode(np.array([[t]]), slots, np.array([args.prompt + i])))
+            out.append(s.decode(t, slots, np.full(b, args.prompt + i)))
         return out
 
     logits = {n: run(s) for n, s in stages.items()}  # warm, and the results to compare
@@ -81,7 +83,7 @@ def main() -> None:
             run(stages[n])
             times[n].append((time.perf_counter() - t0) / args.steps * 1e3)
     med = {n: statistics.median(v) for n, v in times.items()}
-    print(json.dumps({"precision": args.precision, "threads": args.threads, "ms_per_token": med,
+    print(json.dumps({"precision": args.precision, "threads": args.threads, "batch": b, "ms_per_step": med,
                       "ratio_old_over_new": med["old"] / med["new"], "max_abs_logit_diff": diff,
                       "rounds": times}))
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from ._common import ERR, FAST, check_f32, pool_threads
 from .bits import as_f32, f16_value, pack_bf16, unpack_bf16, unpack_f16
-from .rowdot import INT8_BLOCK, ROWS, STEP, row_dot_i8, row_dots, row_dots_i8
+from .rowdot import AHEAD_BYTES, INT8_BLOCK, ROWS, STEP, row_dot_i8, row_dots, row_dots_i8
 
 __all__ = ["dequant_matmul", "fused_matvec", "check_weight", "dequantize", "f16_has_special", "to_bf16", "from_bf16", "quantize_int8",
            "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "MATVEC_ROWS"]
@@ -38,7 +38,7 @@ def _matvec_bf16(x, w, out, chunks):  # x (R, K) f32, w (N, K) uint16 bf16 bits,
     for c in numba.prange(chunks):
         for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
             for r in range(0, grouped, ROWS):  # bf16 -> f32 is a shift (exact), done once per weight
-                sums = row_dots(w, n, x, r, k_vec)
+                sums = row_dots(w, n, x, r, k_vec, AHEAD_BYTES // 2 if r == 0 else 0)  # (bf16: 2 bytes)
                 for i in range(ROWS):
                     out[r + i, n] = sums[i] + _bf16_dot_from(w, n, x, r + i, k_vec)
             for r in range(grouped, r_len):
@@ -137,11 +137,11 @@ def _matvec_int8(x, w, scale, out, chunks):  # x (R, K) f32; w (N, K) int8, scal
     for c in numba.prange(chunks):
         for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
             for r in range(0, grouped, ROWS):  # ROWS activation rows share each weight load
-                sums = row_dots_i8(w, n, xq, r, scale, xs, full)
+                sums = row_dots_i8(w, n, xq, r, scale, xs, full, AHEAD_BYTES if r == 0 else 0)
                 for i in range(ROWS):
                     out[r + i, n] = sums[i]
             for r in range(grouped, r_len):
-                out[r, n] = row_dot_i8(w, n, xq, r, scale, xs, full)[0]
+                out[r, n] = row_dot_i8(w, n, xq, r, scale, xs, full, AHEAD_BYTES if r == 0 else 0)[0]
             if full < scale.shape[1]:  # a shorter last block
                 for r in range(r_len):
                     out[r, n] += _dot_i8_i16_tail(w, n, xq, r, scale, xs, full)

@@ -7,9 +7,11 @@ import numba
 import numpy as np
 
 from ._common import FAST, check_f32, pool_threads
-from .rowdot import ROWS, STEP, row_dots
+from .rowdot import AHEAD_BYTES, ROWS, STEP, row_dots
 
 __all__ = ["matvec_f32", "F32_MATVEC_ROWS"]
+
+_AHEAD = AHEAD_BYTES // 4  # float32 weights
 
 
 @numba.njit(cache=True, fastmath=FAST)
@@ -29,7 +31,7 @@ def _matvec_f32(x, w, out, chunks):  # x (R, K) f32, w (N, K) f32, out (R, N) f3
     for c in numba.prange(chunks):
         for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
             for r in range(0, grouped, ROWS):  # ROWS activation rows share each weight load
-                sums = row_dots(w, n, x, r, k_vec)
+                sums = row_dots(w, n, x, r, k_vec, _AHEAD if r == 0 else 0)  # (the weights ahead: once a row)
                 for i in range(ROWS):
                     out[r + i, n] = sums[i] + _dot_from(w, n, x, r + i, k_vec)
             for r in range(grouped, r_len):

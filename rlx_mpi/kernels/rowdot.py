@@ -1,9 +1,10 @@
 """Decode's dot products written as LLVM vector IR (numba intrinsics): one weight row against a
 few activation rows, for the matvecs of matvec.py (float32) and lowp.py (bf16, int8).
 
-``row_dots(w, n, x, r0, k)`` -> a tuple of ROWS float32: ``w[n, :k] . x[r, :k]`` for r in
+``row_dots(w, n, x, r0, k, ahead)`` -> a tuple of ROWS float32: ``w[n, :k] . x[r, :k]`` for r in
 r0 .. r0+ROWS-1, w (N, K) float32 or bfloat16 bits (uint16), x (R, K) float32, k a multiple of
-STEP (the caller adds the columns past it). Each weight
+STEP (the caller adds the columns past it), ``ahead`` how many weights past the ones being read
+to prefetch (the prefetch note; both kinds take it). Each weight
 vector is loaded (and for bf16 widened) once and multiplied into ROWS x 2 float32 accumulators
 of 8 lanes (fused multiply-adds; two per row hide their latency). Written as numba loops, the
 product over each activation row re-read the weight row and kept one accumulator chain per row,
@@ -12,7 +13,7 @@ which made a few-row matvec load-bound (measurements: bench/README.md, "Vector-I
 numba's on-disk cache keys a kernel on its own file: after editing this module, touch lowp.py
 and matvec.py (or clear rlx_mpi/kernels/__pycache__) or their cached kernels keep the old IR.
 
-``row_dots_i8(w, n, x, r0, ws, xs, blocks)`` -> a tuple of ROWS float32: for each activation
+``row_dots_i8(w, n, x, r0, ws, xs, blocks, ahead)`` -> a tuple of ROWS float32: for each activation
 row r0 .. r0+ROWS-1, the sum over the first ``blocks`` blocks of weight row n of
 ``(w[n, block] . x[r, block] in int32) * ws[n, b] * xs[r, b]``. w (N, K) int8, x (R, K) int16,
 ws (N, nb) and xs (R, nb) float32, all C-contiguous (typing refuses any other layout); the
@@ -29,6 +30,20 @@ weights' sign-extension is shared by ROWS activation rows. Measured (2-core EPYC
 1 thread, medium shapes, against the numba-loop kernel it replaced, same run): the compute rate
 with the weights in L2 16 vs 13 GB/s at 1 row, 1.5x at 4 rows; from DRAM (115 MB) 1.0-1.1x at 1
 row (both are then at the core's read bandwidth), 1.5x at 4 rows.
+
+Note: the prefetch. Every step of a dot product also asks for the weights ``ahead`` elements
+further on (`_prefetch`, LLVM's ``llvm.prefetch``: a hint, never a fault); the callers pass
+AHEAD_BYTES' worth for a weight row's first group of activation rows and 0 (the line already
+being read) for the others. Timed with the weights in DRAM, a few-row matvec took the time of
+its reads plus the time of its arithmetic, as if the two never overlapped (1 thread, 8 rows,
+30 x 11.5 MB: 0.029 s of reads at the 1-row rate plus 0.047 s of products at the in-cache rate
+= 0.076 s, measured 0.078): the hardware prefetcher does not run far enough ahead of a loop
+that spends this long on each 4 kB row. 16-32 kB ahead was best (kernel alone, 1 thread: 4 rows
+1.25x, 8 rows 1.1x, 16 rows 1.15x); the whole decode step against the code before it (medium,
+in process, `bench/ab_decode.py`, logits identical): int8 batch 1 1.15x (1 thread) and 1.11x
+(2 threads), f32 batch 4 1.07x (1 thread), batch 8 1.03x (1 thread) and 1.09x (2 threads),
+batch 16 1.03x (2 threads), bf16 batch 4 1.04x. The single-row f32/bf16 loops stay numba's
+own: as IR with the prefetch they were still 0.96-0.98x.
 """
 
 from __future__ import annotations
@@ -57,6 +72,19 @@ def _hsum(builder, v, width: int):  # <width x float> -> float, pairwise
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
+AHEAD_BYTES = 16384  # how far past the weights being read row_dots asks for the next ones (the prefetch note)
+
+
+def _prefetch(builder, ptr, index) -> None:
+    """Ask for the cache line holding ptr[index] (a read, kept in every level): a hint that
+    never faults, so an index past the array's end is harmless."""
+    i8p = ir.IntType(8).as_pointer()
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                                        "llvm.prefetch.p0i8")
+    builder.call(fn, [builder.bitcast(builder.gep(ptr, [index]), i8p), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                      ir.Constant(_I32, 1)])
+
+
 def _rows_of(context, builder, n, n_type, r, r_type):
     """What both kinds of intrinsic start with: an intp constant maker, ``row(array type, array,
     i)`` -> a pointer to ``array[i, 0]``, and the weight row n and first activation row r as intp."""
@@ -72,18 +100,19 @@ def _rows_of(context, builder, n, n_type, r, r_type):
 
 def _make(rows: int):
     @intrinsic
-    def row_dots(typingctx, w, n, x, r0, ws, xs, blocks):
+    def row_dots(typingctx, w, n, x, r0, ws, xs, blocks, ahead):
         arrays = (w, x, ws, xs)
         if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays):
             return None
         if (w.dtype, x.dtype, ws.dtype, xs.dtype) != (types.int8, types.int16, types.float32, types.float32):
             return None
-        sig = types.UniTuple(types.float32, rows)(w, n, x, r0, ws, xs, blocks)
+        sig = types.UniTuple(types.float32, rows)(w, n, x, r0, ws, xs, blocks, ahead)
 
         def codegen(context, builder, signature, args):
-            wt, nt, xt, rt, wst, xst, bt = signature.args
-            w_, n_, x_, r_, ws_, xs_, b_ = args
+            wt, nt, xt, rt, wst, xst, bt, at = signature.args
+            w_, n_, x_, r_, ws_, xs_, b_, a_ = args
             intp, row, n_, r_ = _rows_of(context, builder, n_, nt, r_, rt)
+            a_ = context.cast(builder, a_, at, types.intp)
             wp, wsp = row(wt, w_, n_), row(wst, ws_, n_)
             xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
             xsps = [row(xst, xs_, builder.add(r_, intp(i))) for i in range(rows)]
@@ -96,6 +125,7 @@ def _make(rows: int):
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
                 base = builder.mul(b, intp(INT8_BLOCK))
+                _prefetch(builder, wp, builder.add(base, a_))  # a block is one 64-byte line
                 isums = [ir.Constant(hi32, [0] * _HALF)] * rows
                 for j in range(INT8_BLOCK // _LANES):
                     off = builder.add(base, intp(j * _LANES))
@@ -132,18 +162,19 @@ STEP = 16  # float32 columns per step of row_dots: two 8-lane vectors
 
 def _make_float(rows: int):
     @intrinsic
-    def row_dots(typingctx, w, n, x, r0, k):
+    def row_dots(typingctx, w, n, x, r0, k, ahead):
         if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, x)):
             return None
         if w.dtype not in (types.float32, types.uint16) or x.dtype != types.float32:
             return None
-        sig = types.UniTuple(types.float32, rows)(w, n, x, r0, k)
+        sig = types.UniTuple(types.float32, rows)(w, n, x, r0, k, ahead)
         bf16 = w.dtype == types.uint16
 
         def codegen(context, builder, signature, args):
-            wt, nt, xt, rt, kt = signature.args
-            w_, n_, x_, r_, k_ = args
+            wt, nt, xt, rt, kt, at = signature.args
+            w_, n_, x_, r_, k_, a_ = args
             intp, row, n_, r_ = _rows_of(context, builder, n_, nt, r_, rt)
+            a_ = context.cast(builder, a_, at, types.intp)
             wp = row(wt, w_, n_)
             xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
             f8 = ir.VectorType(ir.FloatType(), _HALF)
@@ -153,6 +184,7 @@ def _make_float(rows: int):
             steps = builder.sdiv(context.cast(builder, k_, kt, types.intp), intp(STEP))
             with cgutils.for_range(builder, steps) as loop:
                 base = builder.mul(loop.index, intp(STEP))
+                _prefetch(builder, wp, builder.add(base, a_))  # a step is 64 (f32) or 32 (bf16) bytes
                 for u in range(2):
                     off = builder.add(base, intp(u * _HALF))
                     wv = builder.load(builder.bitcast(builder.gep(wp, [off]), w8.as_pointer()), align=2 if bf16 else 4)
