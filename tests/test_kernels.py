@@ -396,7 +396,8 @@ def test_attend_propagates_nan():
     assert np.isnan(y[0, 66, 1]).all() and np.isfinite(np.delete(y[0], 66, axis=0)).all()
 
 
-@pytest.mark.parametrize("R, N, K", [(1, 1, 1), (1, 37, 65), (3, 129, 300), (8, 1376, 512), (5, 20, 100), (4, 7, 8)])  # 4-row groups, tails
+@pytest.mark.parametrize("R, N, K", [(1, 1, 1), (1, 37, 65), (3, 129, 300), (8, 1376, 512), (5, 20, 100), (4, 7, 8),
+                                     (9, 33, 200), (12, 3, 48)])  # 4-row groups, weight-row pairs, odd rows, tails
 def test_matvec_f32_against_numpy(R, N, K):
     """Decode's f32 product (llama/weights.py takes it up to F32_MATVEC_ROWS rows)."""
     rng = np.random.default_rng(R * N + K)
@@ -450,3 +451,31 @@ def test_set_threads_sizes_the_matvec_pool_and_is_remembered():
         assert pool_threads() == numba.config.NUMBA_NUM_THREADS
     finally:
         kernels.set_threads(before)
+
+
+def test_numba_caches_are_dropped_when_any_kernel_source_changes(tmp_path):
+    """numba keys a cache on its own file only (kernels/_fresh.py's note): a change to any source
+    of the folder deletes every cache file once (other files stay), and nothing else does."""
+    from rlx_mpi.kernels._fresh import drop_stale
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.py").write_text("y = 2\n")
+    cache = tmp_path / "__pycache__"
+    cache.mkdir()
+
+    def fill():
+        for name in ("b._f-3.py311.nbi", "b._f-3.py311.1.nbc"):
+            (cache / name).write_bytes(b"compiled")
+        (cache / "a.cpython-311.pyc").write_bytes(b"bytecode")
+
+    fill()
+    assert drop_stale(tmp_path)  # no stamp yet: built from unknown sources
+    assert sorted(p.name for p in cache.iterdir() if not p.name.startswith("rlx-")) == ["a.cpython-311.pyc"]
+    fill()
+    assert not drop_stale(tmp_path) and len(list(cache.glob("*.nb?"))) == 2  # same sources: kept
+    (tmp_path / "a.py").write_text("x = 3\n")  # only a.py changed: b's caches go too
+    assert drop_stale(tmp_path) and not list(cache.glob("*.nb?"))
+    fill()
+    assert not drop_stale(tmp_path)
+    (tmp_path / "c.py").write_text("")  # a new source file counts as a change
+    assert drop_stale(tmp_path) and (cache / "a.cpython-311.pyc").exists()

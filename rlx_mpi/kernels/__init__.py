@@ -17,7 +17,13 @@ matvecs run on numba's pool, sized by `set_threads`; the rest run serial on the 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+
+from ._fresh import drop_stale
+
+drop_stale(Path(__file__).parent)  # before any cached kernel loads (the note in _fresh.py)
 
 from ._common import set_threads
 

@@ -11,7 +11,8 @@ import numpy as np
 
 from ._common import ERR, FAST, check_f32, pool_threads
 from .bits import as_f32, f16_value, pack_bf16, unpack_bf16, unpack_f16
-from .rowdot import AHEAD_BYTES, INT8_BLOCK, ROWS, STEP, row_dot_i8, row_dots, row_dots_i8
+from .matvec import _matvec_float
+from .rowdot import AHEAD_BYTES, INT8_BLOCK, ROWS, row_dot_i8, row_dots_i8
 
 __all__ = ["dequant_matmul", "fused_matvec", "check_weight", "dequantize", "f16_has_special", "to_bf16", "from_bf16", "quantize_int8",
            "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "MATVEC_ROWS"]
@@ -29,31 +30,7 @@ __all__ = ["dequant_matmul", "fused_matvec", "check_weight", "dequantize", "f16_
 # buffer and handed to BLAS (measured faster than a numba GEMM, bench/bench_precision.py).
 
 
-@numba.njit(cache=True, parallel=True, fastmath=FAST)
-def _matvec_bf16(x, w, out, chunks):  # x (R, K) f32, w (N, K) uint16 bf16 bits, out (R, N) f32
-    r_len, k_len = x.shape
-    n_len = w.shape[0]
-    k_vec = k_len - k_len % STEP
-    grouped = r_len - r_len % ROWS
-    for c in numba.prange(chunks):
-        for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
-            for r in range(0, grouped, ROWS):  # bf16 -> f32 is a shift (exact), done once per weight
-                sums = row_dots(w, n, x, r, k_vec, AHEAD_BYTES // 2 if r == 0 else 0)  # (bf16: 2 bytes)
-                for i in range(ROWS):
-                    out[r + i, n] = sums[i] + _bf16_dot_from(w, n, x, r + i, k_vec)
-            for r in range(grouped, r_len):
-                acc = np.float32(0.0)  # one row: LLVM's own loop, measured faster
-                for k in range(k_len):
-                    acc += x[r, k] * as_f32(np.uint32(w[n, k]) << np.uint32(16))
-                out[r, n] = acc
-
-
-@numba.njit(cache=True, fastmath=FAST)
-def _bf16_dot_from(w, n, x, r, k0):  # w[n, k0:] . x[r, k0:], w bf16 bits: the columns past the vector steps
-    acc = np.float32(0.0)
-    for k in range(np.uint64(k0), np.uint64(w.shape[1])):  # unsigned: vectorised (matvec._dot_from)
-        acc += x[r, k] * as_f32(np.uint32(w[n, k]) << np.uint32(16))
-    return acc
+_matvec_bf16 = _matvec_float  # x (R, K) f32, w (N, K) uint16 bf16 bits: matvec.py's kernel reads them (a shift)
 
 
 @numba.njit(cache=True, parallel=True, fastmath=FAST)

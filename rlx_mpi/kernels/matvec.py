@@ -1,44 +1,83 @@
-"""Decode's float32 matvec: ``x @ w.T`` for a few activation rows, output rows split over the
-rank's numba threads (compiled parallel, unlike the element-wise kernels: see _common.py)."""
+"""Decode's float matvec: ``x @ w.T`` for a few activation rows and float32 or bfloat16 weights
+(lowp.py's bf16 decode is this kernel), output rows split over the rank's numba threads
+(compiled parallel, unlike the element-wise kernels: see _common.py)."""
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+from numba.core import types
+from numba.extending import overload
 
 from ._common import FAST, check_f32, pool_threads
-from .rowdot import AHEAD_BYTES, ROWS, STEP, row_dots
+from .bits import as_f32
+from .rowdot import AHEAD_BYTES, ROWS, STEP, row_dots, row_dots2
 
 __all__ = ["matvec_f32", "F32_MATVEC_ROWS"]
 
-_AHEAD = AHEAD_BYTES // 4  # float32 weights
+def _weight(w, n, k):
+    """w[n, k] as float32: float32 weights as they are, bfloat16 bits (uint16) shifted (exact)."""
+
+
+@overload(_weight, inline="always")
+def _weight_typed(w, n, k):
+    if w.dtype == types.float32:
+        return lambda w, n, k: w[n, k]
+    if w.dtype == types.uint16:
+        return lambda w, n, k: as_f32(np.uint32(w[n, k]) << np.uint32(16))
+    return None
 
 
 @numba.njit(cache=True, fastmath=FAST)
 def _dot_from(w, n, x, r, k0):  # w[n, k0:] . x[r, k0:]: the columns past the vector steps
     acc = np.float32(0.0)
     for k in range(np.uint64(k0), np.uint64(w.shape[1])):  # unsigned: no negative-index wrap per element,
-        acc += x[r, k] * w[n, k]  # which kept LLVM from vectorising a loop from a run-time start (2x slower)
+        acc += x[r, k] * _weight(w, n, k)  # which kept LLVM from vectorising a loop from a run-time start (2x slower)
+    return acc
+
+
+@numba.njit(cache=True, fastmath=FAST)
+def _one_row(x, w, r, n):  # x[r] . w[n]: LLVM's own loop (4 accumulators), measured faster for a lone row
+    acc = np.float32(0.0)
+    for k in range(x.shape[1]):
+        acc += x[r, k] * _weight(w, n, k)
     return acc
 
 
 @numba.njit(cache=True, parallel=True, fastmath=FAST)
-def _matvec_f32(x, w, out, chunks):  # x (R, K) f32, w (N, K) f32, out (R, N) f32: decode's f32 product
+def _matvec_float(x, w, out, chunks):  # x (R, K) f32, w (N, K) f32 or bf16 bits, out (R, N) f32: decode's product
     r_len, k_len = x.shape
     n_len = w.shape[0]
     k_vec = k_len - k_len % STEP
     grouped = r_len - r_len % ROWS
+    ahead = AHEAD_BYTES // w.itemsize
     for c in numba.prange(chunks):
-        for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
-            for r in range(0, grouped, ROWS):  # ROWS activation rows share each weight load
-                sums = row_dots(w, n, x, r, k_vec, _AHEAD if r == 0 else 0)  # (the weights ahead: once a row)
+        lo, hi = c * n_len // chunks, (c + 1) * n_len // chunks
+        if grouped == 0:  # fewer rows than a group: each weight row against each, numba's loop
+            for n in range(lo, hi):
+                for r in range(r_len):
+                    out[r, n] = _one_row(x, w, r, n)
+            continue
+        for n in range(lo, hi - 1, 2):  # two weight rows share each activation load (rowdot's tile note)
+            for r in range(0, grouped, ROWS):  # and ROWS activation rows each weight load
+                sums = row_dots2(w, n, x, r, k_vec, ahead if r == 0 else 0)  # (the weights ahead: once a row)
+                for j in range(2):
+                    for i in range(ROWS):
+                        out[r + i, n + j] = sums[j * ROWS + i] + _dot_from(w, n + j, x, r + i, k_vec)
+            for r in range(grouped, r_len):
+                out[r, n] = _one_row(x, w, r, n)
+                out[r, n + 1] = _one_row(x, w, r, n + 1)
+        if (hi - lo) % 2:  # the chunk's last weight row, alone
+            n = hi - 1
+            for r in range(0, grouped, ROWS):
+                sums = row_dots(w, n, x, r, k_vec, 0)
                 for i in range(ROWS):
                     out[r + i, n] = sums[i] + _dot_from(w, n, x, r + i, k_vec)
             for r in range(grouped, r_len):
-                acc = np.float32(0.0)  # one row: LLVM's own loop (4 accumulators), measured faster
-                for k in range(k_len):
-                    acc += x[r, k] * w[n, k]
-                out[r, n] = acc
+                out[r, n] = _one_row(x, w, r, n)
+
+
+_matvec_f32 = _matvec_float  # (decode_layer and lowp name the storage they pass)
 
 
 def matvec_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -10,8 +10,11 @@ of 8 lanes (fused multiply-adds; two per row hide their latency). Written as num
 product over each activation row re-read the weight row and kept one accumulator chain per row,
 which made a few-row matvec load-bound (measurements: bench/README.md, "Vector-IR dot products").
 
-numba's on-disk cache keys a kernel on its own file: after editing this module, touch lowp.py
-and matvec.py (or clear rlx_mpi/kernels/__pycache__) or their cached kernels keep the old IR.
+numba's on-disk cache keys a kernel on its own file: kernels/_fresh.py drops every kernel cache
+when any kernel source changed, or lowp.py, matvec.py and decode_layer.py would keep the old IR.
+
+``row_dots2(w, n, x, r0, k, ahead)``: the same for weight rows n and n+1 at once, a tuple of
+2 x ROWS float32, ``sums[j * ROWS + i]`` = row n+j against activation row r0+i (the tile note).
 
 ``row_dots_i8(w, n, x, r0, ws, xs, blocks, ahead)`` -> a tuple of ROWS float32: for each activation
 row r0 .. r0+ROWS-1, the sum over the first ``blocks`` blocks of weight row n of
@@ -31,6 +34,13 @@ weights' sign-extension is shared by ROWS activation rows. Measured (2-core EPYC
 with the weights in L2 16 vs 13 GB/s at 1 row, 1.5x at 4 rows; from DRAM (115 MB) 1.0-1.1x at 1
 row (both are then at the core's read bandwidth), 1.5x at 4 rows.
 
+Note: the tile. From 4 activation rows on, the float matvecs take weight rows two at a time
+(`row_dots2`): each activation vector loaded then feeds two FMAs (6 loads per 8 FMAs instead of
+5 per 4), one accumulator per (weight row, activation row), still 8 chains. Kernel alone, weights
+from DRAM (30 x 11.5 MB), against row_dots, both with the prefetch: 1 thread 1.02x at 4 rows,
+1.19x at 8, 1.34x at 16, 1.45x at 24; 2 threads 1.11x, 1.19x, 1.39x, 1.41x. Fewer than 4 rows
+keep numba's one-row loop (the prefetch note).
+
 Note: the prefetch. Every step of a dot product also asks for the weights ``ahead`` elements
 further on (`_prefetch`, LLVM's ``llvm.prefetch``: a hint, never a fault); the callers pass
 AHEAD_BYTES' worth for a weight row's first group of activation rows and 0 (the line already
@@ -39,11 +49,12 @@ its reads plus the time of its arithmetic, as if the two never overlapped (1 thr
 30 x 11.5 MB: 0.029 s of reads at the 1-row rate plus 0.047 s of products at the in-cache rate
 = 0.076 s, measured 0.078): the hardware prefetcher does not run far enough ahead of a loop
 that spends this long on each 4 kB row. 16-32 kB ahead was best (kernel alone, 1 thread: 4 rows
-1.25x, 8 rows 1.1x, 16 rows 1.15x); the whole decode step against the code before it (medium,
-in process, `bench/ab_decode.py`, logits identical): int8 batch 1 1.15x (1 thread) and 1.11x
-(2 threads), f32 batch 4 1.07x (1 thread), batch 8 1.03x (1 thread) and 1.09x (2 threads),
-batch 16 1.03x (2 threads), bf16 batch 4 1.04x. The single-row f32/bf16 loops stay numba's
-own: as IR with the prefetch they were still 0.96-0.98x.
+1.25x, 8 rows 1.1x, 16 rows 1.15x). The whole decode step against the code before the prefetch
+and the tile (medium, in process, `bench/ab_decode.py --batch`, 9 rounds, caches built fresh):
+int8 (prefetch alone) batch 1 1.13x (1 thread) / 1.18x (2 threads), batch 8 1.09x (2 threads);
+f32 with the tile batch 4 1.15x (1 thread), batch 8 1.17x / 1.25x, batch 16 1.24x (2 threads);
+bf16 batch 8 1.23x / 1.24x; f32 and bf16 batch 1 1.02x / 1.01x at 1 thread. The single-row
+f32/bf16 loops stay numba's own: as IR with the prefetch they were still 0.96-0.98x.
 """
 
 from __future__ import annotations
@@ -160,43 +171,55 @@ row_dot_i8 = _make(1)  # the rows left over after steps of ROWS
 STEP = 16  # float32 columns per step of row_dots: two 8-lane vectors
 
 
-def _make_float(rows: int):
+def _make_float(rows: int, wrows: int = 1):
     @intrinsic
     def row_dots(typingctx, w, n, x, r0, k, ahead):
         if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, x)):
             return None
         if w.dtype not in (types.float32, types.uint16) or x.dtype != types.float32:
             return None
-        sig = types.UniTuple(types.float32, rows)(w, n, x, r0, k, ahead)
+        sig = types.UniTuple(types.float32, wrows * rows)(w, n, x, r0, k, ahead)
         bf16 = w.dtype == types.uint16
+        per = 2 // wrows  # accumulators per (weight row, activation row): 8 chains in all hide the FMA latency
 
         def codegen(context, builder, signature, args):
             wt, nt, xt, rt, kt, at = signature.args
             w_, n_, x_, r_, k_, a_ = args
             intp, row, n_, r_ = _rows_of(context, builder, n_, nt, r_, rt)
             a_ = context.cast(builder, a_, at, types.intp)
-            wp = row(wt, w_, n_)
+            wps = [row(wt, w_, builder.add(n_, intp(j))) for j in range(wrows)]
             xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
             f8 = ir.VectorType(ir.FloatType(), _HALF)
             w8 = ir.VectorType(ir.IntType(16), _HALF) if bf16 else f8
-            accs = [[cgutils.alloca_once_value(builder, ir.Constant(f8, [0.0] * _HALF)) for _ in range(2)]
-                    for _ in range(rows)]
+            accs = [[[cgutils.alloca_once_value(builder, ir.Constant(f8, [0.0] * _HALF)) for _ in range(per)]
+                     for _ in range(rows)] for _ in range(wrows)]
             steps = builder.sdiv(context.cast(builder, k_, kt, types.intp), intp(STEP))
             with cgutils.for_range(builder, steps) as loop:
                 base = builder.mul(loop.index, intp(STEP))
-                _prefetch(builder, wp, builder.add(base, a_))  # a step is 64 (f32) or 32 (bf16) bytes
+                for wp in wps:  # a step is 64 (f32) or 32 (bf16) bytes of each weight row
+                    _prefetch(builder, wp, builder.add(base, a_))
                 for u in range(2):
                     off = builder.add(base, intp(u * _HALF))
-                    wv = builder.load(builder.bitcast(builder.gep(wp, [off]), w8.as_pointer()), align=2 if bf16 else 4)
-                    if bf16:  # the float32 with these top 16 bits: exact
-                        wide = builder.zext(wv, ir.VectorType(_I32, _HALF))
-                        wide = builder.shl(wide, ir.Constant(ir.VectorType(_I32, _HALF), [16] * _HALF))
-                        wv = builder.bitcast(wide, f8)
+                    wvs = []
+                    for wp in wps:
+                        wv = builder.load(builder.bitcast(builder.gep(wp, [off]), w8.as_pointer()), align=2 if bf16 else 4)
+                        if bf16:  # the float32 with these top 16 bits: exact
+                            wide = builder.zext(wv, ir.VectorType(_I32, _HALF))
+                            wide = builder.shl(wide, ir.Constant(ir.VectorType(_I32, _HALF), [16] * _HALF))
+                            wv = builder.bitcast(wide, f8)
+                        wvs.append(wv)
                     for i in range(rows):
                         xv = builder.load(builder.bitcast(builder.gep(xps[i], [off]), f8.as_pointer()), align=4)
-                        acc = builder.fadd(builder.load(accs[i][u]), builder.fmul(wv, xv, flags=_FAST), flags=_FAST)
-                        builder.store(acc, accs[i][u])
-            sums = [_hsum(builder, builder.fadd(builder.load(a), builder.load(b), flags=_FAST), _HALF) for a, b in accs]
+                        for j, wv in enumerate(wvs):
+                            a = accs[j][i][u % per]
+                            builder.store(builder.fadd(builder.load(a), builder.fmul(wv, xv, flags=_FAST), flags=_FAST), a)
+            sums = []
+            for j in range(wrows):
+                for i in range(rows):
+                    v = builder.load(accs[j][i][0])
+                    for a in accs[j][i][1:]:
+                        v = builder.fadd(v, builder.load(a), flags=_FAST)
+                    sums.append(_hsum(builder, v, _HALF))
             return context.make_tuple(builder, signature.return_type, sums)
 
         return sig, codegen
@@ -205,3 +228,4 @@ def _make_float(rows: int):
 
 
 row_dots = _make_float(ROWS)  # (one row alone is left to numba's loop: LLVM unrolls it 4 wide, measured faster)
+row_dots2 = _make_float(ROWS, 2)  # weight rows n and n+1: sums[j * ROWS + i] is row n+j against r0+i (the tile note)
