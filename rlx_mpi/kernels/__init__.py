@@ -4,10 +4,12 @@
 - ``attention``: blocked attention (`attend`, `attend_workspace_bytes`), decode attention read in
   place from a KV cache (`attend_cache`; `decode_attention` adds RoPE and the cache write), a
   reference softmax
-- ``matvec``: decode's float32 matvec on the rank's numba threads
-- ``lowp``: bf16 / f16 / int8 weights, their decode matvecs and prefill tiles
+- ``matvec``: decode's float32 and bfloat16 matvec on the rank's numba threads
+- ``lowp``: bf16 / f16 / int8 weights, their decode matvecs (bf16's is matvec's) and prefill tiles
 - ``decode_layer``: a dense SwiGLU layer's decode step in one call of the kernels above
 - ``bits``: float32 <-> bf16 / f16 bit patterns, shared with the wire codecs (rlx_mpi.wire)
+- ``rowdot``: the decode matvecs' dot products as LLVM vector IR (prefetch, 2-row tiles)
+- ``_fresh``: drops the numba caches when any kernel source changed (numba keys each on its own file)
 
 The ``_`` kernels are ``@numba.njit(cache=True)`` with no validation and no allocation; the
 public wrappers check dtype, shape and contiguity, allocate, and say what to pass. The decode

@@ -10,7 +10,7 @@ import numba
 import numpy as np
 
 from ._common import ERR, FAST, check_f32, pool_threads
-from .bits import as_f32, f16_value, pack_bf16, unpack_bf16, unpack_f16
+from .bits import f16_value, pack_bf16, unpack_bf16, unpack_f16
 from .matvec import _matvec_float
 from .rowdot import AHEAD_BYTES, INT8_BLOCK, ROWS, row_dot_i8, row_dots_i8
 
