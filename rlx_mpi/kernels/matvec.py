@@ -93,9 +93,10 @@ def matvec_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
-F32_MATVEC_ROWS = 24  # up to this many rows a decode step's f32 projections run on matvec_f32, not BLAS.
-# Kernel alone, weights read from DRAM (medium shapes), time over BLAS's W @ x.T at 8 / 12 / 16 / 32 rows:
-# 0.96 / 1.00 / 1.09 / 1.47 on 1 thread, 0.86 / 0.76 / 1.10 / 1.35 on 2. In the model the step is what
-# counts: with numba's matvecs the step runs as one call per layer (kernels.decode_layer) and its attention
-# on the pool, with BLAS neither (medium, 2 threads, step time BLAS path / this one: 12 rows 1.54, 16 rows
-# 1.30-1.48, 24 rows 1.32, 32 rows 1.02; 16 rows on 1 thread 1.22; logits within 5e-6), hence 24.
+F32_MATVEC_ROWS = 48  # up to this many rows a decode step's f32 projections run on matvec_f32, not BLAS.
+# In the model the step is what counts: with numba's matvecs the step runs as one call per layer
+# (kernels.decode_layer) and its attention on the pool, with BLAS neither. With the 2-row tiles (rowdot's
+# tile note), whole decode step at this threshold against BLAS's path (medium, 2 threads, in process,
+# bench/ab_decode.py against the code before the tiles, where these rows took BLAS): 28 rows 1.54x,
+# 32 rows 1.27x (1.32x on 1 thread), 48 rows 1.23x, 64 rows 0.96x; logits within 6e-6. Before the tiles
+# the crossover was 24-32 rows (step time BLAS / numba: 24 rows 1.32, 32 rows 1.02).
