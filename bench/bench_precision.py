@@ -184,7 +184,7 @@ def bench_paths(threads: int) -> dict:
 
     def fused(x, w):
         out = np.empty((x.shape[0], N), np.float32)
-        kernels._matvec_bf16(x, w, out, min(N, 4 * numba.get_num_threads()))
+        kernels._matvec_float(x, w, out, min(N, 4 * numba.get_num_threads()))
 
     def tiled(x, w):
         saved = kernels.MATVEC_ROWS

@@ -479,3 +479,22 @@ def test_numba_caches_are_dropped_when_any_kernel_source_changes(tmp_path):
     assert not drop_stale(tmp_path)
     (tmp_path / "c.py").write_text("")  # a new source file counts as a change
     assert drop_stale(tmp_path) and (cache / "a.cpython-311.pyc").exists()
+
+
+def test_numba_cache_lock_held_elsewhere_is_given_up_on_not_waited_for(tmp_path):
+    """A process stopped while holding the cache lock must not hang every rank's import."""
+    import fcntl
+    import time
+
+    from rlx_mpi.kernels._fresh import STAMP, drop_stale
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    cache = tmp_path / "__pycache__"
+    cache.mkdir()
+    (cache / "a._f-1.py311.nbi").write_bytes(b"compiled")
+    with open(cache / (STAMP + ".lock"), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        assert not drop_stale(tmp_path, wait_s=0.3)
+        assert time.monotonic() - t0 < 3 and (cache / "a._f-1.py311.nbi").exists()
+    assert drop_stale(tmp_path, wait_s=0.3)  # released: done

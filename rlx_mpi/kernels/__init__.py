@@ -32,9 +32,9 @@ from ._common import set_threads
 from .attention import (_row_max, attend, attend_cache, attend_workspace_bytes, causal_softmax_, check_cache_rows,
                         decode_attention)
 from .elementwise import _exp, rms_norm, rope, silu_mul_, swiglu
-from .lowp import (INT8_BLOCK, MATVEC_ROWS, WEIGHT_FORMATS, _matvec_bf16, check_weight, dequant_matmul, dequantize,
+from .lowp import (INT8_BLOCK, MATVEC_ROWS, WEIGHT_FORMATS, check_weight, dequant_matmul, dequantize,
                    f16_has_special, fused_matvec, from_bf16, int8_blocks, quantize_int8, to_bf16)
-from .matvec import F32_MATVEC_ROWS, matvec_f32
+from .matvec import F32_MATVEC_ROWS, _matvec_float, matvec_f32
 from ._common import pool_threads
 from .decode_layer import FORMATS as DECODE_LAYER_FORMATS, decode_layer, warm_up as warm_up_decode_layer
 

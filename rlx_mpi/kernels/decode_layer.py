@@ -33,8 +33,8 @@ from numba.extending import overload
 from ._common import ERR
 from .attention import _attend_cache, _attend_cache_par, _decode_qkv
 from .elementwise import _rms_norm, _swiglu
-from .lowp import _matvec_bf16, _matvec_int8
-from .matvec import _matvec_f32
+from .lowp import _matvec_int8
+from .matvec import _matvec_float
 
 __all__ = ["decode_layer", "FORMATS"]
 
@@ -47,10 +47,8 @@ def _matvec(x, w, scale, out, chunks):
 
 @overload(_matvec)
 def _matvec_typed(x, w, scale, out, chunks):
-    if w.dtype == types.float32:
-        return lambda x, w, scale, out, chunks: _matvec_f32(x, w, out, chunks)
-    if w.dtype == types.uint16:
-        return lambda x, w, scale, out, chunks: _matvec_bf16(x, w, out, chunks)
+    if w.dtype in (types.float32, types.uint16):  # f32, or bf16 bits
+        return lambda x, w, scale, out, chunks: _matvec_float(x, w, out, chunks)
     if w.dtype == types.int8:
         return lambda x, w, scale, out, chunks: _matvec_int8(x, w, scale, out, chunks)
     return None

@@ -30,9 +30,6 @@ __all__ = ["dequant_matmul", "fused_matvec", "check_weight", "dequantize", "f16_
 # buffer and handed to BLAS (measured faster than a numba GEMM, bench/bench_precision.py).
 
 
-_matvec_bf16 = _matvec_float  # x (R, K) f32, w (N, K) uint16 bf16 bits: matvec.py's kernel reads them (a shift)
-
-
 @numba.njit(cache=True, parallel=True, fastmath=FAST)
 def _matvec_f16(x, w, out, chunks):  # w (N, K) uint16 f16 bits, none Inf/NaN (the wrapper's caller checks)
     r_len, k_len = x.shape
@@ -192,7 +189,7 @@ def fused_matvec(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | Non
     if fmt == "int8":
         _matvec_int8(x, w, scale, out, chunks)
     elif fmt == "bf16":
-        _matvec_bf16(x, w, out, chunks)
+        _matvec_float(x, w, out, chunks)  # (matvec.py's kernel reads bf16 bits: a shift)
     else:
         _matvec_f16(x, w, out, chunks)
     return out

@@ -15,6 +15,7 @@ from .rowdot import AHEAD_BYTES, ROWS, STEP, row_dots, row_dots2
 
 __all__ = ["matvec_f32", "F32_MATVEC_ROWS"]
 
+
 def _weight(w, n, k):
     """w[n, k] as float32: float32 weights as they are, bfloat16 bits (uint16) shifted (exact)."""
 
@@ -77,9 +78,6 @@ def _matvec_float(x, w, out, chunks):  # x (R, K) f32, w (N, K) f32 or bf16 bits
                 out[r, n] = _one_row(x, w, r, n)
 
 
-_matvec_f32 = _matvec_float  # (decode_layer and lowp name the storage they pass)
-
-
 def matvec_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """``x @ w.T`` for a few float32 rows x (R, K) and float32 w (N, K), on the rank's numba
     threads: for weights in DRAM it reads them 1.7-1.8x faster than OpenBLAS's GEMV (measured
@@ -89,7 +87,7 @@ def matvec_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"matvec_f32: x {x.shape} and w {w.shape} do not fit (R, K) @ (N, K).T")
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    _matvec_f32(x, w, out, min(w.shape[0], 4 * pool_threads()))
+    _matvec_float(x, w, out, min(w.shape[0], 4 * pool_threads()))
     return out
 
 
