@@ -16,7 +16,7 @@ Four parts, all ratios taken in this run:
    checkpoint (and, for bf16, also from a bf16 checkpoint) and does one decode forward;
    its ``ru_maxrss`` over the f32 process's.
 3. **kernel paths**: for 1..32 activation rows, the fused matvec kernel vs the tiled path, on a
-   set of 2816 x 1024 matrices larger than the caches (so the crossover ``MATVEC_ROWS`` is
+   set of 2816 x 1024 matrices larger than the caches (so the crossover ``kernels.matvec_rows`` is
    measured, not guessed), and at 64 rows the tiled path vs a plain numba dequantising GEMM.
 """
 
@@ -187,12 +187,7 @@ def bench_paths(threads: int) -> dict:
         kernels._matvec_float(x, w, out, min(N, 4 * numba.get_num_threads()))
 
     def tiled(x, w):
-        saved = kernels.MATVEC_ROWS
-        kernels.MATVEC_ROWS = 0
-        try:
-            kernels.dequant_matmul(x, w, "bf16")
-        finally:
-            kernels.MATVEC_ROWS = saved
+        kernels.dequant_matmul(x, w, "bf16", fused=False)
 
     @numba.njit(parallel=True, fastmath={"reassoc", "contract"})
     def numba_gemm(x, w, out):

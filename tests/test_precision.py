@@ -107,23 +107,25 @@ def test_f16_decode_is_exact_for_every_half():
         assert not lin._fused and np.isnan(lin(np.ones((1, 256), np.float32))).any()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 17, 32, 33])  # both sides of MATVEC_ROWS = 32
+@pytest.mark.parametrize("rows", [1, 3, 17, "limit", "past"])  # "limit" / "past": the format's matvec_rows / + 1
 @pytest.mark.parametrize("n, k", [(37, 53), (130, 7), (1, 300), (5, 128), (3, 1000)])  # int8: short and whole blocks
 def test_dequant_matmul_against_naive(rows, n, k):
     w = RNG.standard_normal((n, k)).astype(np.float32)
     w[min(2, n - 1)] = 0.0  # a zero row: int8 scale 0 must give zeros, not NaN
-    x = RNG.standard_normal((rows, k)).astype(np.float32)
-    x[0, :min(k, 70)] *= 1e-3  # int8 decode: a block of small activations keeps its own scale
     for fmt, stored, scale, w64 in formats(w):
+        fused_rows = kernels.matvec_rows(fmt)  # both sides of it: the fused kernel and the tiles
+        r = {"limit": fused_rows, "past": fused_rows + 1}.get(rows, rows)
+        x = RNG.standard_normal((r, k)).astype(np.float32)
+        x[0, :min(k, 70)] *= 1e-3  # int8 decode: a block of small activations keeps its own scale
         got = kernels.dequant_matmul(x, stored, fmt, scale)
         xr = x
-        if fmt == "int8" and rows <= kernels.MATVEC_ROWS:  # the fused kernel takes x in int16 blocks
+        if fmt == "int8" and r <= fused_rows:  # the fused kernel takes x in int16 blocks
             xq, xs = int8_blocks_naive(x, 32767, np.int16)
             xr = xq.astype(np.float64) * np.repeat(xs, kernels.INT8_BLOCK, axis=1)[:, :k]
             bound = np.repeat(xs, kernels.INT8_BLOCK, axis=1)[:, :k] / 2 @ np.abs(w64).T  # the rounding's reach
             assert (np.abs(got - naive_matmul(x, w64)) <= 1.01 * bound + 2e-5 * (np.abs(x) @ np.abs(w64).T)).all()
         want = naive_matmul(xr, w64)
-        assert got.shape == (rows, n) and got.dtype == np.float32
+        assert got.shape == (r, n) and got.dtype == np.float32
         tol = 1e-5 * (np.abs(xr).astype(np.float64) @ np.abs(w64).T + 1e-30)  # float32 accumulation
         assert (np.abs(got - want) <= tol).all(), fmt
         np.testing.assert_array_equal(got[:, min(2, n - 1)], 0.0)
@@ -182,12 +184,12 @@ def test_linear_matches_its_own_matrix(precision):
     lin = make_linear(w, precision)
     ref = {f: w64 for f, _, _, w64 in formats(w)}.get(precision, w.astype(np.float64))
     np.testing.assert_allclose(lin.to_f32(), ref, rtol=1e-7, atol=0)  # int8: q * scale rounded to float32
-    for shape in [(29,), (1, 1, 29), (3, 5, 29), (2, 40, 29)]:  # decode and prefill paths
+    for shape in [(29,), (1, 1, 29), (3, 5, 29), (2, 40, 29), (3, 70, 29)]:  # decode and prefill paths
         x = RNG.standard_normal(shape).astype(np.float32)
         y = lin(x)
         assert y.shape == shape[:-1] + (45,) and y.dtype == np.float32
         x2 = x.reshape(-1, 29)
-        if precision == "int8" and x2.shape[0] <= kernels.MATVEC_ROWS:  # decode: x rounded to int16 blocks
+        if precision == "int8" and x2.shape[0] <= kernels.matvec_rows("int8"):  # decode: x rounded to int16 blocks
             xq, xs = int8_blocks_naive(x2, 32767, np.int16)
             x2 = xq * xs.astype(np.float64)  # one block of 29
         np.testing.assert_allclose(y.reshape(-1, 45), x2.astype(np.float64) @ ref.T, rtol=1e-4, atol=1e-4)

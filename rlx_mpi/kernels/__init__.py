@@ -32,7 +32,7 @@ from ._common import set_threads
 from .attention import (_row_max, attend, attend_cache, attend_workspace_bytes, causal_softmax_, check_cache_rows,
                         decode_attention)
 from .elementwise import _exp, rms_norm, rope, silu_mul_, swiglu
-from .lowp import (INT8_BLOCK, MATVEC_ROWS, WEIGHT_FORMATS, check_weight, dequant_matmul, dequantize,
+from .lowp import (INT8_BLOCK, matvec_rows, WEIGHT_FORMATS, check_weight, dequant_matmul, dequantize,
                    f16_has_special, fused_matvec, from_bf16, int8_blocks, quantize_int8, to_bf16)
 from .matvec import F32_MATVEC_ROWS, _matvec_float, matvec_f32
 from ._common import pool_threads
@@ -40,7 +40,7 @@ from .decode_layer import FORMATS as DECODE_LAYER_FORMATS, decode_layer, warm_up
 
 __all__ = ["rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_cache", "decode_attention", "check_cache_rows", "attend_workspace_bytes", "causal_softmax_",
            "matvec_f32", "F32_MATVEC_ROWS", "dequant_matmul", "fused_matvec", "check_weight", "dequantize", "f16_has_special", "to_bf16",
-           "from_bf16", "quantize_int8", "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "MATVEC_ROWS", "set_threads", "pool_threads", "decode_layer", "DECODE_LAYER_FORMATS", "warm_up_decode_layer", "warm_up",
+           "from_bf16", "quantize_int8", "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "matvec_rows", "set_threads", "pool_threads", "decode_layer", "DECODE_LAYER_FORMATS", "warm_up_decode_layer", "warm_up",
            "warm_up_lowp"]
 
 
@@ -64,11 +64,11 @@ def warm_up() -> None:
 
 def warm_up_lowp() -> None:
     """Load (or compile) the low-precision kernels at build time."""
-    x1, x2 = np.ones((1, 4), np.float32), np.ones((MATVEC_ROWS + 1, 4), np.float32)
+    x = np.ones((1, 4), np.float32)
     w = np.ones((2, 4), np.float32)
     q, s = quantize_int8(w)
     b = to_bf16(w)
     for fmt, ww, sc in (("bf16", b, None), ("f16", w.astype(np.float16).view(np.uint16), None), ("int8", q, s)):
-        dequant_matmul(x1, ww, fmt, sc)
-        dequant_matmul(x2, ww, fmt, sc)
+        dequant_matmul(x, ww, fmt, sc)  # the fused kernel
+        dequant_matmul(x, ww, fmt, sc, fused=False)  # the tiles
 

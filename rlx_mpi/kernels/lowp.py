@@ -15,7 +15,7 @@ from .matvec import _matvec_float
 from .rowdot import AHEAD_BYTES, INT8_BLOCK, ROWS, row_dot_i8, row_dots_i8
 
 __all__ = ["dequant_matmul", "fused_matvec", "check_weight", "dequantize", "f16_has_special", "to_bf16", "from_bf16", "quantize_int8",
-           "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "MATVEC_ROWS"]
+           "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "matvec_rows"]
 
 # Note: storage. bf16 is kept as its uint16 bit pattern (the top half of a float32: decoding
 # is a shift), f16 as its uint16 bit pattern decoded with integer ops and one multiply (numba
@@ -183,7 +183,7 @@ def check_weight(fmt: str, w: np.ndarray, scale: np.ndarray | None) -> None:
 def fused_matvec(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | None, out: np.ndarray) -> np.ndarray:
     """`dequant_matmul`'s decode kernel into ``out`` (R, N) without its checks, for a caller that
     checked ``w`` once (`check_weight`; a `Linear` does at construction) and passes a float32
-    C-contiguous x (R <= MATVEC_ROWS, R, K) and out. Per call the checks cost more than a small
+    C-contiguous x (R <= `matvec_rows`, R, K) and out. Per call the checks cost more than a small
     matrix's product (65 calls per token on the medium preset)."""
     chunks = min(w.shape[0], 4 * pool_threads())  # a few per thread: balanced
     if fmt == "int8":
@@ -213,7 +213,7 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
     R, N = x.shape[0], w.shape[0]
     if out is None:
         out = np.empty((R, N), np.float32)
-    if R <= MATVEC_ROWS and fused:
+    if fused and R <= matvec_rows(fmt):
         return fused_matvec(x, w, fmt, scale, out)
     K = w.shape[1]
     tile = max(16, min(N, _TILE_BYTES // (4 * K)))
@@ -234,9 +234,30 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
     return out
 
 
-MATVEC_ROWS = 32  # up to this many activation rows the fused kernel beats dequantise + BLAS. Kernel alone: 1.5x at 16
-# and 32 rows, 1 thread. A decode step in the model (medium, 2 threads, one call per layer: kernels.decode_layer),
-# dequantise + BLAS time over fused: bf16 1.95 / 1.82 / 1.07 at 24 / 32 / 64 rows, int8 3.8 / 3.7 / 2.0
+# Note: the fused kernels' row limit. Up to `matvec_rows` activation rows a low-precision product
+# takes the fused matvec (every weight read once, output rows split over numba's pool), above it
+# dequantise + BLAS (the tiles are dequantised on the calling thread, so that path gains less from
+# a second thread than the fused one, which splits all its work). Measured on the medium preset
+# (2026-12-02, 2-core EPYC, in process, interleaved rounds), fused over dequantise + BLAS; a
+# decode step of B rows (with the fused layer, which takes the same limit) | a prefill of B tokens:
+#   bf16, 1 thread:  48 rows 1.04x | 0.94x;  64 0.90x;  96 0.83x
+#   bf16, 2 threads: 40 2.4x;  48 1.95x;  64 1.47x | 1.13x;  96 1.05x;  128 1.08x | 0.87x
+#   int8, 1 thread:  48 1.43x;  64 - | 1.38x;  96 1.11x | 1.12x;  128 1.00x
+#   int8, 2 threads: 40 3.1x;  64 1.77x;  96 1.50x;  128 1.38x | 1.20x;  192 1.16x | 0.98x
+#   f16 (a numba loop, no fused layer), decode: 1 thread 8 rows 1.14x, 16 0.83x, 32 0.65x;
+#   2 threads 8 2.9x, 32 1.56x, 48 1.18x, 64 0.82x
+# A limit is the largest row count measured at >= 1.0x both ways (f16: decode alone; bf16 on 1 thread
+# keeps 32, its old value, as 48 lost in prefill). It replaced one limit of 32 for every format and
+# thread count, under which bf16 and int8 steps of 40-64 rows ran 1.5-3x slower on 2
+# threads than they could. More threads than 2 likely favour the fused kernel further (not measured).
+_MATVEC_ROWS = {"bf16": (32, 64), "f16": (8, 32), "int8": (96, 128)}  # (1 thread, 2 or more threads)
+
+
+def matvec_rows(fmt: str, threads: int | None = None) -> int:
+    """Up to how many activation rows a product with ``fmt`` weights runs the fused decode kernel
+    rather than dequantise + BLAS, on ``threads`` (default: numba's pool's; see the note)."""
+    one, more = _MATVEC_ROWS[fmt]
+    return one if (threads or pool_threads()) <= 1 else more
 
 
 @numba.njit(cache=True)

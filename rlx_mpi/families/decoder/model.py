@@ -204,7 +204,7 @@ def fused_decode_rows(cfg: Arch, precision: str, tp: int) -> int:
     TP partial sums; the rows are those for which a `Linear` takes the decode matvecs."""
     if (tp == 1 and precision in kernels.DECODE_LAYER_FORMATS and cfg.activation == "silu"
             and not cfg.num_experts and not cfg.sandwich_norms):
-        return kernels.F32_MATVEC_ROWS if precision == "f32" else kernels.MATVEC_ROWS
+        return kernels.F32_MATVEC_ROWS if precision == "f32" else kernels.matvec_rows(precision)
     return 0
 
 

@@ -60,7 +60,7 @@ class Linear:
             raise ValueError(f"Linear: input has {c} features, the weight {self.data.shape} takes {self.data.shape[1]}")
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, c)  # (B*T, in): one GEMM, not B
         rows = x2.shape[0]
-        if self.precision != "f32" and rows <= kernels.MATVEC_ROWS and self._fused:  # decode
+        if self.precision != "f32" and self._fused and rows <= kernels.matvec_rows(self.precision):  # decode
             y = kernels.fused_matvec(x2, self.data, self.precision, self.scale,
                                      np.empty((rows, self.data.shape[0]), np.float32))
         elif self.precision != "f32":
