@@ -140,8 +140,17 @@ def exiting(code: int) -> None:
 
 
 def done() -> None:
-    """This rank reached the normal end of its command (whatever its exit code)."""
+    """This rank reached the normal end of its command (whatever its exit code).
+
+    A supervisor stopped at this moment would never reap the rank, and the job would hang in its
+    launcher: the rank waits here while the supervisor stays stopped, so the watch thread ends
+    the job named once it has been stopped RLX_MPI_SUPERVISOR_STOP_S (a job whose work was done
+    just before the stop, seen under Open MPI); a supervisor that resumes lets the rank go on."""
     _post("done")
+    if _post_fd is not None:
+        parent = os.getppid()
+        while _state(parent) == "T":  # as _watch_supervisor reads it
+            time.sleep(0.1)
 
 
 # -- the supervisor's side ---------------------------------------------------------------------
