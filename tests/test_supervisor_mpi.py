@@ -196,6 +196,7 @@ def test_a_supervisor_stopped_as_its_rank_ends_ends_the_process_named_not_never(
     if resume:
         assert proc.returncode == 0 and "rank ended" in out and "error" not in err, (proc.returncode, err)
     else:
-        assert proc.returncode == -signal.SIGKILL and "rank ended" not in out, (proc.returncode, out, err)
+        # (the rank may still print "rank ended" in the moment between its supervisor's SIGKILL and its own)
+        assert proc.returncode == -signal.SIGKILL, (proc.returncode, out, err)
         assert err.count("rlx-mpi: error:") == 1 and "its supervisor" in err and "has been stopped" in err, err
         assert took < 2 + 5, took
