@@ -99,9 +99,12 @@ def gemv_bandwidth(threads: int = 2) -> float:
     return w.nbytes / best
 
 
-def decode_bytes(cfg) -> int:
+WEIGHT_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "int8": 1}  # per weight (int8's per-row scales left out)
+
+
+def decode_bytes(cfg, precision: str = "f32") -> int:
     """Weight bytes one decode step reads: every layer, the final norm and the LM head."""
-    return 4 * (cfg.num_hidden_layers * cfg.layer_params() + cfg.hidden_size * (cfg.vocab_size + 1))
+    return WEIGHT_BYTES[precision] * (cfg.num_hidden_layers * cfg.layer_params() + cfg.hidden_size * (cfg.vocab_size + 1))
 
 
 def bench_preset(preset: str, args, folder: Path, mpiexec: str) -> dict:
@@ -123,7 +126,8 @@ def bench_preset(preset: str, args, folder: Path, mpiexec: str) -> dict:
     else:
         ensure_checkpoint(ckpt, preset)
     job = folder / f"{preset}.toml"
-    job.write_text(f'[model]\ncheckpoint = "{ckpt}"\n[run]\ntimeout_s = 600.0\n[placement]\nreserve_ram_gb = 0.0\n')
+    job.write_text(f'[model]\ncheckpoint = "{ckpt}"\n[run]\ntimeout_s = 600.0\nprecision = "{args.precision}"\n'
+                   f'[placement]\nreserve_ram_gb = 0.0\n')
     cases = PIPELINE_CASES if args.pipeline else CASES
     prompts = {n: write_prompts(folder / f"p{n}.jsonl", n, args.prompt_len, cfg.vocab_size) for n in (1, 8, 16)}
     walls: dict[str, dict[int, list[float]]] = {c[0]: {1: [], args.new: []} for c in cases}
@@ -149,8 +153,8 @@ def bench_preset(preset: str, args, folder: Path, mpiexec: str) -> dict:
             "8 prompts: 2 ranks / 1 rank, whole wall (prefill included)": c[0]["wall_n"] / c[1]["wall_n"],
             "16 prompts: 2 ranks (2 x 8) / 1 rank, whole wall (prefill included)": c[2]["wall_n"] / c[3]["wall_n"]}}
     bw = gemv_bandwidth(2)
-    bound = bw / decode_bytes(cfg)
-    doc = {"preset": preset, "cases": rows, "gemv_bandwidth_GBs": bw / 1e9, "decode_bytes": decode_bytes(cfg),
+    bound = bw / decode_bytes(cfg, args.precision)
+    doc = {"preset": preset, "cases": rows, "gemv_bandwidth_GBs": bw / 1e9, "decode_bytes": decode_bytes(cfg, args.precision),
            "bound_tok_s_batch1": bound}
     if torch_py:  # 2 threads (as our 1 rank) and 1 thread (as our taskset case)
         hf = {}
@@ -195,6 +199,8 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--torch-python", help="a Python with torch + transformers (or env RLX_TORCH_PYTHON)")
     ap.add_argument("--mpiexec", default=default_mpiexec())
+    ap.add_argument("--precision", default="f32", choices=["f32", "bf16", "f16", "int8"],
+                    help="[run] precision of every rank's weights (default f32)")
     ap.add_argument("--pipeline", action="store_true",
                     help="only 2 stages x 1 thread against 1 rank x 2 threads at 8 and 16 prompts (issue #16's target)")
     add_common_args(ap, quiet_wait_s=20.0)
@@ -220,9 +226,10 @@ def main() -> None:
                 print(f"  {k}: {v:.2f}")
             sys.stdout.flush()
             save_json(args.json, {"machine": info, "loadavg_end": loadavg(), "new": args.new,  # after each preset
-                                  "prompt_len": args.prompt_len, "trials": args.trials, "presets": docs})
+                                  "prompt_len": args.prompt_len, "trials": args.trials, "precision": args.precision,
+                                  "presets": docs})
     save_json(args.json, {"machine": info, "loadavg_end": loadavg(), "new": args.new, "prompt_len": args.prompt_len,
-                          "trials": args.trials, "presets": docs})
+                          "trials": args.trials, "precision": args.precision, "presets": docs})
 
 
 if __name__ == "__main__":
