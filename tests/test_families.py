@@ -522,7 +522,7 @@ def test_mixed_steps_match_transformers(converted, case):
         assert np.abs(got[0] - want[1, 33]).max() <= 1e-4, (case, run)
 
 
-@pytest.mark.parametrize("precision", ["f32", "bf16", "int8"])
+@pytest.mark.parametrize("precision", ["f32", "bf16", "f16", "int8"])
 @pytest.mark.parametrize("case", ["llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "mixtral"])
 def test_one_call_decode_layer_equals_the_layer_by_layer_path(converted, case, precision):
     """A decode step through `kernels.decode_layer` (one numba call per layer) gives bit-for-bit

@@ -91,20 +91,25 @@ def test_to_bf16_rounds_to_nearest_even():
 
 def test_f16_decode_is_exact_for_every_half():
     bits = np.arange(65536, dtype=np.uint32).astype(np.uint16).reshape(256, 256)  # zeros, subnormals, inf, NaN
-    got = kernels.dequantize(bits, "f16")
     want = bits.view(np.float16).astype(np.float32)
-    finite = np.isfinite(want)
-    np.testing.assert_array_equal(got[finite], want[finite])
-    np.testing.assert_array_equal(got.view(np.uint32)[np.isinf(want)], want.view(np.uint32)[np.isinf(want)])
-    assert np.isnan(got[np.isnan(want)]).all()
-    x = np.zeros((1, 256), np.float32)
-    x[0, 1] = 1.0  # the fused path decodes finite halves the same way: column 1 of every row
-    finite_rows = bits[:120]  # rows 120.. hold exponent 31 (Inf/NaN) halves
-    assert not kernels.f16_has_special(finite_rows) and kernels.f16_has_special(bits)
-    np.testing.assert_array_equal(kernels.dequant_matmul(x, finite_rows, "f16")[0], want[:120, 1])
-    lin = Linear("f16", bits)  # Inf/NaN weights: the exact path, so they reach the output
-    with np.errstate(invalid="ignore", over="ignore"):  # Inf - Inf inside BLAS: the point of the test
-        assert not lin._fused and np.isnan(lin(np.ones((1, 256), np.float32))).any()
+    finite, inf, nan = np.isfinite(want), np.isinf(want), np.isnan(want)
+
+    def check(got):
+        np.testing.assert_array_equal(got[finite], want[finite])
+        np.testing.assert_array_equal(got.view(np.uint32)[inf], want.view(np.uint32)[inf])  # the sign too
+        assert np.isnan(got[nan]).all()
+
+    check(kernels.dequantize(bits, "f16"))  # the tiles' decode
+    # the fused kernel's, both its vector steps (columns 0-31) and its scalar tail (32-39): each
+    # half sits alone in a row of zeros, so x = 1 gives it back (0 * 1 adds +0 exactly)
+    for col in (5, 37):
+        w = np.zeros((65536, 40), np.uint16)
+        w[:, col] = bits.reshape(-1)
+        for rows in (1, 5):  # one row alone (its own IR) and a group of 4 plus one left over
+            got = kernels.dequant_matmul(np.ones((rows, 40), np.float32), w, "f16")
+            assert kernels.matvec_rows("f16") >= rows
+            for r in range(rows):
+                check(got[r].reshape(256, 256))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17, "limit", "past"])  # "limit" / "past": the format's matvec_rows / + 1

@@ -6,10 +6,11 @@
     a = h + o(attention(rms_norm(h) @ qkv.T + bias))          attention: per-head q/k norm?, RoPE,
     out = a + down(silu(gate(x)) * up(x)),  x = rms_norm(a)    cache write, cached keys
 
-with the weights in one format (f32, bf16 bits or int8 + block scales; typing picks the matvec).
+with the weights in one format (f32, bf16 bits as uint16, f16 bits as int16, or int8 + block
+scales; typing picks the matvec).
 It is what `decoder.model.block` does at decode for a dense SwiGLU layer under no tensor
 parallelism, with the same kernels in the same order: the logits are bit-for-bit those of the
-layer-by-layer path (tests/test_families.py, every dense family at f32, bf16 and int8). Other layers (MoE, GeGLU, sandwich norms, f16, a TP
+layer-by-layer path (tests/test_families.py, every dense family at f32, bf16, f16 and int8). Other layers (MoE, GeGLU, sandwich norms, a TP
 shard whose partial sums need an all-reduce in between) keep that path.
 
 Note: why. A decode step at batch 1 is memory-bound in the matvecs, and the layer-by-layer path
@@ -38,7 +39,7 @@ from .matvec import _matvec_float
 
 __all__ = ["decode_layer", "FORMATS"]
 
-FORMATS = ("f32", "bf16", "int8")  # weight formats the fused layer takes (f16 shares bf16's uint16 storage)
+FORMATS = ("f32", "bf16", "f16", "int8")  # weight formats the fused layer takes (f16: its bits as int16)
 
 
 def _matvec(x, w, scale, out, chunks):
@@ -47,7 +48,7 @@ def _matvec(x, w, scale, out, chunks):
 
 @overload(_matvec)
 def _matvec_typed(x, w, scale, out, chunks):
-    if w.dtype in (types.float32, types.uint16):  # f32, or bf16 bits
+    if w.dtype in (types.float32, types.uint16, types.int16):  # f32, bf16 bits or f16 bits
         return lambda x, w, scale, out, chunks: _matvec_float(x, w, out, chunks)
     if w.dtype == types.int8:
         return lambda x, w, scale, out, chunks: _matvec_int8(x, w, scale, out, chunks)
@@ -100,7 +101,7 @@ def decode_layer(h: np.ndarray, ln1: np.ndarray, ln2: np.ndarray, eps: float, qk
 
     For a caller that checked everything once: h (B, C), cos, sin (B, hs) and the norms float32
     C-contiguous; each weight checked at load (`lowp.check_weight`; float32 for f32, its scale
-    None) and all of one format; slots and positions from `check_cache_rows` (int64, in range);
+    None; f16 bits viewed as int16: `Linear.kernel_data`) and all of one format; slots and positions from `check_cache_rows` (int64, in range);
     ``scale`` the attention's score scale; ``threads`` the pool's (`pool_threads`)."""
     none = np.empty(0, np.float32)
     nosc = np.empty((0, 0), np.float32)
@@ -122,7 +123,7 @@ def warm_up(fmt: str) -> None:
         w = np.full((n, k), 0.5, np.float32)
         if fmt == "int8":
             return quantize_int8(w)
-        return (to_bf16(w) if fmt == "bf16" else w), None
+        return {"bf16": to_bf16(w), "f16": w.astype(np.float16).view(np.int16)}.get(fmt, w), None
 
     ones = np.ones(4, np.float32)
     (wqkv, sqkv), (wo, so), (wgu, sgu), (wd, sd) = weight(8, 4), weight(4, 4), weight(8, 4), weight(4, 4)

@@ -10,17 +10,19 @@ import numba
 import numpy as np
 
 from ._common import ERR, FAST, check_f32, pool_threads
-from .bits import f16_value, pack_bf16, unpack_bf16, unpack_f16
+from .bits import pack_bf16, unpack_bf16, unpack_f16
 from .matvec import _matvec_float
 from .rowdot import AHEAD_BYTES, INT8_BLOCK, ROWS, row_dot_i8, row_dots_i8
 
-__all__ = ["dequant_matmul", "fused_matvec", "check_weight", "dequantize", "f16_has_special", "to_bf16", "from_bf16", "quantize_int8",
+__all__ = ["dequant_matmul", "fused_matvec", "check_weight", "dequantize", "to_bf16", "from_bf16", "quantize_int8",
            "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "matvec_rows"]
 
 # Note: storage. bf16 is kept as its uint16 bit pattern (the top half of a float32: decoding
-# is a shift), f16 as its uint16 bit pattern decoded with integer ops and one multiply (numba
-# has no float16 arithmetic on CPU; a 65536-entry table was measured 3x slower: a gather per
-# weight does not vectorise), int8 as int8 with one float32 scale per block of INT8_BLOCK (64)
+# is a shift), f16 as its uint16 bit pattern (numba has no float16 type on CPU): the tiles decode
+# it with integer ops (bits.py; a 65536-entry table was measured 3x slower: a gather per weight
+# does not vectorise), the fused matvec reads it as int16 (so typing tells it from bf16) and
+# converts 8 weights per instruction in vector IR (rowdot.py: LLVM's fpext from half, F16C's
+# vcvtph2ps on x86; exact for every half, Inf and NaN included), int8 as int8 with one float32 scale per block of INT8_BLOCK (64)
 # consecutive weights of a row (see the int8 note below). Activations and accumulators stay
 # float32, except inside the int8 decode product.
 # Decode (a few activation rows) reads every weight once: the fused kernels below dequantise
@@ -28,28 +30,6 @@ __all__ = ["dequant_matmul", "fused_matvec", "check_weight", "dequantize", "f16_
 # so a bf16 matrix moves half the bytes of an f32 one and an int8 matrix a quarter. Prefill
 # (many rows) is compute-bound: a tile of weight rows is dequantised into a reused float32
 # buffer and handed to BLAS (measured faster than a numba GEMM, bench/bench_precision.py).
-
-
-@numba.njit(cache=True, parallel=True, fastmath=FAST)
-def _matvec_f16(x, w, out, chunks):  # w (N, K) uint16 f16 bits, none Inf/NaN (the wrapper's caller checks)
-    r_len, k_len = x.shape
-    n_len = w.shape[0]
-    for c in numba.prange(chunks):
-        wv = np.empty(k_len, np.float32)  # with several rows, decode each weight row once
-        for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
-            if r_len == 1:
-                acc = np.float32(0.0)
-                for k in range(k_len):
-                    acc += x[0, k] * f16_value(w[n, k])
-                out[0, n] = acc
-                continue
-            for k in range(k_len):
-                wv[k] = f16_value(w[n, k])
-            for r in range(r_len):
-                acc = np.float32(0.0)
-                for k in range(k_len):
-                    acc += x[r, k] * wv[k]
-                out[r, n] = acc
 
 
 # Note: int8. A weight row is cut into blocks of INT8_BLOCK = 64 weights, each with its own
@@ -191,7 +171,7 @@ def fused_matvec(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | Non
     elif fmt == "bf16":
         _matvec_float(x, w, out, chunks)  # (matvec.py's kernel reads bf16 bits: a shift)
     else:
-        _matvec_f16(x, w, out, chunks)
+        _matvec_float(x, w.view(np.int16), out, chunks)  # f16 bits typed int16: its kernel converts them
     return out
 
 
@@ -203,8 +183,8 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
     tile of W at a time into a reused float32 buffer and call BLAS. Either way no float32
     copy of the whole of W exists. The fused int8 kernel also rounds x to int16 per block of
     INT8_BLOCK (a relative error of at most 1/65534 of the block's largest value; see the int8
-    note); a non-finite x gives a non-finite output, as the float32 product would. ``fused=False`` forces the tiled path: the fused f16 kernel
-    assumes no Inf/NaN weights (`f16_has_special` tells; a Linear checks once at load).
+    note); a non-finite x gives a non-finite output, as the float32 product would. ``fused=False`` forces the tiled path (tests,
+    benches); both are exact for every f16 pattern, Inf and NaN included.
     """
     check_f32("dequant_matmul x", x)
     check_weight(fmt, w, scale)
@@ -244,13 +224,14 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
 #   bf16, 2 threads: 40 2.4x;  48 1.95x;  64 1.47x | 1.13x;  96 1.05x;  128 1.08x | 0.87x
 #   int8, 1 thread:  48 1.43x;  64 - | 1.38x;  96 1.11x | 1.12x;  128 1.00x
 #   int8, 2 threads: 40 3.1x;  64 1.77x;  96 1.50x;  128 1.38x | 1.20x;  192 1.16x | 0.98x
-#   f16 (a numba loop, no fused layer), decode: 1 thread 8 rows 1.14x, 16 0.83x, 32 0.65x;
-#   2 threads 8 2.9x, 32 1.56x, 48 1.18x, 64 0.82x
-# A limit is the largest row count measured at >= 1.0x both ways (f16: decode alone; bf16 on 1 thread
-# keeps 32, its old value, as 48 lost in prefill). It replaced one limit of 32 for every format and
+#   f16, 1 thread:   16 1.39x;  32 1.09x | 1.04x;  48 0.99x | 0.88x
+#   f16, 2 threads:  32 2.44x | 1.96x;  48 2.09x | 1.13x;  56 - | 0.99x;  64 1.08x | 0.92x
+# (f16 since its matvec converts in vector IR, 2026-12-02; before, a numba loop of integer decodes
+# and no fused layer, it took 8 / 32 rows.) A limit is the largest row count measured at >= 1.0x
+# both ways (bf16 on 1 thread keeps 32, its old value, as 48 lost in prefill). It replaced one limit of 32 for every format and
 # thread count, under which bf16 and int8 steps of 40-64 rows ran 1.5-3x slower on 2
 # threads than they could. More threads than 2 likely favour the fused kernel further (not measured).
-_MATVEC_ROWS = {"bf16": (32, 64), "f16": (8, 32), "int8": (96, 128)}  # (1 thread, 2 or more threads)
+_MATVEC_ROWS = {"bf16": (32, 64), "f16": (32, 48), "int8": (96, 128)}  # (1 thread, 2 or more threads)
 
 
 def matvec_rows(fmt: str, threads: int | None = None) -> int:
@@ -258,21 +239,6 @@ def matvec_rows(fmt: str, threads: int | None = None) -> int:
     rather than dequantise + BLAS, on ``threads`` (default: numba's pool's; see the note)."""
     one, more = _MATVEC_ROWS[fmt]
     return one if (threads or pool_threads()) <= 1 else more
-
-
-@numba.njit(cache=True)
-def _f16_any_special(flat):  # no temporaries: this runs on every f16 matrix at load
-    for i in range(flat.shape[0]):
-        if (flat[i] & np.uint16(0x7C00)) == np.uint16(0x7C00):
-            return True
-    return False
-
-
-def f16_has_special(w: np.ndarray) -> bool:
-    """Whether any float16 bit pattern in ``w`` is Inf or NaN (exponent bits all ones)."""
-    if w.dtype != np.uint16:
-        raise TypeError(f"f16_has_special: expected uint16 bit patterns, got {w.dtype}")
-    return bool(_f16_any_special(np.ascontiguousarray(w).reshape(-1)))
 
 
 def dequantize(w: np.ndarray, fmt: str, scale: np.ndarray | None = None, rows: np.ndarray | None = None) -> np.ndarray:

@@ -1,5 +1,6 @@
-"""Decode's float matvec: ``x @ w.T`` for a few activation rows and float32 or bfloat16 weights
-(lowp.py's bf16 decode is this kernel), output rows split over the rank's numba threads
+"""Decode's float matvec: ``x @ w.T`` for a few activation rows and float32, bfloat16 or float16
+weights (lowp.py's bf16 and f16 decode is this kernel: bf16 as its uint16 bits, f16 as its bits
+read as int16, so typing tells the two apart), output rows split over the rank's numba threads
 (compiled parallel, unlike the element-wise kernels: see _common.py)."""
 
 from __future__ import annotations
@@ -10,14 +11,15 @@ from numba.core import types
 from numba.extending import overload
 
 from ._common import FAST, check_f32, pool_threads
-from .bits import as_f32
-from .rowdot import AHEAD_BYTES, ROWS, STEP, row_dots, row_dots2
+from .bits import as_f32, f16_exact
+from .rowdot import AHEAD_BYTES, ROWS, STEP, row_dot, row_dots, row_dots2
 
 __all__ = ["matvec_f32", "F32_MATVEC_ROWS"]
 
 
 def _weight(w, n, k):
-    """w[n, k] as float32: float32 weights as they are, bfloat16 bits (uint16) shifted (exact)."""
+    """w[n, k] as float32: float32 weights as they are, bfloat16 bits (uint16) shifted, float16
+    bits (int16) decoded; all exact."""
 
 
 @overload(_weight, inline="always")
@@ -26,6 +28,8 @@ def _weight_typed(w, n, k):
         return lambda w, n, k: w[n, k]
     if w.dtype == types.uint16:
         return lambda w, n, k: as_f32(np.uint32(w[n, k]) << np.uint32(16))
+    if w.dtype == types.int16:
+        return lambda w, n, k: f16_exact(w[n, k])
     return None
 
 
@@ -45,6 +49,18 @@ def _one_row(x, w, r, n):  # x[r] . w[n]: LLVM's own loop (4 accumulators), meas
     return acc
 
 
+def _lone_row(x, w, r, n, k_vec, ahead):
+    """x[r] . w[n] for a row outside the groups of ROWS: numba's loop for float32 and bf16 weights,
+    the vector IR for f16 (whose loop decodes each weight with integer ops, ~2x slower)."""
+
+
+@overload(_lone_row, inline="always")
+def _lone_row_typed(x, w, r, n, k_vec, ahead):
+    if w.dtype == types.int16:
+        return lambda x, w, r, n, k_vec, ahead: row_dot(w, n, x, r, k_vec, ahead)[0] + _dot_from(w, n, x, r, k_vec)
+    return lambda x, w, r, n, k_vec, ahead: _one_row(x, w, r, n)
+
+
 @numba.njit(cache=True, parallel=True, fastmath=FAST)
 def _matvec_float(x, w, out, chunks):  # x (R, K) f32, w (N, K) f32 or bf16 bits, out (R, N) f32: decode's product
     r_len, k_len = x.shape
@@ -57,7 +73,7 @@ def _matvec_float(x, w, out, chunks):  # x (R, K) f32, w (N, K) f32 or bf16 bits
         if grouped == 0:  # fewer rows than a group: each weight row against each, numba's loop
             for n in range(lo, hi):
                 for r in range(r_len):
-                    out[r, n] = _one_row(x, w, r, n)
+                    out[r, n] = _lone_row(x, w, r, n, k_vec, ahead if r == 0 else 0)
             continue
         for n in range(lo, hi - 1, 2):  # two weight rows share each activation load (rowdot's tile note)
             for r in range(0, grouped, ROWS):  # and ROWS activation rows each weight load
@@ -66,8 +82,8 @@ def _matvec_float(x, w, out, chunks):  # x (R, K) f32, w (N, K) f32 or bf16 bits
                     for i in range(ROWS):
                         out[r + i, n + j] = sums[j * ROWS + i] + _dot_from(w, n + j, x, r + i, k_vec)
             for r in range(grouped, r_len):
-                out[r, n] = _one_row(x, w, r, n)
-                out[r, n + 1] = _one_row(x, w, r, n + 1)
+                out[r, n] = _lone_row(x, w, r, n, k_vec, 0)
+                out[r, n + 1] = _lone_row(x, w, r, n + 1, k_vec, 0)
         if (hi - lo) % 2:  # the chunk's last weight row, alone
             n = hi - 1
             for r in range(0, grouped, ROWS):
@@ -75,7 +91,7 @@ def _matvec_float(x, w, out, chunks):  # x (R, K) f32, w (N, K) f32 or bf16 bits
                 for i in range(ROWS):
                     out[r + i, n] = sums[i] + _dot_from(w, n, x, r + i, k_vec)
             for r in range(grouped, r_len):
-                out[r, n] = _one_row(x, w, r, n)
+                out[r, n] = _lone_row(x, w, r, n, k_vec, 0)
 
 
 def matvec_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:

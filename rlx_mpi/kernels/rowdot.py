@@ -1,8 +1,9 @@
 """Decode's dot products written as LLVM vector IR (numba intrinsics): one weight row against a
-few activation rows, for the matvecs of matvec.py (float32) and lowp.py (bf16, int8).
+few activation rows, for the matvecs of matvec.py (float32, bf16, f16) and lowp.py (int8).
 
 ``row_dots(w, n, x, r0, k, ahead)`` -> a tuple of ROWS float32: ``w[n, :k] . x[r, :k]`` for r in
-r0 .. r0+ROWS-1, w (N, K) float32 or bfloat16 bits (uint16), x (R, K) float32, k a multiple of
+r0 .. r0+ROWS-1, w (N, K) float32, bfloat16 bits (uint16) or float16 bits (read as int16: LLVM's
+fpext from half, one vcvtph2ps per 8 weights with F16C), x (R, K) float32, k a multiple of
 STEP (the caller adds the columns past it), ``ahead`` how many weights past the ones being read
 to prefetch (the prefetch note; both kinds take it). Each weight
 vector is loaded (and for bf16 widened) once and multiplied into ROWS x 2 float32 accumulators
@@ -15,6 +16,7 @@ when any kernel source changed, or lowp.py, matvec.py and decode_layer.py would 
 
 ``row_dots2(w, n, x, r0, k, ahead)``: the same for weight rows n and n+1 at once, a tuple of
 2 x ROWS float32, ``sums[j * ROWS + i]`` = row n+j against activation row r0+i (the tile note).
+``row_dot``: the same for one activation row (a 1-tuple; matvec.py uses it for f16 alone).
 
 ``row_dots_i8(w, n, x, r0, ws, xs, blocks, ahead)`` -> a tuple of ROWS float32: for each activation
 row r0 .. r0+ROWS-1, the sum over the first ``blocks`` blocks of weight row n of
@@ -176,10 +178,10 @@ def _make_float(rows: int, wrows: int = 1):
     def row_dots(typingctx, w, n, x, r0, k, ahead):
         if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, x)):
             return None
-        if w.dtype not in (types.float32, types.uint16) or x.dtype != types.float32:
+        if w.dtype not in (types.float32, types.uint16, types.int16) or x.dtype != types.float32:
             return None
         sig = types.UniTuple(types.float32, wrows * rows)(w, n, x, r0, k, ahead)
-        bf16 = w.dtype == types.uint16
+        bf16, f16 = w.dtype == types.uint16, w.dtype == types.int16
         per = 2 // wrows  # accumulators per (weight row, activation row): 8 chains in all hide the FMA latency
 
         def codegen(context, builder, signature, args):
@@ -190,7 +192,7 @@ def _make_float(rows: int, wrows: int = 1):
             wps = [row(wt, w_, builder.add(n_, intp(j))) for j in range(wrows)]
             xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
             f8 = ir.VectorType(ir.FloatType(), _HALF)
-            w8 = ir.VectorType(ir.IntType(16), _HALF) if bf16 else f8
+            w8 = ir.VectorType(ir.IntType(16), _HALF) if bf16 or f16 else f8
             accs = [[[cgutils.alloca_once_value(builder, ir.Constant(f8, [0.0] * _HALF)) for _ in range(per)]
                      for _ in range(rows)] for _ in range(wrows)]
             steps = builder.sdiv(context.cast(builder, k_, kt, types.intp), intp(STEP))
@@ -202,11 +204,14 @@ def _make_float(rows: int, wrows: int = 1):
                     off = builder.add(base, intp(u * _HALF))
                     wvs = []
                     for wp in wps:
-                        wv = builder.load(builder.bitcast(builder.gep(wp, [off]), w8.as_pointer()), align=2 if bf16 else 4)
+                        wv = builder.load(builder.bitcast(builder.gep(wp, [off]), w8.as_pointer()),
+                                          align=2 if bf16 or f16 else 4)
                         if bf16:  # the float32 with these top 16 bits: exact
                             wide = builder.zext(wv, ir.VectorType(_I32, _HALF))
                             wide = builder.shl(wide, ir.Constant(ir.VectorType(_I32, _HALF), [16] * _HALF))
                             wv = builder.bitcast(wide, f8)
+                        elif f16:  # IEEE half -> float32, exact for every pattern (x86: one vcvtph2ps, F16C)
+                            wv = builder.fpext(builder.bitcast(wv, ir.VectorType(ir.HalfType(), _HALF)), f8)
                         wvs.append(wv)
                     for i in range(rows):
                         xv = builder.load(builder.bitcast(builder.gep(xps[i], [off]), f8.as_pointer()), align=4)
@@ -227,5 +232,6 @@ def _make_float(rows: int, wrows: int = 1):
     return row_dots
 
 
-row_dots = _make_float(ROWS)  # (one row alone is left to numba's loop: LLVM unrolls it 4 wide, measured faster)
+row_dots = _make_float(ROWS)  # (one f32/bf16 row alone is left to numba's loop: LLVM unrolls it 4 wide, measured faster)
+row_dot = _make_float(1)  # one activation row: for f16, whose numba loop decodes each weight with integer ops
 row_dots2 = _make_float(ROWS, 2)  # weight rows n and n+1: sums[j * ROWS + i] is row n+j against r0+i (the tile note)

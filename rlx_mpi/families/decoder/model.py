@@ -214,10 +214,10 @@ def decode_block(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin
     B, _, C = x.shape
     cache, mlp_ = kv.caches[kv.layer], w.mlp
     y = kernels.decode_layer(np.ascontiguousarray(x).reshape(B, C), w.input_layernorm, w.post_attention_layernorm,
-                             cfg.rms_norm_eps, w.qkv.data, w.qkv.scale, w.qkv_bias, w.q_dim, cos.reshape(B, -1),
+                             cfg.rms_norm_eps, w.qkv.kernel_data, w.qkv.scale, w.qkv_bias, w.q_dim, cos.reshape(B, -1),
                              sin.reshape(B, -1), w.q_norm, w.k_norm, cache.k, cache.v, kv.slots, kv.positions,
-                             cfg.attention_scale or cfg.head_dim ** -0.5, cfg.attn_logit_softcap, w.o_proj.data,
-                             w.o_proj.scale, mlp_.gate_up.data, mlp_.gate_up.scale, mlp_.down_proj.data,
+                             cfg.attention_scale or cfg.head_dim ** -0.5, cfg.attn_logit_softcap, w.o_proj.kernel_data,
+                             w.o_proj.scale, mlp_.gate_up.kernel_data, mlp_.gate_up.scale, mlp_.down_proj.kernel_data,
                              mlp_.down_proj.scale, kernels.pool_threads())
     return y.reshape(B, 1, C)
 

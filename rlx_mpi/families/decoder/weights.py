@@ -43,12 +43,16 @@ class Linear:
         self.precision, self.data, self.scale = precision, np.ascontiguousarray(data), scale
         if precision != "f32":  # checked once here: decode calls the kernel unchecked (kernels.fused_matvec)
             kernels.check_weight(precision, self.data, scale)
-        # the fused f16 kernel skips the Inf/NaN fix-up per weight: a corrupt matrix takes the exact path
-        self._fused = not (precision == "f16" and kernels.f16_has_special(self.data))
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.data.shape  # (out, in)
+
+    @property
+    def kernel_data(self) -> np.ndarray:
+        """The weight as the decode kernels take it (`kernels.decode_layer`): f16 bits read as
+        int16 (typing tells them from bf16's uint16 bits), every other format as stored."""
+        return self.data.view(np.int16) if self.precision == "f16" else self.data
 
     @property
     def nbytes(self) -> int:
@@ -60,11 +64,11 @@ class Linear:
             raise ValueError(f"Linear: input has {c} features, the weight {self.data.shape} takes {self.data.shape[1]}")
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, c)  # (B*T, in): one GEMM, not B
         rows = x2.shape[0]
-        if self.precision != "f32" and self._fused and rows <= kernels.matvec_rows(self.precision):  # decode
+        if self.precision != "f32" and rows <= kernels.matvec_rows(self.precision):  # decode
             y = kernels.fused_matvec(x2, self.data, self.precision, self.scale,
                                      np.empty((rows, self.data.shape[0]), np.float32))
         elif self.precision != "f32":
-            y = kernels.dequant_matmul(x2, self.data, self.precision, self.scale, fused=self._fused)
+            y = kernels.dequant_matmul(x2, self.data, self.precision, self.scale)
         elif rows <= kernels.F32_MATVEC_ROWS:  # decode: the numba GEMV
             y = kernels.matvec_f32(x2, self.data)
         elif rows < _FEW_ROWS:  # W @ x.T, see the note
