@@ -60,7 +60,11 @@ PIPELINE_CASES = [("1 rank x 2 threads, batch 8", 1, 8, 8, 1, []),
                   ("2 ranks x 1 thread, 2 groups x 4", 2, 8, 4, 2, []),
                   ("1 rank x 2 threads, batch 16", 1, 16, 16, 1, []),
                   ("2 ranks x 1 thread, 2 groups x 8", 2, 16, 8, 2, []),
-                  ("2 ranks x 1 thread, 4 groups x 4", 2, 16, 4, 4, [])]
+                  ("2 ranks x 1 thread, 4 groups x 4", 2, 16, 4, 4, []),
+                  # the same 2 ranks as one stage of tensor parallelism (each holds half of every
+                  # layer, so no weight is read twice per step): the one-host layout to compare with
+                  ("2 ranks x 1 thread, tp 2, batch 8", 2, 8, 8, 1, [], 2),
+                  ("2 ranks x 1 thread, tp 2, batch 16", 2, 16, 16, 1, [], 2)]
 
 
 def write_prompts(path: Path, n: int, length: int, vocab: int) -> Path:
@@ -125,23 +129,25 @@ def bench_preset(preset: str, args, folder: Path, mpiexec: str) -> dict:
         convert_hf(hf_dir, ckpt)
     else:
         ensure_checkpoint(ckpt, preset)
-    job = folder / f"{preset}.toml"
-    job.write_text(f'[model]\ncheckpoint = "{ckpt}"\n[run]\ntimeout_s = 600.0\nprecision = "{args.precision}"\n'
-                   f'[placement]\nreserve_ram_gb = 0.0\n')
-    cases = PIPELINE_CASES if args.pipeline else CASES
+    jobs = {}
+    for tp in (1, 2):  # a case's 7th field, when it has one, is its tp
+        jobs[tp] = folder / f"{preset}_tp{tp}.toml"
+        jobs[tp].write_text(f'[model]\ncheckpoint = "{ckpt}"\n[run]\ntimeout_s = 600.0\nprecision = "{args.precision}"\n'
+                            f'[placement]\nreserve_ram_gb = 0.0\ntp = {tp}\n')
+    cases = [c if len(c) == 7 else (*c, 1) for c in (PIPELINE_CASES if args.pipeline else CASES)]
     prompts = {n: write_prompts(folder / f"p{n}.jsonl", n, args.prompt_len, cfg.vocab_size) for n in (1, 8, 16)}
     walls: dict[str, dict[int, list[float]]] = {c[0]: {1: [], args.new: []} for c in cases}
     for trial in range(args.trials):
-        for label, ranks, seqs, batch, groups, prefix in cases:
+        for label, ranks, seqs, batch, groups, prefix, tp in cases:
             for n in (1, args.new):
                 wait_quiet(args.quiet, args.quiet_wait)
-                walls[label][n].append(run_generate(ranks, job, prompts[seqs], folder / "out.jsonl",
+                walls[label][n].append(run_generate(ranks, jobs[tp], prompts[seqs], folder / "out.jsonl",
                                                     folder / "stats.json", n, batch, groups, mpiexec, prefix))
         print(f"  {preset}: trial {trial + 1}/{args.trials} done (load {loadavg()})", file=sys.stderr, flush=True)
     rows = {}
-    for label, ranks, seqs, batch, groups, _ in cases:
+    for label, ranks, seqs, batch, groups, _, tp in cases:
         w1, wn = statistics.median(walls[label][1]), statistics.median(walls[label][args.new])
-        rows[label] = {"ranks": ranks, "sequences": seqs, "batch": batch, "groups": groups, "wall_1": w1, "wall_n": wn,
+        rows[label] = {"ranks": ranks, "tp": tp, "sequences": seqs, "batch": batch, "groups": groups, "wall_1": w1, "wall_n": wn,
                        "walls": walls[label], "decode_tok_s": seqs * (args.new - 1) / max(wn - w1, 1e-9),
                        "prefill_tok_s": seqs * args.prompt_len / w1}
     if args.pipeline:
@@ -150,6 +156,8 @@ def bench_preset(preset: str, args, folder: Path, mpiexec: str) -> dict:
             "8 prompts: 2 ranks (2 groups x 4) / 1 rank x 2 threads, decode": c[1]["decode_tok_s"] / c[0]["decode_tok_s"],
             "16 prompts: 2 ranks (2 groups x 8) / 1 rank x 2 threads, decode": c[3]["decode_tok_s"] / c[2]["decode_tok_s"],
             "16 prompts: 2 ranks (4 groups x 4) / 1 rank x 2 threads, decode": c[4]["decode_tok_s"] / c[2]["decode_tok_s"],
+            "8 prompts: 2 ranks as tp 2 / 1 rank x 2 threads, decode": c[5]["decode_tok_s"] / c[0]["decode_tok_s"],
+            "16 prompts: 2 ranks as tp 2 / 1 rank x 2 threads, decode": c[6]["decode_tok_s"] / c[2]["decode_tok_s"],
             "8 prompts: 2 ranks / 1 rank, whole wall (prefill included)": c[0]["wall_n"] / c[1]["wall_n"],
             "16 prompts: 2 ranks (2 x 8) / 1 rank, whole wall (prefill included)": c[2]["wall_n"] / c[3]["wall_n"]}}
     bw = gemv_bandwidth(2)
@@ -202,7 +210,8 @@ def main() -> None:
     ap.add_argument("--precision", default="f32", choices=["f32", "bf16", "f16", "int8"],
                     help="[run] precision of every rank's weights (default f32)")
     ap.add_argument("--pipeline", action="store_true",
-                    help="only 2 stages x 1 thread against 1 rank x 2 threads at 8 and 16 prompts (issue #16's target)")
+                    help="only 2 stages x 1 thread (and the same 2 ranks as tp 2) against 1 rank x 2 threads at 8 "
+                         "and 16 prompts (issue #16's target)")
     add_common_args(ap, quiet_wait_s=20.0)
     args = ap.parse_args()
     info = machine()
