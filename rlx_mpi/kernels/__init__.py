@@ -33,13 +33,13 @@ from .attention import (_row_max, attend, attend_cache, attend_workspace_bytes, 
                         decode_attention)
 from .elementwise import _exp, rms_norm, rope, silu_mul_, swiglu
 from .lowp import (INT8_BLOCK, matvec_rows, WEIGHT_FORMATS, check_weight, dequant_matmul, dequantize,
-                   fused_matvec, from_bf16, int8_blocks, quantize_int8, to_bf16)
+                   fused_matvec, from_bf16, int8_blocks, kernel_weight, quantize_int8, to_bf16)
 from .matvec import F32_MATVEC_ROWS, _matvec_float, matvec_f32
 from ._common import pool_threads
 from .decode_layer import FORMATS as DECODE_LAYER_FORMATS, decode_layer, warm_up as warm_up_decode_layer
 
 __all__ = ["rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_cache", "decode_attention", "check_cache_rows", "attend_workspace_bytes", "causal_softmax_",
-           "matvec_f32", "F32_MATVEC_ROWS", "dequant_matmul", "fused_matvec", "check_weight", "dequantize", "to_bf16",
+           "matvec_f32", "F32_MATVEC_ROWS", "dequant_matmul", "fused_matvec", "kernel_weight", "check_weight", "dequantize", "to_bf16",
            "from_bf16", "quantize_int8", "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "matvec_rows", "set_threads", "pool_threads", "decode_layer", "DECODE_LAYER_FORMATS", "warm_up_decode_layer", "warm_up",
            "warm_up_lowp"]
 

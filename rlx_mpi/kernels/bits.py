@@ -19,7 +19,7 @@ import numpy as np
 from numba.core import types
 from numba.extending import intrinsic
 
-__all__ = ["as_f32", "bits_of_f32", "f16_value", "f16_exact", "pack_bf16", "unpack_bf16", "pack_f16", "unpack_f16"]
+__all__ = ["as_f32", "bits_of_f32", "f16_exact", "pack_bf16", "unpack_bf16", "pack_f16", "unpack_f16"]
 
 _U = np.uint32
 
@@ -47,16 +47,14 @@ _F16_TO_F32 = np.float32(2.0 ** 112)  # rebias a half's exponent (15) to a float
 
 
 @numba.njit(cache=True, inline="always")
-def f16_value(bits):  # finite float16 bits -> float32: sign, exponent, mantissa moved, one multiply
-    h = _U(bits)  # (Inf/NaN halves come out finite and wrong: f16_exact takes any)
-    return as_f32(_U(_U(h & _U(0x8000)) << _U(16)) | _U(_U(h & _U(0x7FFF)) << _U(13))) * _F16_TO_F32
-
-
-@numba.njit(cache=True, inline="always")
-def f16_exact(bits):  # any float16 bits (uint16, or int16 read from the same bytes) -> float32, Inf/NaN too
+def f16_exact(bits):  # any float16 bits (uint16, or int16 read from the same bytes) -> float32
     h = _U(_U(bits) & _U(0xFFFF))
-    inf_nan = as_f32(_U(_U(_U(h & _U(0x8000)) << _U(16)) | _U(0x7F800000) | _U(_U(h & _U(0x3FF)) << _U(13))))
-    return inf_nan if _U(h & _U(0x7C00)) == _U(0x7C00) else f16_value(h)
+    sign = _U(_U(h & _U(0x8000)) << _U(16))
+    inf_nan = as_f32(_U(sign | _U(0x7F800000) | _U(_U(h & _U(0x3FF)) << _U(13))))  # payload kept
+    # finite: exponent and mantissa moved into float32's places, one multiply rebiases the
+    # exponent and renormalises subnormals
+    finite = as_f32(_U(sign | _U(_U(h & _U(0x7FFF)) << _U(13)))) * _F16_TO_F32
+    return inf_nan if _U(h & _U(0x7C00)) == _U(0x7C00) else finite
 
 
 @numba.njit(cache=True)

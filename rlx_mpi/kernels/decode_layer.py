@@ -101,7 +101,7 @@ def decode_layer(h: np.ndarray, ln1: np.ndarray, ln2: np.ndarray, eps: float, qk
 
     For a caller that checked everything once: h (B, C), cos, sin (B, hs) and the norms float32
     C-contiguous; each weight checked at load (`lowp.check_weight`; float32 for f32, its scale
-    None; f16 bits viewed as int16: `Linear.kernel_data`) and all of one format; slots and positions from `check_cache_rows` (int64, in range);
+    None; f16 bits viewed as int16: `lowp.kernel_weight`) and all of one format; slots and positions from `check_cache_rows` (int64, in range);
     ``scale`` the attention's score scale; ``threads`` the pool's (`pool_threads`)."""
     none = np.empty(0, np.float32)
     nosc = np.empty((0, 0), np.float32)
@@ -117,13 +117,15 @@ def decode_layer(h: np.ndarray, ln1: np.ndarray, ln2: np.ndarray, eps: float, qk
 
 def warm_up(fmt: str) -> None:
     """Load (or compile) the fused layer for weights in ``fmt`` (tiny shapes: C 4, 2 heads of 2)."""
-    from .lowp import quantize_int8, to_bf16
+    from .lowp import kernel_weight, quantize_int8, to_bf16
 
     def weight(n: int, k: int):
         w = np.full((n, k), 0.5, np.float32)
         if fmt == "int8":
             return quantize_int8(w)
-        return {"bf16": to_bf16(w), "f16": w.astype(np.float16).view(np.int16)}.get(fmt, w), None
+        if fmt == "f16":
+            return kernel_weight(fmt, w.astype(np.float16).view(np.uint16)), None
+        return (to_bf16(w) if fmt == "bf16" else w), None
 
     ones = np.ones(4, np.float32)
     (wqkv, sqkv), (wo, so), (wgu, sgu), (wd, sd) = weight(8, 4), weight(4, 4), weight(8, 4), weight(4, 4)

@@ -14,7 +14,7 @@ from .bits import pack_bf16, unpack_bf16, unpack_f16
 from .matvec import _matvec_float
 from .rowdot import AHEAD_BYTES, INT8_BLOCK, ROWS, row_dot_i8, row_dots_i8
 
-__all__ = ["dequant_matmul", "fused_matvec", "check_weight", "dequantize", "to_bf16", "from_bf16", "quantize_int8",
+__all__ = ["dequant_matmul", "fused_matvec", "kernel_weight", "check_weight", "dequantize", "to_bf16", "from_bf16", "quantize_int8",
            "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "matvec_rows"]
 
 # Note: storage. bf16 is kept as its uint16 bit pattern (the top half of a float32: decoding
@@ -160,6 +160,12 @@ def check_weight(fmt: str, w: np.ndarray, scale: np.ndarray | None) -> None:
         check_f32("int8 scale", scale)
 
 
+def kernel_weight(fmt: str, w: np.ndarray) -> np.ndarray:
+    """``w`` as the fused kernels take it: f16 bits read as int16 (numba's typing then tells them
+    from bf16's uint16 bits; see the storage note), every other format as stored. A view."""
+    return w.view(np.int16) if fmt == "f16" else w
+
+
 def fused_matvec(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | None, out: np.ndarray) -> np.ndarray:
     """`dequant_matmul`'s decode kernel into ``out`` (R, N) without its checks, for a caller that
     checked ``w`` once (`check_weight`; a `Linear` does at construction) and passes a float32
@@ -168,10 +174,8 @@ def fused_matvec(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | Non
     chunks = min(w.shape[0], 4 * pool_threads())  # a few per thread: balanced
     if fmt == "int8":
         _matvec_int8(x, w, scale, out, chunks)
-    elif fmt == "bf16":
-        _matvec_float(x, w, out, chunks)  # (matvec.py's kernel reads bf16 bits: a shift)
-    else:
-        _matvec_float(x, w.view(np.int16), out, chunks)  # f16 bits typed int16: its kernel converts them
+    else:  # bf16 (uint16 bits: a shift) or f16 (int16 bits: a conversion), matvec.py's kernel
+        _matvec_float(x, kernel_weight(fmt, w), out, chunks)
     return out
 
 

@@ -62,7 +62,7 @@ def _lone_row_typed(x, w, r, n, k_vec, ahead):
 
 
 @numba.njit(cache=True, parallel=True, fastmath=FAST)
-def _matvec_float(x, w, out, chunks):  # x (R, K) f32, w (N, K) f32 or bf16 bits, out (R, N) f32: decode's product
+def _matvec_float(x, w, out, chunks):  # x (R, K) f32, w (N, K) f32, bf16 or f16 bits, out (R, N) f32: decode's product
     r_len, k_len = x.shape
     n_len = w.shape[0]
     k_vec = k_len - k_len % STEP
@@ -70,7 +70,7 @@ def _matvec_float(x, w, out, chunks):  # x (R, K) f32, w (N, K) f32 or bf16 bits
     ahead = AHEAD_BYTES // w.itemsize
     for c in numba.prange(chunks):
         lo, hi = c * n_len // chunks, (c + 1) * n_len // chunks
-        if grouped == 0:  # fewer rows than a group: each weight row against each, numba's loop
+        if grouped == 0:  # fewer rows than a group: each weight row against each, one at a time
             for n in range(lo, hi):
                 for r in range(r_len):
                     out[r, n] = _lone_row(x, w, r, n, k_vec, ahead if r == 0 else 0)

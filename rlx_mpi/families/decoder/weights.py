@@ -50,9 +50,8 @@ class Linear:
 
     @property
     def kernel_data(self) -> np.ndarray:
-        """The weight as the decode kernels take it (`kernels.decode_layer`): f16 bits read as
-        int16 (typing tells them from bf16's uint16 bits), every other format as stored."""
-        return self.data.view(np.int16) if self.precision == "f16" else self.data
+        """The weight as the decode kernels take it (`kernels.decode_layer`): `kernels.kernel_weight`."""
+        return kernels.kernel_weight(self.precision, self.data)
 
     @property
     def nbytes(self) -> int:
