@@ -43,6 +43,9 @@ cpus and pins T BLAS/numba threads; llama.cpp gets ``-t T``), trials interleaved
   --kl-divergence`` (q8_0 and bf16 against f32). Both score the second half of each 256-token
   chunk, as llama-perplexity does: top-1 agreement with the f32 model and mean KL(f32 || q).
 
+Each case reports the ratio of the two sides' medians and, as ``paired``, the median of each
+trial's own ratio (the two sides run back to back, so host drift between trials cancels).
+
 wall is ``generate --json``'s wall_s (from the barrier after start-up to the last token), so
 start-up and loading are excluded on our side; llama-bench excludes them too. Only ratios
 taken in one run mean anything, and only on an otherwise idle host (ggml's threads spin at
@@ -74,6 +77,13 @@ VOCAB = 8192
 PREC = {"f32": "f32", "bf16": "bf16", "int8": "q8_0"}  # ours -> the GGUF it is set against
 CTX = 256  # accuracy chunk length (llama-perplexity -c); the second half of each chunk is scored
 CHUNKS = 8  # 8 x 127 = 1016 scored positions
+
+
+def paired_ratio(ours: list[float], theirs: list[float]) -> float:
+    """The median of each trial's ratio (ours / theirs, the two taken back to back). The host's
+    speed drifts between trials (on the 2-core VM both sides' tokens/s moved up to 2x within an
+    hour), which the ratio of the two medians does not cancel and a trial's own ratio does."""
+    return statistics.median(a / b for a, b in zip(ours, theirs))
 
 
 def _opt(value: str | None, env: str, what: str, required: bool = True) -> str | None:
@@ -334,8 +344,8 @@ def main() -> None:
         rows, table = {}, []
         for key in mine:
             a, b = statistics.median(mine[key]), statistics.median(theirs[key])
-            row = {"ours_tok_s": a, "llamacpp_tok_s": b, "ratio": a / b, "ours_trials": mine[key],
-                   "llamacpp_trials": theirs[key]}
+            row = {"ours_tok_s": a, "llamacpp_tok_s": b, "ratio": a / b, "ratio_paired": paired_ratio(mine[key], theirs[key]),
+                   "ours_trials": mine[key], "llamacpp_trials": theirs[key]}
             if key.startswith("decode"):
                 prec, t = key.split(", ")[1].split(" vs ")[0], int(key.split(", ")[2].split()[0])
                 row["ours_of_bound"] = a * weight_bytes(cfg, prec) / bw[t]
@@ -344,10 +354,10 @@ def main() -> None:
                 row["llamacpp_of_read_bound"] = b * weight_bytes(cfg, PREC[prec]) / rbw[t]
             rows[key] = row
             bound = "ours_of_bound" in row
-            table.append([key, f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}",
+            table.append([key, f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}", f"{row['ratio_paired']:.2f}",
                           f"{row['ours_of_bound']:.2f} / {row['llamacpp_of_bound']:.2f}" if bound else "",
                           f"{row['ours_of_read_bound']:.2f} / {row['llamacpp_of_read_bound']:.2f}" if bound else ""])
-        print(fmt_table(["case (tokens/s, medians)", "ours", "llama.cpp", "ratio", "of copy bw (ours / theirs)",
+        print(fmt_table(["case (tokens/s, medians)", "ours", "llama.cpp", "ratio", "paired", "of copy bw (ours / theirs)",
                          "of read bw"], table))
         print("copy bandwidth (read + write): " + ", ".join(f"{t} thread(s) {v / 1e9:.1f} GB/s" for t, v in bw.items()))
         print("read bandwidth: " + ", ".join(f"{t} thread(s) {v / 1e9:.1f} GB/s" for t, v in rbw.items()))
