@@ -413,6 +413,33 @@ def test_matvec_f32_against_numpy(R, N, K):
         kernels.matvec_f32(x.astype(np.float64), w)
 
 
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "f16"])
+def test_float_matvec_tiles_cover_every_chunk_remainder(fmt):
+    """The float matvec takes weight rows three at a time, then two or one (rowdot's tile note),
+    in each chunk of rows a thread owns: chunks of 3-7 rows leave every remainder, against numpy
+    on the decoded weights, for activation rows in groups of 4 and beside them."""
+    from rlx_mpi.kernels import lowp
+    from rlx_mpi.kernels.matvec import _matvec_float
+
+    rng = np.random.default_rng(31)
+    for n in (3, 4, 5, 6, 7):
+        for r in (4, 5, 8, 11):
+            x = rng.standard_normal((r, 40)).astype(np.float32)
+            w = rng.standard_normal((n, 40)).astype(np.float32)
+            if fmt == "bf16":
+                stored = lowp.to_bf16(w)
+                w = lowp.from_bf16(stored)
+            elif fmt == "f16":
+                stored = lowp.kernel_weight(fmt, w.astype(np.float16).view(np.uint16))
+                w = w.astype(np.float16).astype(np.float32)
+            else:
+                stored = w
+            for chunks in (1, 2):
+                out = np.full((r, n), np.nan, np.float32)
+                _matvec_float(x, stored, out, chunks)
+                np.testing.assert_allclose(out, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-5 * 40 ** 0.5)
+
+
 def test_linear_takes_the_same_values_on_every_row_count_path():
     """Linear picks matvec_f32 (few rows), W @ x.T (under 64) or x @ W.T by row count: the
     three paths agree to float32 rounding."""

@@ -12,7 +12,7 @@ from numba.extending import overload
 
 from ._common import FAST, check_f32, pool_threads
 from .bits import as_f32, f16_exact
-from .rowdot import AHEAD_BYTES, ROWS, STEP, row_dot, row_dots, row_dots2
+from .rowdot import AHEAD_BYTES, ROWS, STEP, row_dot, row_dots, row_dots2, row_dots3
 
 __all__ = ["matvec_f32", "F32_MATVEC_ROWS"]
 
@@ -75,23 +75,31 @@ def _matvec_float(x, w, out, chunks):  # x (R, K) f32, w (N, K) f32, bf16 or f16
                 for r in range(r_len):
                     out[r, n] = _lone_row(x, w, r, n, k_vec, ahead if r == 0 else 0)
             continue
-        for n in range(lo, hi - 1, 2):  # two weight rows share each activation load (rowdot's tile note)
+        n = lo
+        while n + 3 <= hi:  # three weight rows share each activation load (rowdot's tile note)
             for r in range(0, grouped, ROWS):  # and ROWS activation rows each weight load
-                sums = row_dots2(w, n, x, r, k_vec, ahead if r == 0 else 0)  # (the weights ahead: once a row)
-                for j in range(2):
+                sums = row_dots3(w, n, x, r, k_vec, ahead if r == 0 else 0)  # (the weights ahead: once a row)
+                for j in range(3):
                     for i in range(ROWS):
                         out[r + i, n + j] = sums[j * ROWS + i] + _dot_from(w, n + j, x, r + i, k_vec)
             for r in range(grouped, r_len):
-                out[r, n] = _lone_row(x, w, r, n, k_vec, 0)
-                out[r, n + 1] = _lone_row(x, w, r, n + 1, k_vec, 0)
-        if (hi - lo) % 2:  # the chunk's last weight row, alone
-            n = hi - 1
+                for j in range(3):
+                    out[r, n + j] = _lone_row(x, w, r, n + j, k_vec, 0)
+            n += 3
+        if hi - n == 2:  # the chunk's last two weight rows
             for r in range(0, grouped, ROWS):
-                sums = row_dots(w, n, x, r, k_vec, 0)
+                sums = row_dots2(w, n, x, r, k_vec, ahead if r == 0 else 0)
+                for j in range(2):
+                    for i in range(ROWS):
+                        out[r + i, n + j] = sums[j * ROWS + i] + _dot_from(w, n + j, x, r + i, k_vec)
+        elif hi - n == 1:  # its last one, alone
+            for r in range(0, grouped, ROWS):
+                sums = row_dots(w, n, x, r, k_vec, ahead if r == 0 else 0)
                 for i in range(ROWS):
                     out[r + i, n] = sums[i] + _dot_from(w, n, x, r + i, k_vec)
+        for m in range(n, hi):
             for r in range(grouped, r_len):
-                out[r, n] = _lone_row(x, w, r, n, k_vec, 0)
+                out[r, m] = _lone_row(x, w, r, m, k_vec, 0)
 
 
 def matvec_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -113,4 +121,5 @@ F32_MATVEC_ROWS = 48  # up to this many rows a decode step's f32 projections run
 # tile note), whole decode step at this threshold against BLAS's path (medium, 2 threads, in process,
 # bench/ab_decode.py against the code before the tiles, where these rows took BLAS): 28 rows 1.54x,
 # 32 rows 1.27x (1.32x on 1 thread), 48 rows 1.23x, 64 rows 0.96x; logits within 6e-6. Before the tiles
-# the crossover was 24-32 rows (step time BLAS / numba: 24 rows 1.32, 32 rows 1.02).
+# the crossover was 24-32 rows (step time BLAS / numba: 24 rows 1.32, 32 rows 1.02). The 3-row tile since
+# made the numba side 1.1-1.2x faster from 16 rows (rowdot's tile note); this threshold was not measured again.

@@ -36,12 +36,18 @@ weights' sign-extension is shared by ROWS activation rows. Measured (2-core EPYC
 with the weights in L2 16 vs 13 GB/s at 1 row, 1.5x at 4 rows; from DRAM (115 MB) 1.0-1.1x at 1
 row (both are then at the core's read bandwidth), 1.5x at 4 rows.
 
-Note: the tile. From 4 activation rows on, the float matvecs take weight rows two at a time
-(`row_dots2`): each activation vector loaded then feeds two FMAs (6 loads per 8 FMAs instead of
-5 per 4), one accumulator per (weight row, activation row), still 8 chains. Kernel alone, weights
-from DRAM (30 x 11.5 MB), against row_dots, both with the prefetch: 1 thread 1.02x at 4 rows,
-1.19x at 8, 1.34x at 16, 1.45x at 24; 2 threads 1.11x, 1.19x, 1.39x, 1.41x. Fewer than 4 rows
-keep numba's one-row loop (the prefetch note).
+Note: the tile. From 4 activation rows on, the float matvecs take weight rows three at a time
+(`row_dots3`; a chunk's last one or two rows `row_dots` / `row_dots2`): each activation vector
+loaded feeds three FMAs (7 loads per 12 FMAs; one weight row: 5 per 4), one accumulator per
+(weight row, activation row), 12 chains, which with the 3 weight vectors and 1 activation vector
+fill AVX2's 16 registers. Two weight rows (8 chains, 6 loads per 8 FMAs) against one, kernel
+alone, weights from DRAM (30 x 11.5 MB), both with the prefetch: 1 thread 1.02x at 4 rows, 1.19x
+at 8, 1.34x at 16, 1.45x at 24; 2 threads 1.11x, 1.19x, 1.39x, 1.41x. Three against two (the
+medium decode step's matrices, 789 MB, f32): 1 thread 1.13x at 8 rows, 1.09x at 16, 1.18x at
+32 (61 GFLOP/s, about 60 % of the core's FMA peak); 2 threads 1.02-1.13x at 4-48 rows; bf16
+1.02-1.12x. Tiles of 2 x 6 rows (0.84-1.11x), 4 x 3 (0.66-0.75x: the 16 registers spill) and
+4 x 2 (0.94-1.00x) were slower. Fewer than 4 activation rows keep numba's one-row loop (the
+prefetch note).
 
 Note: the prefetch. Every step of a dot product also asks for the weights ``ahead`` elements
 further on (`_prefetch`, LLVM's ``llvm.prefetch``: a hint, never a fault); the callers pass
@@ -182,7 +188,7 @@ def _make_float(rows: int, wrows: int = 1):
             return None
         sig = types.UniTuple(types.float32, wrows * rows)(w, n, x, r0, k, ahead)
         bf16, f16 = w.dtype == types.uint16, w.dtype == types.int16
-        per = 2 // wrows  # accumulators per (weight row, activation row): 8 chains in all hide the FMA latency
+        per = max(1, 2 // wrows)  # accumulators per (weight row, activation row): 8+ chains in all hide the FMA latency
 
         def codegen(context, builder, signature, args):
             wt, nt, xt, rt, kt, at = signature.args
@@ -235,3 +241,4 @@ def _make_float(rows: int, wrows: int = 1):
 row_dots = _make_float(ROWS)  # (one f32/bf16 row alone is left to numba's loop: LLVM unrolls it 4 wide, measured faster)
 row_dot = _make_float(1)  # one activation row: for f16, whose numba loop decodes each weight with integer ops
 row_dots2 = _make_float(ROWS, 2)  # weight rows n and n+1: sums[j * ROWS + i] is row n+j against r0+i (the tile note)
+row_dots3 = _make_float(ROWS, 3)  # weight rows n..n+2, the same way: the float matvecs' tile (the tile note)
