@@ -441,8 +441,8 @@ def test_float_matvec_tiles_cover_every_chunk_remainder(fmt):
 
 
 def test_linear_takes_the_same_values_on_every_row_count_path():
-    """Linear picks matvec_f32 (few rows), W @ x.T (under 64) or x @ W.T by row count: the
-    three paths agree to float32 rounding."""
+    """Linear picks matvec_f32 (up to F32_MATVEC_ROWS rows) or x @ W.T by row count: the paths
+    agree to float32 rounding."""
     from rlx_mpi.families.decoder.weights import make_linear
 
     rng = np.random.default_rng(5)

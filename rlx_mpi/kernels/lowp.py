@@ -235,7 +235,14 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
 # both ways (bf16 on 1 thread keeps 32, its old value, as 48 lost in prefill). It replaced one limit of 32 for every format and
 # thread count, under which bf16 and int8 steps of 40-64 rows ran 1.5-3x slower on 2
 # threads than they could. More threads than 2 likely favour the fused kernel further (not measured).
-_MATVEC_ROWS = {"bf16": (32, 64), "f16": (32, 48), "int8": (96, 128)}  # (1 thread, 2 or more threads)
+# With the 3-row tile (rowdot's tile note; 2026-12-02 10:40, same method, the limit's rows fused
+# against one row fewer, which takes dequantise + BLAS), decode | prefill:
+#   bf16, 1 thread:  33 1.37x;  48 1.10x | 1.09x;  64 0.94x
+#   bf16, 2 threads: 65 1.41x;  80 1.48x;  96 1.17x | 1.14x;  128 1.06x | 0.99x;  160 1.01x
+#   f16, 1 thread:   48 1.00x;  64 0.95x
+#   f16, 2 threads:  64 1.53x | 1.12x;  96 1.08x | 0.86x
+# so bf16 32 / 64 -> 48 / 96 and f16 48 -> 64 on 2 threads (int8 has a kernel of its own, unchanged).
+_MATVEC_ROWS = {"bf16": (48, 96), "f16": (32, 64), "int8": (96, 128)}  # (1 thread, 2 or more threads)
 
 
 def matvec_rows(fmt: str, threads: int | None = None) -> int:

@@ -115,11 +115,14 @@ def matvec_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
-F32_MATVEC_ROWS = 48  # up to this many rows a decode step's f32 projections run on matvec_f32, not BLAS.
+F32_MATVEC_ROWS = 64  # up to this many rows a decode step's f32 projections run on matvec_f32, not BLAS.
 # In the model the step is what counts: with numba's matvecs the step runs as one call per layer
 # (kernels.decode_layer) and its attention on the pool, with BLAS neither. With the 2-row tiles (rowdot's
 # tile note), whole decode step at this threshold against BLAS's path (medium, 2 threads, in process,
 # bench/ab_decode.py against the code before the tiles, where these rows took BLAS): 28 rows 1.54x,
 # 32 rows 1.27x (1.32x on 1 thread), 48 rows 1.23x, 64 rows 0.96x; logits within 6e-6. Before the tiles
-# the crossover was 24-32 rows (step time BLAS / numba: 24 rows 1.32, 32 rows 1.02). The 3-row tile since
-# made the numba side 1.1-1.2x faster from 16 rows (rowdot's tile note); this threshold was not measured again.
+# the crossover was 24-32 rows (step time BLAS / numba: 24 rows 1.32, 32 rows 1.02). The 3-row tile made
+# the numba side 1.1-1.2x faster from 16 rows (rowdot's tile note), and the limit moved 48 -> 64: the
+# limit's rows on numba against one row fewer on BLAS (in process, 5 interleaved rounds), decode step
+# 2 threads 48 rows 1.23x, 64 1.11x, 80 1.13x, 96 0.90x; 1 thread 48 1.16x, 64 1.09x, 80 1.02x, 96 0.98x;
+# a prefill of 64 / 80 tokens 0.98x / 1.02x (2 threads), 1.03x / 1.00x (1 thread).

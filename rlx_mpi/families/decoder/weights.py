@@ -24,9 +24,11 @@ __all__ = ["PRECISIONS", "Linear", "make_linear", "read_linear", "fuse", "Mlp", 
 PRECISIONS = ("f32", "bf16", "f16", "int8")
 # Note: few rows. For a handful of activation rows (decode: one per sequence) OpenBLAS runs
 # ``x @ W.T`` 1.4-3x slower than ``(W @ x.T).T`` (measured on the small and medium shapes, 1 and
-# 2 threads: 2.8x at 2 rows, 2x at 8, 1.5x at 32, 1.1-1.2x at 64, even at 128; bench/README.md),
-# so below _FEW_ROWS rows the product is taken that way round and copied to C order.
-_FEW_ROWS = 64
+# 2 threads: 2.8x at 2 rows, 2x at 8, 1.5x at 32, 1.1-1.2x at 64; bench/README.md), and an f32
+# product of up to 63 rows was taken that way round. The numba matvec now takes every f32 product
+# of up to `kernels.F32_MATVEC_ROWS` (64) rows, and above that ``x @ W.T`` is the faster one
+# (``(W @ x.T).T`` 0.79-0.86x at 65-128 rows on 2 threads, 0.88-0.95x on 1; medium shapes,
+# 2026-12-02), so BLAS gets the product as it is.
 # What ParamSource.read is asked for: the storage closest to the rank's format, so a 16-bit
 # rank never holds a float32 copy of a tensor it can read as 16 bits.
 _READ_DTYPE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "int8": "float32"}
@@ -68,10 +70,8 @@ class Linear:
                                      np.empty((rows, self.data.shape[0]), np.float32))
         elif self.precision != "f32":
             y = kernels.dequant_matmul(x2, self.data, self.precision, self.scale)
-        elif rows <= kernels.F32_MATVEC_ROWS:  # decode: the numba GEMV
+        elif rows <= kernels.F32_MATVEC_ROWS:  # decode: the numba GEMV (the few-rows note)
             y = kernels.matvec_f32(x2, self.data)
-        elif rows < _FEW_ROWS:  # W @ x.T, see the note
-            y = np.ascontiguousarray((self.data @ x2.T).T)
         else:
             y = x2 @ self.data.T
         return y.reshape(*lead, self.data.shape[0])  # (..., out)
