@@ -49,6 +49,15 @@ def _one_row(x, w, r, n):  # x[r] . w[n]: LLVM's own loop (4 accumulators), meas
     return acc
 
 
+@numba.njit(cache=True, fastmath=FAST)
+def _put(out, sums, w, x, n, r, k_vec):
+    """A tile's sums into out: ``sums[j * ROWS + i]`` (weight row n+j against activation row r+i,
+    the columns up to k_vec) plus the columns past them."""
+    for j in range(len(sums) // ROWS):
+        for i in range(ROWS):
+            out[r + i, n + j] = sums[j * ROWS + i] + _dot_from(w, n + j, x, r + i, k_vec)
+
+
 def _lone_row(x, w, r, n, k_vec, ahead):
     """x[r] . w[n] for a row outside the groups of ROWS: numba's loop for float32 and bf16 weights,
     the vector IR for f16 (whose loop decodes each weight with integer ops, ~2x slower)."""
@@ -78,25 +87,16 @@ def _matvec_float(x, w, out, chunks):  # x (R, K) f32, w (N, K) f32, bf16 or f16
         n = lo
         while n + 3 <= hi:  # three weight rows share each activation load (rowdot's tile note)
             for r in range(0, grouped, ROWS):  # and ROWS activation rows each weight load
-                sums = row_dots3(w, n, x, r, k_vec, ahead if r == 0 else 0)  # (the weights ahead: once a row)
-                for j in range(3):
-                    for i in range(ROWS):
-                        out[r + i, n + j] = sums[j * ROWS + i] + _dot_from(w, n + j, x, r + i, k_vec)
+                _put(out, row_dots3(w, n, x, r, k_vec, ahead if r == 0 else 0), w, x, n, r, k_vec)  # (ahead: once a row)
             for r in range(grouped, r_len):
                 for j in range(3):
                     out[r, n + j] = _lone_row(x, w, r, n + j, k_vec, 0)
             n += 3
-        if hi - n == 2:  # the chunk's last two weight rows
-            for r in range(0, grouped, ROWS):
-                sums = row_dots2(w, n, x, r, k_vec, ahead if r == 0 else 0)
-                for j in range(2):
-                    for i in range(ROWS):
-                        out[r + i, n + j] = sums[j * ROWS + i] + _dot_from(w, n + j, x, r + i, k_vec)
-        elif hi - n == 1:  # its last one, alone
-            for r in range(0, grouped, ROWS):
-                sums = row_dots(w, n, x, r, k_vec, ahead if r == 0 else 0)
-                for i in range(ROWS):
-                    out[r + i, n] = sums[i] + _dot_from(w, n, x, r + i, k_vec)
+        for r in range(0, grouped, ROWS):  # the chunk's last two weight rows, or its last one
+            if hi - n == 2:
+                _put(out, row_dots2(w, n, x, r, k_vec, ahead if r == 0 else 0), w, x, n, r, k_vec)
+            elif hi - n == 1:
+                _put(out, row_dots(w, n, x, r, k_vec, ahead if r == 0 else 0), w, x, n, r, k_vec)
         for m in range(n, hi):
             for r in range(grouped, r_len):
                 out[r, m] = _lone_row(x, w, r, m, k_vec, 0)
