@@ -12,12 +12,17 @@ so start-up is excluded). Trials interleave the cases; medians are kept. Then
     decode tokens/s  = sequences x (N - 1) / (wall_N - wall_1)
     prefill tokens/s = sequences x prompt-len / wall_1      (wall_1 = the prefill + one token)
 
-Cases: 1 rank (all the host's cores as BLAS threads; 2 here) at batch 1 and 8; 2 ranks (one
-core each) as 2 pipeline stages, with one sequence (1 group: nothing to overlap) and with
-8 sequences as 2 groups of 4 in flight (stage 1 decodes one group while stage 0 decodes the
-other). The memory-bandwidth bound at batch 1 is the weight bytes a decode step reads (every
-layer + final norm + LM head; the embedding is one row) divided by the read bandwidth of a
-float32 GEMV over 256 MB with the same 2 BLAS threads, measured here.
+Cases: 1 rank (all the host's cores as BLAS threads; 2 here) at batch 1 and 8; 2 ranks (one core
+each) as 2 pipeline stages, with one sequence (1 group: nothing to overlap) and with 8 sequences as
+2 groups of 4 in flight (stage 1 decodes one group while stage 0 decodes the other).
+``--pipeline``: 2 stages against 1 rank x 2 threads at 8 and 16 prompts (issue #16), and the
+pipeline's ceiling measured in the same run: two one-rank jobs side by side (``taskset`` cores 0
+and 1), each decoding half the prompts through the whole model; no split of the layers over the
+same two cores has less to do (no bubble, no send, each weight read once per step of a half), so "2
+ranks / the bound" says how much of its ceiling the pipeline reaches. The memory-bandwidth bound at
+batch 1 is the weight bytes a decode step reads (every layer + final norm + LM head; the embedding
+is one row) divided by the read bandwidth of a float32 GEMV over 256 MB with the same 2 BLAS
+threads, measured here.
 
 With --torch-python (or RLX_TORCH_PYTHON) the model is a transformers ``LlamaForCausalLM`` of the
 preset's shape saved and converted with ``rlx-mpi convert`` (the same weights for both), and
@@ -55,6 +60,8 @@ CASES = [("1 rank x 2 threads, batch 1", 1, 1, 1, 1, []),
          ("1 rank x 1 thread (taskset -c 0), batch 8", 1, 8, 8, 1, ["taskset", "-c", "0"])]
 
 
+PAIR = ["side by side"]  # a case's launcher prefix: run_pair, not one mpiexec
+
 # --pipeline: #16's target, 2 stages of one core against one rank with both, at 8 and 16 prompts
 PIPELINE_CASES = [("1 rank x 2 threads, batch 8", 1, 8, 8, 1, []),
                   ("2 ranks x 1 thread, 2 groups x 4", 2, 8, 4, 2, []),
@@ -64,7 +71,14 @@ PIPELINE_CASES = [("1 rank x 2 threads, batch 8", 1, 8, 8, 1, []),
                   # the same 2 ranks as one stage of tensor parallelism (each holds half of every
                   # layer, so no weight is read twice per step): the one-host layout to compare with
                   ("2 ranks x 1 thread, tp 2, batch 8", 2, 8, 8, 1, [], 2),
-                  ("2 ranks x 1 thread, tp 2, batch 16", 2, 16, 16, 1, [], 2)]
+                  ("2 ranks x 1 thread, tp 2, batch 16", 2, 16, 16, 1, [], 2),
+                  # the pipeline's ceiling, measured: two independent one-rank jobs side by side,
+                  # one core each, each decoding half the prompts through the whole model. No
+                  # split of the layers over the two cores can beat this (it has no bubble, no send,
+                  # and each core reads every weight once per step of its half), so a pipeline at
+                  # G groups of b rows is at most this case's figure with b rows per job
+                  ("bound: 2 jobs x 1 core side by side, 4 prompts each", 2, 8, 4, 1, PAIR),
+                  ("bound: 2 jobs x 1 core side by side, 8 prompts each", 2, 16, 8, 1, PAIR)]
 
 
 def write_prompts(path: Path, n: int, length: int, vocab: int) -> Path:
@@ -85,6 +99,30 @@ def run_generate(ranks: int, job: Path, prompts: Path, out: Path, stats: Path, n
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
     return json.loads(stats.read_text())["wall_s"]
+
+
+def run_pair(job: Path, prompts: Path, folder: Path, new: int, batch: int, mpiexec: str) -> float:
+    """Two one-rank ``generate`` jobs at once, on cores 0 and 1, each with its half of ``prompts``;
+    the later of their two walls (each from its barrier after start-up to its last token)."""
+    lines = prompts.read_text().splitlines(keepends=True)
+    half = len(lines) // 2
+    procs, stats = [], []
+    for core, part in enumerate((lines[:half], lines[half:])):
+        p, out, st = folder / f"pair{core}.jsonl", folder / f"pair_out{core}.jsonl", folder / f"pair_stats{core}.json"
+        p.write_text("".join(part))
+        for f in (out, st):
+            if f.exists():
+                f.unlink()
+        cmd = ["taskset", "-c", str(core), mpiexec, "-n", "1", sys.executable, "-m", "rlx_mpi", "generate", str(job),
+               "--prompts", str(p), "--out", str(out), "--json", str(st), "--max-new-tokens", str(new),
+               "--batch", str(batch), "--groups", "1"]
+        procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
+        stats.append(st)
+    for cmd, proc in procs:
+        _, err = proc.communicate(timeout=1800)
+        if proc.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err[-2000:]}")
+    return max(json.loads(st.read_text())["wall_s"] for st in stats)
 
 
 def gemv_bandwidth(threads: int = 2) -> float:
@@ -141,6 +179,9 @@ def bench_preset(preset: str, args, folder: Path, mpiexec: str) -> dict:
         for label, ranks, seqs, batch, groups, prefix, tp in cases:
             for n in (1, args.new):
                 wait_quiet(args.quiet, args.quiet_wait)
+                if prefix is PAIR:
+                    walls[label][n].append(run_pair(jobs[tp], prompts[seqs], folder, n, batch, mpiexec))
+                    continue
                 walls[label][n].append(run_generate(ranks, jobs[tp], prompts[seqs], folder / "out.jsonl",
                                                     folder / "stats.json", n, batch, groups, mpiexec, prefix))
         print(f"  {preset}: trial {trial + 1}/{args.trials} done (load {loadavg()})", file=sys.stderr, flush=True)
@@ -158,6 +199,12 @@ def bench_preset(preset: str, args, folder: Path, mpiexec: str) -> dict:
             "16 prompts: 2 ranks (4 groups x 4) / 1 rank x 2 threads, decode": c[4]["decode_tok_s"] / c[2]["decode_tok_s"],
             "8 prompts: 2 ranks as tp 2 / 1 rank x 2 threads, decode": c[5]["decode_tok_s"] / c[0]["decode_tok_s"],
             "16 prompts: 2 ranks as tp 2 / 1 rank x 2 threads, decode": c[6]["decode_tok_s"] / c[2]["decode_tok_s"],
+            "8 prompts: the bound (2 one-core jobs, 4 prompts each) / 1 rank x 2 threads, decode":
+                c[7]["decode_tok_s"] / c[0]["decode_tok_s"],
+            "16 prompts: the bound (2 one-core jobs, 8 prompts each) / 1 rank x 2 threads, decode":
+                c[8]["decode_tok_s"] / c[2]["decode_tok_s"],
+            "8 prompts: 2 ranks (2 groups x 4) / the bound, decode": c[1]["decode_tok_s"] / c[7]["decode_tok_s"],
+            "16 prompts: 2 ranks (2 groups x 8) / the bound, decode": c[3]["decode_tok_s"] / c[8]["decode_tok_s"],
             "8 prompts: 2 ranks / 1 rank, whole wall (prefill included)": c[0]["wall_n"] / c[1]["wall_n"],
             "16 prompts: 2 ranks (2 x 8) / 1 rank, whole wall (prefill included)": c[2]["wall_n"] / c[3]["wall_n"]}}
     bw = gemv_bandwidth(2)
