@@ -179,6 +179,13 @@ class ModelFamily(Protocol):
     def check_inputs(self, config: Any, ids: np.ndarray, where: str) -> None:
         """Raise `InputError` naming ``where`` if ``ids`` are not valid input ids."""
 
+    def warm_up(self, config: Any, precision: str, tp: int, decode: bool) -> None:
+        """Optional. Load, or compile into numba's on-disk cache, the kernels a stage of
+        ``config`` will run at ``precision`` under ``tp`` (``decode``: also those generation
+        adds). The cluster calls it on one rank per node before any rank builds its stage, so
+        the other ranks of the node load each kernel instead of compiling it too (the cold
+        start). A family without it compiles as its stages are built."""
+
     def build_stage(self, config: Any, source: ParamSource, layers: range, first: bool, last: bool,
                     tp: TensorParallel, ctx: Any) -> Stage:
         """The stage for ``layers``; ``ctx`` is the rank's `faults.RankContext` (for messages and

@@ -30,7 +30,7 @@ class StageTiming:
     tp_ranks: tuple[int, ...]
     layers: range
     device: str
-    build_ms: float  # weight loading + stage construction
+    build_ms: float  # the node's kernel compile (or the wait for it), weight loading, stage construction
     forward_ms: float  # compute only
     recv_wait_ms: float  # waiting for the previous stage
     send_ms: float  # handing the output to the next stage

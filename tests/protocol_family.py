@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 
@@ -110,8 +111,22 @@ class ProtoFamily:
                 or ids.shape[1] > self.dims(cfg).max_positions):
             raise InputError(where, "bad ids", f"integer [batch, seq] in [0, {cfg['vocab']})")
 
+    def warm_up(self, cfg, precision, tp, decode):  # optional in the contract: nothing to compile here
+        _event("warm", precision=precision, tp=tp, decode=decode)
+
     def build_stage(self, cfg, source, layers, first, last, tp, ctx):
+        _event("build")
         return ProtoStage(cfg, source, layers, first, last)
+
+
+def _event(kind: str, **fields) -> None:
+    """With RLX_TEST_EVENTS=DIR, record that this rank called ``kind`` (file DIR/kind.RANK)."""
+    folder = os.environ.get("RLX_TEST_EVENTS")
+    if folder:
+        from mpi4py import MPI
+
+        with open(os.path.join(folder, f"{kind}.{MPI.COMM_WORLD.rank}"), "w") as f:
+            json.dump({"t": time.time(), **fields}, f)
 
 
 register_family(ProtoFamily())

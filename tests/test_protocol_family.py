@@ -63,11 +63,18 @@ def test_generate_through_the_contract(tmp_path, ranks):
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": k, "tokens": v}) + "\n" for k, v in prompts.items()))
     job = write_job(tmp_path, model={"checkpoint": str(ckpt), "plugins": ["protocol_family"]},
                     run={"timeout_s": 30.0}, placement={"reserve_ram_gb": 0.0})
-    out = tmp_path / "c.jsonl"
+    out, events = tmp_path / "c.jsonl", tmp_path / "events"
+    events.mkdir()
     proc = run_cli(["generate", job, "--prompts", tmp_path / "p.jsonl", "--out", out, "--max-new-tokens", "4",
-                    "--batch", "2"], ranks=ranks, timeout=120)
+                    "--batch", "2"], ranks=ranks, timeout=120, env={"RLX_TEST_EVENTS": str(events)})
     assert proc.returncode == 0, proc.stderr
     rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert set(rows) == set(prompts)
     for pid, prompt in prompts.items():
         assert rows[pid]["tokens"] == proto.greedy(cfg, prompt, 4), pid
+    # the cold start: the family's optional warm_up ran on the node's first rank alone, with what
+    # generation runs, before any rank built its stage (`Cluster.warm_up`)
+    seen = {p.name: json.loads(p.read_text()) for p in events.iterdir()}
+    assert sorted(seen) == sorted(["warm.0"] + [f"build.{r}" for r in range(ranks)])
+    assert {k: v for k, v in seen["warm.0"].items() if k != "t"} == {"precision": "f32", "tp": 1, "decode": True}
+    assert seen["warm.0"]["t"] <= min(v["t"] for k, v in seen.items() if k.startswith("build."))

@@ -7,6 +7,8 @@ the order `Cluster.start` and `Cluster.run` call them on every rank:
     command        "run" | "generate" | ...: names the per-rank logs
     stop_signals   True: SIGTERM/SIGINT/SIGUSR1 set ``cx.stop`` instead of ending the rank
     plan_only      True: stop after the plan (no build, no weights read)
+    decodes        True: the work decodes token by token (the kernels generation adds are
+                   compiled at start-up with the others: `Cluster.build`'s cold-start note)
     configure(cx)  resolve the command's options against ``cx.job`` (agreed)
     outputs(cx)    ([(flag, path | None)], {description: input path}): checked on rank 0 before
                    any compute (`outputs.check_outputs`); ``cx.outputs`` maps flag -> Output
@@ -36,6 +38,7 @@ class Driver:
     command = ""
     stop_signals = False
     plan_only = False
+    decodes = False
 
     def cost(self, cx: Any) -> Any:
         return cx.cost()

@@ -306,6 +306,7 @@ class GenerateDriver(JournalDriver):
     """
 
     command = "generate"
+    decodes = True
 
     def __init__(self, flags: Any, *, argv_inputs: tuple = ()):
         self.flags, self.argv_inputs = flags, argv_inputs

@@ -123,6 +123,11 @@ class DecoderFamily:
             raise InputError(where, f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})",
                              "tokenize with this model's tokenizer")
 
+    def warm_up(self, cfg: Arch, precision: str = "f32", tp: int = 1, decode: bool = False) -> None:
+        from .stage import warm_up
+
+        warm_up(cfg, precision, tp, decode)
+
     def build_stage(self, cfg: Arch, source: ParamSource, layers: range, first: bool, last: bool,
                     tp: TensorParallel = TensorParallel(), ctx=None, precision: str = "f32"):
         from .stage import DecoderStage

@@ -28,9 +28,22 @@ from .arch import Arch
 from .rope import Rope
 from .weights import PRECISIONS, Experts, LayerWeights, Mlp, read_linear
 
-__all__ = ["DecoderStage"]
+__all__ = ["DecoderStage", "warm_up"]
 
 _MLP = {"gate_proj": 0, "up_proj": 0, "down_proj": 1}  # dense: column-, column-, row-parallel
+
+
+def warm_up(cfg: Arch, precision: str = "f32", tp: int = 1, decode: bool = False) -> None:
+    """Load (or compile) the kernels a stage of ``cfg`` runs at ``precision`` under ``tp``; with
+    ``decode`` also the one-call decode layer that generation uses where `model.fused_decode_rows`
+    allows it. A stage calls it as it is built; the cluster calls it before (the family's
+    ``warm_up``) so that a node compiles each kernel once (`Cluster.build`)."""
+    kernels.warm_up()
+    ops.warm_up()
+    if precision != "f32":
+        kernels.warm_up_lowp()
+    if decode and model.fused_decode_rows(cfg, precision, tp):
+        kernels.warm_up_decode_layer(precision)
 
 
 class DecoderStage(Stage):
@@ -47,10 +60,7 @@ class DecoderStage(Stage):
         self.cfg, self.layers, self.first, self.last, self.tp, self.ctx = cfg, layers, first, last, tp, ctx
         self.precision = precision
         self._fused_rows = model.fused_decode_rows(cfg, precision, tp.size)  # 0: layer by layer
-        kernels.warm_up()
-        ops.warm_up()
-        if precision != "f32":
-            kernels.warm_up_lowp()
+        warm_up(cfg, precision, tp.size)
 
         def shard(name: str, axis: int | None, part: tuple[int, int] = (tp.rank, tp.size)):
             return read_linear(source, name, precision, axis=axis, part=part[0], parts=part[1])
