@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from helpers import bf16_read
 from rlx_mpi import kernels
 
 
@@ -440,6 +441,29 @@ def test_float_matvec_tiles_cover_every_chunk_remainder(fmt):
                 np.testing.assert_allclose(out, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-5 * 40 ** 0.5)
 
 
+def test_bf16_matvec_of_few_rows_rounds_the_activations_where_the_cpu_has_bf16_dot():
+    """1-3 activation rows against bf16 weights: on a CPU with AVX512-BF16 the columns in whole
+    DP_STEPs are bf16 x bf16 products (the activations rounded to nearest even, rowdot's bf16 dot
+    note) and the rest float32; elsewhere, and from 4 rows (the tile), every column is float32.
+    Against numpy in float64 on the activations so read (`helpers.bf16_read`)."""
+    from rlx_mpi.kernels import lowp
+    from rlx_mpi.kernels.matvec import _matvec_float
+    from rlx_mpi.kernels.rowdot import BF16_DOT, DP_STEP
+
+    rng = np.random.default_rng(37)
+    for k in (DP_STEP, 3 * DP_STEP + 17, 1024):
+        for r in (1, 2, 3, 4):
+            x = (rng.standard_normal((r, k)) * 3).astype(np.float32)
+            stored = lowp.to_bf16(rng.standard_normal((9, k)).astype(np.float32))
+            w = lowp.from_bf16(stored).astype(np.float64)
+            for chunks in (1, 3):
+                out = np.full((r, 9), np.nan, np.float32)
+                _matvec_float(x, stored, out, chunks)
+                np.testing.assert_allclose(out, bf16_read(x) @ w.T, rtol=1e-5, atol=1e-5 * k ** 0.5)
+                if BF16_DOT and r < 4:  # the rounding is there: the exact activations give another product
+                    assert np.abs(out - x.astype(np.float64) @ w.T).max() > 1e-5 * k ** 0.5
+
+
 def test_linear_takes_the_same_values_on_every_row_count_path():
     """Linear picks matvec_f32 (up to F32_MATVEC_ROWS rows) or x @ W.T by row count: the paths
     agree to float32 rounding."""
@@ -472,7 +496,7 @@ def test_set_threads_sizes_the_matvec_pool_and_is_remembered():
             np.testing.assert_allclose(kernels.matvec_f32(x, w), want, rtol=1e-5, atol=1e-4)
             bits = kernels.to_bf16(w)
             np.testing.assert_allclose(kernels.dequant_matmul(x, bits, "bf16"),
-                                       x.astype(np.float64) @ kernels.from_bf16(bits).T.astype(np.float64),
+                                       bf16_read(x) @ kernels.from_bf16(bits).T.astype(np.float64),
                                        rtol=1e-5, atol=1e-4)
         kernels.set_threads(10 ** 6)  # capped at numba's pool size
         assert pool_threads() == numba.config.NUMBA_NUM_THREADS

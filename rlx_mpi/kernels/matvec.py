@@ -11,8 +11,8 @@ from numba.core import types
 from numba.extending import overload
 
 from ._common import FAST, check_f32, pool_threads
-from .bits import as_f32, f16_exact
-from .rowdot import AHEAD_BYTES, ROWS, STEP, row_dot, row_dots, row_dots2, row_dots3
+from .bits import as_f32, f16_exact, pack_bf16
+from .rowdot import AHEAD_BYTES, BF16_DOT, DP_STEP, ROWS, STEP, row_dot, row_dot_bf16, row_dots, row_dots2, row_dots3
 
 __all__ = ["matvec_f32", "F32_MATVEC_ROWS"]
 
@@ -70,6 +70,41 @@ def _lone_row_typed(x, w, r, n, k_vec, ahead):
     return lambda x, w, r, n, k_vec, ahead: _one_row(x, w, r, n)
 
 
+def _dot_operand(x, w, grouped):
+    """The activation rows as the lone-row dot product of ``w`` reads them: bf16 bits (rounded to
+    nearest even) for bf16 weights on a CPU with BF16_DOT when the rows are too few for the tile
+    (``grouped`` 0); else an empty array, unused (rowdot's bf16 dot note)."""
+
+
+@overload(_dot_operand, inline="always")
+def _dot_operand_typed(x, w, grouped):
+    if w.dtype == types.uint16 and BF16_DOT:
+        def pack(x, w, grouped):
+            if grouped:
+                return np.empty((0, 0), np.uint16)
+            xb = np.empty(x.shape, np.uint16)
+            for r in range(x.shape[0]):
+                pack_bf16(x[r], xb[r])
+            return xb
+        return pack
+    return lambda x, w, grouped: np.empty((0, 0), np.uint16)
+
+
+def _few_row(x, xb, w, r, n, k_vec, ahead):
+    """x[r] . w[n] when the rows are too few for the tile: bf16 weights against bf16 activations
+    (xb) where the CPU has BF16_DOT, else `_lone_row`."""
+
+
+@overload(_few_row, inline="always")
+def _few_row_typed(x, xb, w, r, n, k_vec, ahead):
+    if w.dtype == types.uint16 and BF16_DOT:
+        def dot(x, xb, w, r, n, k_vec, ahead):
+            k_dp = x.shape[1] - x.shape[1] % DP_STEP
+            return row_dot_bf16(w, n, xb, r, k_dp) + _dot_from(w, n, x, r, k_dp)
+        return dot
+    return lambda x, xb, w, r, n, k_vec, ahead: _lone_row(x, w, r, n, k_vec, ahead)
+
+
 @numba.njit(cache=True, parallel=True, fastmath=FAST)
 def _matvec_float(x, w, out, chunks):  # x (R, K) f32, w (N, K) f32, bf16 or f16 bits, out (R, N) f32: decode's product
     r_len, k_len = x.shape
@@ -77,12 +112,13 @@ def _matvec_float(x, w, out, chunks):  # x (R, K) f32, w (N, K) f32, bf16 or f16
     k_vec = k_len - k_len % STEP
     grouped = r_len - r_len % ROWS
     ahead = AHEAD_BYTES // w.itemsize
+    xb = _dot_operand(x, w, grouped)  # bf16 x bf16 products for a few rows, where the CPU has them
     for c in numba.prange(chunks):
         lo, hi = c * n_len // chunks, (c + 1) * n_len // chunks
         if grouped == 0:  # fewer rows than a group: each weight row against each, one at a time
             for n in range(lo, hi):
                 for r in range(r_len):
-                    out[r, n] = _lone_row(x, w, r, n, k_vec, ahead if r == 0 else 0)
+                    out[r, n] = _few_row(x, xb, w, r, n, k_vec, ahead if r == 0 else 0)
             continue
         n = lo
         while n + 3 <= hi:  # three weight rows share each activation load (rowdot's tile note)

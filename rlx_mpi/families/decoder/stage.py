@@ -50,7 +50,9 @@ class DecoderStage(Stage):
     """Layers ``layers`` of a decoder; embeds on the first stage, norm + head on the last.
 
     ``precision`` (f32 | bf16 | f16 | int8) is how this rank holds its projection, embedding
-    and head matrices, converted tensor by tensor at load; norms, biases and activations stay f32.
+    and head matrices, converted tensor by tensor at load; norms, biases and activations stay f32
+    (but for the decode products' own rounding: int8's to int16 blocks, bf16's few rows to bf16
+    where the CPU multiplies bf16 pairs; `kernels.rowdot`).
     """
 
     def __init__(self, cfg: Arch, source: ParamSource, layers: range, first: bool, last: bool,
