@@ -1,5 +1,7 @@
 """numba kernels against the naive numpy they replace."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -462,6 +464,29 @@ def test_bf16_matvec_of_few_rows_rounds_the_activations_where_the_cpu_has_bf16_d
                 np.testing.assert_allclose(out, bf16_read(x) @ w.T, rtol=1e-5, atol=1e-5 * k ** 0.5)
                 if BF16_DOT and r < 4:  # the rounding is there: the exact activations give another product
                     assert np.abs(out - x.astype(np.float64) @ w.T).max() > 1e-5 * k ** 0.5
+
+
+def test_bf16_matvec_widens_exactly_on_a_cpu_without_bf16_dot(tmp_path):
+    """Compiled for a CPU without AVX512-BF16 (NUMBA_CPU_NAME, a cache of its own), the bf16
+    matvec of one row keeps float32 activations: exact products of the bf16 weights."""
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np\n"
+        "from rlx_mpi import kernels\n"
+        "from rlx_mpi.kernels.rowdot import BF16_DOT\n"
+        "rng = np.random.default_rng(5)\n"
+        "x = rng.standard_normal((1, 256)).astype(np.float32) * 3\n"
+        "bits = kernels.to_bf16(rng.standard_normal((7, 256)).astype(np.float32))\n"
+        "got = kernels.dequant_matmul(x, bits, 'bf16')\n"
+        "want = x.astype(np.float64) @ kernels.from_bf16(bits).T.astype(np.float64)\n"
+        "print(BF16_DOT, float(np.abs(got - want).max()))\n")
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    flag, err = proc.stdout.split()
+    assert flag == "False" and float(err) < 1e-4, proc.stdout
 
 
 def test_linear_takes_the_same_values_on_every_row_count_path():

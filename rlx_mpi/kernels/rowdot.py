@@ -273,7 +273,16 @@ def _target_has(feature: str) -> bool:
     return bool(binding.get_host_cpu_features().get(feature))
 
 
-BF16_DOT = _target_has("avx512bf16")  # vdpbf16ps: the bf16 decode of a lone activation row (the bf16 dot note)
+def _llvm_at_least(major: int) -> bool:
+    from llvmlite import binding
+
+    return binding.llvm_version_info[0] >= major
+
+
+# vdpbf16ps: the bf16 decode of 1-3 activation rows (the bf16 dot note). The intrinsic takes bfloat
+# vectors from LLVM 17 on (i32 pairs before); checked here on LLVM 22, so older LLVMs (numba < 0.62)
+# keep the widening path rather than risk a signature LLVM refuses.
+BF16_DOT = _target_has("avx512bf16") and _llvm_at_least(20)
 DP_STEP = 64  # bf16 columns per step of row_dot_bf16: two 32-lane vdpbf16ps (two accumulators)
 
 
