@@ -87,14 +87,20 @@ def write_prompts(path: Path, n: int, length: int, vocab: int) -> Path:
     return path
 
 
-def run_generate(ranks: int, job: Path, prompts: Path, out: Path, stats: Path, new: int, batch: int, groups: int,
-                 mpiexec: str, prefix: list[str]) -> float:
+def generate_cmd(ranks: int, job: Path, prompts: Path, out: Path, stats: Path, new: int, batch: int, groups: int,
+                 mpiexec: str, prefix: list[str]) -> list[str]:
+    """The ``generate`` launch of one case, with its old outputs removed first."""
     for p in (out, stats):
         if p.exists():
             p.unlink()
-    cmd = [*prefix, mpiexec, "-n", str(ranks), sys.executable, "-m", "rlx_mpi", "generate", str(job), "--prompts", str(prompts),
-           "--out", str(out), "--json", str(stats), "--max-new-tokens", str(new), "--batch", str(batch),
-           "--groups", str(groups)]
+    return [*prefix, mpiexec, "-n", str(ranks), sys.executable, "-m", "rlx_mpi", "generate", str(job), "--prompts",
+            str(prompts), "--out", str(out), "--json", str(stats), "--max-new-tokens", str(new), "--batch", str(batch),
+            "--groups", str(groups)]
+
+
+def run_generate(ranks: int, job: Path, prompts: Path, out: Path, stats: Path, new: int, batch: int, groups: int,
+                 mpiexec: str, prefix: list[str]) -> float:
+    cmd = generate_cmd(ranks, job, prompts, out, stats, new, batch, groups, mpiexec, prefix)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -108,14 +114,10 @@ def run_pair(job: Path, prompts: Path, folder: Path, new: int, batch: int, mpiex
     half = len(lines) // 2
     procs, stats = [], []
     for core, part in enumerate((lines[:half], lines[half:])):
-        p, out, st = folder / f"pair{core}.jsonl", folder / f"pair_out{core}.jsonl", folder / f"pair_stats{core}.json"
+        p, st = folder / f"pair{core}.jsonl", folder / f"pair_stats{core}.json"
         p.write_text("".join(part))
-        for f in (out, st):
-            if f.exists():
-                f.unlink()
-        cmd = ["taskset", "-c", str(core), mpiexec, "-n", "1", sys.executable, "-m", "rlx_mpi", "generate", str(job),
-               "--prompts", str(p), "--out", str(out), "--json", str(st), "--max-new-tokens", str(new),
-               "--batch", str(batch), "--groups", "1"]
+        cmd = generate_cmd(1, job, p, folder / f"pair_out{core}.jsonl", st, new, batch, 1, mpiexec,
+                           ["taskset", "-c", str(core)])
         procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
         stats.append(st)
     for cmd, proc in procs:

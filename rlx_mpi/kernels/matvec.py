@@ -73,7 +73,8 @@ def _lone_row_typed(x, w, r, n, k_vec, ahead):
 def _dot_operand(x, w, grouped):
     """The activation rows as the lone-row dot product of ``w`` reads them: bf16 bits (rounded to
     nearest even) for bf16 weights on a CPU with BF16_DOT when the rows are too few for the tile
-    (``grouped`` 0); else an empty array, unused (rowdot's bf16 dot note)."""
+    (``grouped`` 0); else an empty array, unused, or for other formats x itself (nothing
+    allocated; rowdot's bf16 dot note)."""
 
 
 @overload(_dot_operand, inline="always")
@@ -87,7 +88,7 @@ def _dot_operand_typed(x, w, grouped):
                 pack_bf16(x[r], xb[r])
             return xb
         return pack
-    return lambda x, w, grouped: np.empty((0, 0), np.uint16)
+    return lambda x, w, grouped: x
 
 
 def _few_row(x, xb, w, r, n, k_vec, ahead):
