@@ -7,7 +7,8 @@
 Both stages are built in one process from the same checkpoint; each round times ``--steps``
 decode steps of ``--batch`` sequences (default 1, after a 32-token prefill) on each side, alternating which goes
 first, and the report is the median per-token time of each and their ratio (> 1: this checkout
-is faster). The logits of both are compared (the change must not alter results). Meant for
+is faster). With ``--prefill-only`` each round times ``--steps`` prefills of the ``--prompt``
+tokens instead (ms per prefill). The logits of both are compared (the change must not alter results). Meant for
 decisions on a loaded host: ratios, not figures.
 """
 
@@ -52,6 +53,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    ap.add_argument("--prefill-only", action="store_true", help="time prefills of --prompt tokens, not decode steps")
     args = ap.parse_args()
     from threadpoolctl import threadpool_limits
 
@@ -70,7 +72,8 @@ def main() -> None:
     def run(s):
         out = []
         for i, t in enumerate(tokens):
-            out.append(s.decode(t, slots, np.full(b, args.prompt + i)))
+            out.append(s.prefill(ids, slots, lengths) if args.prefill_only else
+                       s.decode(t, slots, np.full(b, args.prompt + i)))
         return out
 
     logits = {n: run(s) for n, s in stages.items()}  # warm, and the results to compare
@@ -83,7 +86,7 @@ def main() -> None:
             run(stages[n])
             times[n].append((time.perf_counter() - t0) / args.steps * 1e3)
     med = {n: statistics.median(v) for n, v in times.items()}
-    print(json.dumps({"precision": args.precision, "threads": args.threads, "batch": b, "ms_per_step": med,
+    print(json.dumps({"prefill_only": args.prefill_only, "prompt": args.prompt, "precision": args.precision, "threads": args.threads, "batch": b, "ms_per_step": med,
                       "ratio_old_over_new": med["old"] / med["new"], "max_abs_logit_diff": diff,
                       "rounds": times}))
 

@@ -1,6 +1,7 @@
 """numba kernels against the naive numpy they replace."""
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -126,6 +127,40 @@ def test_attend_tiny_blocks(monkeypatch, B, nh, nkv, T, S, window, pos):
         q_pos = given = (last[:, None] - np.arange(T)[::-1][None, :]).astype(np.int64)
     np.testing.assert_allclose(kernels.attend(q, k, v, given, window), naive_attend(q, k, v, q_pos, window),
                                atol=3e-6)
+
+
+@pytest.mark.parametrize("B, nh, nkv, T, S, window, pos", [
+    (2, 6, 3, 13, 21, 0, "causal"), (3, 4, 2, 9, 30, 7, "ragged"), (1, 10, 5, 17, 17, 1, "causal")])
+def test_attend_splits_kv_heads_over_the_team(monkeypatch, B, nh, nkv, T, S, window, pos):
+    """Above _TEAM_WORK, `attend` gives its kv heads' groups to the rank's threads (uneven
+    splits included); each part writes its own heads of y, and the result is the definition's."""
+    monkeypatch.setattr(kernels.attention, "_Q_BLOCK", 4)
+    monkeypatch.setattr(kernels.attention, "_K_BLOCK", 8)
+    monkeypatch.setattr(kernels.attention, "_TEAM_WORK", 1)
+    monkeypatch.setattr(kernels._common, "_threads", [2])  # as set_threads(2) on a 2-core rank
+    parts, heads = [], kernels.attention._heads
+
+    def recording(q, k, v, *rest):
+        parts.append((threading.current_thread().name, k.shape[1]))
+        heads(q, k, v, *rest)
+
+    monkeypatch.setattr(kernels.attention, "_heads", recording)
+    rng = np.random.default_rng(5)
+    q, k, v = _qkv(rng, B, nh, nkv, T, S, 6, scale=2.0)
+    if pos == "causal":
+        q_pos, given = np.broadcast_to(np.arange(S - T, S), (B, T)), None
+    else:
+        last = rng.integers(T - 1, S, size=B)
+        q_pos = given = (last[:, None] - np.arange(T)[::-1][None, :]).astype(np.int64)
+    got = kernels.attend(q, k, v, given, window)
+    np.testing.assert_allclose(got, naive_attend(q, k, v, q_pos, window), atol=3e-6)
+    assert sorted(n for _, n in parts) == sorted([nkv // 2, nkv - nkv // 2])  # every kv head once, in two parts
+    assert len({name for name, _ in parts}) == 2 and any(name.startswith("rlx-team") for name, _ in parts)
+    assert kernels._common._blas_controllers()  # numpy's OpenBLAS, which the parts ran on one thread
+    threads_after = [c.get_num_threads() for c in kernels._common._blas_controllers()]
+    with kernels._common.blas_on_one_thread():
+        assert all(c.get_num_threads() == 1 for c in kernels._common._blas_controllers())
+    assert [c.get_num_threads() for c in kernels._common._blas_controllers()] == threads_after  # restored
 
 
 @pytest.mark.parametrize("B, nh, nkv, T, S, window", [

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ._common import ERR, FAST, PARALLEL, check_f32, pool_threads
+from ._common import ERR, FAST, PARALLEL, check_f32, pool_threads, run_parts, team_size
 from .matvec import F32_MATVEC_ROWS
 from .bits import as_f32
 from .elementwise import _exp
@@ -29,6 +29,11 @@ __all__ = ["attend", "attend_cache", "decode_attention", "check_cache_rows", "at
 # to 4096, it beat both a numba pass per (b, head) (2-4x: strided K/V views do not vectorise)
 # and one key block spanning the whole cache (3x at 4096).
 _Q_BLOCK = 64  # queries per head per block: g * 64 rows per GEMM under grouped-query
+_TEAM_WORK = 16384  # queries x keys from which `attend` splits its kv heads over the rank's threads
+# (run_parts, the team note in _common.py). Measured at 2 threads, medium heads, team / one thread
+# with BLAS's 2: T x S = 2 x 64 0.16x, 4 x 512 0.86x, 8 x 1024 1.04x, 16 x 256 0.90x, 32 x 2048
+# 1.39x, 128 x 128 1.04-2.3x (one thread's small GEMMs on 2 BLAS threads vary), 512 x 512 1.43x,
+# 1024^2 1.71x, 2048^2 1.64x; outputs identical.
 _K_BLOCK = 1024  # keys per block: a block's scores are B * nh * 64 * 1024 * 4 B (4 MB at B nh = 16)
 # Measured (bench/bench_kernels.py, medium heads, medium shapes, 1 and 2 threads): 64-query
 # blocks beat 512 by 1.4-1.8x at seq 512 and 1.1-1.5x at 128-2048, since a query block only
@@ -61,7 +66,7 @@ def _exp_row(row, scale, peak):  # row <- exp(row * scale - peak); returns the s
     return total
 
 
-@numba.njit(cache=True, parallel=PARALLEL, error_model=ERR, fastmath=FAST)
+@numba.njit(cache=True, parallel=PARALLEL, error_model=ERR, fastmath=FAST, nogil=True)
 def _online_block(s, pos, j0, window, scale, m, l, acc):  # s (B, H, bq, bk) scores -> probs
     """Mask, scale and exponentiate one key block in place; update m, l and rescale acc.
 
@@ -97,15 +102,15 @@ def _online_block(s, pos, j0, window, scale, m, l, acc):  # s (B, H, bq, bk) sco
             l[b, h, i] += total
 
 
-@numba.njit(cache=True, parallel=PARALLEL, error_model=ERR)
-def _finish(acc, l, y, t0):  # acc (B, H, bq, hs) / l -> y[:, t0:t0+bq] (B, T, H, hs)
+@numba.njit(cache=True, parallel=PARALLEL, error_model=ERR, nogil=True)
+def _finish(acc, l, y, t0, h0):  # acc (B, H, bq, hs) / l -> y[:, t0:t0+bq, h0:h0+H] of y (B, T, nh, hs)
     B, H, bq, hs = acc.shape
     for bh in numba.prange(B * H):
         b, h = bh // H, bh % H
         for i in range(bq):
             inv = np.float32(1.0) / l[b, h, i] if l[b, h, i] > 0 else np.float32(0.0)
             for d in range(hs):
-                y[b, t0 + i, h, d] = acc[b, h, i, d] * inv
+                y[b, t0 + i, h0 + h, d] = acc[b, h, i, d] * inv
 
 
 # Note: decode. One query per head (T = 1) over a cache takes `attend_cache`: one numba pass
@@ -341,12 +346,22 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray | None
     pos = _positions(q_pos, B, T, S)
     window, scale = int(max(window, 0)), np.float32(hs ** -0.5 if scale is None else scale)
     y = np.empty((B, T, nh, hs), np.float32)
-    for t0 in range(0, T, _Q_BLOCK):
-        t1 = min(T, t0 + _Q_BLOCK)
-        _query_block(q[:, :, t0:t1], k, v, np.array(pos[:, t0:t1], order="C"), window, scale, y, t0,
-                     np.float32(softcap))  # (a copy:
-        # always writable, so numba sees one type; a read-only view made a second compile mid-forward)
+    g = nh // nkv
+    n = team_size(nkv if T * S >= _TEAM_WORK else 1)  # kv heads over the rank's threads (the team note)
+    cuts = [nkv * i // n for i in range(n + 1)]
+    run_parts(_heads, [(q[:, g * a:g * b], k[:, a:b], v[:, a:b], pos, window, scale, y, g * a, np.float32(softcap))
+                       for a, b in zip(cuts, cuts[1:])])
     return y
+
+
+def _heads(q, k, v, pos, window, scale, y, h0, softcap) -> None:
+    """The query blocks of some kv heads' groups: q (B, g * n, T, hs), k, v (B, n, S, hs) into
+    y[:, :, h0:h0 + g * n]."""
+    for t0 in range(0, q.shape[2], _Q_BLOCK):
+        t1 = min(q.shape[2], t0 + _Q_BLOCK)
+        _query_block(q[:, :, t0:t1], k, v, np.array(pos[:, t0:t1], order="C"), window, scale, y, t0, h0,
+                     softcap)  # (a copy:
+        # always writable, so numba sees one type; a read-only view made a second compile mid-forward)
 
 
 def attend_workspace_bytes(batch: int, heads: int, seq: int, head_dim: int) -> int:
@@ -356,8 +371,8 @@ def attend_workspace_bytes(batch: int, heads: int, seq: int, head_dim: int) -> i
     return batch * heads * bq * (bk + 2 * head_dim + 2) * 4
 
 
-def _query_block(q, k, v, pos, window, scale, y, t0, softcap=np.float32(0.0)) -> None:
-    """One block of queries (B, nh, bq, hs) over the key blocks it can see, into y[:, t0:]."""
+def _query_block(q, k, v, pos, window, scale, y, t0, h0, softcap) -> None:
+    """One block of queries (B, nh, bq, hs) over the key blocks it can see, into y[:, t0:, h0:]."""
     B, nh, bq, hs = q.shape
     nkv = k.shape[1]
     g = nh // nkv
@@ -378,7 +393,7 @@ def _query_block(q, k, v, pos, window, scale, y, t0, softcap=np.float32(0.0)) ->
                       np.float32(1.0) if softcap > 0 else scale, m, l, acc)
         acc_g += s @ v[:, :, j0:j1]  # (B, nkv, g*bq, hs)
         del s  # before the next block's scores are allocated: one block alive at a time
-    _finish(acc, l, y, t0)
+    _finish(acc, l, y, t0, h0)
 
 
 @numba.njit(cache=True, fastmath=False)
