@@ -1,7 +1,8 @@
 """Blocked scaled dot-product attention (grouped-query, causal or windowed, online softmax).
 
 BLAS does the two products of a block; the numba kernels here do masking, exponentials and
-bookkeeping, serial on the calling thread (threads note in _common.py). `causal_softmax_` is a
+bookkeeping, serial on the calling thread (threads note in _common.py); a prefill's kv heads go to
+the rank's threads in parts (`run_parts`, the team note there). `causal_softmax_` is a
 plain reference softmax for tests and benches, compiled on first use only.
 """
 
