@@ -524,6 +524,42 @@ def test_bf16_matvec_widens_exactly_on_a_cpu_without_bf16_dot(tmp_path):
     assert flag == "False" and float(err) < 1e-4, proc.stdout
 
 
+def test_float_matvec_on_a_cpu_without_avx512_takes_8_lane_vectors(tmp_path):
+    """Compiled for a CPU without AVX-512 (NUMBA_CPU_NAME=haswell, a cache of its own), rowdot's
+    float dot products take 8-lane vectors (16 columns a step, as before AVX-512's 16 lanes), and
+    the f32, bf16 and f16 matvecs still give numpy's products on one row, the tile's rows and the
+    rows beside them, with columns past the last step."""
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np\n"
+        "from rlx_mpi import kernels\n"
+        "from rlx_mpi.kernels import lowp, rowdot\n"
+        "from rlx_mpi.kernels.matvec import _matvec_float\n"
+        "rng = np.random.default_rng(8)\n"
+        "worst = 0.0\n"
+        "for fmt in ('f32', 'bf16', 'f16'):\n"
+        "    for r in (1, 4, 5, 9):\n"
+        "        x = rng.standard_normal((r, 100)).astype(np.float32)\n"
+        "        w = rng.standard_normal((37, 100)).astype(np.float32)\n"
+        "        if fmt == 'bf16':\n"
+        "            stored = lowp.to_bf16(w); w = lowp.from_bf16(stored)\n"
+        "        elif fmt == 'f16':\n"
+        "            stored = lowp.kernel_weight(fmt, w.astype(np.float16).view(np.uint16)); w = w.astype(np.float16).astype(np.float32)\n"
+        "        else:\n"
+        "            stored = w\n"
+        "        out = np.full((r, 37), np.nan, np.float32)\n"
+        "        _matvec_float(x, stored, out, 2)\n"
+        "        worst = max(worst, float(np.abs(out - x.astype(np.float64) @ w.T.astype(np.float64)).max()))\n"
+        "print(rowdot._FLANES, rowdot.STEP, worst)\n")
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lanes, step, err = proc.stdout.split()
+    assert (lanes, step) == ("8", "16") and float(err) < 1e-4, proc.stdout
+
+
 def test_linear_takes_the_same_values_on_every_row_count_path():
     """Linear picks matvec_f32 (up to F32_MATVEC_ROWS rows) or x @ W.T by row count: the paths
     agree to float32 rounding."""

@@ -7,7 +7,8 @@ fpext from half, one vcvtph2ps per 8 weights with F16C), x (R, K) float32, k a m
 STEP (the caller adds the columns past it), ``ahead`` how many weights past the ones being read
 to prefetch (the prefetch note; both kinds take it). Each weight
 vector is loaded (and for bf16 widened) once and multiplied into ROWS x 2 float32 accumulators
-of 8 lanes (fused multiply-adds; two per row hide their latency). Written as numba loops, the
+of 8 lanes, 16 where the CPU has AVX-512 (the vector width note; fused multiply-adds; two per row
+hide their latency). Written as numba loops, the
 product over each activation row re-read the weight row and kept one accumulator chain per row,
 which made a few-row matvec load-bound (measurements: bench/README.md, "Vector-IR dot products").
 
@@ -48,6 +49,14 @@ medium decode step's matrices, 789 MB, f32): 1 thread 1.13x at 8 rows, 1.09x at 
 1.02-1.12x. Tiles of 2 x 6 rows (0.84-1.11x), 4 x 3 (0.66-0.75x: the 16 registers spill) and
 4 x 2 (0.94-1.00x) were slower. Fewer than 4 activation rows keep numba's one-row loop (the
 prefetch note).
+
+Note: the vector width. The float dot products were written for AVX2 (8-lane vectors, 16
+registers). Where numba compiles for AVX-512 (`_target_has("avx512f")`) they take 16-lane vectors
+and 32 columns a step (STEP), and prefetch each 64-byte line of a step; elsewhere nothing
+changed. Measured on a 2-core Xeon VM with AVX-512 (medium, whole decode step, `ab_decode.py`
+against 8 lanes, 5-7 rounds): f32 batch 4 1.00-1.01x, 8 1.04x, 16 1.07-1.09x, 32 1.09-1.10x, 64
+1.02x (2 threads); bf16 batch 4 1.05-1.06x, 8 1.02-1.12x, 16 1.02-1.04x, 32 1.02-1.07x, 64 1.19x;
+f16 batch 1 (its lone row is `row_dot`) 1.18x / 1.11x (1 / 2 threads); logits within 5e-6.
 
 Note: the prefetch. Every step of a dot product also asks for the weights ``ahead`` elements
 further on (`_prefetch`, LLVM's ``llvm.prefetch``: a hint, never a fault); the callers pass
@@ -189,7 +198,21 @@ row_dots_i8 = _make(ROWS)
 row_dot_i8 = _make(1)  # the rows left over after steps of ROWS
 
 
-STEP = 16  # float32 columns per step of row_dots: two 8-lane vectors
+def _target_has(feature: str) -> bool:
+    """Whether numba compiles for a CPU with ``feature`` (an LLVM feature name): the host's
+    features, unless NUMBA_CPU_NAME / NUMBA_CPU_FEATURES name another target."""
+    from llvmlite import binding
+    from numba.core import config
+
+    if config.CPU_FEATURES is not None:
+        return f"+{feature}" in config.CPU_FEATURES.split(",")
+    if config.CPU_NAME not in (None, "host"):
+        return False
+    return bool(binding.get_host_cpu_features().get(feature))
+
+
+_FLANES = 16 if _target_has("avx512f") else 8  # float32 lanes of row_dots' vectors: a zmm or a ymm
+STEP = 2 * _FLANES  # float32 columns per step of row_dots: two vectors
 
 
 def _make_float(rows: int, wrows: int = 1):
@@ -210,27 +233,28 @@ def _make_float(rows: int, wrows: int = 1):
             a_ = context.cast(builder, a_, at, types.intp)
             wps = [row(wt, w_, builder.add(n_, intp(j))) for j in range(wrows)]
             xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
-            f8 = ir.VectorType(ir.FloatType(), _HALF)
-            w8 = ir.VectorType(ir.IntType(16), _HALF) if bf16 or f16 else f8
-            accs = [[[cgutils.alloca_once_value(builder, ir.Constant(f8, [0.0] * _HALF)) for _ in range(per)]
+            f8 = ir.VectorType(ir.FloatType(), _FLANES)
+            w8 = ir.VectorType(ir.IntType(16), _FLANES) if bf16 or f16 else f8
+            accs = [[[cgutils.alloca_once_value(builder, ir.Constant(f8, [0.0] * _FLANES)) for _ in range(per)]
                      for _ in range(rows)] for _ in range(wrows)]
             steps = builder.sdiv(context.cast(builder, k_, kt, types.intp), intp(STEP))
             with cgutils.for_range(builder, steps) as loop:
                 base = builder.mul(loop.index, intp(STEP))
-                for wp in wps:  # a step is 64 (f32) or 32 (bf16) bytes of each weight row
-                    _prefetch(builder, wp, builder.add(base, a_))
+                for wp in wps:  # a step is 2 * _FLANES weights of each row: 64 or 128 bytes (f32), 32 or 64 (16-bit)
+                    for line in range(0, STEP, 16 if w.dtype == types.float32 else 32):  # each 64-byte line
+                        _prefetch(builder, wp, builder.add(base, builder.add(a_, intp(line))))
                 for u in range(2):
-                    off = builder.add(base, intp(u * _HALF))
+                    off = builder.add(base, intp(u * _FLANES))
                     wvs = []
                     for wp in wps:
                         wv = builder.load(builder.bitcast(builder.gep(wp, [off]), w8.as_pointer()),
                                           align=2 if bf16 or f16 else 4)
                         if bf16:  # the float32 with these top 16 bits: exact
-                            wide = builder.zext(wv, ir.VectorType(_I32, _HALF))
-                            wide = builder.shl(wide, ir.Constant(ir.VectorType(_I32, _HALF), [16] * _HALF))
+                            wide = builder.zext(wv, ir.VectorType(_I32, _FLANES))
+                            wide = builder.shl(wide, ir.Constant(ir.VectorType(_I32, _FLANES), [16] * _FLANES))
                             wv = builder.bitcast(wide, f8)
                         elif f16:  # IEEE half -> float32, exact for every pattern (x86: one vcvtph2ps, F16C)
-                            wv = builder.fpext(builder.bitcast(wv, ir.VectorType(ir.HalfType(), _HALF)), f8)
+                            wv = builder.fpext(builder.bitcast(wv, ir.VectorType(ir.HalfType(), _FLANES)), f8)
                         wvs.append(wv)
                     for i in range(rows):
                         xv = builder.load(builder.bitcast(builder.gep(xps[i], [off]), f8.as_pointer()), align=4)
@@ -243,7 +267,7 @@ def _make_float(rows: int, wrows: int = 1):
                     v = builder.load(accs[j][i][0])
                     for a in accs[j][i][1:]:
                         v = builder.fadd(v, builder.load(a), flags=_FAST)
-                    sums.append(_hsum(builder, v, _HALF))
+                    sums.append(_hsum(builder, v, _FLANES))
             return context.make_tuple(builder, signature.return_type, sums)
 
         return sig, codegen
@@ -258,19 +282,6 @@ row_dots3 = _make_float(ROWS, 3)  # weight rows n..n+2, the same way: the float 
 
 
 # -- bf16 x bf16 dot products (AVX512-BF16) ------------------------------------------------------
-
-
-def _target_has(feature: str) -> bool:
-    """Whether numba compiles for a CPU with ``feature`` (an LLVM feature name): the host's
-    features, unless NUMBA_CPU_NAME / NUMBA_CPU_FEATURES name another target."""
-    from llvmlite import binding
-    from numba.core import config
-
-    if config.CPU_FEATURES is not None:
-        return f"+{feature}" in config.CPU_FEATURES.split(",")
-    if config.CPU_NAME not in (None, "host"):
-        return False
-    return bool(binding.get_host_cpu_features().get(feature))
 
 
 def _llvm_at_least(major: int) -> bool:
