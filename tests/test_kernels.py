@@ -501,12 +501,21 @@ def test_bf16_matvec_of_few_rows_rounds_the_activations_where_the_cpu_has_bf16_d
                     assert np.abs(out - x.astype(np.float64) @ w.T).max() > 1e-5 * k ** 0.5
 
 
-def test_bf16_matvec_widens_exactly_on_a_cpu_without_bf16_dot(tmp_path):
-    """Compiled for a CPU without AVX512-BF16 (NUMBA_CPU_NAME, a cache of its own), the bf16
-    matvec of one row keeps float32 activations: exact products of the bf16 weights."""
+def _run_on_haswell(code: str, cache) -> str:
+    """stdout of ``python -c code`` with numba compiling for Haswell (AVX2: no AVX-512, no
+    AVX512-BF16) into the cache directory ``cache``, so the host's own kernels stay untouched."""
     import subprocess
     import sys
 
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CACHE_DIR=str(cache))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_bf16_matvec_widens_exactly_on_a_cpu_without_bf16_dot(tmp_path):
+    """Compiled for a CPU without AVX512-BF16 (NUMBA_CPU_NAME, a cache of its own), the bf16
+    matvec of one row keeps float32 activations: exact products of the bf16 weights."""
     code = (
         "import numpy as np\n"
         "from rlx_mpi import kernels\n"
@@ -517,11 +526,8 @@ def test_bf16_matvec_widens_exactly_on_a_cpu_without_bf16_dot(tmp_path):
         "got = kernels.dequant_matmul(x, bits, 'bf16')\n"
         "want = x.astype(np.float64) @ kernels.from_bf16(bits).T.astype(np.float64)\n"
         "print(BF16_DOT, float(np.abs(got - want).max()))\n")
-    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    flag, err = proc.stdout.split()
-    assert flag == "False" and float(err) < 1e-4, proc.stdout
+    flag, err = _run_on_haswell(code, tmp_path).split()
+    assert flag == "False" and float(err) < 1e-4, (flag, err)
 
 
 def test_float_matvec_on_a_cpu_without_avx512_takes_8_lane_vectors(tmp_path):
@@ -529,9 +535,6 @@ def test_float_matvec_on_a_cpu_without_avx512_takes_8_lane_vectors(tmp_path):
     float dot products take 8-lane vectors (16 columns a step, as before AVX-512's 16 lanes), and
     the f32, bf16 and f16 matvecs still give numpy's products on one row, the tile's rows and the
     rows beside them, with columns past the last step."""
-    import subprocess
-    import sys
-
     code = (
         "import numpy as np\n"
         "from rlx_mpi import kernels\n"
@@ -553,11 +556,9 @@ def test_float_matvec_on_a_cpu_without_avx512_takes_8_lane_vectors(tmp_path):
         "        _matvec_float(x, stored, out, 2)\n"
         "        worst = max(worst, float(np.abs(out - x.astype(np.float64) @ w.T.astype(np.float64)).max()))\n"
         "print(rowdot._FLANES, rowdot.STEP, worst)\n")
-    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lanes, step, err = proc.stdout.split()
-    assert (lanes, step) == ("8", "16") and float(err) < 1e-4, proc.stdout
+    out = _run_on_haswell(code, tmp_path)
+    lanes, step, err = out.split()
+    assert (lanes, step) == ("8", "16") and float(err) < 1e-4, out
 
 
 def test_linear_takes_the_same_values_on_every_row_count_path():
