@@ -118,10 +118,12 @@ def test_generate_sbatch_requeues_and_resumes(slurm, tmp_path, tiny_ckpt):
     job = _job(tmp_path, tiny_ckpt)
     prompts = tmp_path / "prompts.jsonl"
     # enough work that the signal (sent once the first row is written) lands mid-run on a fast
-    # machine: ~13k tokens, ~12 s of decode after the first row on a 2-core CI box (600 prompts,
-    # ~40k tokens, made the resumed run alone take ~35 s there); scancel reaches the ranks in well
-    # under a second, so even a machine 10x faster is still decoding when it does
-    n = 200
+    # machine. 200 prompts (~13k tokens) gave ~12 s of decode after the first row on a 2-core CI
+    # box, but a 2-core Xeon VM (2026-12-02) finished all of them in 2.2 s, before the signal
+    # reached the ranks (which then died of it on their way out, 143: 4 of 26 runs). 800 prompts
+    # (~51k tokens) give that VM ~9 s; the slower box's resumed run grows to ~4x its old length
+    # (600 prompts took ~35 s alone there)
+    n = 800
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "tokens": [1 + i % 100, 2, 3]}) + "\n" for i in range(n)))
     out = tmp_path / "completions.jsonl"
     jid = slurm.sbatch(str(REPO / "slurm" / "generate.sbatch"), str(job), str(prompts), str(out),
