@@ -14,8 +14,8 @@
 The ``_`` kernels are ``@numba.njit(cache=True)`` with no validation and no allocation; the
 public wrappers check dtype, shape and contiguity, allocate, and say what to pass. The decode
 matvecs run on numba's pool, sized by `set_threads`; the rest run serial on the calling thread
-(the threads note in _common.py says why), but a prefill's attention, whose kv heads go to as many
-Python threads (`run_parts`, the team note there).
+(the threads note in _common.py says why), except a prefill's attention, which gives its kv heads
+to the rank's threads (`run_parts`, the team note there).
 """
 
 from __future__ import annotations

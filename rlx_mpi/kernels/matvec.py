@@ -13,7 +13,7 @@ from numba.extending import overload
 from ._common import FAST, check_f32, pool_threads
 from .bits import as_f32, f16_exact, pack_bf16
 from .rowdot import (AHEAD_BYTES, BF16_DOT, DP_STEP, ROWS, STEP, TILE_W, row_dot, row_dot_bf16, row_dots, row_dots2,
-                     row_dots3, row_dots4)
+                     row_dots3, row_dots_tile)
 
 __all__ = ["matvec_f32", "F32_MATVEC_ROWS"]
 
@@ -125,15 +125,12 @@ def _matvec_float(x, w, out, chunks):  # x (R, K) f32, w (N, K) f32, bf16 or f16
         n = lo
         while n + TILE_W <= hi:  # TILE_W weight rows share each activation load (rowdot's tile note)
             for r in range(0, grouped, ROWS):  # and ROWS activation rows each weight load
-                if TILE_W == 4:
-                    _put(out, row_dots4(w, n, x, r, k_vec, ahead if r == 0 else 0), w, x, n, r, k_vec)  # (ahead: once a row)
-                else:
-                    _put(out, row_dots3(w, n, x, r, k_vec, ahead if r == 0 else 0), w, x, n, r, k_vec)
+                _put(out, row_dots_tile(w, n, x, r, k_vec, ahead if r == 0 else 0), w, x, n, r, k_vec)  # (ahead: once a row)
             for r in range(grouped, r_len):
                 for j in range(TILE_W):
                     out[r, n + j] = _lone_row(x, w, r, n + j, k_vec, 0)
             n += TILE_W
-        for r in range(0, grouped, ROWS):  # the chunk's last three weight rows (a 4-row tile), two or one
+        for r in range(0, grouped, ROWS):  # the chunk's last three weight rows (after 4-row tiles), two or one
             if hi - n == 3:
                 _put(out, row_dots3(w, n, x, r, k_vec, ahead if r == 0 else 0), w, x, n, r, k_vec)
             elif hi - n == 2:

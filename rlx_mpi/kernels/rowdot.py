@@ -38,7 +38,8 @@ with the weights in L2 16 vs 13 GB/s at 1 row, 1.5x at 4 rows; from DRAM (115 MB
 row (both are then at the core's read bandwidth), 1.5x at 4 rows.
 
 Note: the tile. From 4 activation rows on, the float matvecs take weight rows three at a time
-(`row_dots3`; a chunk's last one or two rows `row_dots` / `row_dots2`): each activation vector
+(`row_dots_tile`, four where the vectors are AVX-512's: the vector width note; a chunk's last
+rows `row_dots3` / `row_dots2` / `row_dots`): each activation vector
 loaded feeds three FMAs (7 loads per 12 FMAs; one weight row: 5 per 4), one accumulator per
 (weight row, activation row), 12 chains, which with the 3 weight vectors and 1 activation vector
 fill AVX2's 16 registers. Two weight rows (8 chains, 6 loads per 8 FMAs) against one, kernel
@@ -57,7 +58,7 @@ changed. Measured on a 2-core Xeon VM with AVX-512 (medium, whole decode step, `
 against 8 lanes, 5-7 rounds): f32 batch 4 1.00-1.01x, 8 1.04x, 16 1.07-1.09x, 32 1.09-1.10x, 64
 1.02x (2 threads); bf16 batch 4 1.05-1.06x, 8 1.02-1.12x, 16 1.02-1.04x, 32 1.02-1.07x, 64 1.19x;
 f16 batch 1 (its lone row is `row_dot`) 1.18x / 1.11x (1 / 2 threads); logits within 5e-6. With 32
-registers the tile then takes four weight rows (TILE_W, `row_dots4`: 16 accumulators, 4 + 1
+registers the tile then takes four weight rows (TILE_W, `row_dots_tile`: 16 accumulators, 4 + 1
 vectors loaded per 16 FMAs; the chunk's last three go to `row_dots3`), against 16-lane 3 x 4 in
 the same runs: f32 batch 4-8 0.98-1.04x, 16 1.05x, 32 1.07-1.10x, 64 1.05x; bf16 8 1.00-1.02x,
 16 1.02-1.03x, 32 1.06x.
@@ -283,8 +284,8 @@ row_dots = _make_float(ROWS)  # (one f32/bf16 row alone is left to numba's loop:
 row_dot = _make_float(1)  # one activation row: for f16, whose numba loop decodes each weight with integer ops
 row_dots2 = _make_float(ROWS, 2)  # weight rows n and n+1: sums[j * ROWS + i] is row n+j against r0+i (the tile note)
 row_dots3 = _make_float(ROWS, 3)  # weight rows n..n+2, the same way: the float matvecs' tile (the tile note)
-row_dots4 = _make_float(ROWS, 4)  # n..n+3: the tile where AVX-512's 32 registers hold its 16 accumulators
-TILE_W = 4 if _FLANES == 16 else 3  # weight rows per tile (the tile note)
+TILE_W = 4 if _FLANES == 16 else 3  # weight rows per tile: four where AVX-512's 32 registers hold 16 accumulators
+row_dots_tile = _make_float(ROWS, TILE_W)  # the float matvecs' tile: row_dots3's layout with TILE_W weight rows
 
 
 # -- bf16 x bf16 dot products (AVX512-BF16) ------------------------------------------------------
