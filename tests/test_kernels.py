@@ -534,7 +534,7 @@ def test_float_matvec_on_a_cpu_without_avx512_takes_8_lane_vectors(tmp_path):
     """Compiled for a CPU without AVX-512 (NUMBA_CPU_NAME=haswell, a cache of its own), rowdot's
     float dot products take 8-lane vectors (16 columns a step, as before AVX-512's 16 lanes), and
     the f32, bf16 and f16 matvecs still give numpy's products on one row, the tile's rows and the
-    rows beside them, with columns past the last step."""
+    rows beside them, with columns past the last step; prefill's products stay OpenBLAS's (F32_GEMM)."""
     code = (
         "import numpy as np\n"
         "from rlx_mpi import kernels\n"
@@ -555,10 +555,10 @@ def test_float_matvec_on_a_cpu_without_avx512_takes_8_lane_vectors(tmp_path):
         "        out = np.full((r, 37), np.nan, np.float32)\n"
         "        _matvec_float(x, stored, out, 2)\n"
         "        worst = max(worst, float(np.abs(out - x.astype(np.float64) @ w.T.astype(np.float64)).max()))\n"
-        "print(rowdot._FLANES, rowdot.STEP, worst)\n")
+        "print(rowdot._FLANES, rowdot.STEP, kernels.F32_GEMM, worst)\n")
     out = _run_on_haswell(code, tmp_path)
-    lanes, step, err = out.split()
-    assert (lanes, step) == ("8", "16") and float(err) < 1e-4, out
+    lanes, step, gemm, err = out.split()
+    assert (lanes, step, gemm) == ("8", "16", "False") and float(err) < 1e-4, out
 
 
 def test_linear_takes_the_same_values_on_every_row_count_path():
@@ -646,3 +646,46 @@ def test_numba_cache_lock_held_elsewhere_is_given_up_on_not_waited_for(tmp_path)
         assert not drop_stale(tmp_path, wait_s=0.3)
         assert time.monotonic() - t0 < 3 and (cache / "a._f-1.py311.nbi").exists()
     assert drop_stale(tmp_path, wait_s=0.3)  # released: done
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_gemm_f32_matches_numpy_at_every_tile_remainder(monkeypatch, parts):
+    """kernels.gemm_f32 against float64 numpy: rows of x that are and are not multiples of the
+    16-row vector (a last tile of 1, 2 or 3 vectors), weight rows past the 8-row tiles and the
+    64-row blocks, K of 1 and odd; split over 1 and 3 parts of the weight rows (uneven cuts)."""
+    from rlx_mpi.kernels import gemm
+
+    monkeypatch.setattr(gemm, "pool_threads", lambda: parts)
+    rng = np.random.default_rng(11)
+    worst = 0.0
+    for m in (1, 15, 16, 33, 48, 65, 128, 130, 192):
+        for n in (1, 7, 8, 17, 64 + 8 + 3, 150):
+            for k in (1, 37):
+                x = rng.standard_normal((m, k)).astype(np.float32)
+                w = rng.standard_normal((n, k)).astype(np.float32)
+                got = kernels.gemm_f32(x, w)
+                assert got.shape == (m, n) and got.flags.c_contiguous
+                want = x.astype(np.float64) @ w.T.astype(np.float64)
+                worst = max(worst, float(np.abs(got - want).max() / (1 + np.abs(want).max())))
+    assert worst < 1e-6, worst
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.gemm_f32(np.ones((65, 4), np.float32), np.ones((3, 5), np.float32))
+    with pytest.raises(TypeError, match="gemm_f32 w"):
+        kernels.gemm_f32(np.ones((65, 4), np.float32), np.ones((3, 4)))
+
+
+def test_linear_takes_the_gemm_for_65_to_192_rows_on_avx512(monkeypatch):
+    """A float32 Linear sends 65..F32_GEMM_ROWS rows to kernels.gemm_f32 where numba compiles for
+    AVX-512 (F32_GEMM), and never elsewhere or outside that range (matvec below, BLAS above)."""
+    from rlx_mpi.families.decoder.weights import Linear
+
+    seen = []
+    real = kernels.gemm_f32
+    monkeypatch.setattr(kernels, "gemm_f32", lambda x, w: seen.append(x.shape[0]) or real(x, w))
+    rng = np.random.default_rng(12)
+    w = rng.standard_normal((24, 40)).astype(np.float32)
+    lin = Linear("f32", w)
+    for m in (64, 65, kernels.F32_GEMM_ROWS, kernels.F32_GEMM_ROWS + 1):
+        x = rng.standard_normal((m, 40)).astype(np.float32)
+        np.testing.assert_allclose(lin(x), x @ w.T, rtol=1e-5, atol=1e-5)
+    assert seen == ([65, kernels.F32_GEMM_ROWS] if kernels.F32_GEMM else []), seen

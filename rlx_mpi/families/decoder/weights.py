@@ -28,7 +28,8 @@ PRECISIONS = ("f32", "bf16", "f16", "int8")
 # product of up to 63 rows was taken that way round. The numba matvec now takes every f32 product
 # of up to `kernels.F32_MATVEC_ROWS` (64) rows, and above that ``x @ W.T`` is the faster one
 # (``(W @ x.T).T`` 0.79-0.86x at 65-128 rows on 2 threads, 0.88-0.95x on 1; medium shapes,
-# 2026-12-02), so BLAS gets the product as it is.
+# 2026-12-02), so BLAS gets the product as it is, except on AVX-512, where kernels.gemm_f32 takes
+# 65-192 rows (1.08-1.26x OpenBLAS at 128 rows; its note).
 # What ParamSource.read is asked for: the storage closest to the rank's format, so a 16-bit
 # rank never holds a float32 copy of a tensor it can read as 16 bits.
 _READ_DTYPE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "int8": "float32"}
@@ -72,6 +73,8 @@ class Linear:
             y = kernels.dequant_matmul(x2, self.data, self.precision, self.scale)
         elif rows <= kernels.F32_MATVEC_ROWS:  # decode: the numba GEMV (the few-rows note)
             y = kernels.matvec_f32(x2, self.data)
+        elif kernels.F32_GEMM and rows <= kernels.F32_GEMM_ROWS:  # a short prefill on AVX-512 (kernels/gemm.py)
+            y = kernels.gemm_f32(x2, self.data)
         else:
             y = x2 @ self.data.T
         return y.reshape(*lead, self.data.shape[0])  # (..., out)
