@@ -134,14 +134,17 @@ class Cluster:
             from .signals import StopRequest
 
             self.stop = StopRequest().install()
+        finished = False
         try:
-            return driver.drive(self)
+            result = driver.drive(self)
+            finished = True
+            return result
         except Exception:
             report_and_abort(self.world, self.ctx, sys.exc_info())
             raise
         finally:
             if self.stop is not None:
-                self.stop.restore()
+                self.stop.restore(finished)  # finished: a stop signal from now on is ignored (restore's note)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -61,16 +61,19 @@ class StopRequest:
         if signum == signal.SIGINT:  # a second Ctrl-C interrupts at once, as without us
             signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
 
-    def restore(self) -> None:
+    def restore(self, finished: bool = False) -> None:
         """Put back the handlers that were there before `install`.
 
         Once a stop was requested, SIGTERM and SIGUSR1 are ignored instead: the launcher and
         the rank's supervisor may each deliver the same signal, and a late copy must not kill
         a rank that is exiting cleanly with the requeue code (Python puts the default action
-        back at exit, so leaving our handler would not do). SIGINT gets its old handler back.
+        back at exit, so leaving our handler would not do). So they are once the work is
+        ``finished``: a time limit reached just after the last row, while the ranks write
+        their report and exit, killed them (exit 143) and the job ended FAILED with its output
+        complete (seen in test_slurm's requeue test on a fast host). SIGINT gets its old handler back.
         """
         for sig, previous in self._previous.items():
-            if self.requested and sig != signal.SIGINT:
+            if (self.requested or finished) and sig != signal.SIGINT:
                 previous = signal.SIG_IGN
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()

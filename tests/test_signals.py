@@ -155,3 +155,64 @@ def test_a_signal_to_mpiexec_reaches_every_rank_under_its_supervisor(sig, tmp_pa
     seen = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
     assert [s.split()[0] for s in seen] == [sig.name] * 2, (seen, out, err)
     assert proc.returncode == 75, (out, err)
+
+
+def test_a_stop_signal_after_the_work_is_finished_cannot_kill_the_exiting_rank():
+    # A real process, a real kill: the time limit's SIGTERM (twice: launcher and supervisor) lands
+    # after the last row, while the rank reports and exits; it must still exit 0, not 143.
+    script = textwrap.dedent("""
+        import time
+        from rlx_mpi.signals import StopRequest
+        stop = StopRequest().install()
+        stop.restore(finished=True)  # what Cluster.run does when the driver returned
+        print("ready", flush=True)
+        time.sleep(1.0)  # the report and the exit
+        print("complete", stop.requested, flush=True)
+    """)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready and proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert out.split() == ["complete", "False"] and proc.returncode == 0, (out, proc.returncode)
+
+
+def test_cluster_run_ignores_stop_signals_once_the_driver_returned(handlers):
+    """Cluster.run restores with ``finished`` only when drive returned: SIGTERM is then ignored;
+    a driver that raised goes through report_and_abort, and its handlers are put back."""
+    from rlx_mpi import cluster as cluster_mod
+
+    class Driver:
+        stop_signals = True
+
+        def __init__(self, fail):
+            self.fail = fail
+
+        def drive(self, cx):
+            assert signal.getsignal(signal.SIGTERM) == cx.stop._handle
+            if self.fail:
+                raise RuntimeError("boom")
+            return "result"
+
+    cx = cluster_mod.Cluster.__new__(cluster_mod.Cluster)  # no MPI: run() needs ctx and stop only
+    cx.ctx, cx.world, cx.stop = type("Ctx", (), {"extra": {}})(), None, None
+    assert cx.run(Driver(False)) == "result"
+    assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) == handlers[signal.SIGINT]
+    for s, h in handlers.items():
+        signal.signal(s, h)
+    cx.stop, aborted = None, []
+    real = cluster_mod.report_and_abort
+    cluster_mod.report_and_abort = lambda world, ctx, info: aborted.append(info[1])
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            cx.run(Driver(True))
+    finally:
+        cluster_mod.report_and_abort = real
+    assert len(aborted) == 1 and {s: signal.getsignal(s) for s in STOP_SIGNALS} == handlers
