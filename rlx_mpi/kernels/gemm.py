@@ -141,22 +141,21 @@ def _rows(w, xp, out, n0, n1):  # out[:, n0:n1] = x @ w[n0:n1].T, out (16 * xp.s
         while j < nv:
             v = min(TILE_V, nv - j)
             n = b0
-            while n + TILE_R <= b1:
-                if v == 3:
+            while n < b1:  # 8-row tiles, then the block's last rows one at a time
+                full = n + TILE_R <= b1
+                if full and v == 3:
                     _t8_3(w, n, xp, j, out)
-                elif v == 2:
+                elif full and v == 2:
                     _t8_2(w, n, xp, j, out)
-                else:
+                elif full:
                     _t8_1(w, n, xp, j, out)
-                n += TILE_R
-            while n < b1:
-                if v == 3:
+                elif v == 3:
                     _t1_3(w, n, xp, j, out)
                 elif v == 2:
                     _t1_2(w, n, xp, j, out)
                 else:
                     _t1_1(w, n, xp, j, out)
-                n += 1
+                n += TILE_R if full else 1
             j += v
 
 
