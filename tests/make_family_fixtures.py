@@ -171,6 +171,31 @@ CASES = {
     "mixtral": dict(model_type="mixtral", vocab_size=256, num_hidden_layers=2, intermediate_size=64,
                     num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
                     router_jitter_noise=0.0, rope_parameters=rope("default", 1000000.0)),
+    # -- issue 31, part 1 --
+    "gemma3": dict(model_type="gemma3_text", vocab_size=256, num_hidden_layers=4, head_dim=16,
+                   query_pre_attn_scalar=24, sliding_window=8, hidden_activation="gelu_pytorch_tanh",
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                   final_logit_softcapping=None, attn_logit_softcapping=None, tie_word_embeddings=True,
+                   rms_norm_eps=1e-6,
+                   rope_parameters={"full_attention": rope("linear", 1000000.0, factor=8.0),
+                                    "sliding_attention": rope("default", 100.0)}),
+    "olmo2": dict(model_type="olmo2", vocab_size=256, num_hidden_layers=2, rms_norm_eps=1e-6,
+                  rope_parameters=rope("default", 500000.0)),
+    "granite": dict(model_type="granite", vocab_size=256, num_hidden_layers=2, tie_word_embeddings=True,
+                    embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                    logits_scaling=4.0, rope_parameters=rope("default", 10000.0)),
+    "qwen3_moe": dict(model_type="qwen3_moe", vocab_size=256, num_hidden_layers=3, head_dim=32,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96,
+                      mlp_only_layers=[1], decoder_sparse_step=1, norm_topk_prob=False,
+                      use_sliding_window=False, rope_parameters=rope("default", 1000000.0)),
+    # the same models saved in transformers 5's fused expert layout (save_original_format=False)
+    "qwen3_moe_fused": dict(model_type="qwen3_moe", vocab_size=256, num_hidden_layers=3, head_dim=32,
+                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96,
+                            mlp_only_layers=[1], decoder_sparse_step=1, norm_topk_prob=True,
+                            use_sliding_window=False, rope_parameters=rope("default", 1000000.0), _fused=True),
+    "mixtral_fused": dict(model_type="mixtral", vocab_size=256, num_hidden_layers=2, intermediate_size=48,
+                          num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                          router_jitter_noise=0.0, rope_parameters=rope("default", 1000000.0), _fused=True),
 }
 FIRST = ("llama3", "mistral", "qwen2")
 
@@ -336,7 +361,7 @@ def make_model(case):
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     model.eval()
     assert model.config._attn_implementation == "eager"
-    gemma = model_type == "gemma2"
+    gemma = model_type in ("gemma2", "gemma3_text")
     with torch.no_grad():
         for name, p in model.named_parameters():
             leaf = name.rsplit(".", 2)[-2] if "." in name else name
@@ -410,6 +435,23 @@ FEATURES = {
                ("sliding window on alternate layers", {"sliding_window": 4096}, None),
                ("query_pre_attn_scalar", {"query_pre_attn_scalar": 16}, None)],
     "mixtral": [("top-2 routing", {"num_experts_per_tok": 1}, None)],
+    "gemma3": [("local RoPE base", {"rope_parameters": {"full_attention": rope("linear", 1000000.0, factor=8.0),
+                                                        "sliding_attention": rope("default", 1000000.0)}}, None),
+               ("linear scaling of the global base", {"rope_parameters": {
+                   "full_attention": rope("default", 1000000.0), "sliding_attention": rope("default", 100.0)}}, None),
+               ("sliding window", {"sliding_window": 4096}, None),
+               ("query_pre_attn_scalar", {"query_pre_attn_scalar": 16}, None),
+               ("q/k norms", {}, ("_norm.", 0.0))],
+    "olmo2": [("q/k norm weights", {}, ("_norm.", 1.0))],
+    "granite": [("embedding_multiplier", {"embedding_multiplier": 1.0}, None),
+                ("residual_multiplier", {"residual_multiplier": 1.0}, None),
+                ("attention_multiplier", {"attention_multiplier": 32 ** -0.5}, None),
+                ("logits_scaling", {"logits_scaling": 1.0}, None)],
+    "qwen3_moe": [("top-2 routing", {"num_experts_per_tok": 1}, None),
+                  ("norm_topk_prob false", {"norm_topk_prob": True}, None),
+                  ("q/k norms", {}, ("_norm.", 1.0))],
+    "qwen3_moe_fused": [("top-2 routing", {"num_experts_per_tok": 1}, None)],
+    "mixtral_fused": [("top-2 routing", {"num_experts_per_tok": 1}, None)],
 }
 
 
@@ -469,7 +511,8 @@ def build(name):
     check_features(name, model, ref["input_ids"], ref["logits"])
     ref["prompt_ids"], ref["greedy_ids"] = pick_greedy(model, plen)
 
-    model.save_pretrained(out, safe_serialization=True)
+    # _fused: transformers 5's own layout (mlp.experts.gate_up_proj [E, 2I, C], down_proj [E, C, I])
+    model.save_pretrained(out, safe_serialization=True, save_original_format=not case.get("_fused", False))
     if os.path.exists(os.path.join(out, "generation_config.json")):
         os.unlink(os.path.join(out, "generation_config.json"))
     _dump(os.path.join(out, "generation_config.json"),

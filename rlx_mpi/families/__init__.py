@@ -29,6 +29,10 @@ _BUILTIN: dict[str, str] = {
     "phi3": "rlx_mpi.families.phi",
     "gemma2": "rlx_mpi.families.gemma",
     "mixtral": "rlx_mpi.families.mixtral",
+    "gemma3": "rlx_mpi.families.gemma3",
+    "olmo2": "rlx_mpi.families.olmo",
+    "granite": "rlx_mpi.families.granite",
+    "qwen3_moe": "rlx_mpi.families.qwen_moe",
 }
 
 _FAMILIES: dict[str, Any] = {}

@@ -32,7 +32,8 @@ from ..checkpoint import write_checkpoint
 from ..errors import CheckpointError, ConfigError
 from .decoder.arch import Arch, expected_shapes
 
-__all__ = ["copy_tokenizer", "convert", "read_hf_config", "standard_names", "Source", "TOKENIZER_FILES",
+__all__ = ["copy_tokenizer", "convert", "read_hf_config", "standard_names", "fused_expert_names", "Source",
+           "TOKENIZER_FILES",
            "sizes", "rope_fields", "refuse_if", "sliding_windows"]
 
 # safetensors dtype -> numpy dtype of the stored bytes (little-endian by the format's rule).
@@ -48,10 +49,12 @@ _HARMLESS = re.compile(r"(^|\.)rotary_emb\.(inv_freq|original_inv_freq|long_inv_
 @dataclass(frozen=True)
 class Source:
     """Where one of our tensors comes from: a Hugging Face tensor, or rows [start, stop) of
-    one (a fused tensor split at convert time: Phi-3's qkv_proj and gate_up_proj)."""
+    one (a fused tensor split at convert time: Phi-3's qkv_proj and gate_up_proj); with
+    ``index``, of entry ``index`` of a stacked 3-D tensor (transformers 5's fused experts)."""
 
     name: str
     rows: tuple[int, int] | None = None
+    index: int | None = None
 
 
 _LAYER = {  # our per-layer name -> the Llama-style Hugging Face name under model.layers.{n}.
@@ -62,6 +65,24 @@ _LAYER = {  # our per-layer name -> the Llama-style Hugging Face name under mode
     "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias",
     "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
 }
+
+
+def fused_expert_names(cfg: Arch, names: dict[str, Source], entries) -> dict[str, Source]:
+    """``names`` with every MoE layer's router and experts read from transformers 5's fused
+    layout when the checkpoint has it (``mlp.gate.weight``, ``mlp.experts.gate_up_proj`` [E, 2I, C]
+    with gate rows first, ``mlp.experts.down_proj`` [E, C, I]: what ``save_pretrained(...,
+    save_original_format=False)`` writes for Mixtral and Qwen MoE); else ``names`` unchanged."""
+    i, out = cfg.intermediate_size, dict(names)
+    for n in range(cfg.num_hidden_layers):
+        fused = f"model.layers.{n}.mlp.experts."
+        if not cfg.moe(n) or fused + "gate_up_proj" not in entries:
+            continue
+        out[f"layers/{n}/router"] = Source(f"model.layers.{n}.mlp.gate.weight")
+        for e in range(cfg.num_experts):
+            out[f"layers/{n}/experts/{e}/gate_proj"] = Source(fused + "gate_up_proj", (0, i), e)
+            out[f"layers/{n}/experts/{e}/up_proj"] = Source(fused + "gate_up_proj", (i, 2 * i), e)
+            out[f"layers/{n}/experts/{e}/down_proj"] = Source(fused + "down_proj", None, e)
+    return out
 
 
 def standard_names(cfg: Arch, layer: dict[str, str] | None = None) -> dict[str, Source]:
@@ -142,11 +163,20 @@ def _read_safetensors_header(path: Path) -> dict[str, _Entry]:
     return entries
 
 
-def _read_tensor(entry: _Entry, f: BinaryIO) -> np.ndarray:
-    """One tensor as float32 or float16 (bf16 widened to float32 exactly)."""
+def _read_tensor(entry: _Entry, f: BinaryIO, index: int | None = None,
+                 rows: tuple[int, int] | None = None) -> np.ndarray:
+    """One tensor as float32 or float16 (bf16 widened to float32 exactly); with ``index`` only
+    that entry of a stacked tensor (rows ``rows`` of it), read from its own bytes: converting
+    a 128-expert layer reads each expert once, not the whole stack per expert."""
     stored = _DTYPES[entry.dtype]
-    f.seek(entry.start)
-    count = math.prod(entry.shape)
+    shape, skip = entry.shape, 0
+    if index is not None:
+        inner = shape[1:]
+        a, b = rows if rows is not None else (0, inner[0])
+        row = math.prod(inner[1:])
+        skip, shape = (index * inner[0] + a) * row, (b - a, *inner[1:])
+    f.seek(entry.start + skip * stored.itemsize)
+    count = math.prod(shape)
     data = np.fromfile(f, dtype=stored, count=count)
     if data.size != count:
         raise CheckpointError(f"{entry.path}: {entry.name}", f"short read ({data.size} of {count} values)",
@@ -154,7 +184,7 @@ def _read_tensor(entry: _Entry, f: BinaryIO) -> np.ndarray:
     if entry.dtype == "BF16":
         # bfloat16 is the top half of a float32: put the 16 bits there, zero the rest.
         data = (data.astype(np.uint32) << 16).view(np.float32)
-    return data.reshape(entry.shape)
+    return data.reshape(shape)
 
 
 def _safetensors_files(hf_dir: Path) -> list[Path]:
@@ -351,8 +381,8 @@ def sliding_windows(raw: dict, where: str, layers: int, *, all_layers: bool = Fa
 
 
 def _check_tensors(cfg: Arch, names: dict[str, Source], entries: dict[str, _Entry], where_dir: Path,
-                   family: str) -> dict[str, tuple[_Entry, tuple[int, int] | None]]:
-    """Our name -> (entry, rows), after checking names, dtypes and shapes against ``cfg``."""
+                   family: str) -> dict[str, tuple[_Entry, Source]]:
+    """Our name -> (entry, source), after checking names, dtypes and shapes against ``cfg``."""
     want = expected_shapes(cfg)
     used = {src.name for src in names.values()}
     unmapped = sorted(n for n in entries if n not in used and not _HARMLESS.search(n)
@@ -384,18 +414,23 @@ def _check_tensors(cfg: Arch, names: dict[str, Source], entries: dict[str, _Entr
         if entry.dtype not in _DTYPES:
             raise CheckpointError(where, f"dtype {entry.dtype} is not supported",
                                   f"only {sorted(_DTYPES)} are read; convert an unquantized model")
-        got = entry.shape if src.rows is None else (src.rows[1] - src.rows[0], *entry.shape[1:])
-        if src.rows is not None:
-            fused[src.name] = fused.get(src.name, 0) + got[0]
-        if got != tuple(shape) or (src.rows is not None and src.rows[1] > entry.shape[0]):
+        whole = entry.shape if src.index is None else entry.shape[1:]
+        got = whole if src.rows is None else (src.rows[1] - src.rows[0], *whole[1:])
+        if src.rows is not None or src.index is not None:
+            fused[src.name] = fused.get(src.name, 0) + math.prod(got)
+        if src.index is not None and not (len(entry.shape) == 3 and 0 <= src.index < entry.shape[0]):
+            raise CheckpointError(where, f"shape {entry.shape} has no expert {src.index}",
+                                  "config.json and the tensors come from different models")
+        if got != tuple(shape) or (src.rows is not None and src.rows[1] > whole[0]):
             implied = tuple(shape) if src.rows is None else f"{tuple(shape)} at rows {src.rows[0]}..{src.rows[1]}"
             raise CheckpointError(where, f"shape {entry.shape} disagrees with the config, which implies {implied}",
                                   "config.json and the tensors come from different models")
-        out[name] = (entry, src.rows)
-    for hf, rows in fused.items():
-        if rows != entries[hf].shape[0]:
-            raise CheckpointError(f"{entries[hf].path}: {hf}", f"has {entries[hf].shape[0]} rows, the config's "
-                                  f"parts cover {rows}", "config.json and the tensors come from different models")
+        out[name] = (entry, src)
+    for hf, size in fused.items():
+        if size != math.prod(entries[hf].shape):
+            raise CheckpointError(f"{entries[hf].path}: {hf}", f"has shape {entries[hf].shape}, the config's "
+                                  f"parts cover {size} of its values",
+                                  "config.json and the tensors come from different models")
     return out
 
 
@@ -403,9 +438,13 @@ def _tensors(plan: dict, stack: contextlib.ExitStack) -> Iterator[tuple[str, np.
     """(our name, array) in checkpoint order, one tensor (or one fused tensor) in memory at a time."""
     handles: dict[Path, BinaryIO] = {}
     last: tuple[str, np.ndarray] | None = None  # a fused tensor is read once for its parts
-    for name, (entry, rows) in plan.items():
+    for name, (entry, src) in plan.items():
+        rows = src.rows
         if entry.path not in handles:
             handles[entry.path] = stack.enter_context(open(entry.path, "rb"))
+        if src.index is not None:  # one expert of a stacked tensor: only its bytes
+            yield name, _read_tensor(entry, handles[entry.path], src.index, rows)
+            continue
         if last is None or last[0] != entry.name:
             last = (entry.name, _read_tensor(entry, handles[entry.path]))
         yield name, (last[1] if rows is None else np.ascontiguousarray(last[1][rows[0]:rows[1]]))
@@ -439,7 +478,9 @@ def convert(family, hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, d
     config_path = hf_dir / config_name
     raw = hf_config if hf_config is not None else read_hf_config(config_path)
     cfg = family.arch_from_hf(raw, str(config_path)).validate(str(config_path))
-    plan = _check_tensors(cfg, family.hf_names(cfg), _index_tensors(_safetensors_files(hf_dir)), hf_dir, family.name)
+    entries = _index_tensors(_safetensors_files(hf_dir))
+    names = fused_expert_names(cfg, family.hf_names(cfg), entries) if cfg.num_experts else family.hf_names(cfg)
+    plan = _check_tensors(cfg, names, entries, hf_dir, family.name)
     with contextlib.ExitStack() as stack:
         write_checkpoint(out_path, family.name, cfg.to_json(), _tensors(plan, stack), dtype=dtype)
     if tokenizer:

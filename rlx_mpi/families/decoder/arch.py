@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from ...errors import CheckpointError
 from ...placement import ModelCost
 
-__all__ = ["Arch", "ACTIVATIONS", "ROPE_TYPES", "expected_shapes"]
+__all__ = ["Arch", "ACTIVATIONS", "ROPE_TYPES", "QK_NORM_SCOPES", "expected_shapes"]
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU; GeGLU with the tanh approximation (Gemma)
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+QK_NORM_SCOPES = ("head", "projection")  # per head (Qwen3) | over the whole q, k projection (OLMo 2)
 
 
 @dataclass(frozen=True)
@@ -70,11 +71,23 @@ class Arch:
     layer_windows: tuple = ()  # per layer: sliding window W (a query sees W keys), 0 full; () all full
     num_experts: int = 0  # MoE experts per layer; 0: a dense MLP
     experts_per_token: int = 0  # top-k of the router (weights renormalised over the k, as Mixtral)
+    # -- issue 31, part 1 (Gemma 3, OLMo 2, Granite 3, Qwen3-MoE); defaults: as before --
+    rope_local_theta: float = 0.0  # >0: sliding-window layers use default RoPE at this base, the
+    # full layers rope_theta with rope_type (Gemma 3's local 10 000 vs global 1 000 000, linear x8)
+    qk_norm_scope: str = "head"  # with qk_norm: "head" (each head's hs values, Qwen3, Gemma 3) |
+    # "projection" (the whole q and k projections, nh*hs and nkv*hs values: OLMo 2)
+    pre_norms: bool = True  # norms before attention and MLP; False: only the output norms (OLMo 2)
+    residual_multiplier: float = 1.0  # attention and MLP outputs x this before the residual add (Granite)
+    logits_scaling: float = 1.0  # logits divided by this (Granite)
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum 1 (Mixtral; Qwen3-MoE's flag)
+    dense_layers: tuple = ()  # MoE models: layers with a dense MLP instead of experts (Qwen3-MoE
+    # mlp_only_layers / decoder_sparse_step)
+    dense_intermediate_size: int = 0  # their MLP width; 0: intermediate_size (Qwen3-MoE intermediate_size)
 
     def __post_init__(self):
         if self.head_dim == 0 and isinstance(self.hidden_size, int) and isinstance(self.num_attention_heads, int):
             object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_attention_heads, 1))
-        for name in ("rope_short_factor", "rope_long_factor", "layer_windows"):  # JSON lists -> tuples
+        for name in ("rope_short_factor", "rope_long_factor", "layer_windows", "dense_layers"):  # JSON lists -> tuples
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
@@ -133,6 +146,27 @@ class Arch:
             bad("experts_per_token", f"must be 1..num_experts ({self.num_experts})")
         if not self.num_experts and self.experts_per_token:
             bad("experts_per_token", "needs num_experts > 0")
+        if not _number(self.rope_local_theta) or self.rope_local_theta < 0:
+            bad("rope_local_theta", "must be a finite number >= 0")
+        if self.rope_local_theta and self.rope_type == "longrope":
+            bad("rope_local_theta", "cannot be combined with rope_type 'longrope'")
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            bad("qk_norm_scope", f"is not one of {list(QK_NORM_SCOPES)}")
+        for name in ("residual_multiplier", "logits_scaling"):
+            if not _number(getattr(self, name)) or getattr(self, name) <= 0:
+                bad(name, "must be a finite number > 0")
+        for name in ("pre_norms", "norm_topk_prob"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false (a JSON boolean)")
+        if not self.pre_norms and not self.sandwich_norms:
+            bad("pre_norms", "is false without sandwich_norms: a layer would have no norm at all")
+        if self.dense_layers and (not self.num_experts or len(set(self.dense_layers)) != len(self.dense_layers)
+                                  or not all(isinstance(n, int) and not isinstance(n, bool)
+                                             and 0 <= n < self.num_hidden_layers for n in self.dense_layers)):
+            bad("dense_layers", f"must be distinct layer numbers 0..{self.num_hidden_layers - 1} of a MoE model")
+        value = self.dense_intermediate_size
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            bad("dense_intermediate_size", "must be an integer >= 0")
         return self
 
     # -- JSON ------------------------------------------------------------------------------------
@@ -172,14 +206,32 @@ class Arch:
         """The sliding window of ``layer`` (0: full attention)."""
         return self.layer_windows[layer] if self.layer_windows else 0
 
-    def layer_params(self, active: bool = False) -> int:
-        """Parameters of one layer; with ``active`` only the experts a token uses (top-k)."""
-        h, i = self.hidden_size, self.intermediate_size
+    def local_rope(self, layer: int) -> bool:
+        """Whether ``layer`` uses the local RoPE base (`rope_local_theta`: Gemma 3's sliding layers)."""
+        return bool(self.rope_local_theta) and self.window(layer) > 0
+
+    def moe(self, layer: int) -> bool:
+        """Whether ``layer`` has experts (a MoE model's `dense_layers` have a dense MLP)."""
+        return bool(self.num_experts) and layer not in self.dense_layers
+
+    def mlp_width(self, layer: int) -> int:
+        """The inner width of ``layer``'s MLP (of each expert in a MoE layer)."""
+        if self.moe(layer) or not self.num_experts:
+            return self.intermediate_size
+        return self.dense_intermediate_size or self.intermediate_size
+
+    def layer_params(self, active: bool = False, layer: int | None = None) -> int:
+        """Parameters of layer ``layer`` (None: the mean over the layers, rounded up, so that
+        n_layers x it is the whole stack); with ``active`` only the experts a token uses (top-k)."""
+        if layer is None:
+            return -(-sum(self.layer_params(active, n) for n in range(self.num_hidden_layers)) // self.num_hidden_layers)
+        h, i = self.hidden_size, self.mlp_width(layer)
         attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
         attn += (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
-        attn += 2 * self.head_dim if self.qk_norm else 0
-        norms = (4 if self.sandwich_norms else 2) * h
-        if not self.num_experts:
+        attn += (self.q_dim + self.kv_dim if self.qk_norm_scope == "projection" else 2 * self.head_dim) \
+            if self.qk_norm else 0
+        norms = ((4 if self.sandwich_norms else 2) - (0 if self.pre_norms else 2)) * h
+        if not self.moe(layer):
             return attn + 3 * h * i + norms
         experts = self.experts_per_token if active else self.num_experts
         return attn + experts * 3 * h * i + self.num_experts * h + norms  # + the router
@@ -198,6 +250,7 @@ class Arch:
             head += embed  # the last stage needs the embedding matrix as its head
         tokens = batch * seq
         inner = self.intermediate_size * (self.experts_per_token if self.num_experts else 1)
+        inner = max(inner, self.dense_intermediate_size)  # a MoE model's dense layers (Qwen3-MoE)
         return ModelCost(
             n_layers=self.num_hidden_layers,
             layer_bytes=self.layer_params() * weight_bytes,
@@ -230,16 +283,19 @@ def expected_shapes(cfg: Arch) -> dict[str, tuple[int, ...]]:
         layer.update(q_norm=(hs,), k_norm=(hs,))
     if cfg.sandwich_norms:
         layer.update(attn_out_norm=(h,), mlp_out_norm=(h,))
-    if cfg.num_experts:
-        layer["router"] = (cfg.num_experts, h)
-        for e in range(cfg.num_experts):
-            layer.update({f"experts/{e}/gate_proj": (i, h), f"experts/{e}/up_proj": (i, h),
-                          f"experts/{e}/down_proj": (h, i)})
-    else:
-        layer.update(gate_proj=(i, h), up_proj=(i, h), down_proj=(h, i))
+    if cfg.qk_norm and cfg.qk_norm_scope == "projection":
+        layer.update(q_norm=(cfg.q_dim,), k_norm=(cfg.kv_dim,))
+    if not cfg.pre_norms:
+        del layer["input_layernorm"], layer["post_attention_layernorm"]
+    experts = {"router": (cfg.num_experts, h)}
+    for e in range(cfg.num_experts):
+        experts.update({f"experts/{e}/gate_proj": (i, h), f"experts/{e}/up_proj": (i, h),
+                        f"experts/{e}/down_proj": (h, i)})
+    di = cfg.mlp_width(cfg.dense_layers[0]) if cfg.dense_layers else i
+    dense = {"gate_proj": (di, h), "up_proj": (di, h), "down_proj": (h, di)}
     shapes = {"embed_tokens": (v, h), "norm": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (v, h)
     for n in range(cfg.num_hidden_layers):
-        shapes.update({f"layers/{n}/{k}": s for k, s in layer.items()})
+        shapes.update({f"layers/{n}/{k}": s for k, s in {**layer, **(experts if cfg.moe(n) else dense)}.items()})
     return shapes

@@ -6,10 +6,11 @@ heads, MLP columns or experts; ``reduce`` sums the row-parallel partial outputs 
 group (identity when tp = 1).
 
 A layer (``block``):
-    x = x + out_norm?(attention(norm(x)))      out_norm: Gemma 2's sandwich norm
-    x = x + out_norm?(mlp_or_experts(norm(x)))
-attention: q/k/v (one fused product, +bias) -> per-head q/k norm? -> RoPE -> KV cache -> scaled (soft-capped)
-causal attention over the layer's window -> o_proj.
+    x = x + m * out_norm?(attention(norm?(x)))      out_norm: Gemma 2's sandwich norm; norm?: not OLMo 2
+    x = x + m * out_norm?(mlp_or_experts(norm?(x)))  m: Granite's residual_multiplier (else 1)
+attention: q/k/v (one fused product, +bias) -> q/k norm (per head, or OLMo 2's over the whole
+projection) -> RoPE (the layer's base: Gemma 3's local or global) -> KV cache -> scaled
+(soft-capped) causal attention over the layer's window -> o_proj.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from . import moe, ops
 from .arch import Arch
 from .weights import Experts, LayerWeights, Linear, Mlp
 
-__all__ = ["LayerWeights", "rms_norm", "apply_rope", "attention", "mlp", "block", "decode_block", "fused_decode_rows",
-           "embed", "lm_head", "KvStep", "MixedKv"]
+__all__ = ["LayerWeights", "rms_norm", "apply_rope", "attention", "projection_norm_", "mlp", "block", "decode_block",
+           "fused_decode_rows", "embed", "lm_head", "KvStep", "MixedKv"]
 
 Reduce = Callable[[np.ndarray], np.ndarray]
 
@@ -135,6 +136,8 @@ def attention(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: n
     qkv = w.qkv(x)  # (B, T, nh*hs + 2*nkv*hs): q, k, v in one product (fused at load)
     if w.qkv_bias is not None:
         qkv += w.qkv_bias
+    if w.q_proj_norm is not None:  # OLMo 2: before every attention path below
+        projection_norm_(qkv, w, cfg.rms_norm_eps, reduce)
     if isinstance(kv, MixedKv):  # decode rows and a prefill chunk, one projection for both
         y = kv.attend(qkv, w, cfg)
     elif kv is not None and not kv.prefill:  # decode: RoPE, cache write and attention in numba
@@ -142,6 +145,29 @@ def attention(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: n
     else:
         y = _attend_chunk(qkv, w, cfg, cos, sin, kv)
     return reduce(w.o_proj(y))  # row-parallel: partial sums over heads
+
+
+def projection_norm_(qkv: np.ndarray, w: LayerWeights, eps: float, reduce: Reduce = _identity) -> np.ndarray:
+    """OLMo 2's RMSNorm over each token's whole q and whole k projection, in place on qkv
+    (..., q|k|v); returns qkv.
+
+    Note: under TP a rank holds a slice of heads, so the squares are summed locally and the
+    (tokens, 2) sums all-reduced over the group (``reduce``: 8 bytes a token per layer) rather
+    than gathering the projections; every rank holds an equal width (kv heads replicated
+    tp / nkv times are counted that many times in the sum and in the width), so the mean is the
+    reduced sum over ``width x norm_group``. bench/bench_olmo2_norm.py prices the alternative
+    (each rank computing the whole q and k projections itself)."""
+    qd, kd = w.q_dim, w.kv_dim
+    q, k = qkv[..., :qd], qkv[..., qd:qd + kd]  # views
+    sums = np.stack([np.square(q).sum(-1), np.square(k).sum(-1)], axis=-1)  # (..., 2) float32
+    sums = reduce(np.ascontiguousarray(sums, dtype=np.float32))
+    widths = np.array([qd, kd], np.float32) * np.float32(w.norm_group)
+    scale = (1.0 / np.sqrt(sums / widths + np.float32(eps))).astype(np.float32)  # (..., 2)
+    q *= scale[..., :1]
+    q *= w.q_proj_norm
+    k *= scale[..., 1:]
+    k *= w.k_proj_norm
+    return qkv
 
 
 def _attend_chunk(qkv: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray,
@@ -181,21 +207,25 @@ def gated_mlp(x: np.ndarray, w: Mlp, activation: str) -> np.ndarray:
 def mlp(x: np.ndarray, w: Mlp | Experts, cfg: Arch, reduce: Reduce = _identity) -> np.ndarray:
     if isinstance(w, Experts):  # this rank's experts' share, summed over the TP group
         return reduce(moe.experts_forward(x, w, cfg.experts_per_token,
-                                          lambda rows, e: gated_mlp(rows, e, cfg.activation)))
+                                          lambda rows, e: gated_mlp(rows, e, cfg.activation), cfg.norm_topk_prob))
     return reduce(gated_mlp(x, w, cfg.activation))  # row-parallel over I
 
 
 def block(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray,
           reduce: Reduce = _identity, kv: KvStep | MixedKv | None = None) -> np.ndarray:
-    eps = cfg.rms_norm_eps
-    a = attention(rms_norm(x, w.input_layernorm, eps), w, cfg, cos, sin, reduce, kv)
+    eps, scale = cfg.rms_norm_eps, cfg.residual_multiplier
+    a = attention(_pre_norm(x, w.input_layernorm, eps), w, cfg, cos, sin, reduce, kv)
     if w.attn_out_norm is not None:
         a = rms_norm(a, w.attn_out_norm, eps)
-    x = _add_to(a, x)
-    m = mlp(rms_norm(x, w.post_attention_layernorm, eps), w.mlp, cfg, reduce)
+    x = _add_to(a, x, scale)
+    m = mlp(_pre_norm(x, w.post_attention_layernorm, eps), w.mlp, cfg, reduce)
     if w.mlp_out_norm is not None:
         m = rms_norm(m, w.mlp_out_norm, eps)
-    return _add_to(m, x)
+    return _add_to(m, x, scale)
+
+
+def _pre_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    return x if weight is None else rms_norm(x, weight, eps)  # None: OLMo 2 has no pre-norms
 
 
 def fused_decode_rows(cfg: Arch, precision: str, tp: int) -> int:
@@ -203,7 +233,8 @@ def fused_decode_rows(cfg: Arch, precision: str, tp: int) -> int:
     SwiGLU layers without sandwich norms, weights in one of `kernels.decode_layer`'s formats and no
     TP partial sums; the rows are those for which a `Linear` takes the decode matvecs."""
     if (tp == 1 and precision in kernels.DECODE_LAYER_FORMATS and cfg.activation == "silu"
-            and not cfg.num_experts and not cfg.sandwich_norms):
+            and not cfg.num_experts and not cfg.sandwich_norms and cfg.residual_multiplier == 1.0
+            and not cfg.rope_local_theta and cfg.qk_norm_scope == "head" and cfg.pre_norms):
         return kernels.F32_MATVEC_ROWS if precision == "f32" else kernels.matvec_rows(precision)
     return 0
 
@@ -222,9 +253,11 @@ def decode_block(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin
     return y.reshape(B, 1, C)
 
 
-def _add_to(fresh: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """The residual ``x + fresh`` into ``fresh`` (a block's new output, owned here), so the
+def _add_to(fresh: np.ndarray, x: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """The residual ``x + scale * fresh`` into ``fresh`` (a block's new output, owned here), so the
     layer allocates no array for it; ``x`` may be a caller's buffer and is left alone."""
+    if scale != 1.0:  # Granite's residual_multiplier, in float32 as transformers
+        fresh *= np.float32(scale)
     return np.add(fresh, x, out=fresh)
 
 
@@ -237,6 +270,8 @@ def embed(ids: np.ndarray, table: np.ndarray | Linear, multiplier: float = 1.0) 
 
 def lm_head(x: np.ndarray, norm: np.ndarray, head: Linear, cfg: Arch) -> np.ndarray:
     logits = head(rms_norm(x, norm, cfg.rms_norm_eps))  # (B, T, V) or this rank's vocab slice
+    if cfg.logits_scaling != 1.0:  # Granite: logits divided, in place on the fresh product
+        logits = np.divide(logits, np.float32(cfg.logits_scaling), out=np.ascontiguousarray(logits))
     if cfg.final_logit_softcap:
         logits = ops.softcap_(np.ascontiguousarray(logits), cfg.final_logit_softcap)
     return logits

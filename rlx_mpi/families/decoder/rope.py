@@ -4,7 +4,8 @@ Computed in float32 exactly as transformers' ``modeling_rope_utils`` (5.x) does:
 ``default`` theta^(-2i/hs); ``linear`` divides them by ``factor``; ``llama3`` divides the low
 frequencies by ``factor``, keeps the high ones and blends between (Llama 3.1); ``longrope``
 divides by per-frequency ``short_factor`` or ``long_factor`` and scales cos/sin by the
-attention factor (Phi-3 128k).
+attention factor (Phi-3 128k). With ``rope_local_theta`` (Gemma 3) the sliding-window layers
+use a second, ``default`` table at that base (``local``), the full layers the scaled one.
 
 Note: longrope's choice. transformers picks the long factors for a whole forward when its
 largest position + 1 exceeds ``original_max_position_embeddings``, and the short ones
@@ -17,6 +18,7 @@ padding), so greedy tokens equal ``generate``'s.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -55,12 +57,17 @@ def inv_freq(cfg: Arch, long: bool = False) -> np.ndarray:
 
 
 class Rope:
-    """cos/sin tables of a model for positions 0..max_seq-1 (both longrope sets when needed)."""
+    """cos/sin tables of a model for positions 0..max_seq-1 (both longrope sets when needed;
+    the local layers' own with ``rope_local_theta``)."""
 
     def __init__(self, cfg: Arch, max_seq: int):
         self.cfg, self.max_seq = cfg, max_seq
         self.short = self._table(inv_freq(cfg), max_seq)
         self.long = self._table(inv_freq(cfg, long=True), max_seq) if cfg.rope_type == "longrope" else self.short
+        self.local = self.short
+        if cfg.rope_local_theta:  # validate() refuses it with longrope
+            local = dataclasses.replace(cfg, rope_type="default", rope_theta=cfg.rope_local_theta)
+            self.local = self._table(inv_freq(local), max_seq)
 
     def _table(self, freq: np.ndarray, seq: int) -> tuple[np.ndarray, np.ndarray]:
         freqs = np.arange(seq, dtype=np.float32)[:, None] * freq[None, :]  # (T, hs/2)
@@ -74,15 +81,19 @@ class Rope:
     def _long(self, length):
         return self.cfg.rope_type == "longrope" and length > self.cfg.rope_original_max_positions
 
-    def prefix(self, seq: int) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin (T, hs) of positions 0..T-1 (a plain forward: every row is T long)."""
-        cos, sin = self.long if self._long(seq) else self.short
+    def prefix(self, seq: int, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin (T, hs) of positions 0..T-1 (a plain forward: every row is T long); ``local``:
+        the local layers' table."""
+        cos, sin = self.local if local else self.long if self._long(seq) else self.short
         return cos[:seq], sin[:seq]
 
-    def at(self, positions: np.ndarray, lengths: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def at(self, positions: np.ndarray, lengths: np.ndarray | None = None,
+           local: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Rows at ``positions`` (B, T), shaped (B, 1, T, hs) to broadcast over heads; with
         longrope each sequence's factors follow its length (``lengths``, else its last
-        position + 1)."""
+        position + 1); ``local``: the local layers' table."""
+        if local:
+            return self.local[0][positions][:, None], self.local[1][positions][:, None]
         cos, sin = self.short[0][positions], self.short[1][positions]  # (B, T, hs)
         if self.cfg.rope_type == "longrope":
             length = lengths if lengths is not None else positions.max(axis=1) + 1

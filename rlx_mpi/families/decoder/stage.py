@@ -80,8 +80,8 @@ class DecoderStage(Stage):
         else:
             self.head = shard(head, 0) if last else None  # (V/tp, C)
 
-    def _norm(self, source: ParamSource, name: str) -> np.ndarray:
-        w = source.read(name)
+    def _norm(self, source: ParamSource, name: str, part: tuple[int, int] | None = None) -> np.ndarray:
+        w = source.read(name) if part is None else source.read(name, axis=0, part=part[0], parts=part[1])
         return (w + np.float32(self.cfg.norm_offset)).astype(np.float32) if self.cfg.norm_offset else w
 
     def _layer(self, source: ParamSource, n: int, shard) -> LayerWeights:
@@ -89,22 +89,31 @@ class DecoderStage(Stage):
         w = {"q_proj": shard(p + "q_proj", 0), "o_proj": shard(p + "o_proj", 1)}
         w.update({k: shard(p + k, 0, self.kv_part) for k in ("k_proj", "v_proj")})
         for k in ("input_layernorm", "post_attention_layernorm"):
-            w[k] = self._norm(source, p + k)
+            w[k] = self._norm(source, p + k) if cfg.pre_norms else None
         if cfg.qkv_bias:
             for k, (part, parts) in (("q", (tp.rank, tp.size)), ("k", self.kv_part), ("v", self.kv_part)):
                 w[f"{k}_bias"] = source.read(f"{p}{k}_bias", axis=0, part=part, parts=parts)
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.qk_norm_scope == "projection":  # OLMo 2: this rank's heads' slice
+            w["q_proj_norm"] = self._norm(source, p + "q_norm", (tp.rank, tp.size))
+            w["k_proj_norm"] = self._norm(source, p + "k_norm", self.kv_part)
+        elif cfg.qk_norm:
             w["q_norm"], w["k_norm"] = self._norm(source, p + "q_norm"), self._norm(source, p + "k_norm")
         if cfg.sandwich_norms:
             w["attn_out_norm"], w["mlp_out_norm"] = self._norm(source, p + "attn_out_norm"), self._norm(source, p + "mlp_out_norm")
-        if cfg.num_experts:  # expert parallelism: this rank's experts whole
+        if cfg.moe(n):  # expert parallelism: this rank's experts whole
             a, b = part_bounds(cfg.num_experts, tp.rank, tp.size)
             experts = [Mlp.of(*(read_linear(source, f"{p}experts/{e}/{k}", self.precision) for k in _MLP))
                        for e in range(a, b)]
             w["mlp"] = Experts(source.read(p + "router"), a, experts)
         else:
             w["mlp"] = Mlp.of(*(shard(p + k, axis) for k, axis in _MLP.items()))
-        return LayerWeights.of(**w, window=cfg.window(n))  # q/k/v and gate/up fused after sharding
+        return LayerWeights.of(**w, window=cfg.window(n), local_rope=cfg.local_rope(n),
+                               norm_group=tp.size)  # q/k/v and gate/up fused after sharding
+
+    @property
+    def _rope_kinds(self) -> set[bool]:
+        """Which RoPE tables this stage's layers read (local: Gemma 3's sliding layers)."""
+        return {w.local_rope for w in self.blocks}
 
     @property
     def weight_bytes(self) -> int:
@@ -123,9 +132,10 @@ class DecoderStage(Stage):
     def forward(self, x: np.ndarray) -> np.ndarray:
         cfg = self.cfg
         h = self._embed(x)  # (B, T, C)
-        cos, sin = Rope(cfg, h.shape[1]).prefix(h.shape[1])
+        rope, T = Rope(cfg, h.shape[1]), h.shape[1]
+        tables = {local: rope.prefix(T, local) for local in self._rope_kinds}
         for w in self.blocks:
-            h = model.block(h, w, cfg, cos, sin, self._reduce)
+            h = model.block(h, w, cfg, *tables[w.local_rope], self._reduce)
         if not self.last:
             return h
         logits = model.lm_head(h, self.norm, self.head, cfg)  # (B, T, V/tp)
@@ -185,14 +195,15 @@ class DecoderStage(Stage):
         nd, n = n_decode, len(slots)
         T = (x.shape[1] - nd) // (n - nd)
         positions = np.broadcast_to(start + np.arange(T), (n - nd, T))
-        cos_d, sin_d = self.rope.at(pos[:nd, None])  # (nd, 1, 1, hs)
-        cos_p, sin_p = self.rope.at(positions, pos[nd:])  # (rows, 1, T, hs)
+        tables = {local: (*self.rope.at(pos[:nd, None], local=local),  # (nd, 1, 1, hs)
+                          *self.rope.at(positions, pos[nd:], local)) for local in self._rope_kinds}  # (rows, 1, T, hs)
         step = model.MixedKv(model.KvStep(self.specs, slots[:nd], False, positions=pos[:nd], caches=self.caches),
                              model.KvStep(self.specs, slots[nd:], True, lengths=pos[nd:], caches=self.caches,
-                                          start=start), T, cos_d, sin_d, cos_p, sin_p)
+                                          start=start), T, *tables[self.blocks[0].local_rope])
         h = self._embed(x)  # (1, N, C)
         for i, w in enumerate(self.blocks):
             step.layer = i
+            step.cos_d, step.sin_d, step.cos_p, step.sin_p = tables[w.local_rope]
             h = model.block(h, w, self.cfg, None, None, self._reduce, step)
         if not self.last:
             return h
@@ -202,14 +213,14 @@ class DecoderStage(Stage):
     def _blocks(self, x: np.ndarray, positions: np.ndarray, step: "model.KvStep",
                 lengths: np.ndarray | None = None) -> np.ndarray:
         h = self._embed(x)  # (B, T, C)
-        cos, sin = self.rope.at(positions, lengths)  # (B, 1, T, hs)
+        tables = {local: self.rope.at(positions, lengths, local) for local in self._rope_kinds}  # (B, 1, T, hs)
         fused = not step.prefill and h.shape[0] <= self._fused_rows
-        if fused:  # one numba call per layer (`model.decode_block`)
-            cos, sin = np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
+        if fused:  # one numba call per layer (`model.decode_block`); one RoPE table (fused_decode_rows)
+            cos, sin = (np.ascontiguousarray(t, np.float32) for t in tables[False])
         for i, w in enumerate(self.blocks):
             step.layer = i
             h = model.decode_block(h, w, self.cfg, cos, sin, step) if fused else \
-                model.block(h, w, self.cfg, cos, sin, self._reduce, step)
+                model.block(h, w, self.cfg, *tables[w.local_rope], self._reduce, step)
         return h
 
     def _head(self, h: np.ndarray) -> np.ndarray:

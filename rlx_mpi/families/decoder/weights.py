@@ -192,11 +192,11 @@ class LayerWeights:
     """One decoder layer's weights (this rank's shard): norms and biases as float32 arrays,
     projections as `Linear`; optional parts are None when the `Arch` has no such part."""
 
-    input_layernorm: np.ndarray  # (C,), norm_offset already added
+    input_layernorm: np.ndarray | None  # (C,), norm_offset already added; None without pre-norms (OLMo 2)
     qkv: Linear  # (nh*hs + 2*nkv*hs, C): q, k, v rows fused (`fuse`)
     q_dim: int  # nh*hs: qkv's first q_dim rows are q, then k and v of (rows - q_dim) / 2 each
     o_proj: Linear  # (C, nh*hs)
-    post_attention_layernorm: np.ndarray  # (C,) before the MLP
+    post_attention_layernorm: np.ndarray | None  # (C,) before the MLP
     mlp: Mlp | Experts
     qkv_bias: np.ndarray | None = None  # (nh*hs + 2*nkv*hs,) q, k, v biases fused like the rows
     q_norm: np.ndarray | None = None  # (hs,)
@@ -204,6 +204,10 @@ class LayerWeights:
     attn_out_norm: np.ndarray | None = None  # (C,) Gemma 2
     mlp_out_norm: np.ndarray | None = None
     window: int = 0  # sliding window of this layer, 0: full
+    local_rope: bool = False  # RoPE at the local base (Gemma 3's sliding layers)
+    q_proj_norm: np.ndarray | None = None  # (nh*hs / tp,) this rank's slice of a whole-projection norm (OLMo 2)
+    k_proj_norm: np.ndarray | None = None  # (nkv*hs / tp,) (a replicated kv head's whole slice)
+    norm_group: int = 1  # TP ranks whose slices one whole-projection norm spans
 
     @classmethod
     def of(cls, q_proj: Linear, k_proj: Linear, v_proj: Linear, q_bias=None, k_bias=None, v_bias=None,
