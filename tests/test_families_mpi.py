@@ -20,7 +20,8 @@ from rlx_mpi.families import convert_hf
 pytestmark = pytest.mark.mpi
 
 FAMILIES = TESTS / "fixtures" / "families"
-CASES = ["llama3", "llama_linear", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope", "gemma2", "mixtral"]
+CASES = ["llama3", "llama_linear", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope", "gemma2", "mixtral",
+         "gemma3", "olmo2", "granite", "qwen3_moe"]  # OLMo 2 at TP 2: its q/k norm's sums all-reduced
 LAYOUTS = [(1, 1), (2, 1), (2, 2)]  # (ranks, tp)
 
 

@@ -236,6 +236,17 @@ class Arch:
         experts = self.experts_per_token if active else self.num_experts
         return attn + experts * 3 * h * i + self.num_experts * h + norms  # + the router
 
+    def parameters(self, active: bool = False) -> int:
+        """The whole model's parameters; with ``active`` only the top-k experts of each MoE layer
+        (the published "activated" count: Qwen3-235B-A22B's 22 B, embeddings included)."""
+        h, v = self.hidden_size, self.vocab_size
+        layers = sum(self.layer_params(active, n) for n in range(self.num_hidden_layers))
+        return layers + (1 if self.tie_word_embeddings else 2) * v * h + h  # embedding, head, final norm
+
+    def kv_bytes_per_token(self, cache_bytes: int = 4) -> int:
+        """KV cache bytes one token of context adds over every layer (K and V, float32 caches)."""
+        return self.num_hidden_layers * 2 * self.kv_dim * cache_bytes
+
     def cost(self, batch: int, seq: int, weight_bytes: int = 4) -> ModelCost:
         """Bytes and FLOPs the planner needs, for one forward of ``batch`` x ``seq`` tokens.
 

@@ -47,8 +47,15 @@ class DecoderFamily:
         heads = f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} kv, head_dim {cfg.head_dim})"
         moe = f", {cfg.num_experts} experts (top {cfg.experts_per_token})" if cfg.num_experts else ""
         rope = f", rope {cfg.rope_type}" if cfg.rope_type != "default" else ""
+        total, active = cfg.parameters(), cfg.parameters(active=True)
+        size = f"{total / 1e9:.2f} B parameters"  # published sizes count the tied head once, as here
+        if cfg.num_experts:  # a token multiplies all but the embedding: 2 FLOPs a parameter (+ attention)
+            lookup = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+            size += (f" ({active / 1e9:.2f} B active: {2 * (active - lookup) / 1e9:.1f} of "
+                     f"{2 * (total - lookup) / 1e9:.1f} GFLOP a token)")
+        kv = cfg.kv_bytes_per_token() * 1000
         return (f"{self.name}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {heads}, "
-                f"vocab {cfg.vocab_size}{moe}{rope}")
+                f"vocab {cfg.vocab_size}{moe}{rope}; {size}; KV cache {kv / 1e6:.1f} MB per 1k tokens")
 
     def config_from_shape(self, shape: Mapping[str, Any], where: str) -> Arch:
         s = {**self._shape_defaults, **{k: v for k, v in shape.items() if v is not None}}
