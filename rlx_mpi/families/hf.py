@@ -266,7 +266,7 @@ def _positive(value, key: str, where: str) -> float:
 def sizes(raw: dict, where: str, *, tie_default: bool = False, max_positions_default: int = 2048) -> dict:
     """The shape fields every family shares, checked; refusals every family shares (quantized
     weights, pretraining_tp slices)."""
-    if "quantization_config" in raw:
+    if raw.get("quantization_config") is not None:  # null: transformers' own "not quantized"
         quant = raw["quantization_config"]
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
         raise CheckpointError(f"{where}: quantization_config", f"quantized model (method {method!r})",
