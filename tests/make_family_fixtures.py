@@ -95,12 +95,31 @@ gemma2         gemma2, 4 layers (sliding, full, sliding, full; window 8), head_d
                matter), gelu_pytorch_tanh, tied head, eps 1e-6
 mixtral        mixtral, 4 experts top-2, intermediate 64, sliding_window null; saved in the
                Hub's per-expert layout (block_sparse_moe.experts.N.w1/w2/w3, .gate)
+gemma3         gemma3_text, 4 layers (sliding, full, sliding, full; window 8), head_dim 16,
+               query_pre_attn_scalar 24, global RoPE linear x8 at 1e6, LOCAL base 100 (the
+               real 10 000 barely differs from 1e6 over 40 positions of head_dim 16), per-head
+               (1 + w) q/k norms, no soft-caps, tied head, eps 1e-6
+olmo2          olmo2, post-norms only, q/k RMSNorm over the whole projections (64 and 32
+               values), theta 5e5, eps 1e-6
+granite        granite, embedding_multiplier 3, residual_multiplier 0.5, attention_multiplier
+               0.3, logits_scaling 4, tied head
+qwen3_moe      qwen3_moe, 3 layers (MoE, dense, MoE: mlp_only_layers [1]), 4 experts top-2,
+               moe_intermediate 48, dense intermediate 96, norm_topk_prob FALSE, head_dim 32
+qwen3_moe_fused  as qwen3_moe with norm_topk_prob true, saved in transformers 5's fused layout
+               (save_pretrained(save_original_format=False): mlp.experts.gate_up_proj [E, 2I, C],
+               mlp.experts.down_proj [E, C, I]); I = 48 != C = 64 so a transposed read fails
+mixtral_fused  mixtral, intermediate 48, in the fused layout likewise (mlp.gate, mlp.experts.*)
 ============== =========================================================================
+
+Prompt seeds (see above): gemma3 4335, qwen3_moe 4322, the other new cases 4321. Gemma 3's
+norms are perturbed as Gemma 2's (w around 0; post-norms around 2), q/k norms included.
 
 Checks done here: the saved model reloads to the same logits exactly; taking away each
 feature a case must exercise (``FEATURES``: llama3/linear RoPE scaling, the sliding window,
 Qwen2's biases, Qwen3's q/k norms, each Gemma 2 soft-cap, its alternate-layer window and
-``query_pre_attn_scalar``, Mixtral's top-2) moves the logits by more than 0.1, so the fixture
+``query_pre_attn_scalar``, Mixtral's top-2; Gemma 3's local base, global linear scaling,
+window, scalar and q/k norms; OLMo 2's q/k norm weights; each Granite multiplier; Qwen3-MoE's
+top-2, norm_topk_prob and q/k norms) moves the logits by more than 0.1, so the fixture
 catches an implementation that ignores it; LongRoPE's short and long factors give different
 logits; the greedy checks above. Everything is printed.
 """
