@@ -600,6 +600,33 @@ def test_qwen2_sliding_layers_follow_layer_types_or_max_window_layers():
     assert qwen2_arch(v5, "c").layer_windows == (4, 0)
 
 
+def test_gemma3_hub_config_4x_and_5x_translate_alike():
+    """Gemma-3-4B's text config as the Hub has it (4.x keys: rope_theta, rope_local_base_freq,
+    rope_scaling linear x8, sliding_window_pattern 6, no layer_types) and as transformers 5.24's
+    Gemma3TextConfig(**it).to_dict() rewrites it (rope_parameters per layer type, layer_types):
+    the same Arch, five local layers to one global."""
+    from rlx_mpi.families.gemma3 import arch_from_hf
+
+    v4 = {"model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 2560, "intermediate_size": 10240,
+          "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+          "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+          "sliding_window": 1024, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256,
+          "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "final_logit_softcapping": None,
+          "attn_logit_softcapping": None}
+    types = ["full_attention" if (n + 1) % 6 == 0 else "sliding_attention" for n in range(34)]
+    v5 = {k: v for k, v in v4.items() if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling",
+                                                     "sliding_window_pattern")}
+    v5.update(layer_types=types, rope_parameters={  # transformers 5.24's to_dict() of v4
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+    a4, a5 = arch_from_hf(v4, "v4").validate("v4"), arch_from_hf(v5, "v5").validate("v5")
+    assert a4 == a5
+    assert (a4.rope_theta, a4.rope_type, a4.rope_factor, a4.rope_local_theta) == (1e6, "linear", 8.0, 1e4)
+    assert a4.layer_windows == tuple(0 if t == "full_attention" else 1024 for t in types)
+    assert [a4.local_rope(n) for n in range(6)] == [True] * 5 + [False]
+    assert a4.attention_scale == 256 ** -0.5 and a4.tie_word_embeddings and a4.head_dim == 256
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_chunked_prefill_matches_transformers(converted, case):
     """Prefill the two 40-token reference rows in chunks of 7 (``start`` > 0: the positions

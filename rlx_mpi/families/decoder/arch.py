@@ -10,11 +10,14 @@ fills it from a Hugging Face config.
 Tensor names in our checkpoint (one scheme for every family; `expected_shapes`):
 ``embed_tokens``, ``norm``, ``lm_head`` (untied), and per layer ``layers/{n}/...``:
 ``input_layernorm``, ``q_proj``/``k_proj``/``v_proj``/``o_proj`` (+ ``q_bias``/``k_bias``/
-``v_bias`` with ``qkv_bias``; ``q_norm``/``k_norm`` (head_dim,) with ``qk_norm``),
-``post_attention_layernorm`` (the norm before the MLP, as in Llama), ``attn_out_norm`` and
+``v_bias`` with ``qkv_bias``; ``q_norm``/``k_norm`` (head_dim,) with ``qk_norm``, or
+(nh*hs,)/(nkv*hs,) with ``qk_norm_scope = "projection"``),
+``post_attention_layernorm`` (the norm before the MLP, as in Llama; with ``input_layernorm``
+absent when ``pre_norms`` is false), ``attn_out_norm`` and
 ``mlp_out_norm`` with ``sandwich_norms`` (Gemma 2's norms applied to the attention and MLP
 outputs), and either ``gate_proj``/``up_proj``/``down_proj`` or, with experts, ``router``
-(E, C) and ``experts/{e}/gate_proj|up_proj|down_proj``. Norm weights are stored as the
+(E, C) and ``experts/{e}/gate_proj|up_proj|down_proj`` (a MoE model's ``dense_layers`` have
+the dense names, of width ``dense_intermediate_size``). Norm weights are stored as the
 checkpoint has them; ``norm_offset`` is added at load (Gemma's ``1 + w``).
 """
 
