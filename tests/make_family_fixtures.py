@@ -109,6 +109,11 @@ qwen3_moe_fused  as qwen3_moe with norm_topk_prob true, saved in transformers 5'
                (save_pretrained(save_original_format=False): mlp.experts.gate_up_proj [E, 2I, C],
                mlp.experts.down_proj [E, C, I]); I = 48 != C = 64 so a transposed read fails
 mixtral_fused  mixtral, intermediate 48, in the fused layout likewise (mlp.gate, mlp.experts.*)
+gemma3_mm      gemma3 (multimodal: Gemma3ForConditionalGeneration), a 1-layer SigLIP vision tower
+               and projector beside a text model shaped as gemma3's (4 layers); saved in the
+               Hub's layout (language_model.model.*, vision_tower.*, multi_modal_projector.*);
+               logits of text-only input (image token id 1000, past the vocabulary); its greedy run
+               needs only 4 distinct tokens (the gemma3 case tests the cache with 6)
 ============== =========================================================================
 
 Prompt seeds (see above): gemma3 4335, qwen3_moe 4322, the other new cases 4321. Gemma 3's
@@ -207,6 +212,18 @@ CASES = {
                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96,
                       mlp_only_layers=[1], decoder_sparse_step=1, norm_topk_prob=False,
                       use_sliding_window=False, rope_parameters=rope("default", 1000000.0)),
+    # Gemma 3 as published for 4B-27B: Gemma3ForConditionalGeneration, a SigLIP vision tower beside
+    # the language model (text_config); the image token id lies past the vocabulary, so no random
+    # prompt holds one (the logits are the text path's)
+    "gemma3_mm": dict(model_type="gemma3", mm_tokens_per_image=4, boi_token_index=253, eoi_token_index=254,
+                      image_token_index=1000, _min_distinct=4,  # (no seed up to 4340 gives 6; gemma3 has)
+                      vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8),
+                      _text=dict(vocab_size=256, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=24,
+                                 sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+                                 tie_word_embeddings=True, rms_norm_eps=1e-6,
+                                 rope_parameters={"full_attention": rope("linear", 1000000.0, factor=8.0),
+                                                  "sliding_attention": rope("default", 100.0)})),
     # the same models saved in transformers 5's fused expert layout (save_original_format=False)
     "qwen3_moe_fused": dict(model_type="qwen3_moe", vocab_size=256, num_hidden_layers=3, head_dim=32,
                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96,
@@ -375,12 +392,15 @@ def make_model(case):
 
     kw = {**BASE, **{k: v for k, v in case.items() if not k.startswith("_")}}
     model_type = kw.pop("model_type")
+    if "_text" in case:  # a multimodal config: BASE and _text make its text_config
+        kw = {k: v for k, v in case.items() if not k.startswith("_") and k != "model_type"}
+        kw["text_config"] = {**BASE, **case["_text"]}
     config = CONFIG_MAPPING[model_type](**kw)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     model.eval()
     assert model.config._attn_implementation == "eager"
-    gemma = model_type in ("gemma2", "gemma3_text")
+    gemma = model_type in ("gemma2", "gemma3_text", "gemma3")
     with torch.no_grad():
         for name, p in model.named_parameters():
             leaf = name.rsplit(".", 2)[-2] if "." in name else name
@@ -400,7 +420,7 @@ def forward(model, ids):
         return model(torch.as_tensor(ids)).logits.float().numpy()
 
 
-def pick_greedy(model, plen):
+def pick_greedy(model, plen, min_distinct=MIN_DISTINCT):
     """The first prompt seed from 4321 up whose greedy run is a useful test; its (prompt, tokens).
 
     Useful: at least ``MIN_DISTINCT`` distinct new tokens (a random model that repeats one token
@@ -408,13 +428,13 @@ def pick_greedy(model, plen):
     """
     import torch
 
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size
     for seed in range(4321, 4341):
         gen = torch.Generator().manual_seed(seed)
         prompt = torch.randint(0, vocab, (1, plen), generator=gen).numpy().astype(np.int64)
         new, margin = greedy(model, prompt)
         print(f"  prompt seed {seed}: greedy {new[0].tolist()}  min top1-top2 margin {margin:.4f}")
-        if len(set(new[0].tolist())) >= MIN_DISTINCT and margin > MIN_MARGIN:
+        if len(set(new[0].tolist())) >= min_distinct and margin > MIN_MARGIN:
             return prompt, new
     raise SystemExit("no prompt seed gave a useful greedy run")
 
@@ -513,7 +533,7 @@ def build(name):
     for f in os.listdir(out):
         os.unlink(os.path.join(out, f))
     model = make_model(case)
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(1234)
     ref = {"input_ids": torch.randint(0, vocab, (2, T_LONG), generator=gen).numpy().astype(np.int64)}
     ref["logits"] = forward(model, ref["input_ids"])
@@ -528,7 +548,7 @@ def build(name):
     else:
         plen = PROMPT_LEN
     check_features(name, model, ref["input_ids"], ref["logits"])
-    ref["prompt_ids"], ref["greedy_ids"] = pick_greedy(model, plen)
+    ref["prompt_ids"], ref["greedy_ids"] = pick_greedy(model, plen, case.get("_min_distinct", MIN_DISTINCT))
 
     # _fused: transformers 5's own layout (mlp.experts.gate_up_proj [E, 2I, C], down_proj [E, C, I])
     model.save_pretrained(out, safe_serialization=True, save_original_format=not case.get("_fused", False))

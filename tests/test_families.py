@@ -27,11 +27,11 @@ from rlx_mpi.stage import TensorParallel
 
 FAMILIES = TESTS / "fixtures" / "families"
 CASES = ["llama3", "llama_linear", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope", "gemma2", "mixtral",
-         "gemma3", "olmo2", "granite", "qwen3_moe", "qwen3_moe_fused", "mixtral_fused"]
+         "gemma3", "olmo2", "granite", "qwen3_moe", "qwen3_moe_fused", "mixtral_fused", "gemma3_mm"]
 FAMILY_OF = {"llama3": "llama", "llama_linear": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
              "phi3": "phi3", "phi3_longrope": "phi3", "gemma2": "gemma2", "mixtral": "mixtral",
              "gemma3": "gemma3", "olmo2": "olmo2", "granite": "granite", "qwen3_moe": "qwen3_moe",
-             "qwen3_moe_fused": "qwen3_moe", "mixtral_fused": "mixtral"}
+             "qwen3_moe_fused": "qwen3_moe", "mixtral_fused": "mixtral", "gemma3_mm": "gemma3"}
 
 # Stated bounds: max |logit - f32 logit| / max |f32 logit| on the fixtures' 2 x 40 tokens.
 # Measured (transformers 5.24 fixtures, initializer_range 0.2): dense bf16 0.012-0.027,
@@ -542,7 +542,7 @@ REFUSALS = [
     ("mixtral", {"num_experts_per_tok": 5}, "num_experts_per_tok: is 5"),
     ("qwen2", {"model_type": "qwen2_moe"}, "model_type: 'qwen2_moe' is not a supported model type"),
     ("llama3", {"quantization_config": {"quant_method": "awq"}}, "quantized model (method 'awq')"),
-    ("gemma3", {"model_type": "gemma3"}, "model_type: is 'gemma3' (the multimodal model"),
+    ("gemma3_mm", {"text_config": None}, "text_config: is None"),
     ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                                     "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
      "(sliding_attention): rope_parameters.rope_type: is 'linear', not supported"),
@@ -571,6 +571,37 @@ def test_refusal_is_one_line_exit_2(tmp_path, case, changes, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rlx-mpi: error: ") and message in lines[0], proc.stderr
     assert not (tmp_path / "m.h5").exists()
+
+
+def test_gemma3_multimodal_text_tower_in_transformers_5_layout(converted, tmp_path):
+    """The multimodal Gemma 3 saved by transformers 5 in its own layout (model.language_model.*,
+    model.vision_tower.*, lm_head tied away) converts to the same model as the Hub's layout
+    (language_model.model.*); the vision tower is left out, a stray text tensor is not."""
+    from test_convert import read_st, write_st
+
+    src = tmp_path / "hf"
+    shutil.copytree(FAMILIES / "gemma3_mm", src)
+    tensors = read_st(src / "model.safetensors")
+    moved = {}
+    for name, t in tensors.items():
+        for old, new in (("language_model.model.", "model.language_model."), ("vision_tower.", "model.vision_tower."),
+                         ("multi_modal_projector.", "model.multi_modal_projector.")):
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        moved[name] = t
+    assert "model.language_model.embed_tokens.weight" in moved and "model.vision_tower.post_layernorm.weight" in moved
+    write_st(src / "model.safetensors", moved)
+    raw = json.loads((src / "config.json").read_text())
+    family, cfg, _ = converted("gemma3_mm")
+    got = family.convert_hf(src, tmp_path / "m.h5", dtype="float32", hf_config=raw)
+    assert got == cfg
+    ref = reference("gemma3_mm")
+    assert np.abs(build(family, cfg, tmp_path / "m.h5").forward(ref["input_ids"]) - ref["logits"]).max() <= 1e-4
+    moved["model.language_model.layers.9.mlp.up_proj.weight"] = np.ones((2, 2), np.float32)
+    write_st(src / "model.safetensors", moved)
+    with pytest.raises(CheckpointError, match=r"unexpected tensors \['model.language_model.layers.9.mlp.up_proj"):
+        family.convert_hf(src, tmp_path / "m2.h5", dtype="float32", hf_config=raw)
 
 
 def test_o_proj_bias_is_refused(converted, tmp_path):

@@ -4,11 +4,10 @@ per-head q/k RMSNorm (1 + w), five sliding-window layers to one full (``layer_ty
 RoPE bases: the local layers default RoPE at ``rope_local_base_freq`` (10 000), the global ones
 ``rope_theta`` (1 000 000) with linear scaling in the 4B+ models. No attention soft-cap (the
 config key is ignored by transformers' Gemma 3, so by us); a final soft-cap if the config has one.
-Covers Gemma-3-270M/1B and the text towers of 4B/12B/27B saved as ``gemma3_text`` (and -it).
-
-The multimodal ``model_type = "gemma3"`` (``Gemma3ForConditionalGeneration``: a SigLIP vision
-tower beside the language model) is refused with a fix: its text tower converts once saved on
-its own (``model.language_model`` as a ``gemma3_text`` checkpoint).
+Covers Gemma-3-270M/1B (``gemma3_text``) and Gemma-3-4B/12B/27B (and -it) as published: the
+multimodal ``model_type = "gemma3"`` (``Gemma3ForConditionalGeneration``), whose language model
+(``text_config``, its keys defaulted as ``Gemma3TextConfig`` does) is converted and whose SigLIP
+vision tower and projector are left out (`hf.text_tower`): text in, text out.
 """
 
 from __future__ import annotations
@@ -61,11 +60,24 @@ def _windows(raw: dict, where: str, layers: int) -> tuple:
     return sliding_windows(raw, where, layers)
 
 
+# Gemma3TextConfig's defaults: the Hub's multimodal configs give only what differs from them
+_TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072,
+                      rms_norm_eps=1e-6, tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096)
+
+
+def _text_config(raw: dict, where: str) -> dict:
+    """The language model's config of a multimodal ``gemma3`` checkpoint, defaults filled."""
+    text = raw.get("text_config")
+    refuse_if(raw, where, "text_config", not isinstance(text, dict), "expected the language model's config object")
+    refuse_if(text, where, "text_config.model_type", text.get("model_type", "gemma3_text") != "gemma3_text",
+              "expected gemma3_text")
+    return {**_TEXT_DEFAULTS, "tie_word_embeddings": raw.get("tie_word_embeddings", True), **text}
+
+
 def arch_from_hf(raw: dict, where: str) -> Arch:
     if raw.get("model_type") == "gemma3":
-        raise CheckpointError(f"{where}: model_type", "is 'gemma3' (the multimodal model: a vision tower beside "
-                              "the language model)", "convert its text tower: save model.language_model with its "
-                              "text_config (model_type gemma3_text), or use a text-only Gemma 3 (270M, 1B)")
+        raw, where = _text_config(raw, where), f"{where}: text_config"
     act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
     refuse_if({"hidden_activation": act}, where, "hidden_activation", act not in ("gelu_pytorch_tanh", "gelu_tanh"),
               "only GeGLU with the tanh approximation (gelu_pytorch_tanh) is supported")

@@ -18,6 +18,7 @@ more than one tensor (plus its float32 copy) in memory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -32,7 +33,8 @@ from ..checkpoint import write_checkpoint
 from ..errors import CheckpointError, ConfigError
 from .decoder.arch import Arch, expected_shapes
 
-__all__ = ["copy_tokenizer", "convert", "read_hf_config", "standard_names", "fused_expert_names", "Source",
+__all__ = ["copy_tokenizer", "convert", "read_hf_config", "standard_names", "fused_expert_names", "text_tower",
+           "TEXT_TOWERS", "Source",
            "TOKENIZER_FILES",
            "sizes", "rope_fields", "refuse_if", "sliding_windows"]
 
@@ -83,6 +85,30 @@ def fused_expert_names(cfg: Arch, names: dict[str, Source], entries) -> dict[str
             out[f"layers/{n}/experts/{e}/up_proj"] = Source(fused + "gate_up_proj", (i, 2 * i), e)
             out[f"layers/{n}/experts/{e}/down_proj"] = Source(fused + "down_proj", None, e)
     return out
+
+
+# Where a multimodal checkpoint keeps its language model's "model." tensors (Gemma 3, and the
+# Llava-style models): the Hub's layout, then transformers 5's own (save_original_format=False).
+TEXT_TOWERS = ("language_model.model.", "model.language_model.")
+
+
+def text_tower(names: dict[str, Source], entries) -> tuple[dict[str, Source], str | None]:
+    """``names`` moved under the text tower of a multimodal checkpoint when the checkpoint has
+    no ``model.embed_tokens.weight`` but one of `TEXT_TOWERS` holds it (``lm_head.weight``
+    becomes ``language_model.lm_head.weight`` in the Hub's layout); else ``names`` unchanged.
+    Returns (names, the tower's prefix or None): tensors outside the tower (vision encoder,
+    projector) are then not ours to convert."""
+    if "model.embed_tokens.weight" in entries:
+        return names, None
+    prefix = next((p for p in TEXT_TOWERS if p + "embed_tokens.weight" in entries), None)
+    if prefix is None:
+        return names, None
+    head = "language_model.lm_head.weight" if prefix == TEXT_TOWERS[0] else "lm_head.weight"
+
+    def moved(src: Source) -> Source:
+        name = head if src.name == "lm_head.weight" else prefix + src.name[len("model."):]
+        return dataclasses.replace(src, name=name)
+    return {ours: moved(src) for ours, src in names.items()}, prefix
 
 
 def standard_names(cfg: Arch, layer: dict[str, str] | None = None) -> dict[str, Source]:
@@ -381,12 +407,14 @@ def sliding_windows(raw: dict, where: str, layers: int, *, all_layers: bool = Fa
 
 
 def _check_tensors(cfg: Arch, names: dict[str, Source], entries: dict[str, _Entry], where_dir: Path,
-                   family: str) -> dict[str, tuple[_Entry, Source]]:
-    """Our name -> (entry, source), after checking names, dtypes and shapes against ``cfg``."""
+                   family: str, tower: str | None = None) -> dict[str, tuple[_Entry, Source]]:
+    """Our name -> (entry, source), after checking names, dtypes and shapes against ``cfg``;
+    with ``tower`` (`text_tower`) only the tensors under it must all be ours."""
     want = expected_shapes(cfg)
     used = {src.name for src in names.values()}
     unmapped = sorted(n for n in entries if n not in used and not _HARMLESS.search(n)
-                      and not (cfg.tie_word_embeddings and n == "lm_head.weight"))
+                      and not (cfg.tie_word_embeddings and n.endswith("lm_head.weight"))
+                      and (tower is None or n.startswith(tower)))
     biases = [n for n in unmapped if n.endswith(".bias")]
     if biases:
         more = f" and {len(biases) - 3} more" if len(biases) > 3 else ""
@@ -479,8 +507,9 @@ def convert(family, hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, d
     raw = hf_config if hf_config is not None else read_hf_config(config_path)
     cfg = family.arch_from_hf(raw, str(config_path)).validate(str(config_path))
     entries = _index_tensors(_safetensors_files(hf_dir))
-    names = fused_expert_names(cfg, family.hf_names(cfg), entries) if cfg.num_experts else family.hf_names(cfg)
-    plan = _check_tensors(cfg, names, entries, hf_dir, family.name)
+    names, tower = text_tower(family.hf_names(cfg), entries)
+    names = fused_expert_names(cfg, names, entries) if cfg.num_experts else names
+    plan = _check_tensors(cfg, names, entries, hf_dir, family.name, tower)
     with contextlib.ExitStack() as stack:
         write_checkpoint(out_path, family.name, cfg.to_json(), _tensors(plan, stack), dtype=dtype)
     if tokenizer:
