@@ -464,7 +464,7 @@ def test_plan_prints_parameters_active_flops_and_kv_per_1k_tokens():
     proc = run_cli(["plan", "--preset", "qwen3-235b-a22b", "--ranks", "2", "--mem-gb", "256", "--precision", "bf16",
                     "--seq", "4096"], timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "235.09 B parameters (22.19 B active: 43.1 of 468.9 GFLOP a token); KV cache 385.0 MB per 1k tokens" \
+    assert "235.09 B parameters (22.19 B active: 43.1 GFLOP of 468.9 GFLOP a token); KV cache 385.0 MB per 1k tokens" \
         in proc.stdout, proc.stdout
 
 

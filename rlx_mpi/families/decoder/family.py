@@ -48,11 +48,11 @@ class DecoderFamily:
         moe = f", {cfg.num_experts} experts (top {cfg.experts_per_token})" if cfg.num_experts else ""
         rope = f", rope {cfg.rope_type}" if cfg.rope_type != "default" else ""
         total, active = cfg.parameters(), cfg.parameters(active=True)
-        size = f"{total / 1e9:.2f} B parameters"  # published sizes count the tied head once, as here
+        size = f"{_count(total)} parameters"  # published sizes count the tied head once, as here
         if cfg.num_experts:  # a token multiplies all but the embedding: 2 FLOPs a parameter (+ attention)
             lookup = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
-            size += (f" ({active / 1e9:.2f} B active: {2 * (active - lookup) / 1e9:.1f} of "
-                     f"{2 * (total - lookup) / 1e9:.1f} GFLOP a token)")
+            size += (f" ({_count(active)} active: {_flops(2 * (active - lookup))} of "
+                     f"{_flops(2 * (total - lookup))} a token)")
         kv = cfg.kv_bytes_per_token() * 1000
         return (f"{self.name}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {heads}, "
                 f"vocab {cfg.vocab_size}{moe}{rope}; {size}; KV cache {kv / 1e6:.1f} MB per 1k tokens")
@@ -140,6 +140,15 @@ class DecoderFamily:
         from .stage import DecoderStage
 
         return DecoderStage(cfg, source, layers, first, last, tp, ctx, precision)
+
+
+def _count(n: float, digits: int = 2) -> str:
+    """235.09 B, 135.0 M: a count in the unit it reads best in (B = 10^9, M = 10^6)."""
+    return f"{n / 1e9:.{digits}f} B" if n >= 1e9 else f"{n / 1e6:.{digits}f} M"
+
+
+def _flops(n: float) -> str:
+    return f"{n / 1e9:.1f} GFLOP" if n >= 1e9 else f"{n / 1e6:.1f} MFLOP"
 
 
 def random_tensors(cfg: Arch, seed: int) -> Iterator[tuple[str, np.ndarray]]:
