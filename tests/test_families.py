@@ -604,6 +604,32 @@ def test_gemma3_multimodal_text_tower_in_transformers_5_layout(converted, tmp_pa
         family.convert_hf(src, tmp_path / "m2.h5", dtype="float32", hf_config=raw)
 
 
+def test_fused_experts_are_read_one_expert_at_a_time_in_bf16(converted, tmp_path):
+    """transformers 5's stacked experts stored as bfloat16 (as the Hub's Qwen3-MoE ships): each
+    of our expert tensors is exactly its slice of the stack (gate rows first, then up; down
+    [E, C, I]), read from its own bytes and widened exactly."""
+    from test_convert import read_st, write_st
+
+    src = tmp_path / "hf"
+    shutil.copytree(FAMILIES / "qwen3_moe_fused", src)
+    tensors = {k: np.array(v) for k, v in read_st(src / "model.safetensors").items()}
+    bits = {k: (v.view(np.uint32) >> 16).astype(np.uint16) for k, v in tensors.items()}  # truncated to bf16
+    write_st(src / "model.safetensors", {k: ("BF16", b) for k, b in bits.items()})
+    family, cfg, _ = converted("qwen3_moe_fused")
+    family.convert_hf(src, tmp_path / "m.h5", dtype="float32", hf_config=json.loads((src / "config.json").read_text()))
+    widened = {k: (b.astype(np.uint32) << 16).view(np.float32) for k, b in bits.items()}
+    i = cfg.intermediate_size
+    with H5ParamSource(tmp_path / "m.h5", family.expected_shapes(cfg)) as h5:
+        for n in (0, 2):  # the MoE layers (layer 1 is dense)
+            stack = f"model.layers.{n}.mlp.experts."
+            for e in range(cfg.num_experts):
+                gate_up, down = widened[stack + "gate_up_proj"][e], widened[stack + "down_proj"][e]
+                assert np.array_equal(h5.read(f"layers/{n}/experts/{e}/gate_proj"), gate_up[:i])
+                assert np.array_equal(h5.read(f"layers/{n}/experts/{e}/up_proj"), gate_up[i:])
+                assert np.array_equal(h5.read(f"layers/{n}/experts/{e}/down_proj"), down)
+        assert np.array_equal(h5.read("layers/1/up_proj"), widened["model.layers.1.mlp.up_proj.weight"])
+
+
 def test_o_proj_bias_is_refused(converted, tmp_path):
     """A bias the family does not have (o_proj on a Qwen2) is named, not dropped."""
     from test_convert import read_st, write_st
