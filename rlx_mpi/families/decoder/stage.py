@@ -6,7 +6,8 @@ width); o_proj and down_proj are row-parallel and their partial outputs are summ
 all-reduce over the TP group. With fewer kv heads than TP ranks (tp a multiple of them) each
 rank holds the one kv head its query heads read, replicated (as Megatron does). With experts, a rank holds E/tp *whole* experts instead
 (expert parallelism, `decoder.moe`) and the same all-reduce sums their partial outputs.
-Norms, q/k norms and the router are replicated; the input embedding too (a lookup costs no
+Norms, per-head q/k norms and the router are replicated (OLMo 2's whole-projection q/k norm is
+sliced with its heads, and its sums of squares all-reduced: `model.projection_norm_`); the input embedding too (a lookup costs no
 FLOPs, and replication avoids a collective); the LM head is vocab-sharded (the largest
 matrix) and its logits are all-gathered. Fused Hugging Face tensors (Phi-3's qkv_proj and
 gate_up_proj) are split at convert time, so a shard never straddles q/k/v or gate/up; after
