@@ -166,6 +166,8 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     i.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                    help="storage precision (default float32; bfloat16 is stored as uint16, see README)")
+    sub.add_parser("compile-kernels", help="compile every numba kernel into its on-disk cache once (a site or "
+                   "read-only install: run it after installing, on the CPU kind the jobs use)")
     return p
 
 
@@ -444,8 +446,20 @@ def cmd_init_model(args) -> int:
     return 0
 
 
+def cmd_compile_kernels(args) -> int:
+    from .precompile import cache_folders, compile_kernels, writable
+
+    seconds = compile_kernels()
+    folders = cache_folders()
+    for folder in folders:
+        state = "written" if writable(folder) else "NOT writable: every job compiles again; set NUMBA_CACHE_DIR"
+        print(f"kernel cache: {folder} ({state})")
+    print(f"compiled or loaded every kernel in {seconds:.1f} s")
+    return 0
+
+
 COMMANDS = {"run": cmd_run, "generate": cmd_generate, "score": cmd_score, "probe": cmd_probe, "plan": cmd_plan, "convert": cmd_convert,
-            "init-model": cmd_init_model, "trace": cmd_trace}
+            "init-model": cmd_init_model, "trace": cmd_trace, "compile-kernels": cmd_compile_kernels}
 MPI_COMMANDS = {"run", "generate", "score", "probe"}
 
 

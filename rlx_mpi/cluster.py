@@ -34,7 +34,7 @@ from .caps import NodeCaps, gather_local_affinity, mpi_versions_differ, probe_lo
 from .checkpoint import H5ParamSource, read_header
 from .config import JobConfig, load_job
 from .errors import CheckpointError, ConfigError, FitError, InputError
-from .faults import RankContext, agree, report_and_abort
+from .faults import STARTUP_SETTING, RankContext, agree, report_and_abort
 from .outputs import check_output
 from .supervisor import default_startup_timeout_s
 from .placement import Assignment, ModelCost, plan_placement
@@ -172,10 +172,11 @@ class Cluster:
         return cls(agree(world, ctx, default_startup_timeout_s(), load, "reading the job file",
                          "RLX_MPI_STARTUP_TIMEOUT_S"), comm=comm, debug=debug)
 
-    def agree(self, fn, what: str = "start-up"):
+    def agree(self, fn, what: str = "start-up", setting: str = STARTUP_SETTING):
         """``fn()`` on every rank as one agreed step under ``[run] startup_timeout_s``: if it raises
-        on any rank, every rank raises the same `AgreedFailure` (see `faults.agree`)."""
-        return agree(self.world, self.ctx, self.job.run.startup_timeout_s, fn, what)
+        on any rank, every rank raises the same `AgreedFailure` (see `faults.agree`); ``setting``
+        is what a deadline's message tells the user to raise."""
+        return agree(self.world, self.ctx, self.job.run.startup_timeout_s, fn, what, setting)
 
     @property
     def is_root(self) -> bool:
@@ -361,7 +362,9 @@ class Cluster:
             if self.first_on_node:
                 warm(self.model_config, precision, self.topology.tp, decode)
 
-        self.agree(first, "compiling the kernels (the first rank of each node)")
+        self.agree(first, "compiling the kernels (the first rank of each node)",
+                   f"{STARTUP_SETTING}; the first job after an install compiles numba's kernels (15-40 s): "
+                   "run `rlx-mpi compile-kernels` once after installing and later jobs load them")
 
     def _precision_kwargs(self) -> dict:
         """``precision=`` for build_stage; omitted at f32 so families without it keep working."""

@@ -261,7 +261,13 @@ class Journal:
                 raise InputError(f"output {self.path}", "another process is writing this file",
                                  "wait for that job to end, or write to another file") from None
             # Some parallel file systems (Lustre mounted without -o flock) have no locks.
-            log.debug("%s: no file lock (%s); carrying on without one", self.path, e.strerror)
+            fs = _filesystem(self.path)
+            if fs not in _WARNED_NO_LOCK:
+                _WARNED_NO_LOCK.add(fs)
+                log.info("%s: the file system (%s) gives no file lock (%s), so nothing stops two jobs writing "
+                         "this output at once; run one job per output file (Lustre: mount with -o flock, or "
+                         "write the output to a local or NFS folder)", self.path, fs, e.strerror)
+
 
     def _recover(self) -> int:
         """Check the rows already in the file, cut a torn tail; return how many rows are good."""
@@ -537,3 +543,25 @@ def _fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+_WARNED_NO_LOCK: set[str] = set()  # one warning per file system and process
+
+
+def _filesystem(path: Path) -> str:
+    """``TYPE at MOUNTPOINT`` of the mount that holds ``path`` (from /proc/mounts), or "unknown"."""
+    try:
+        target = os.path.realpath(path.parent)
+        best = ("", "unknown")
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mount = parts[1].replace("\\040", " ")
+                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best[0]):
+                    best = (mount, parts[2])
+        return f"{best[1]} at {best[0]}" if best[0] else "unknown"
+    except OSError:
+        return "unknown"

@@ -146,6 +146,28 @@ def test_a_second_writer_is_refused(tmp_path):
     Journal(out, prompts(2)).close()  # the lock went with the first
 
 
+def test_a_file_system_without_locks_is_said_once_at_info_with_its_name(tmp_path, monkeypatch, caplog):
+    import errno
+    import fcntl
+
+    from rlx_mpi import journal
+
+    def no_lock(fd, op):  # what flock gives on a Lustre mount without -o flock
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_lock)
+    monkeypatch.setattr(journal, "_WARNED_NO_LOCK", set())
+    fs = journal._filesystem(tmp_path / "a.jsonl")
+    assert fs != "unknown" and " at /" in fs  # "TYPE at MOUNTPOINT" from /proc/mounts
+    caplog.set_level("INFO", logger="rlx_mpi")
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_bytes(b"")
+        Journal(tmp_path / name, prompts(2)).close()  # carries on without a lock
+    said = [r for r in caplog.records if "gives no file lock" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "INFO", [r.getMessage() for r in caplog.records]
+    assert fs in said[0].getMessage() and "one job per output file" in said[0].getMessage()
+
+
 def test_a_second_writer_of_a_new_file_is_refused_at_its_first_row(tmp_path):
     # A new file is made at the first row, so two jobs started on one new name both run until
     # then; the second to write finds the file there and stops, its rows unwritten.
