@@ -55,7 +55,7 @@ class DecoderFamily:
                      f"{_flops(2 * (total - lookup))} a token)")
         kv = cfg.kv_bytes_per_token() * 1000
         return (f"{self.name}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {heads}, "
-                f"vocab {cfg.vocab_size}{moe}{rope}; {size}; KV cache {kv / 1e6:.1f} MB per 1k tokens")
+                f"vocab {cfg.vocab_size}{moe}{rope}; {size}; KV cache {_bytes(kv)} per 1k tokens")
 
     def config_from_shape(self, shape: Mapping[str, Any], where: str) -> Arch:
         s = {**self._shape_defaults, **{k: v for k, v in shape.items() if v is not None}}
@@ -145,6 +145,10 @@ class DecoderFamily:
 def _count(n: float, digits: int = 2) -> str:
     """235.09 B, 135.0 M: a count in the unit it reads best in (B = 10^9, M = 10^6)."""
     return f"{n / 1e9:.{digits}f} B" if n >= 1e9 else f"{n / 1e6:.{digits}f} M"
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def _flops(n: float) -> str:
