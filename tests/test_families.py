@@ -434,6 +434,19 @@ def test_qwen3_moe_presets_have_the_published_parameter_counts(name, total, acti
                                                                                                     rel=1e-6)
 
 
+def test_gemma3_270m_parameter_count_is_the_real_checkpoints():
+    """The real Gemma 3 270M's config (as transformers reads it from the GGUF, recorded in
+    tests/fixtures/gemma3_270m_reference.json) gives 268,098,176 parameters: the sum of the sizes
+    of the 236 tensors transformers saved for that model (counted once, by hand)."""
+    from rlx_mpi.families.gemma3 import arch_from_hf
+
+    config = json.loads((TESTS / "fixtures" / "gemma3_270m_reference.json").read_text())["config"]
+    cfg = arch_from_hf({"model_type": "gemma3_text", **config}, "270m").validate("270m")
+    assert cfg.parameters() == 268_098_176
+    assert (cfg.num_hidden_layers, cfg.head_dim, cfg.rope_local_theta, cfg.window(0), cfg.window(5)) == \
+        (18, 256, 10000.0, 512, 0)
+
+
 def test_qwen3_235b_plans_on_256_and_512_gb_nodes():
     """bf16 (470 GB of weights): one 512 GB node, or two 256 GB nodes as 2 stages (or 2 x tp 2);
     int8 (~250 GB with its block scales): one node of either size. The KV cache of 4k tokens
