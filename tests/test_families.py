@@ -447,6 +447,23 @@ def test_gemma3_270m_parameter_count_is_the_real_checkpoints():
         (18, 256, 10000.0, 512, 0)
 
 
+@pytest.mark.parametrize("model_type, config, published", [
+    ("olmo2", dict(vocab_size=100352, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                   num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                   rope_theta=500000, rms_norm_eps=1e-6, tie_word_embeddings=False), 7.30e9),  # OLMo-2-1124-7B
+    ("granite", dict(vocab_size=49155, hidden_size=4096, intermediate_size=12800, num_hidden_layers=40,
+                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                     rope_theta=10000000.0, tie_word_embeddings=True, embedding_multiplier=12.0,
+                     residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=16.0),
+     8.17e9),  # Granite-3.1-8B-instruct
+])
+def test_olmo2_and_granite_parameter_counts_at_real_sizes(model_type, config, published):
+    """The planner's count of the real configs against the model cards' safetensors sizes (OLMo 2's
+    whole-projection q/k norms and its two post-norms a layer; Granite's tied head)."""
+    cfg = family_for_model_type(model_type).arch_from_hf({"model_type": model_type, **config}, model_type)
+    assert abs(cfg.validate(model_type).parameters() - published) <= 0.005 * published
+
+
 def test_qwen3_235b_plans_on_256_and_512_gb_nodes():
     """bf16 (470 GB of weights): one 512 GB node, or two 256 GB nodes as 2 stages (or 2 x tp 2);
     int8 (~250 GB with its block scales): one node of either size. The KV cache of 4k tokens
