@@ -34,9 +34,7 @@ from ..errors import CheckpointError, ConfigError
 from .decoder.arch import Arch, expected_shapes
 
 __all__ = ["copy_tokenizer", "convert", "read_hf_config", "standard_names", "fused_expert_names", "text_tower",
-           "TEXT_TOWERS", "Source",
-           "TOKENIZER_FILES",
-           "sizes", "rope_fields", "refuse_if", "sliding_windows"]
+           "TEXT_TOWERS", "Source", "TOKENIZER_FILES", "sizes", "rope_fields", "refuse_if", "sliding_windows"]
 
 # safetensors dtype -> numpy dtype of the stored bytes (little-endian by the format's rule).
 # BF16 is stored as uint16 and widened to float32 on read.
