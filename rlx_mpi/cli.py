@@ -131,7 +131,9 @@ def _parser() -> argparse.ArgumentParser:
                         description="Size an allocation before queueing: plan a model (a checkpoint via a job "
                         "file, a preset, or a shape) over N hypothetical ranks of equal memory and speed.")
     pl.add_argument("job", nargs="?", help="job TOML whose checkpoint, batch, seq and placement to use")
-    pl.add_argument("--ranks", type=int, required=True, help="number of ranks (stages x tp)")
+    pl.add_argument("--ranks", type=int, required=True, help="number of ranks (replicas x stages x tp)")
+    pl.add_argument("--replicas", help='whole pipelines sharing the prompts: N, or "auto" (the fewest stages that '
+                    'hold the model, as many replicas as the ranks allow; default: the job\'s, else auto)')
     pl.add_argument("--tp", type=int, help="tensor-parallel ranks per stage (default: the job's, else 1)")
     pl.add_argument("--mem-gb", type=float, help="available RAM per rank in GB (default: unlimited)")
     pl.add_argument("--gflops", type=float, help="speed per rank in GFLOP/s (default: all equal)")
@@ -319,8 +321,7 @@ def _plan_model(args, job):
 def cmd_plan(args) -> int:
     from .caps import NodeCaps
     from .config import PlacementPolicy, load_job
-    from .placement import format_plan, plan_placement
-    from .topology import make_grid
+    from .placement import format_plan, plan_grid
 
     _check_plan_flags(args)
     job = load_job(args.job) if args.job else None
@@ -329,10 +330,14 @@ def cmd_plan(args) -> int:
     tp = args.tp if args.tp is not None else (job.placement.tp if job else 1)
     family.check_tp(cfg, tp, "plan --tp")
     rules.tp_divides_ranks(args.ranks, tp, "plan --ranks", launched=False)
-    if job is not None:
-        job.check_layers(dims.n_layers, args.ranks, tp)
-    else:
-        rules.stages_fit_layers(args.ranks, tp, dims.n_layers, "plan --ranks")
+    replicas = (rules.replicas_value(args.replicas, "plan --replicas") if args.replicas is not None
+                else job.placement.replicas if job else "auto")
+    if replicas != "auto":
+        rules.replicas_divide(args.ranks, tp, replicas, "plan --replicas")
+        if job is not None:
+            job.check_layers(dims.n_layers, args.ranks // replicas, tp)
+        else:
+            rules.stages_fit_layers(args.ranks // replicas, tp, dims.n_layers, "plan --ranks")
     batch = args.batch or (job.run.batch if job else 1)
     seq = args.seq or (job.run.seq if job else (2048 if given else min(2048, dims.max_positions)))
     if not given:  # what `run` would refuse (shape flags carry no limit)
@@ -351,19 +356,21 @@ def cmd_plan(args) -> int:
     mem = None if args.mem_gb is None else int(args.mem_gb * 1e9)
     caps = [NodeCaps(rank=r, host=f"host{r // per_host}", local_rank=r % per_host, local_size=per_host, cpus=None,
                      ram_total_bytes=mem, ram_available_bytes=mem, gflops=args.gflops) for r in range(args.ranks)]
-    grid = make_grid([c.host for c in caps], tp)
     policy = PlacementPolicy(args.policy) if args.policy else (job.placement.policy if job else PlacementPolicy.BALANCED)
     if policy is PlacementPolicy.COMPUTE and args.gflops is None:
         policy = PlacementPolicy.UNIFORM
     reserve = args.reserve_gb if args.reserve_gb is not None else (job.placement.reserve_ram_gb if job else 1.0)
     manual = job.placement.manual if job and policy is PlacementPolicy.MANUAL else None
-    plan = plan_placement(cost, caps, policy, int(reserve * 1e9) if mem is not None else 0, grid=grid, manual=manual,
-                          precision=precision)
+    grid = plan_grid(cost, caps, policy, int(reserve * 1e9) if mem is not None else 0, tp=tp, replicas=replicas,
+                     manual=manual, precision=precision, where="plan --replicas")
     held = ",".join(dict.fromkeys(precision)) if precision else "f32"
+    shape = ((f"{len(grid.replicas)} replicas x " if len(grid.replicas) > 1 else "") + f"{grid.n_stages} stage"
+             + ("s" if grid.n_stages != 1 else "") + f" x tp {tp}")
     print(f"model: {family.describe(cfg)}; {held} weights; "
           f"batch {batch} x seq {seq}; kv cache {_kv_text(kv_specs)}; policy {policy.value}; "
-          f"{args.ranks} ranks = {len(grid)} stages x tp {tp}")
-    print(format_plan(plan, cost))
+          f"{args.ranks} ranks = {shape}")
+    print(format_plan(grid.flat, cost))
+    print(grid.why)
     return 0
 
 
