@@ -432,6 +432,8 @@ class Cluster:
     def close(self) -> None:
         if self.topology is not None and self.topology.tp_comm is not None:
             self.topology.tp_comm.Free()
+        if self.topology is not None and self.topology.replica_comm is not None:
+            self.topology.replica_comm.Free()
         self.world.Free()
 
 

@@ -161,7 +161,8 @@ class Collector:
 
     def __init__(self, world: Any, ctx: RankContext, timeout_s: float, voices: dict[int, list[int]],
                  on_rows: Callable[[int, dict], None]):
-        # voices: a replica's sending rank -> the replica's ranks (its silence names it)
+        # voices: each other replica's sending rank -> that replica's ranks (its silence names it);
+        # the ranks of rank 0's own replica are done soon after rank 0 is (`finish`)
         self.world, self.ctx, self.timeout_s, self.on_rows = world, ctx, timeout_s, on_rows
         self.voices = voices
         self.heard = {v: time.monotonic() for v in voices}
@@ -198,17 +199,21 @@ class Collector:
             self.pings.append((self.world.Isend(buf, dest=r, tag=TAG_END), buf))
         self.pings = [(q, b) for q, b in self.pings if not q.Test()]
 
-    def _silent(self) -> int | None:
-        """A rank not done whose replica has been silent past the deadline, or None."""
+    def _silent(self, since: float) -> int | None:
+        """A rank not done whose replica has been silent past the deadline, or None (``since``:
+        when rank 0's own part ended)."""
         now = time.monotonic()
+        theirs = set()
         for voice, ranks in self.voices.items():
-            if voice in self.done or voice == 0:  # (rank 0's own replica: its part is over)
-                late = [r for r in ranks if r not in self.done and r != 0]
+            theirs.update(ranks)
+            if voice in self.done:
+                late = [r for r in ranks if r not in self.done]
                 if late and now - self.heard[voice] > self.timeout_s:
                     return late[0]
             elif now - self.heard[voice] > self.timeout_s:
                 return voice
-        return None
+        own = [r for r in range(1, self.world.size) if r not in theirs and r not in self.done]
+        return own[0] if own and now - since > self.timeout_s else None
 
     def finish(self) -> dict[int, dict]:
         """Wait until every other rank is done (rank 0's own part is over), then tell them all to end."""
@@ -217,11 +222,11 @@ class Collector:
         others = self.world.size - 1
         for v in self.heard:  # rank 0's own part may have taken long: count silence from now
             self.heard[v] = max(self.heard[v], time.monotonic() - self.period)
-        nap = 1e-4
+        nap, since = 1e-4, time.monotonic()
         while len(self.done) < others:
             before = len(self.done)
             self.poll()
-            if (bad := self._silent()) is not None:
+            if (bad := self._silent(since)) is not None:
                 raise DeadlineExpired(self.ctx.describe(), f"heard nothing from rank {bad} (another replica) for "
                                       f"{self.timeout_s:.1f} s", f"rank {bad} is stuck or dead, see its output above; "
                                       "if it is only slow, raise [run] timeout_s")

@@ -100,6 +100,7 @@ class Topology:
     tp_comm: Any  # the stage's TP group (COMM_SELF-like when tp = 1)
     replica: int = 0
     replicas: list[list[list[int]]] | None = None  # every replica's grid (None: one replica, ``grid``)
+    replica_comm: Any = None  # this replica's ranks (None: one replica, the world is the replica)
 
     @property
     def n_replicas(self) -> int:
@@ -142,5 +143,6 @@ class Topology:
         grid = reps[replica]
         stage, tp_rank = locate(grid, world.rank)
         tp_comm = world.Split(color=replica * len(grid) + stage, key=tp_rank)
+        replica_comm = world.Split(color=replica, key=world.rank) if len(reps) > 1 else None
         return cls(grid=grid, rank=world.rank, stage=stage, tp_rank=tp_rank, world=world, tp_comm=tp_comm,
-                   replica=replica, replicas=reps if len(reps) > 1 else None)
+                   replica=replica, replicas=reps if len(reps) > 1 else None, replica_comm=replica_comm)

@@ -474,7 +474,7 @@ class GenerateDriver(JournalDriver):
             taken(replica_of[src], rows, sum(len(row["tokens"]) for _, row in rows))
 
         collector = (Collector(cx.world, cx.ctx, timeout, {rep[0][0]: [x for g in rep for x in g]
-                                                           for rep in topo.replicas}, on_rows)
+                                                           for rep in topo.replicas[1:]}, on_rows)
                      if shared and cx.is_root else None)
 
         def stop_now() -> bool:
