@@ -101,6 +101,8 @@ def _parser() -> argparse.ArgumentParser:
                    "also decodes carries at most N (the longest wait between a row's tokens; 0 = whole prompts; "
                    "default: [generate] prefill_chunk, else 256)")
     g.add_argument("--json", metavar="STATS.json", help="write the run's per-rank stats and totals as JSON")
+    g.add_argument("--shard", metavar="K/N", help="this job's part of the prompt file: shard K of N contiguous parts (1 <= K <= N), e.g. "
+                   "$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT; join the outputs with rlx-mpi merge")
     g.add_argument("--log-dir", metavar="DIR", help="one log per rank, DIR/rank-0003.log (lines prefixed with rank "
                    "and host); only rank 0 logs to the terminal")
 
@@ -118,6 +120,8 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--batch", type=int, metavar="TOKENS", help="padded tokens per microbatch (rows x longest line; "
                     "default: [score] batch, 2048): the last stage holds TOKENS x vocab float32 logits")
     sc.add_argument("--json", metavar="STATS.json", help="write the run's per-rank stats, totals and summary as JSON")
+    sc.add_argument("--shard", metavar="K/N", help="this job's part of the prompt file: shard K of N contiguous parts (1 <= K <= N), e.g. "
+                   "$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT; join the outputs with rlx-mpi merge")
     sc.add_argument("--log-dir", metavar="DIR", help="one log per rank, DIR/rank-0003.log (lines prefixed with rank "
                     "and host); only rank 0 logs to the terminal")
 
@@ -162,6 +166,15 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                    help="storage precision (default float32; bfloat16 is stored as uint16, see README)")
 
+    mg = sub.add_parser("merge", help="join the outputs of generate/score --shard K/N jobs into one file (no MPI)",
+                        description="Join the complete outputs of shards 1..N of one run (generate or score with "
+                        "--shard K/N) into OUT and its record OUT.meta.json: the file one unsharded job would have "
+                        "written, byte for byte. Refuses shards of different runs, a shard missing, given twice or "
+                        "unfinished, and an OUT that exists or is an input. Example: rlx-mpi merge all.jsonl "
+                        "part-*.jsonl")
+    mg.add_argument("out", help="the merged output (must not exist)")
+    mg.add_argument("shards", nargs="+", help="every shard's output file, in any order")
+
     i = sub.add_parser("init-model", help="write a random Llama checkpoint from a preset")
     i.add_argument("out", help="output .h5 file")
     i.add_argument("--preset", default="tiny", help="tiny | small | medium (default tiny)")
@@ -180,6 +193,14 @@ def cmd_run(args) -> int:
     driver = RunDriver(args.job, input_ids=args.input_ids, out=args.out, json=args.json, trace=args.trace,
                        plan_only=args.plan_only)
     return _on_the_cluster(args, driver)
+
+
+def cmd_merge(args) -> int:
+    from .shards import merge
+
+    done = merge(args.out, args.shards)
+    print(f"merge: {done['rows']} rows of {done['shards']} shards in {args.out}")
+    return 0
 
 
 def cmd_generate(args) -> int:
@@ -452,7 +473,7 @@ def cmd_init_model(args) -> int:
 
 
 COMMANDS = {"run": cmd_run, "generate": cmd_generate, "score": cmd_score, "probe": cmd_probe, "plan": cmd_plan, "convert": cmd_convert,
-            "init-model": cmd_init_model, "trace": cmd_trace}
+            "init-model": cmd_init_model, "trace": cmd_trace, "merge": cmd_merge}
 MPI_COMMANDS = {"run", "generate", "score", "probe"}
 
 

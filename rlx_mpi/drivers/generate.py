@@ -268,6 +268,7 @@ class GenerateOptions:
     progress_s: float = 10.0
     logprobs: int = 0  # top alternatives per token in each row's "logprobs"; 0: no "logprobs"
     eos_where: str = "generate --eos-id"  # where eos_id came from, for its error
+    shard: tuple[int, int] | None = None  # --shard K/N: this job's part of the prompt file (`shards.py`)
 
     @classmethod
     def resolve(cls, flags: Any, job: Any) -> "GenerateOptions":
@@ -286,6 +287,9 @@ class GenerateOptions:
                                  ("--prefill-chunk", flags.prefill_chunk, 0)):
             rules.int_at_least(value, low, f"generate {flag}")
         rules.at_most(flags.logprobs, rules.LOGPROBS_MAX, "generate --logprobs")
+        from ..shards import parse_shard
+
+        shard = parse_shard(getattr(flags, "shard", None), "generate --shard")
         seed = pick(flags.seed, sec.seed if sec.seed is not None else job.run.seed)
         sampling = SamplingParams(pick(flags.temperature, sec.temperature), pick(flags.top_k, sec.top_k),
                                   pick(flags.top_p, sec.top_p), seed).check("generate")
@@ -293,7 +297,7 @@ class GenerateOptions:
                    sampling=sampling, eos_id=pick(flags.eos_id, sec.eos_id), batch=pick(flags.batch, sec.batch),
                    groups=pick(flags.groups, sec.groups), sync_s=sec.sync_s,
                    prefill_chunk=pick(flags.prefill_chunk, sec.prefill_chunk),
-                   logprobs=pick(flags.logprobs, sec.logprobs),
+                   logprobs=pick(flags.logprobs, sec.logprobs), shard=shard,
                    eos_where="generate --eos-id" if flags.eos_id is not None else f"{job.path}: [generate] eos_id")
 
 
@@ -335,12 +339,16 @@ class GenerateDriver(JournalDriver):
             rules.at_most(opts.logprobs, dims.vocab_size, "generate --logprobs")
             eos = sorted({opts.eos_id} if opts.eos_id is not None else set(eos_ids_beside(job.model.checkpoint)))
             tokenizer = load_tokenizer(job.model.checkpoint)
+            from ..shards import select
+
             prompts = read_prompts(opts.prompts, vocab_size=dims.vocab_size, max_positions=dims.max_positions,
                                    max_new_tokens=opts.max_new_tokens, tokenizer=tokenizer)
+            prompts, shard = select(prompts, opts.shard, str(opts.prompts))
             identity = RunIdentity.for_generate(job.model.checkpoint, opts.sampling, opts.max_new_tokens,
                                                 eos_ids=eos, logprobs=opts.logprobs)
             journal = Journal(opts.out, prompts, inputs=(opts.prompts, job.path, job.model.checkpoint,
-                                                         *self.argv_inputs), sync_s=opts.sync_s, identity=identity)
+                                                         *self.argv_inputs), sync_s=opts.sync_s, identity=identity,
+                              shard=shard)
             self.holder.update(journal=journal, tokenizer=tokenizer, prompts=prompts)
             pending = [[p.index, p.id, list(p.tokens)] for p in journal.pending]
             longest = max((len(p[2]) for p in pending), default=1)

@@ -106,6 +106,7 @@ class ScoreOptions:
     batch: int  # padded tokens per microbatch
     sync_s: float = 2.0
     progress_s: float = 10.0
+    shard: tuple[int, int] | None = None  # --shard K/N: this job's part of the prompt file (`shards.py`)
 
     @classmethod
     def resolve(cls, flags: Any, job: Any) -> "ScoreOptions":
@@ -119,8 +120,10 @@ class ScoreOptions:
             raise ConfigError("score --out", "no output file given", "pass --out FILE or set [score] out")
         rules.int_at_least(flags.batch, 1, "score --batch")
         rules.at_most(flags.batch, 2**31, "score --batch")
+        from ..shards import parse_shard
+
         return cls(prompts=Path(prompts), out=Path(out), batch=sec.batch if flags.batch is None else flags.batch,
-                   sync_s=sec.sync_s)
+                   sync_s=sec.sync_s, shard=parse_shard(getattr(flags, "shard", None), "score --shard"))
 
 
 @dataclass
@@ -171,11 +174,14 @@ class ScoreDriver(JournalDriver):
             if not cx.is_root:
                 return None
             tokenizer = load_tokenizer(job.model.checkpoint)
+            from ..shards import select
+
             prompts = read_score_prompts(opts.prompts, vocab_size=dims.vocab_size, max_positions=dims.max_positions,
                                          tokenizer=tokenizer)
+            prompts, shard = select(prompts, opts.shard, str(opts.prompts))
             journal = Journal(opts.out, prompts, inputs=(opts.prompts, job.path, job.model.checkpoint,
                                                          *self.argv_inputs), sync_s=opts.sync_s,
-                              identity=RunIdentity.for_score(job.model.checkpoint))
+                              identity=RunIdentity.for_score(job.model.checkpoint), shard=shard)
             self.holder.update(journal=journal, prompts=prompts)
             pending = [[p.index, p.id, list(p.tokens), p.start] for p in journal.pending]
             return {"pending": pending, "total": len(prompts)}
