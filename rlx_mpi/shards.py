@@ -143,7 +143,7 @@ def merge(out: str | os.PathLike, shards: Sequence[str | os.PathLike]) -> dict:
     for p, d in zip(paths[1:], docs[1:]):
         theirs = d["identity"].fields()
         for name in [*mine, *(n for n in theirs if n not in mine)]:
-            a, b = mine.get(name, "(not set)"), theirs.get(name, "(not set)")
+            a, b = theirs.get(name, "(not set)"), mine.get(name, "(not set)")
             if a != b:
                 raise InputError(f"merge {p}", f"was made with {name} {a!r} but {paths[0]} with {b!r}: another run",
                                  "merge only the shards of one run (same model and settings)")
