@@ -175,3 +175,22 @@ def test_three_shards_merged_are_the_unsharded_output(tmp_path, tiny_ckpt):
         assert p.returncode == 2 and len(errors) == 1 and needle in errors[0], (args, p.stderr)
     assert not (tmp_path / "bad.jsonl").exists()
     assert {p: p.read_bytes() for p in tmp_path.glob("g?.jsonl")} == before  # no input touched
+
+
+def test_run_splits_the_batch_over_replicas(tmp_path, tiny_ckpt):
+    """`run` with 3 replicas of one stage and 2 of two stages: the logits of one replica, every row."""
+    import h5py
+
+    def run(name, ranks, replicas):
+        job = write_job(tmp_path, f"{name}.toml", model={"checkpoint": str(tiny_ckpt)},
+                        run={"timeout_s": 30.0, "batch": 5, "seq": 8, "microbatches": 2},
+                        placement={"reserve_ram_gb": 0.0, "replicas": replicas})
+        return run_cli(["run", job, "--out", tmp_path / f"{name}.h5"], ranks=ranks, timeout=240)
+
+    procs = in_pairs(lambda: run("one", 1, 1), lambda: run("three", 3, 3), lambda: run("two_x_2", 4, 2))
+    for p in procs:
+        assert p.returncode == 0, p.stderr
+    one, three, two = (h5py.File(tmp_path / f"{n}.h5")["logits"][()] for n in ("one", "three", "two_x_2"))
+    assert one.shape == (5, 8, 512) and np.isfinite(one).all()
+    np.testing.assert_array_equal(three, one)
+    np.testing.assert_array_equal(two, one)
