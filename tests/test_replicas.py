@@ -132,3 +132,63 @@ def test_plan_refuses_replicas_that_do_not_divide(capsys):
     assert "plan --replicas: 4 replicas of tp 1 do not divide the 6 ranks" in capsys.readouterr().err
     assert main(["plan", "--ranks", "6", "--replicas", "x", "--preset", "tiny"]) == 2
     assert "plan --replicas: got 'x'" in capsys.readouterr().err
+
+
+# -- --shard K/N and merge (no MPI: journals written directly) ------------------------------------
+
+def test_shards_are_contiguous_near_equal_parts():
+    from rlx_mpi.shards import parse_shard, shard_range
+
+    assert [shard_range(11, k, 3) for k in (1, 2, 3)] == [range(0, 3), range(3, 7), range(7, 11)]
+    assert sum((list(shard_range(100, k, 7)) for k in range(1, 8)), []) == list(range(100))
+    assert parse_shard("2/8", "w") == (2, 8) and parse_shard(None, "w") is None
+    for bad in ("0/3", "4/3", "3", "a/b", "1/0"):
+        with pytest.raises(ConfigError, match="w: got"):
+            parse_shard(bad, "w")
+
+
+def _journals(tmp_path, n_shards, rows=10, identity_settings=None, finish=True):
+    from rlx_mpi.journal import Journal, RunIdentity
+    from rlx_mpi.prompts import Prompt
+    from rlx_mpi.shards import select
+
+    prompts = [Prompt(i, f"q{i}", (i, i + 1), None) for i in range(rows)]
+    ident = RunIdentity("generate", {"family": "x"}, identity_settings or {"temperature": 0.0})
+    paths = []
+    for k in range(1, n_shards + 1):
+        part, shard = select(prompts, (k, n_shards) if n_shards > 1 else None, "p.jsonl")
+        path = tmp_path / (f"part{k}.jsonl" if n_shards > 1 else "whole.jsonl")
+        with Journal(path, part, identity=ident, shard=shard) as j:
+            for p in part[:len(part) - (0 if finish or k != 2 else 1)]:
+                j.complete(p.index, {"tokens": list(p.tokens), "n": len(p.tokens)})
+        paths.append(path)
+    return paths
+
+
+def test_merge_joins_shards_into_the_one_job_file(tmp_path):
+    from rlx_mpi.journal import meta_path
+    from rlx_mpi.shards import merge
+
+    whole, = _journals(tmp_path, 1)
+    parts = _journals(tmp_path, 3)
+    assert merge(tmp_path / "all.jsonl", parts[::-1]) == {"rows": 10, "shards": 3}
+    assert (tmp_path / "all.jsonl").read_bytes() == whole.read_bytes()
+    assert meta_path(tmp_path / "all.jsonl").read_bytes() == meta_path(whole).read_bytes()
+
+
+def test_merge_refuses_unfinished_foreign_and_unsharded_inputs(tmp_path):
+    from rlx_mpi.errors import InputError
+    from rlx_mpi.shards import merge
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    unfinished = _journals(tmp_path / "a", 3, finish=False)
+    with pytest.raises(InputError, match=r"part2.jsonl: holds 2 of its 3 rows \(the shard did not finish\)"):
+        merge(tmp_path / "x.jsonl", unfinished)
+    other = _journals(tmp_path / "b", 3, identity_settings={"temperature": 0.5})
+    with pytest.raises(InputError, match=r"b/part2.jsonl: was made with temperature 0.5 but .* with 0.0"):
+        merge(tmp_path / "x.jsonl", [unfinished[0], other[1], unfinished[2]])
+    whole, = _journals(tmp_path, 1)
+    with pytest.raises(InputError, match="is not a shard's output"):
+        merge(tmp_path / "x.jsonl", [whole])
+    assert not (tmp_path / "x.jsonl").exists()
