@@ -194,3 +194,36 @@ def test_run_splits_the_batch_over_replicas(tmp_path, tiny_ckpt):
     assert one.shape == (5, 8, 512) and np.isfinite(one).all()
     np.testing.assert_array_equal(three, one)
     np.testing.assert_array_equal(two, one)
+
+
+def test_stop_signal_with_replicas_then_resume_on_another_count(tmp_path, tiny_ckpt):
+    """SIGTERM to a 3-replica job (mpiexec passes it to every rank): each replica finishes its
+    step, rank 0 writes what is complete, exit 75; 2 replicas resume it to the uninterrupted rows."""
+    import signal
+
+    from conftest import start_cli
+    from rlx_mpi.journal import REQUEUE_EXIT
+
+    long = [(f"q{i}", np.random.default_rng(100 + i).integers(0, 512, int(2 + i % 13)).tolist()) for i in range(40)]
+    prompts = write_lines(tmp_path / "long.jsonl", long)
+    flags = ("--max-new-tokens", 30, "--batch", 2)
+    out, ref = tmp_path / "c.jsonl", tmp_path / "ref.jsonl"
+    job3 = write_job(tmp_path, "three.toml", model={"checkpoint": str(tiny_ckpt)}, run={"timeout_s": 30.0},
+                     placement={"reserve_ram_gb": 0.0, "replicas": 3})
+    proc = start_cli(["generate", job3, "--prompts", prompts, "--out", out, *flags], ranks=3)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not (out.exists() and out.read_bytes().count(b"\n") >= 1):
+        assert proc.poll() is None, proc.communicate()[1]
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == REQUEUE_EXIT, err
+    assert "stopped by SIGTERM" in err and "resume" in err
+    first = len(rows_of(out))
+    assert 1 <= first < len(long) and out.read_bytes().endswith(b"\n")
+    again, whole = in_pairs(lambda: launch(tmp_path, tiny_ckpt, "generate", 2, 2, out, *flags, prompts=prompts,
+                                           name="again"),
+                            lambda: launch(tmp_path, tiny_ckpt, "generate", 1, 1, ref, *flags, prompts=prompts))
+    assert again.returncode == 0 and whole.returncode == 0, again.stderr + whole.stderr
+    assert f"{first} of 40 prompts already done" in again.stderr
+    assert without_ms(rows_of(out)) == without_ms(rows_of(ref))

@@ -462,7 +462,7 @@ class GenerateDriver(JournalDriver):
         def on_done(rows: list[Seq]) -> None:
             now = time.perf_counter()
             out = []
-            for r in rows:
+            for r in rows if journal is not None or (post is not None and driving) else ():  # (rows only where kept)
                 row = {"id": r.id, "tokens": r.new, "finish_reason": r.finish_reason, "prompt_tokens": len(r.prompt),
                        "new_tokens": len(r.new), "ms": round((now - r.start) * 1e3, 1)}
                 if opts.logprobs:
@@ -473,7 +473,7 @@ class GenerateDriver(JournalDriver):
                     write(index, row)
             elif post is not None and driving and out:  # another replica's rows go to the writer
                 post.rows([[index, row] for index, row in out])
-            taken(topo.replica, out, sum(len(r.new) for r in rows))
+            taken(topo.replica, rows, sum(len(r.new) for r in rows))
 
         def on_rows(src: int, msg: dict) -> None:
             rows = msg["rows"]
