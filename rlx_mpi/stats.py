@@ -121,12 +121,15 @@ class ClusterRun:
         head = ("stage", "rank", "host", "tp", "layers", "device", "precision", "build_ms", "forward_ms",
                 "recv_wait_ms", "send_ms", "busy", "sent_MB", "est_MB", "weights_MB", "peak_rss_MB")
         rows = []
-        for t in sorted(self.timings, key=lambda t: (t.stage, t.tp_rank)):
+        many = any(t.replica is not None for t in self.timings)  # replicas: a first column names each rank's
+        for t in sorted(self.timings, key=lambda t: (t.replica or 0, t.stage, t.tp_rank)):
             tp = ",".join(map(str, t.tp_ranks)) if len(t.tp_ranks) > 1 else "-"
-            rows.append((str(t.stage), str(t.rank), t.host, tp, f"{t.layers.start}:{t.layers.stop}", t.device,
+            rows.append(((str(t.replica),) if many else ()) + (
+                         str(t.stage), str(t.rank), t.host, tp, f"{t.layers.start}:{t.layers.stop}", t.device,
                          t.precision, f"{t.build_ms:.1f}", f"{t.forward_ms:.1f}", f"{t.recv_wait_ms:.1f}", f"{t.send_ms:.1f}",
                          f"{100 * self.busy(t):.0f}%", _mb(t.bytes_sent), _mb(t.est_bytes), _mb(t.weight_bytes), _mb(t.peak_rss_bytes)))
-        lines = [format_table(head, rows, left=(2, 5, 6))]
+        lines = [format_table((("replica",) if many else ()) + head, rows,
+                              left=(3, 6, 7) if many else (2, 5, 6))]
         lines.append(f"total forward {self.total_forward_ms:.1f} ms for {self.tokens} tokens "
                      f"({self.microbatches} microbatch{'es' if self.microbatches != 1 else ''}): "
                      f"{self.tokens_per_s:.1f} tokens/s; bubble {100 * self.bubble:.1f}% "

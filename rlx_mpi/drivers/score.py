@@ -229,7 +229,7 @@ class ScoreDriver(JournalDriver):
         keeps = a.last and topo.tp_rank == 0  # computes the log-probs
         checks = topo.tp_rank == 0  # names a non-finite output (one line, not one per TP rank)
         H = cx.dims.hidden_size
-        counts = {"done": 0, "scored": 0, "padded": 0, "tokens": 0}
+        counts = {"done": 0, "scored": 0, "padded": 0, "tokens": 0, "microbatches": 0}
 
         def line_name(k: int) -> str:
             index, pid = pending[k][0], pending[k][1]
@@ -369,6 +369,7 @@ class ScoreDriver(JournalDriver):
             done_rounds += 1
             lines = sorted(where)  # pending positions of this round, in file order
             counts["padded"] += sum(len(mb.lines) * mb.length for mb in mbs)
+            counts["microbatches"] += len(mbs)
             counts["tokens"] += sum(len(pending[k][2]) for k in lines)
             if journal is not None:
                 write(lines, lps, where)
@@ -405,7 +406,7 @@ class ScoreDriver(JournalDriver):
             replica=topo.replica if shared else None)
         mine = {"timing": timing.to_dict(), "signal": stop.signal_name if stop is not None else None,
                 "stopped": stopped, "rounds": done_rounds, "tokens": counts["tokens"], "padded": counts["padded"],
-                "wall_s": mine_wall, "keeps": keeps}
+                "wall_s": mine_wall, "keeps": keeps, "microbatches": counts["microbatches"]}
         rows = transport.gather_json(cx.world, mine, 0, timeout + (topo.n_stages + 1) * grace, cx.ctx,
                                      "the score stats")
         stopped = transport.bcast_json(cx.world, any(x["stopped"] for x in rows) if rows else None, 0, timeout,
@@ -419,12 +420,13 @@ class ScoreDriver(JournalDriver):
             kept = [x for x in rows if x["keeps"]]
             done_rounds = sum(x["rounds"] for x in kept)
             counts["tokens"], counts["padded"] = sum(x["tokens"] for x in kept), sum(x["padded"] for x in kept)
+            counts["microbatches"] = sum(x["microbatches"] for x in kept)
             replicas = [{"replica": x["timing"]["replica"], "rows": per_replica[x["timing"]["replica"]],
                          "rounds": x["rounds"], "tokens": x["tokens"], "wall_s": round(x["wall_s"], 3),
                          "tokens_per_s": round(x["tokens"] / x["wall_s"], 1) if x["wall_s"] > 0 else None}
                         for x in sorted(kept, key=lambda x: x["timing"]["replica"])]
         run = ClusterRun(timings=[StageTiming.from_dict(r["timing"]) for r in rows], total_forward_ms=wall * 1e3,
-                         tokens=counts["tokens"], microbatches=sum(len(mbs) for mbs in self.rounds[:done_rounds]))
+                         tokens=counts["tokens"], microbatches=counts["microbatches"])
         run.wire = job.run.wire
         return ScoreResult(run=run, total=doc["total"], done_before=done_before, done_now=counts["done"],
                            scored_tokens=counts["scored"], padded_tokens=counts["padded"], rounds=done_rounds,
