@@ -1,7 +1,7 @@
 """Data-parallel replicas (#35) against their peers, ratios taken in one run.
 
     python bench/bench_replicas.py [--preset medium] [--prompts 64] [--max-new-tokens 32] [--reps 3]
-                                   [--today PYTHON] [--json bench/results/replicas.json]
+                                   [--today DIR] [--json bench/results/replicas.json]
 
 Method. Every figure is a real CLI launch (``generate``/``score`` with ``--json``) whose rate is
 new (or scored) tokens over the job's own drive time (``wall_s``: from the barrier before the
@@ -15,7 +15,8 @@ interleaved, ``--reps`` rounds, and medians kept.
 2. score, 2 replicas vs 1: the same 2-replica pinning against one one-rank job on core 0 over
    the whole file (score is compute-bound: goal >= 1.8).
 3. generate, 1 replica vs today's code: the same one-rank job under this checkout and under
-   ``--today PYTHON`` (a Python whose ``rlx_mpi`` is main's); goal overhead <= 2 %. Without
+   ``--today DIR``, a source tree of the code before replicas (``git worktree add /tmp/today
+   <commit>``; run with this Python and ``PYTHONPATH=DIR``); goal overhead <= 2 %. Without
    ``--today`` this row is skipped (a job of one replica runs no work-sharing code: no counter,
    no messages; the row checks that claim).
 
@@ -38,10 +39,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 
-def _job(folder: Path, name: str, ckpt: Path, preset: str, replicas: int) -> Path:
+def _job(folder: Path, name: str, ckpt: Path, preset: str, replicas: int | None) -> Path:
+    """A job file; ``replicas`` None leaves the key out (the code before replicas refuses it)."""
     path = folder / f"{name}.toml"
     path.write_text(f'[model]\ncheckpoint = "{ckpt}"\npreset = "{preset}"\n[run]\ntimeout_s = 600.0\n'
-                    f'startup_timeout_s = 900.0\n[placement]\nreserve_ram_gb = 0.5\nreplicas = {replicas}\n')
+                    f'startup_timeout_s = 900.0\n[placement]\nreserve_ram_gb = 0.5\n'
+                    + (f"replicas = {replicas}\n" if replicas is not None else ""))
     return path
 
 
@@ -65,9 +68,12 @@ def _cmd(python: str, mpiexec: str, cores: list[int], args: list[str]) -> list[s
     return cmd
 
 
-def _start(cmd: list[str]) -> subprocess.Popen:
+def _start(cmd: list[str], cwd: Path, src: str | None = None) -> subprocess.Popen:
+    """``cwd`` outside any checkout: ``python -m`` puts the working folder first on the path."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    if src:  # another source tree's rlx_mpi first on the path (mpiexec passes the environment on)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
 
 
 def _finish(p: subprocess.Popen, stats: Path) -> dict:
@@ -91,7 +97,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="generate's sequences per group")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--today", metavar="PYTHON", help="a Python whose rlx_mpi is main's, for row 3")
+    ap.add_argument("--today", metavar="DIR", help="a source tree of rlx_mpi before replicas, for row 3")
     ap.add_argument("--json", metavar="OUT", default=str(HERE / "results" / "replicas.json"))
     args = ap.parse_args()
 
@@ -110,29 +116,30 @@ def main() -> None:
         prompts = _prompts(tmp / "p.jsonl", args.prompts, vocab, args.seed, score=False)
         lines = _prompts(tmp / "s.jsonl", args.prompts, vocab, args.seed + 1, score=True)
         one, two = _job(tmp, "one", ckpt, args.preset, 1), _job(tmp, "two", ckpt, args.preset, 2)
+        today = _job(tmp, "today", ckpt, args.preset, None)
         gen = ["--max-new-tokens", str(args.max_new_tokens), "--batch", str(args.batch)]
 
-        def go(name: str, python: str, cores: list[int], job: Path, command: str, src: Path, *extra: str):
+        def go(name: str, tree: str | None, cores: list[int], job: Path, command: str, src: Path, *extra: str):
             out, stats = tmp / f"{name}.{time.monotonic_ns()}.jsonl", tmp / f"{name}.{time.monotonic_ns()}.json"
             argv = [command, str(job), "--prompts", str(src), "--out", str(out), "--json", str(stats), *extra]
-            return _start(_cmd(python, mpiexec, cores, argv)), stats
+            return _start(_cmd(py, mpiexec, cores, argv), tmp, tree), stats
 
         for rep in range(args.reps + 1):  # round 0 warms the caches (numba, page cache) and is not kept
             keep = rep > 0
-            p, s = go("gr", py, [0, 1], two, "generate", prompts, *gen)
+            p, s = go("gr", None, [0, 1], two, "generate", prompts, *gen)
             r = _rate(_finish(p, s))
-            (a, sa), (b, sb) = (go("gh1", py, [0], one, "generate", prompts, *gen, "--shard", "1/2"),
-                                go("gh2", py, [1], one, "generate", prompts, *gen, "--shard", "2/2"))
+            (a, sa), (b, sb) = (go("gh1", None, [0], one, "generate", prompts, *gen, "--shard", "1/2"),
+                                go("gh2", None, [1], one, "generate", prompts, *gen, "--shard", "2/2"))
             h = _rate(_finish(a, sa), _finish(b, sb))
-            p, s = go("sr", py, [0, 1], two, "score", lines)
+            p, s = go("sr", None, [0, 1], two, "score", lines)
             sr = _rate(_finish(p, s), score=True)
-            p, s = go("s1", py, [0], one, "score", lines)
+            p, s = go("s1", None, [0], one, "score", lines)
             s1 = _rate(_finish(p, s), score=True)
-            p, s = go("g1", py, [0], one, "generate", prompts, *gen)
+            p, s = go("g1", None, [0], one, "generate", prompts, *gen)
             g1 = _rate(_finish(p, s))
             gt = None
             if args.today:
-                p, s = go("gt", args.today, [0], one, "generate", prompts, *gen)
+                p, s = go("gt", args.today, [0], today, "generate", prompts, *gen)
                 gt = _rate(_finish(p, s))
             if keep:
                 for k, v in (("gen_replicas", r), ("gen_halves", h), ("score_replicas", sr), ("score_one", s1),

@@ -507,7 +507,9 @@ def _plural(n: int, noun: str) -> str:
 
 def _per_host_advice(hosts: Sequence[str], tp: int, replicas: int) -> str:
     """The auto note's advice when a host runs more than one replica's worth of ranks."""
-    per_host = max(hosts.count(h) for h in set(hosts))
+    from collections import Counter
+
+    per_host = max(Counter(hosts).values())
     if replicas < 2 or per_host <= tp:
         return ""
     k = per_host // tp

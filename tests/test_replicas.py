@@ -145,6 +145,16 @@ def test_shards_are_contiguous_near_equal_parts():
     for bad in ("0/3", "4/3", "3", "a/b", "1/0"):
         with pytest.raises(ConfigError, match="w: got"):
             parse_shard(bad, "w")
+    from rlx_mpi.errors import InputError
+    from rlx_mpi.prompts import Prompt
+    from rlx_mpi.shards import select
+
+    prompts = [Prompt(i, f"q{i}", (i,), None) for i in range(5)]
+    part, record = select(prompts, (2, 2), "p.jsonl")
+    assert [(p.index, p.id) for p in part] == [(0, "q2"), (1, "q3"), (2, "q4")]  # renumbered for the journal
+    assert record == {"k": 2, "n": 2, "lines": [2, 5], "of": 5}
+    with pytest.raises(InputError, match="p.jsonl: --shard 1/6: the prompt file has only 5 prompts"):
+        select(prompts, (1, 6), "p.jsonl")
 
 
 def _journals(tmp_path, n_shards, rows=10, identity_settings=None, finish=True):
