@@ -513,9 +513,10 @@ def _per_host_advice(hosts: Sequence[str], tp: int, replicas: int) -> str:
     if replicas < 2 or per_host <= tp:
         return ""
     k = per_host // tp
+    ranks = f"{tp} ranks" if tp > 1 else "one rank"
     return (f"; note: hosts run {per_host} ranks each, so {k} replicas share a host's memory bus: for decode "
-            f"one rank per host (tp {tp}) with all its cores and a {k}x larger [generate] batch is faster "
-            "(each step reads the weights once for all its rows)")
+            f"one replica per host ({ranks} with all the host's cores) and a {k}x larger [generate] batch is "
+            "faster (each step reads the weights once for all its rows)")
 
 
 def kv_cost(cost: ModelCost, specs: list, max_seq: int) -> ModelCost:

@@ -102,8 +102,8 @@ def test_auto_prices_the_kv_cache_at_each_stage_count():
 
 def test_auto_says_when_replicas_share_a_host():
     g = plan_grid(_cost(), _caps(4, 10, per_host=2), PlacementPolicy.BALANCED, replicas="auto")
-    assert len(g.replicas) == 4 and "one rank per host" in g.why
-    assert "one rank per host" not in plan_grid(_cost(), _caps(4, 10), PlacementPolicy.BALANCED, replicas="auto").why
+    assert len(g.replicas) == 4 and "one replica per host (one rank with all the host's cores)" in g.why
+    assert "one replica per host" not in plan_grid(_cost(), _caps(4, 10), PlacementPolicy.BALANCED, replicas="auto").why
 
 
 def _plan(capsys, *args):
