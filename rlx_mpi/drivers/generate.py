@@ -352,7 +352,8 @@ class GenerateDriver(JournalDriver):
             self.holder.update(journal=journal, tokenizer=tokenizer, prompts=prompts)
             pending = [[p.index, p.id, list(p.tokens)] for p in journal.pending]
             longest = max((len(p[2]) for p in pending), default=1)
-            return {"pending": pending, "total": len(prompts), "eos": eos, "max_seq": longest + opts.max_new_tokens}
+            return {"pending": pending, "total": len(prompts), "eos": eos, "max_seq": longest + opts.max_new_tokens,
+                    "first": shard["lines"][0] if shard else 0}  # (a shard's prompts are renumbered from 0)
 
         doc = cx.agree(load, "reading the prompts")
         self.doc = doc = transport.bcast_json(cx.world, doc, 0, job.run.startup_timeout_s, cx.ctx, "the prompts")
@@ -431,7 +432,8 @@ class GenerateDriver(JournalDriver):
         sched = Scheduler([] if feed else items, self.groups, opts.batch,
                           opts.max_new_tokens, frozenset(doc["eos"]), recompute, prefill_chunk=chunk,
                           mixed=callable(getattr(cx.stage, "mixed", None)), stages=topo.n_stages, feed=feed)
-        names = {prompt_key(pid): f"{pid!r} (prompt {i + 1} of {opts.prompts.name})" for i, pid, _ in doc["pending"]}
+        names = {prompt_key(pid): f"{pid!r} (prompt {doc.get('first', 0) + i + 1} of {opts.prompts.name})"
+                 for i, pid, _ in doc["pending"]}
         ring = DecodeRing(cx, opts.sampling, sched.header_size, k_logprobs=opts.logprobs, names=names)
         journal, tokenizer = holder.get("journal"), holder.get("tokenizer")
         texts = {p.index: p.text for p in holder.get("prompts", [])}

@@ -184,7 +184,7 @@ class ScoreDriver(JournalDriver):
                               identity=RunIdentity.for_score(job.model.checkpoint), shard=shard)
             self.holder.update(journal=journal, prompts=prompts)
             pending = [[p.index, p.id, list(p.tokens), p.start] for p in journal.pending]
-            return {"pending": pending, "total": len(prompts)}
+            return {"pending": pending, "total": len(prompts), "first": shard["lines"][0] if shard else 0}
 
         doc = cx.agree(load, "reading the prompts")
         self.doc = doc = transport.bcast_json(cx.world, doc, 0, job.run.startup_timeout_s, cx.ctx, "the prompts")
@@ -233,7 +233,7 @@ class ScoreDriver(JournalDriver):
 
         def line_name(k: int) -> str:
             index, pid = pending[k][0], pending[k][1]
-            return f"line {pid!r} (line {index + 1} of the prompt file)"
+            return f"line {pid!r} (line {doc.get('first', 0) + index + 1} of the prompt file)"
 
         def check(out: np.ndarray, mb: Microbatch, m: int, what: str) -> None:
             if np.isfinite(out).all():
