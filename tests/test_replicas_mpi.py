@@ -204,7 +204,9 @@ def test_stop_signal_with_replicas_then_resume_on_another_count(tmp_path, tiny_c
     from conftest import start_cli
     from rlx_mpi.journal import REQUEUE_EXIT
 
-    long = [(f"q{i}", np.random.default_rng(100 + i).integers(0, 512, int(2 + i % 13)).tolist()) for i in range(40)]
+    # enough work that the signal (sent at the first row) lands mid-run on a fast host: 3 replicas
+    # go through it ~3x faster than test_generate_mpi's 2-stage stop test goes through its 40
+    long = [(f"q{i}", np.random.default_rng(100 + i).integers(0, 512, int(2 + i % 13)).tolist()) for i in range(120)]
     prompts = write_lines(tmp_path / "long.jsonl", long)
     flags = ("--max-new-tokens", 30, "--batch", 2)
     out, ref = tmp_path / "c.jsonl", tmp_path / "ref.jsonl"
@@ -225,5 +227,5 @@ def test_stop_signal_with_replicas_then_resume_on_another_count(tmp_path, tiny_c
                                            name="again"),
                             lambda: launch(tmp_path, tiny_ckpt, "generate", 1, 1, ref, *flags, prompts=prompts))
     assert again.returncode == 0 and whole.returncode == 0, again.stderr + whole.stderr
-    assert f"{first} of 40 prompts already done" in again.stderr
+    assert f"{first} of 120 prompts already done" in again.stderr
     assert without_ms(rows_of(out)) == without_ms(rows_of(ref))
