@@ -128,6 +128,8 @@ def test_a_failing_replica_is_named_and_the_rows_written_resume(tmp_path, faulty
     assert time.monotonic() - t0 < 120
     written = rows_of(out) if out.exists() else []
     assert [r["id"] for r in written] == [pid for pid, _ in PROMPTS[:len(written)]]  # a prefix, in order
+    if fault == "raise":  # (the resume is the same after either: checked once, to keep the file's time small)
+        return
     ref = tmp_path / "ref.jsonl"
     again, one = in_pairs(lambda: launch(tmp_path, faulty_ckpt, "generate", 1, 1, out, *GEN, model=model,
                                          name="again"),
@@ -136,7 +138,7 @@ def test_a_failing_replica_is_named_and_the_rows_written_resume(tmp_path, faulty
     assert without_ms(rows_of(out)) == without_ms(rows_of(ref))
 
 
-def test_three_shards_merged_are_the_unsharded_output(tmp_path, tiny_ckpt):
+def test_three_shards_merged_are_the_unsharded_output(tmp_path, tiny_ckpt, capsys):
     """score (byte for byte, file and record) and generate (rows but their timings), 3 shards each;
     one shard given twice, a missing one and another run's shard are refused."""
     from rlx_mpi.journal import meta_path
@@ -155,8 +157,13 @@ def test_three_shards_merged_are_the_unsharded_output(tmp_path, tiny_ckpt):
         assert p.returncode == 0, p.stderr
     assert [len(rows_of(tmp_path / f"s{k}.jsonl")) for k in (1, 2, 3)] == [3, 4, 4]  # 11 lines: 0:3, 3:7, 7:11
 
-    def merge(out, *parts):
-        return run_cli(["merge", tmp_path / out, *(tmp_path / p for p in parts)], timeout=60)
+    def merge(out, *parts):  # (no MPI: in this process, as `rlx-mpi merge` runs it)
+        from types import SimpleNamespace
+
+        from rlx_mpi.cli import main
+
+        code = main(["merge", str(tmp_path / out), *(str(tmp_path / p) for p in parts)])
+        return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
 
     assert merge("s_all.jsonl", "s3.jsonl", "s1.jsonl", "s2.jsonl").returncode == 0
     assert (tmp_path / "s_all.jsonl").read_bytes() == (tmp_path / "s.jsonl").read_bytes()
