@@ -58,6 +58,13 @@ class RunDriver(Driver):
         self.ids = cx.load_inputs(self.input_ids)
         return cx.batch, cx.seq
 
+    def cost(self, cx: Any) -> Any:
+        """The forward's cost as a function of the stage count: with replicas, each forwards its
+        part of the batch (the largest, ceil(batch / replicas) rows)."""
+        cx.prepare()
+        groups = cx.world.size // cx.job.placement.tp
+        return lambda stages: cx.family.cost(cx.model_config, -(-cx.batch // max(1, groups // stages)), cx.seq)
+
     def check_plan(self, cx: Any) -> None:
         """Replicas split the batch: each needs a row at least (agreed)."""
         n = cx.topology.n_replicas
