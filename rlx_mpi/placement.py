@@ -457,8 +457,15 @@ def plan_grid(cost_for: "ModelCost | Callable[[int], ModelCost]", caps: Sequence
     from .topology import make_grid, replica_grids
 
     hosts = [c.host for c in caps]
-    groups = len(make_grid(hosts, tp))
+    grid = make_grid(hosts, tp)
+    groups = len(grid)
     cost_of = cost_for if callable(cost_for) else (lambda _s: cost_for)
+    split = next((g for g in grid if len({hosts[r] for r in g}) > 1), None)
+    if split is not None and replicas != 1:  # (one replica keeps the pooled leftovers of `make_grid`)
+        on = sorted({hosts[r] for r in split})
+        raise ConfigError(where, f"the tp group of ranks {_ranks_str(split)} would span hosts {', '.join(on)} (a "
+                          f"host's rank count is not a multiple of tp {tp})", f"launch a multiple of {tp} ranks on "
+                          "every host: a TP group all-reduces every layer and must stay on one host")
 
     def place(n_rep: int) -> list[list[Assignment]]:
         grids = replica_grids(hosts, tp, n_rep)

@@ -106,6 +106,13 @@ def test_auto_says_when_replicas_share_a_host():
     assert "one replica per host" not in plan_grid(_cost(), _caps(4, 10), PlacementPolicy.BALANCED, replicas="auto").why
 
 
+def test_replicas_never_split_a_tp_group_across_hosts():
+    caps = _caps(4, 10, per_host=3)  # hosts h0 h0 h0 h1: tp 2 leaves ranks 2 and 3 on two hosts
+    with pytest.raises(ConfigError, match="the tp group of ranks 2,3 would span hosts h0, h1"):
+        plan_grid(_cost(), caps, PlacementPolicy.BALANCED, tp=2, replicas="auto")
+    assert len(plan_grid(_cost(), caps, PlacementPolicy.BALANCED, tp=2, replicas=1).flat) == 2  # as before
+
+
 def _plan(capsys, *args):
     assert main(["plan", *args]) == 0
     return capsys.readouterr().out
