@@ -202,6 +202,8 @@ class Journal:
         # A new file is created at the first row (no empty leftover when the job fails before it)
         self._fd: int | None = self._open() if self.path.exists() else None
         try:
+            if self._fd is not None and identity is not None:
+                self._check_shard()
             k = self._recover() if self._fd is not None else 0
             if identity is not None and k:
                 self._check_identity(k)
@@ -333,6 +335,20 @@ class Journal:
                 raise InputError(where, f"prompt {p.id!r} (prompt {p.index + 1} of the prompt file) has "
                                  f"other tokens than when its row was written (digest {was} then, {now} now)",
                                  fresh)
+
+    def _check_shard(self) -> None:
+        """A ``--shard`` output resumes only as the same shard (and an unsharded one unsharded):
+        said in one line before its rows are compared with another part's prompts."""
+        try:
+            with open(self.meta, "rb") as f:
+                was = json.loads(f.read(1 << 30)).get("shard")
+        except (OSError, ValueError, AttributeError):
+            return  # no record, or not ours: `_check_identity` says so
+        name = lambda s: f"shard {s['k']}/{s['n']}" if isinstance(s, dict) else "the whole prompt file"  # noqa: E731
+        now = self.shard
+        if (was and now and (was.get("k"), was.get("n")) != (now["k"], now["n"])) or bool(was) != bool(now):
+            raise InputError(f"output {self.path}", f"holds {name(was)}, this run is {name(now)}",
+                             "resume with the --shard it was made with, or write to another --out")
 
     def _write_meta(self) -> None:
         """Replace the sidecar (atomically): this run's identity and every prompt's digest."""

@@ -209,3 +209,21 @@ def test_merge_refuses_unfinished_foreign_and_unsharded_inputs(tmp_path):
     with pytest.raises(InputError, match="is not a shard's output"):
         merge(tmp_path / "x.jsonl", [whole])
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_a_shard_output_resumes_only_as_that_shard(tmp_path):
+    from rlx_mpi.errors import InputError
+    from rlx_mpi.journal import Journal, RunIdentity
+    from rlx_mpi.prompts import Prompt
+    from rlx_mpi.shards import select
+
+    parts = _journals(tmp_path, 3)
+    prompts = [Prompt(i, f"q{i}", (i, i + 1), None) for i in range(10)]
+    ident = RunIdentity("generate", {"family": "x"}, {"temperature": 0.0})
+    for shard, now in (((1, 3), "shard 1/3"), (None, "the whole prompt file")):
+        part, record = select(prompts, shard, "p.jsonl")
+        with pytest.raises(InputError, match=f"part2.jsonl: holds shard 2/3, this run is {now}"):
+            Journal(parts[1], part, identity=ident, shard=record)
+    part, record = select(prompts, (2, 3), "p.jsonl")
+    with Journal(parts[1], part, identity=ident, shard=record) as j:  # the same shard: resumes (all done)
+        assert not j.pending
