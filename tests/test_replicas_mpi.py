@@ -59,12 +59,30 @@ def test_generate_greedy_rows_equal_one_replica(tmp_path, tiny_ckpt):
 
 
 def test_generate_sampled_rows_equal_one_replica_and_json_names_replicas(tmp_path, tiny_ckpt):
+    """Sampled, half the prompts as text (a tokenizer beside a copy of the checkpoint: rank 0
+    decodes the other replicas' texts) and the rows in the same key order."""
+    import shutil
+
+    tokenizers = pytest.importorskip("tokenizers", reason="the optional 'tokenizers' package is not installed")
+    from tokenizers import models, pre_tokenizers
+
+    ckpt = tmp_path / "m.h5"
+    shutil.copy(tiny_ckpt, ckpt)
+    tok = tokenizers.Tokenizer(models.WordLevel({"<unk>": 0, **{f"w{i}": i for i in range(1, 512)}}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "m.tokenizer.json"))
+    src = tmp_path / "mixed.jsonl"
+    src.write_text("".join(json.dumps({"id": pid, "text": " ".join(f"w{1 + t % 511}" for t in toks)} if i % 2 else
+                                      {"id": pid, "tokens": toks}) + "\n" for i, (pid, toks) in enumerate(PROMPTS)))
     flags = (*GEN, "--temperature", 0.9, "--top-k", 40, "--seed", 11)
-    one, three = in_pairs(lambda: launch(tmp_path, tiny_ckpt, "generate", 1, 1, tmp_path / "one.jsonl", *flags),
-                          lambda: launch(tmp_path, tiny_ckpt, "generate", 3, 3, tmp_path / "three.jsonl", *flags,
-                                         "--json", tmp_path / "three.json"))
+    one, three = in_pairs(lambda: launch(tmp_path, ckpt, "generate", 1, 1, tmp_path / "one.jsonl", *flags, prompts=src),
+                          lambda: launch(tmp_path, ckpt, "generate", 3, 3, tmp_path / "three.jsonl", *flags,
+                                         "--json", tmp_path / "three.json", prompts=src))
     assert one.returncode == 0 and three.returncode == 0, one.stderr + three.stderr
     ref = without_ms(rows_of(tmp_path / "one.jsonl"))
+    assert [list(r) for r in ref][:2] == [["id", "tokens", "finish_reason", "prompt_tokens", "new_tokens"],
+                                          ["id", "tokens", "text", "finish_reason", "prompt_tokens", "new_tokens"]]
+    assert [list(r) for r in without_ms(rows_of(tmp_path / "three.jsonl"))] == [list(r) for r in ref]
     assert without_ms(rows_of(tmp_path / "three.jsonl")) == ref
     doc = json.loads((tmp_path / "three.json").read_text())
     assert sorted(r["replica"] for r in doc["rows"]) == [0, 1, 2]
