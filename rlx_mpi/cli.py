@@ -101,6 +101,8 @@ def _parser() -> argparse.ArgumentParser:
                    "also decodes carries at most N (the longest wait between a row's tokens; 0 = whole prompts; "
                    "default: [generate] prefill_chunk, else 256)")
     g.add_argument("--json", metavar="STATS.json", help="write the run's per-rank stats and totals as JSON")
+    g.add_argument("--shard", metavar="K/N", help="this job's part of the prompt file: shard K of N contiguous parts (1 <= K <= N), e.g. "
+                   "$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT; join the outputs with rlx-mpi merge")
     g.add_argument("--log-dir", metavar="DIR", help="one log per rank, DIR/rank-0003.log (lines prefixed with rank "
                    "and host); only rank 0 logs to the terminal")
 
@@ -118,6 +120,8 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--batch", type=int, metavar="TOKENS", help="padded tokens per microbatch (rows x longest line; "
                     "default: [score] batch, 2048): the last stage holds TOKENS x vocab float32 logits")
     sc.add_argument("--json", metavar="STATS.json", help="write the run's per-rank stats, totals and summary as JSON")
+    sc.add_argument("--shard", metavar="K/N", help="this job's part of the prompt file: shard K of N contiguous parts (1 <= K <= N), e.g. "
+                   "$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT; join the outputs with rlx-mpi merge")
     sc.add_argument("--log-dir", metavar="DIR", help="one log per rank, DIR/rank-0003.log (lines prefixed with rank "
                     "and host); only rank 0 logs to the terminal")
 
@@ -131,7 +135,9 @@ def _parser() -> argparse.ArgumentParser:
                         description="Size an allocation before queueing: plan a model (a checkpoint via a job "
                         "file, a preset, or a shape) over N hypothetical ranks of equal memory and speed.")
     pl.add_argument("job", nargs="?", help="job TOML whose checkpoint, batch, seq and placement to use")
-    pl.add_argument("--ranks", type=int, required=True, help="number of ranks (stages x tp)")
+    pl.add_argument("--ranks", type=int, required=True, help="number of ranks (replicas x stages x tp)")
+    pl.add_argument("--replicas", help='whole pipelines sharing the prompts: N, or "auto" (the fewest stages that '
+                    'hold the model, as many replicas as the ranks allow; default: the job\'s, else auto)')
     pl.add_argument("--tp", type=int, help="tensor-parallel ranks per stage (default: the job's, else 1)")
     pl.add_argument("--mem-gb", type=float, help="available RAM per rank in GB (default: unlimited)")
     pl.add_argument("--gflops", type=float, help="speed per rank in GFLOP/s (default: all equal)")
@@ -160,6 +166,15 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                    help="storage precision (default float32; bfloat16 is stored as uint16, see README)")
 
+    mg = sub.add_parser("merge", help="join the outputs of generate/score --shard K/N jobs into one file (no MPI)",
+                        description="Join the complete outputs of shards 1..N of one run (generate or score with "
+                        "--shard K/N) into OUT and its record OUT.meta.json: the file one unsharded job would have "
+                        "written, byte for byte. Refuses shards of different runs, a shard missing, given twice or "
+                        "unfinished, and an OUT that exists or is an input. Example: rlx-mpi merge all.jsonl "
+                        "part-*.jsonl")
+    mg.add_argument("out", help="the merged output (must not exist)")
+    mg.add_argument("shards", nargs="+", help="every shard's output file, in any order")
+
     i = sub.add_parser("init-model", help="write a random Llama checkpoint from a preset")
     i.add_argument("out", help="output .h5 file")
     i.add_argument("--preset", default="tiny", help="tiny | small | medium (default tiny)")
@@ -180,6 +195,14 @@ def cmd_run(args) -> int:
     driver = RunDriver(args.job, input_ids=args.input_ids, out=args.out, json=args.json, trace=args.trace,
                        plan_only=args.plan_only)
     return _on_the_cluster(args, driver)
+
+
+def cmd_merge(args) -> int:
+    from .shards import merge
+
+    done = merge(args.out, args.shards)
+    print(f"merge: {done['rows']} rows of {done['shards']} shards in {args.out}")
+    return 0
 
 
 def cmd_generate(args) -> int:
@@ -321,8 +344,7 @@ def _plan_model(args, job):
 def cmd_plan(args) -> int:
     from .caps import NodeCaps
     from .config import PlacementPolicy, load_job
-    from .placement import format_plan, plan_placement
-    from .topology import make_grid
+    from .placement import format_plan, plan_grid
 
     _check_plan_flags(args)
     job = load_job(args.job) if args.job else None
@@ -331,10 +353,14 @@ def cmd_plan(args) -> int:
     tp = args.tp if args.tp is not None else (job.placement.tp if job else 1)
     family.check_tp(cfg, tp, "plan --tp")
     rules.tp_divides_ranks(args.ranks, tp, "plan --ranks", launched=False)
-    if job is not None:
-        job.check_layers(dims.n_layers, args.ranks, tp)
-    else:
-        rules.stages_fit_layers(args.ranks, tp, dims.n_layers, "plan --ranks")
+    replicas = (rules.replicas_value(args.replicas, "plan --replicas") if args.replicas is not None
+                else job.placement.replicas if job else "auto")
+    if replicas != "auto":
+        rules.replicas_divide(args.ranks, tp, replicas, "plan --replicas")
+        if job is not None:
+            job.check_layers(dims.n_layers, args.ranks // replicas, tp)
+        else:
+            rules.stages_fit_layers(args.ranks // replicas, tp, dims.n_layers, "plan --ranks")
     batch = args.batch or (job.run.batch if job else 1)
     seq = args.seq or (job.run.seq if job else (2048 if given else min(2048, dims.max_positions)))
     if not given:  # what `run` would refuse (shape flags carry no limit)
@@ -353,19 +379,21 @@ def cmd_plan(args) -> int:
     mem = None if args.mem_gb is None else int(args.mem_gb * 1e9)
     caps = [NodeCaps(rank=r, host=f"host{r // per_host}", local_rank=r % per_host, local_size=per_host, cpus=None,
                      ram_total_bytes=mem, ram_available_bytes=mem, gflops=args.gflops) for r in range(args.ranks)]
-    grid = make_grid([c.host for c in caps], tp)
     policy = PlacementPolicy(args.policy) if args.policy else (job.placement.policy if job else PlacementPolicy.BALANCED)
     if policy is PlacementPolicy.COMPUTE and args.gflops is None:
         policy = PlacementPolicy.UNIFORM
     reserve = args.reserve_gb if args.reserve_gb is not None else (job.placement.reserve_ram_gb if job else 1.0)
     manual = job.placement.manual if job and policy is PlacementPolicy.MANUAL else None
-    plan = plan_placement(cost, caps, policy, int(reserve * 1e9) if mem is not None else 0, grid=grid, manual=manual,
-                          precision=precision)
+    grid = plan_grid(cost, caps, policy, int(reserve * 1e9) if mem is not None else 0, tp=tp, replicas=replicas,
+                     manual=manual, precision=precision, where="plan --replicas")
     held = ",".join(dict.fromkeys(precision)) if precision else "f32"
+    shape = ((f"{len(grid.replicas)} replicas x " if len(grid.replicas) > 1 else "") + f"{grid.n_stages} stage"
+             + ("s" if grid.n_stages != 1 else "") + f" x tp {tp}")
     print(f"model: {family.describe(cfg)}; {held} weights; "
           f"batch {batch} x seq {seq}; kv cache {_kv_text(kv_specs)}; policy {policy.value}; "
-          f"{args.ranks} ranks = {len(grid)} stages x tp {tp}")
-    print(format_plan(plan, cost))
+          f"{args.ranks} ranks = {shape}")
+    print(format_plan(grid.flat, cost))
+    print(grid.why)
     return 0
 
 
@@ -459,7 +487,8 @@ def cmd_compile_kernels(args) -> int:
 
 
 COMMANDS = {"run": cmd_run, "generate": cmd_generate, "score": cmd_score, "probe": cmd_probe, "plan": cmd_plan, "convert": cmd_convert,
-            "init-model": cmd_init_model, "trace": cmd_trace, "compile-kernels": cmd_compile_kernels}
+            "init-model": cmd_init_model, "trace": cmd_trace, "merge": cmd_merge,
+            "compile-kernels": cmd_compile_kernels}
 MPI_COMMANDS = {"run", "generate", "score", "probe"}
 
 

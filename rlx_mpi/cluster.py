@@ -25,7 +25,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -37,11 +37,11 @@ from .errors import CheckpointError, ConfigError, FitError, InputError
 from .faults import STARTUP_SETTING, RankContext, agree, report_and_abort
 from .outputs import check_output
 from .supervisor import default_startup_timeout_s
-from .placement import Assignment, ModelCost, plan_placement
+from .placement import Assignment, ModelCost, plan_grid
 from .families import get_family, load_plugins, require_preset
 from .stage import ModelDims, Stage, TensorParallel
 from .stats import ClusterRun
-from .topology import Topology, make_grid
+from .topology import Topology
 
 __all__ = ["Cluster"]
 
@@ -285,8 +285,9 @@ class Cluster:
         self.prepare()
         return self.family.cost(self.model_config, self.batch, self.seq)
 
-    def plan(self, cost: ModelCost | None = None) -> list[Assignment]:
-        """Rank 0 plans placement from the gathered caps and broadcasts it (agreed)."""
+    def plan(self, cost: "ModelCost | Callable[[int], ModelCost] | None" = None) -> list[Assignment]:
+        """Rank 0 plans placement from the gathered caps and broadcasts it (agreed); ``cost`` may be
+        a function of the stage count (`placement.plan_grid`). ``plan_`` holds every replica's stages."""
         if not self.caps:
             self.probe()
         cost = cost or self.cost()
@@ -295,12 +296,15 @@ class Cluster:
         def make_plan() -> list[Assignment]:
             if not self.is_root:
                 return []
-            grid = make_grid([c.host for c in self.caps], p.tp)
-            devices = {self.job.override_for(g[0]).device for g in grid}
+            devices = {o.device for o in (self.job.override_for(r) for r in range(len(self.caps)))}
             precision = [self.job.precision_for(r).value for r in range(len(self.caps))]
             try:
-                return plan_placement(cost, self.caps, p.policy, int(p.reserve_ram_gb * 1e9), grid=grid,
-                                      manual=p.manual or None, device=",".join(sorted(devices)), precision=precision)
+                grid = plan_grid(cost, self.caps, p.policy, int(p.reserve_ram_gb * 1e9), tp=p.tp,
+                                 replicas=p.replicas, manual=p.manual or None, device=",".join(sorted(devices)),
+                                 precision=precision, where=f"{self.job.path}: [placement] replicas")
+                if len(grid.replicas) > 1 or p.replicas == "auto":
+                    log.info("%s", grid.why)
+                return grid.flat
             except FitError as e:  # --mem-gb is a flag of `plan`, not of a run
                 raise FitError(e.where, e.what, (e.fix or "").replace("raise --mem-gb, ", "")) from None
 
@@ -308,15 +312,21 @@ class Cluster:
         doc = transport.bcast_json(self.world, [a.to_dict() for a in plan], 0, self.job.run.startup_timeout_s,
                                    self.ctx, "the plan")
         self.plan_ = [Assignment.from_dict(d) for d in doc]
-        self.topology = Topology.build(self.world, [list(a.ranks) for a in self.plan_])
-        mine = self.plan_[self.topology.stage]
+        reps: list[list[list[int]]] = []
+        for a in self.plan_:
+            if a.replica == len(reps):
+                reps.append([])
+            reps[a.replica].append(list(a.ranks))
+        self.topology = Topology.build(self.world, reps[0], replicas=reps)
+        mine = self.assignment
         self.ctx.stage, self.ctx.layers, self.ctx.tp_rank = mine.stage, mine.layers, self.topology.tp_rank
         self.ctx.extra["tp"] = self.topology.tp
         return self.plan_
 
     @property
     def assignment(self) -> Assignment:
-        return self.plan_[self.topology.stage]
+        """This rank's stage (of its replica)."""
+        return next(a for a in self.plan_ if self.world.rank in a.ranks)
 
     def build(self, decode: bool = False) -> Stage:
         """Each rank loads only its layers and its tensor-parallel shard (agreed); ``decode``:
@@ -425,6 +435,8 @@ class Cluster:
     def close(self) -> None:
         if self.topology is not None and self.topology.tp_comm is not None:
             self.topology.tp_comm.Free()
+        if self.topology is not None and self.topology.replica_comm is not None:
+            self.topology.replica_comm.Free()
         self.world.Free()
 
 

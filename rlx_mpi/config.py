@@ -108,6 +108,9 @@ class PlacementSection:
     """Time a short matmul on every rank at start-up (the compute policy needs it)."""
     manual: tuple[range, ...] = ()
     """With policy = "manual": one "a:b" layer range per stage, e.g. ["0:5", "5:8"]."""
+    replicas: int | str = 1
+    """Whole pipelines (stages x tp ranks each) sharing the prompts: an integer, or "auto" (the
+    fewest stages whose memory holds the model, as many replicas as the ranks allow: `placement.plan_grid`)."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +208,9 @@ class JobConfig:
         tp = self.placement.tp
         rules.tp_divides_ranks(world_size, tp, f"{self.path}: [placement] tp")
         stages = world_size // tp
+        if isinstance(self.placement.replicas, int):
+            rules.replicas_divide(world_size, tp, self.placement.replicas, f"{self.path}: [placement] replicas")
+            stages //= self.placement.replicas
         if self.placement.policy is PlacementPolicy.MANUAL:
             rules.manual_ranges_tile(self.placement.manual, f"{self.path}: [placement] manual", stages=stages,
                                      detail=f" ({_count(world_size, 'rank')} / tp {tp})")
@@ -216,7 +222,9 @@ class JobConfig:
     def check_layers(self, n_layers: int, world_size: int, tp: int | None = None) -> None:
         """Cross-check the placement against the model's layer count, once the checkpoint is read."""
         tp = tp or self.placement.tp
-        rules.stages_fit_layers(world_size, tp, n_layers, f"{self.path}: [placement]")
+        replicas = self.placement.replicas
+        if replicas != "auto":  # (auto picks at most n_layers stages itself)
+            rules.stages_fit_layers(world_size // replicas, tp, n_layers, f"{self.path}: [placement]")
         if self.placement.policy is PlacementPolicy.MANUAL:
             rules.manual_ranges_tile(self.placement.manual, f"{self.path}: [placement] manual", n_layers=n_layers)
 
@@ -362,6 +370,8 @@ def _coerce(name: str, type_name: str, value: Any, where: str, job_path: Path) -
             raise ConfigError(where, f"got {value!r}, expected a finite number")
         _check_range(name, value, where)
         return float(value)
+    if t == "int | str":  # [placement] replicas, the one such field
+        return rules.replicas_value(value, where)
     if t == "KvSpec":
         return KvSpec.parse(value, where)
     enums = {"PlacementPolicy": PlacementPolicy, "Precision": Precision}

@@ -57,7 +57,7 @@ from typing import Any, Iterable, Sequence
 from .errors import InputError, RankFault
 from .prompts import Prompt
 
-__all__ = ["Journal", "RunIdentity", "model_identity", "prompt_digest", "meta_path", "REQUEUE_EXIT",
+__all__ = ["Journal", "RunIdentity", "model_identity", "prompt_digest", "meta_path", "meta_bytes", "REQUEUE_EXIT",
            "MAX_ROW_BYTES", "META_FORMAT"]
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,15 @@ def prompt_digest(tokens: Sequence[int], *extra: int) -> str:
 
     data = np.asarray([*tokens, -1, *extra] if extra else list(tokens), dtype="<i8").tobytes()
     return hashlib.sha256(data).hexdigest()[:16]
+
+
+def meta_bytes(identity: "RunIdentity", digests: dict, shard: dict | None = None) -> bytes:
+    """The sidecar's bytes: the run identity, every prompt's digest (in prompt order) and, for a
+    ``--shard`` output, which part of the prompt file it holds (`shards.py`)."""
+    doc = {"format": META_FORMAT, "version": 1, **identity.to_json(), "prompts": digests}
+    if shard is not None:
+        doc["shard"] = shard
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n"
 
 
 def model_identity(checkpoint) -> dict:
@@ -176,13 +185,14 @@ class Journal:
     """
 
     def __init__(self, path, prompts: Sequence[Prompt], *, inputs: Iterable = (), sync_s: float = 2.0,
-                 identity: RunIdentity | None = None):
+                 identity: RunIdentity | None = None, shard: dict | None = None):
         if sync_s < 0:
             raise ValueError(f"sync_s must be >= 0, got {sync_s}")
         self.path = Path(path)
         self.meta = meta_path(self.path)
         self.sync_s = sync_s
         self.identity = identity
+        self.shard = shard  # `shards.select`'s record of which part of the prompt file this is (--shard)
         self._prompts = list(prompts)
         if [p.index for p in self._prompts] != list(range(len(self._prompts))) or \
                 len({p.id for p in self._prompts}) != len(self._prompts):
@@ -192,6 +202,8 @@ class Journal:
         # A new file is created at the first row (no empty leftover when the job fails before it)
         self._fd: int | None = self._open() if self.path.exists() else None
         try:
+            if self._fd is not None and identity is not None:
+                self._check_shard()
             k = self._recover() if self._fd is not None else 0
             if identity is not None and k:
                 self._check_identity(k)
@@ -330,11 +342,23 @@ class Journal:
                                  f"other tokens than when its row was written (digest {was} then, {now} now)",
                                  fresh)
 
+    def _check_shard(self) -> None:
+        """A ``--shard`` output resumes only as the same shard (and an unsharded one unsharded):
+        said in one line before its rows are compared with another part's prompts."""
+        try:
+            with open(self.meta, "rb") as f:
+                was = json.loads(f.read(1 << 30)).get("shard")
+        except (OSError, ValueError, AttributeError):
+            return  # no record, or not ours: `_check_identity` says so
+        name = lambda s: f"shard {s['k']}/{s['n']}" if isinstance(s, dict) else "the whole prompt file"  # noqa: E731
+        now = self.shard
+        if (was and now and (was.get("k"), was.get("n")) != (now["k"], now["n"])) or bool(was) != bool(now):
+            raise InputError(f"output {self.path}", f"holds {name(was)}, this run is {name(now)}",
+                             "resume with the --shard it was made with, or write to another --out")
+
     def _write_meta(self) -> None:
         """Replace the sidecar (atomically): this run's identity and every prompt's digest."""
-        doc = {"format": META_FORMAT, "version": 1, **self.identity.to_json(),
-               "prompts": {p.id: _digest_of(p) for p in self._prompts}}
-        data = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n"
+        data = meta_bytes(self.identity, {p.id: _digest_of(p) for p in self._prompts}, self.shard)
         try:
             with open(self.meta, "rb") as f:
                 if f.read(len(data) + 1) == data:

@@ -12,14 +12,14 @@ import dataclasses
 import heapq
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Sequence
+from typing import Callable, Sequence
 
 from . import rules
 from .caps import NodeCaps
 from .config import PlacementPolicy, Precision
 from .errors import ConfigError, FitError
 
-__all__ = ["ModelCost", "Assignment", "plan_placement", "format_plan", "kv_cost"]
+__all__ = ["ModelCost", "Assignment", "plan_placement", "format_plan", "kv_cost", "GridPlan", "plan_grid"]
 
 
 @dataclass(frozen=True)
@@ -87,18 +87,20 @@ class Assignment:
     first: bool
     last: bool
     precision: str = "f32"  # weight precision of the stage's ranks, e.g. "bf16" or "f32,int8" when mixed
+    replica: int = 0  # the data-parallel replica (whole pipeline) the stage belongs to
 
     def to_dict(self) -> dict:
         return {"stage": self.stage, "ranks": list(self.ranks), "hosts": list(self.hosts),
                 "layers": [self.layers.start, self.layers.stop], "device": self.device,
                 "est_bytes": self.est_bytes, "first": self.first, "last": self.last,
-                "precision": self.precision}
+                "precision": self.precision, "replica": self.replica}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Assignment":
         return cls(stage=d["stage"], ranks=tuple(d["ranks"]), hosts=tuple(d["hosts"]),
                    layers=range(*d["layers"]), device=d["device"], est_bytes=d["est_bytes"],
-                   first=d["first"], last=d["last"], precision=d.get("precision", "f32"))
+                   first=d["first"], last=d["last"], precision=d.get("precision", "f32"),
+                   replica=d.get("replica", 0))
 
 
 # Note: the planner's model of a stage.
@@ -381,25 +383,147 @@ def plan_placement(cost: ModelCost, caps: Sequence[NodeCaps], policy: PlacementP
 
 
 def format_plan(plan: Sequence[Assignment], cost: ModelCost | None = None) -> str:
-    """The plan as a plain-text table, one row per stage (``rlx-mpi plan`` prints it).
+    """The plan as a plain-text table, one row per stage (``rlx-mpi plan`` prints it); with
+    more than one replica, a first column names each stage's replica.
 
-    With ``cost``, a last line gives the model's layer count and total resident bytes."""
+    With ``cost``, a last line gives the model's layer count and total resident bytes (of one
+    replica, and of all of them)."""
+    n_rep = 1 + max((a.replica for a in plan), default=0)
     header = ("stage", "ranks", "hosts", "layers", "n_layers", "device", "precision", "est/rank")
-    rows = [header]
+    rows = [(("replica",) if n_rep > 1 else ()) + header]
     for a in plan:
         hosts = ",".join(dict.fromkeys(a.hosts))  # unique, in rank order
-        rows.append((str(a.stage), _ranks_str(a.ranks), hosts,
-                     f"{a.layers.start}:{a.layers.stop}", str(len(a.layers)), a.device,
-                     a.precision, _gb(a.est_bytes)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    right = {0, 4, 7}  # numeric columns
+        rows.append(((str(a.replica),) if n_rep > 1 else ()) + (
+            str(a.stage), _ranks_str(a.ranks), hosts, f"{a.layers.start}:{a.layers.stop}", str(len(a.layers)),
+            a.device, a.precision, _gb(a.est_bytes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    right = {i + (n_rep > 1) for i in (0, 4, 7)} | ({0} if n_rep > 1 else set())  # numeric columns
     lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w)
                        for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
     if cost is not None:
-        total = sum(a.est_bytes * len(a.ranks) for a in plan)
-        lines.append(f"{len(plan)} stages, {cost.n_layers} layers, "
-                     f"{_gb(total)} estimated in total")
+        total = sum(a.est_bytes * len(a.ranks) for a in plan if a.replica == 0)
+        stages = sum(a.replica == 0 for a in plan)
+        if n_rep == 1:
+            lines.append(f"{stages} stages, {cost.n_layers} layers, {_gb(total)} estimated in total")
+        else:
+            lines.append(f"{n_rep} replicas x {stages} {_plural(stages, 'stage')}, {cost.n_layers} layers, {_gb(total)} estimated in "
+                         f"total per replica ({_gb(total * n_rep)} for all {n_rep})")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class GridPlan:
+    """The placement of every replica (each a list of stages, as `plan_placement` returns) and
+    why the grid is what it is (one line ``plan`` prints)."""
+
+    replicas: list[list[Assignment]]
+    why: str
+
+    @property
+    def flat(self) -> list[Assignment]:
+        """Every stage of every replica, replica by replica."""
+        return [a for rep in self.replicas for a in rep]
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.replicas[0])
+
+
+# Note: replicas = "auto". A replica is a whole pipeline; every replica holds the whole model,
+# so the fewest stages whose memory holds it (with the KV cache the job needs, priced at that
+# stage count: `cost_for`) leaves the most ranks for more replicas, and replicas exchange no
+# hidden states at all. So auto tries stage counts 1, 2, ... (divisors of the TP-group count,
+# every replica alike) and takes the first at which every replica fits. It cannot move ranks
+# between hosts, but it says so when a host runs several replicas: decode reads every weight
+# once per step for all the rows of a step, so one rank per host with all the host's cores
+# (and a larger batch) beats k one-core replicas on one host, which read the weights k times
+# over the same memory bus (two one-core decode jobs side by side reach ~1.3x one on the
+# 2-core VM, not 2x).
+
+def plan_grid(cost_for: "ModelCost | Callable[[int], ModelCost]", caps: Sequence[NodeCaps],
+              policy: PlacementPolicy, reserve_bytes: int = 0, *, tp: int = 1, replicas: "int | str" = 1,
+              manual: Sequence[range] | None = None, device: str = "cpu",
+              precision: Sequence[str] | None = None, where: str = "placement replicas") -> GridPlan:
+    """Place ``replicas`` whole pipelines (an integer, or "auto": the note above) of ``tp``-rank
+    stages over the ranks of ``caps``, each planned by `plan_placement`.
+
+    ``cost_for`` is the cost, or a function of the stage count giving it (a job whose KV cache
+    grows with its stages, as generate's one group per stage does). Raises as `plan_placement`;
+    under auto, the error of the last stage count tried (one replica over every rank).
+
+    >>> # 8 ranks of 64 GB, Llama-3-8B in bf16 (16 GB): 8 replicas of one stage
+    >>> # plan_grid(cost, caps, PlacementPolicy.BALANCED, replicas="auto").n_stages == 1
+    """
+    from .topology import make_grid, replica_grids
+
+    hosts = [c.host for c in caps]
+    grid = make_grid(hosts, tp)
+    groups = len(grid)
+    cost_of = cost_for if callable(cost_for) else (lambda _s: cost_for)
+    split = next((g for g in grid if len({hosts[r] for r in g}) > 1), None)
+    if split is not None and replicas != 1:  # (one replica keeps the pooled leftovers of `make_grid`)
+        on = sorted({hosts[r] for r in split})
+        raise ConfigError(where, f"the tp group of ranks {_ranks_str(split)} would span hosts {', '.join(on)} (a "
+                          f"host's rank count is not a multiple of tp {tp})", f"launch a multiple of {tp} ranks on "
+                          "every host: a TP group all-reduces every layer and must stay on one host")
+
+    def place(n_rep: int) -> list[list[Assignment]]:
+        grids = replica_grids(hosts, tp, n_rep)
+        cost = cost_of(len(grids[0]))
+        return [[dataclasses.replace(a, replica=r) for a in
+                 plan_placement(cost, caps, policy, reserve_bytes, grid=grid, manual=manual, device=device,
+                                precision=precision)] for r, grid in enumerate(grids)]
+
+    if replicas != "auto":
+        rules.replicas_divide(len(caps), tp, replicas, where)
+        reps = place(replicas)
+        S = len(reps[0])
+        return GridPlan(reps, f"{replicas} {_plural(replicas, 'replica')} x {S} {_plural(S, 'stage')} x tp {tp}"
+                        f" (replicas = {replicas})")
+    n_layers = cost_of(1).n_layers
+    if manual:
+        counts = [len(manual)] if groups % len(manual) == 0 else []
+    else:
+        counts = [s for s in range(1, min(groups, n_layers) + 1) if groups % s == 0]
+    if not counts:
+        raise ConfigError(where, f"auto finds no stage count: {len(manual or ())} manual ranges do not divide "
+                          f"the {groups} stages of tp {tp}", "give replicas = N, or manual ranges whose count divides "
+                          "the stage count")
+    first_miss: FitError | None = None
+    for S in counts:
+        try:
+            reps = place(groups // S)
+        except FitError as e:
+            if S == counts[-1]:
+                raise
+            first_miss = first_miss or e
+            continue
+        R = len(reps)
+        why = (f"replicas auto: {R} {_plural(R, 'replica')} x {S} {_plural(S, 'stage')} x tp {tp}; "
+               f"{S} {_plural(S, 'stage')} of tp {tp} {'is' if S == 1 else 'are'} the fewest that hold the model")
+        if first_miss is not None:
+            why += f" (with fewer: {first_miss.what})"
+        why += _per_host_advice(hosts, tp, R)
+        return GridPlan(reps, why)
+    raise AssertionError("unreachable")  # the last count raised or returned
+
+
+def _plural(n: int, noun: str) -> str:
+    return noun if n == 1 else noun + "s"
+
+
+def _per_host_advice(hosts: Sequence[str], tp: int, replicas: int) -> str:
+    """The auto note's advice when a host runs more than one replica's worth of ranks."""
+    from collections import Counter
+
+    per_host = max(Counter(hosts).values())
+    if replicas < 2 or per_host <= tp:
+        return ""
+    k = per_host // tp
+    ranks = f"{tp} ranks" if tp > 1 else "one rank"
+    return (f"; note: hosts run {per_host} ranks each, so {k} replicas share a host's memory bus: for decode "
+            f"one replica per host ({ranks} with all the host's cores) and a {k}x larger [generate] batch is "
+            "faster (each step reads the weights once for all its rows)")
 
 
 def kv_cost(cost: ModelCost, specs: list, max_seq: int) -> ModelCost:

@@ -18,7 +18,7 @@ from .errors import ConfigError, InputError
 
 __all__ = ["PRECISIONS", "WIRE_FORMATS", "precision_name", "tp_divides_ranks", "stages_fit_layers",
            "manual_ranges_tile", "seq_fits", "ids_array", "microbatches_fit", "int_at_least", "at_most",
-           "token_in_vocab", "LOGPROBS_MAX"]
+           "token_in_vocab", "LOGPROBS_MAX", "replicas_value", "replicas_divide"]
 
 PRECISIONS = ("f32", "bf16", "f16", "int8")  # how a rank holds its weights (config.Precision)
 _PRECISION_ALIASES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # numpy-style spellings
@@ -125,3 +125,21 @@ def token_in_vocab(value: int | None, vocab_size: int, where: str, fix: str = ""
     if value is not None and not 0 <= value < vocab_size:
         raise error(where, f"got {value}, but the model's vocabulary has {vocab_size} tokens (ids 0..{vocab_size - 1})",
                     fix or f"give an id in [0, {vocab_size})")
+
+
+def replicas_value(value: Any, where: str) -> int | str:
+    """``[placement] replicas`` / ``--replicas``: "auto" or an integer >= 1 (a numeric string too)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 2**20):
+        return value
+    raise ConfigError(where, f"got {value!r}", 'expected "auto" or an integer >= 1 (whole pipelines working '
+                      "through the prompts side by side)")
+
+
+def replicas_divide(ranks: int, tp: int, replicas: int, where: str) -> None:
+    """A replica is stages x tp ranks, every replica alike: replicas x tp must divide the ranks."""
+    if ranks % tp or (ranks // tp) % replicas:
+        raise ConfigError(where, f"{replicas} replicas of tp {tp} do not divide the {ranks} ranks",
+                          f"launch a multiple of {replicas * tp} ranks, or choose replicas dividing "
+                          f"{ranks // max(tp, 1)} (or \"auto\")")

@@ -176,7 +176,7 @@ class Scheduler:
 
     def __init__(self, prompts: list[tuple[int, str, tuple[int, ...]]], groups: int, batch: int,
                  max_new_tokens: int, eos_ids: frozenset[int], recompute: bool, prefill_chunk: int = 0,
-                 mixed: bool = False, stages: int = 1):
+                 mixed: bool = False, stages: int = 1, feed: Any = None):
         self.chunk = 0 if recompute else prefill_chunk
         self.mixed = mixed and bool(self.chunk)
         self.stages = stages
@@ -184,6 +184,7 @@ class Scheduler:
         self.issued = [False] * groups  # the group's own step is in flight
         self.turns = 0  # turns taken (a row's cohort)
         self.queue = deque(prompts)
+        self.feed = feed  # () -> more prompts as ``prompts``, [] when there are no more (replicas share a list)
         self.groups, self.batch = groups, batch
         self.max_new_tokens, self.eos_ids, self.recompute = max_new_tokens, frozenset(eos_ids), recompute
         self.rows: list[list[Seq | None]] = [[None] * batch for _ in range(groups)]
@@ -205,6 +206,10 @@ class Scheduler:
         rows = self.rows[g]
         self.turns += 1
         for i, r in enumerate(rows):
+            if r is None and not self.queue and self.feed is not None:  # a free slot: the next chunk
+                self.queue.extend(self.feed() or ())
+                if not self.queue:
+                    self.feed = None
             if r is None and self.queue:
                 index, pid, tokens = self.queue.popleft()
                 rows[i] = Seq(index, pid, tuple(tokens), g * self.batch + i, prompt_key(pid),
@@ -316,4 +321,4 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.queue and all(r is None for g in self.rows for r in g)
+        return not self.queue and self.feed is None and all(r is None for g in self.rows for r in g)

@@ -48,6 +48,7 @@ class StageTiming:
     prefill_ms: float | None = None
     decode_ms: float | None = None
     sample_ms: float | None = None
+    replica: int | None = None  # the data-parallel replica of the rank (None: the job has one)
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if v is not None}
@@ -120,12 +121,15 @@ class ClusterRun:
         head = ("stage", "rank", "host", "tp", "layers", "device", "precision", "build_ms", "forward_ms",
                 "recv_wait_ms", "send_ms", "busy", "sent_MB", "est_MB", "weights_MB", "peak_rss_MB")
         rows = []
-        for t in sorted(self.timings, key=lambda t: (t.stage, t.tp_rank)):
+        many = any(t.replica is not None for t in self.timings)  # replicas: a first column names each rank's
+        for t in sorted(self.timings, key=lambda t: (t.replica or 0, t.stage, t.tp_rank)):
             tp = ",".join(map(str, t.tp_ranks)) if len(t.tp_ranks) > 1 else "-"
-            rows.append((str(t.stage), str(t.rank), t.host, tp, f"{t.layers.start}:{t.layers.stop}", t.device,
+            rows.append(((str(t.replica),) if many else ()) + (
+                         str(t.stage), str(t.rank), t.host, tp, f"{t.layers.start}:{t.layers.stop}", t.device,
                          t.precision, f"{t.build_ms:.1f}", f"{t.forward_ms:.1f}", f"{t.recv_wait_ms:.1f}", f"{t.send_ms:.1f}",
                          f"{100 * self.busy(t):.0f}%", _mb(t.bytes_sent), _mb(t.est_bytes), _mb(t.weight_bytes), _mb(t.peak_rss_bytes)))
-        lines = [format_table(head, rows, left=(2, 5, 6))]
+        lines = [format_table((("replica",) if many else ()) + head, rows,
+                              left=(3, 6, 7) if many else (2, 5, 6))]
         lines.append(f"total forward {self.total_forward_ms:.1f} ms for {self.tokens} tokens "
                      f"({self.microbatches} microbatch{'es' if self.microbatches != 1 else ''}): "
                      f"{self.tokens_per_s:.1f} tokens/s; bubble {100 * self.bubble:.1f}% "
@@ -157,24 +161,30 @@ class GenerateResult:
     stopped_by: str | None  # a signal name when stopped early
     prefill_steps: int = 0  # steps stage 0 issued that carried prefill positions (chunks, MIXED steps too)
     token_gap_ms: dict | None = None  # between a row's decode tokens at stage 0: median, p99, max (`Scheduler.token_gaps_ms`)
+    replicas: list[dict] | None = None  # per replica: rows, tokens, wall_s, tokens_per_s (None: one replica)
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k != "timings"}
+        d = {k: v for k, v in asdict(self).items() if k != "timings" and not (k == "replicas" and v is None)}
         return {"rows": [t.to_dict() for t in self.timings], **d}
 
     def table(self) -> str:
         head = ("stage", "rank", "tp", "layers", "kv", "prefill_ms", "decode_ms", "sample_ms", "recv_wait_ms",
                 "send_ms", "kv_MB", "weights_MB", "peak_rss_MB")
         rows = []
-        for t in sorted(self.timings, key=lambda t: (t.stage, t.tp_rank)):
+        many = self.replicas is not None
+        for t in sorted(self.timings, key=lambda t: (t.replica or 0, t.stage, t.tp_rank)):
             tp = ",".join(map(str, t.tp_ranks)) if len(t.tp_ranks) > 1 else "-"
-            rows.append((str(t.stage), str(t.rank), tp, f"{t.layers.start}:{t.layers.stop}", t.kv or "-",
+            rows.append(((str(t.replica),) if many else ()) + (
+                         str(t.stage), str(t.rank), tp, f"{t.layers.start}:{t.layers.stop}", t.kv or "-",
                          f"{t.prefill_ms or 0.0:.1f}", f"{t.decode_ms or 0.0:.1f}", f"{t.sample_ms or 0.0:.1f}",
                          f"{t.recv_wait_ms:.1f}", f"{t.send_ms:.1f}",
                          _mb(t.kv_bytes or 0), _mb(t.weight_bytes), _mb(t.peak_rss_bytes)))
         rate = self.new_tokens / self.wall_s if self.wall_s > 0 else float("nan")
         gaps = self.token_gap_ms
         gap = f"; between a row's tokens {gaps['median']:.1f} ms median, {gaps['max']:.1f} ms at most" if gaps else ""
-        return (format_table(head, rows, left=(4,)) + "\n"
+        per = "".join(f"replica {r['replica']}: {r['rows']} prompts, {r['tokens']} new tokens in {r['wall_s']:.2f} s"
+                      f" ({r['tokens_per_s'] or 0.0:.1f} tokens/s)\n" for r in self.replicas or [])
+        table = format_table((("replica",) if many else ()) + head, rows, left=(5,) if many else (4,))
+        return (table + "\n" + per +
                 f"{self.done_now} prompts completed in {self.wall_s:.2f} s ({self.done_before} done before, "
                 f"{self.total} in total): {self.new_tokens} new tokens, {rate:.1f} tokens/s{gap}")

@@ -1,4 +1,4 @@
-"""Rank arithmetic of the stages x tp grid (pure), and the communicators built from it.
+"""Rank arithmetic of the replicas x stages x tp grid (pure), and the communicators built from it.
 
 Worked example, 8 ranks on hosts ``[a, a, a, a, b, b, b, b]`` with tp = 2::
 
@@ -8,6 +8,17 @@ Worked example, 8 ranks on hosts ``[a, a, a, a, b, b, b, b]`` with tp = 2::
 With a round-robin launch (hosts ``[a, b, a, b]``, tp = 2) the TP groups still stay on one
 host: ``[[0, 2], [1, 3]]``, so the per-layer all-reduce runs over shared memory and only
 the hidden state between stages crosses the network.
+
+Replicas (data parallelism) cut those TP groups into whole pipelines of equal length, a
+replica's groups taken host by host so that it spans as few hosts as possible. 8 ranks on
+hosts ``[a, b, a, b, a, b, a, b]`` (a round-robin launch), tp = 1, 2 replicas::
+
+    replica_grids(hosts, 1, 2) = [[[0], [2], [4], [6]],     # replica 0: 4 stages, all on host a
+                                  [[1], [3], [5], [7]]]     # replica 1: 4 stages, all on host b
+
+so no hidden state crosses the network, and the replicas exchange only prompts and rows.
+Replicas and stages are ordered by their lowest rank: world rank 0 is always stage 0, tp rank
+0 of replica 0 (it reads the prompts and writes the output).
 """
 
 from __future__ import annotations
@@ -17,7 +28,7 @@ from typing import Any, Sequence
 
 from . import rules
 
-__all__ = ["make_grid", "locate", "Topology"]
+__all__ = ["make_grid", "replica_grids", "locate", "Topology"]
 
 
 def make_grid(hosts: Sequence[str], tp: int) -> list[list[int]]:
@@ -42,6 +53,30 @@ def make_grid(hosts: Sequence[str], tp: int) -> list[list[int]]:
     return sorted(groups, key=min)
 
 
+def replica_grids(hosts: Sequence[str], tp: int, replicas: int) -> list[list[list[int]]]:
+    """`make_grid`'s TP groups cut into ``replicas`` pipelines of equal stage count.
+
+    Groups are taken host by host (hosts in order of their lowest rank, a host's groups in rank
+    order; groups spanning hosts last), so a replica spans as few hosts as it can and a host's
+    ranks serve as few replicas as they can. Within a replica stages are ordered by lowest rank,
+    and replicas by their lowest rank.
+    """
+    groups = make_grid(hosts, tp)
+    rules.replicas_divide(len(hosts), tp, replicas, "placement replicas")
+    first_rank: dict[str, int] = {}
+    for rank, host in enumerate(hosts):
+        first_rank.setdefault(host, rank)
+
+    def order(g: list[int]) -> tuple:
+        on = {hosts[r] for r in g}
+        return (1, 0, min(g)) if len(on) > 1 else (0, first_rank[hosts[g[0]]], min(g))
+
+    ordered = sorted(groups, key=order)
+    S = len(groups) // replicas
+    cut = [sorted(ordered[i * S:(i + 1) * S], key=min) for i in range(replicas)]
+    return sorted(cut, key=lambda rep: min(min(g) for g in rep))
+
+
 def locate(grid: Sequence[Sequence[int]], rank: int) -> tuple[int, int]:
     """(stage, tp rank) of world ``rank`` in ``grid``."""
     for stage, group in enumerate(grid):
@@ -52,7 +87,10 @@ def locate(grid: Sequence[Sequence[int]], rank: int) -> tuple[int, int]:
 
 @dataclass
 class Topology:
-    """One rank's view of the grid: its stage, its TP group, its pipeline neighbours."""
+    """One rank's view of the grid: its replica, its stage, its TP group, its pipeline neighbours.
+
+    ``grid`` is this rank's replica's pipeline (world ranks), so a driver that moves hidden
+    states between ``grid``'s stages works the same whatever the replica count."""
 
     grid: list[list[int]]
     rank: int
@@ -60,6 +98,18 @@ class Topology:
     tp_rank: int
     world: Any  # private duplicate of COMM_WORLD for point-to-point traffic
     tp_comm: Any  # the stage's TP group (COMM_SELF-like when tp = 1)
+    replica: int = 0
+    replicas: list[list[list[int]]] | None = None  # every replica's grid (None: one replica, ``grid``)
+    replica_comm: Any = None  # this replica's ranks (None: one replica, the world is the replica)
+
+    @property
+    def n_replicas(self) -> int:
+        return len(self.replicas) if self.replicas else 1
+
+    @property
+    def heads(self) -> list[int]:
+        """Each replica's driving rank (stage 0, tp rank 0), in replica order."""
+        return [rep[0][0] for rep in (self.replicas or [self.grid])]
 
     @property
     def n_stages(self) -> int:
@@ -85,8 +135,14 @@ class Topology:
         return self.grid[-1][0]
 
     @classmethod
-    def build(cls, world: Any, grid: list[list[int]]) -> "Topology":
-        """Split ``world`` (collective over it) into this rank's TP group."""
+    def build(cls, world: Any, grid: list[list[int]], replicas: list[list[list[int]]] | None = None) -> "Topology":
+        """Split ``world`` (collective over it) into this rank's TP group; with ``replicas``
+        (every replica's grid), ``grid`` is ignored and this rank's replica's is used."""
+        reps = replicas or [grid]
+        replica = next(i for i, rep in enumerate(reps) if any(world.rank in g for g in rep))
+        grid = reps[replica]
         stage, tp_rank = locate(grid, world.rank)
-        tp_comm = world.Split(color=stage, key=tp_rank)
-        return cls(grid=grid, rank=world.rank, stage=stage, tp_rank=tp_rank, world=world, tp_comm=tp_comm)
+        tp_comm = world.Split(color=replica * len(grid) + stage, key=tp_rank)
+        replica_comm = world.Split(color=replica, key=world.rank) if len(reps) > 1 else None
+        return cls(grid=grid, rank=world.rank, stage=stage, tp_rank=tp_rank, world=world, tp_comm=tp_comm,
+                   replica=replica, replicas=reps if len(reps) > 1 else None, replica_comm=replica_comm)

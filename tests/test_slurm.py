@@ -306,3 +306,33 @@ def test_probe_shows_mpi_library_and_job(slurm, tmp_path):
     assert p.returncode == 0, p.stderr
     assert "MPICH" in p.stdout and re.search(r"slurm job \d+", p.stdout), p.stdout
     assert "warning" not in p.stdout, p.stdout
+
+
+def test_job_array_of_shards_merged_is_one_job(slurm, tmp_path, tiny_ckpt):
+    """#35: a job array of 3 tasks, each 2 replicas (srun -n 2) over its --shard of the prompt
+    file, then `rlx-mpi merge`: the rows of one unsharded job (all but their timings)."""
+    from conftest import run_cli
+
+    job = _job(tmp_path, tiny_ckpt, replicas=2)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "tokens": [1 + i % 50, 2 + i % 7, 3]}) + "\n"
+                               for i in range(20)))
+    task = (f'srun -n 2 --mpi=pmi2 "$RLX_PYTHON" -m rlx_mpi generate {job} --prompts {prompts} --out '
+            f'{tmp_path}/part-$SLURM_ARRAY_TASK_ID.jsonl --max-new-tokens 5 --batch 2 '
+            f'--shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT')
+    jid = slurm.sbatch("--array=1-3", "--ntasks=2", "--cpus-per-task=1", f"--output={tmp_path}/array-%A_%a.out",
+                       "--wrap", task, cwd=tmp_path, env=_env())
+    for k in (1, 2, 3):
+        info = slurm.wait(f"{jid}_{k}", 180)
+        log = (tmp_path / f"array-{jid}_{k}.out").read_text()
+        assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log
+    whole = run_cli(["generate", job, "--prompts", prompts, "--out", tmp_path / "whole.jsonl", "--max-new-tokens", 5,
+                     "--batch", 2], ranks=2, timeout=120)
+    assert whole.returncode == 0, whole.stderr
+    merged = run_cli(["merge", tmp_path / "all.jsonl", *(tmp_path / f"part-{k}.jsonl" for k in (3, 1, 2))], timeout=60)
+    assert merged.returncode == 0, merged.stderr
+
+    def rows(p):
+        return [{k: v for k, v in json.loads(line).items() if k != "ms"} for line in p.read_text().splitlines()]
+
+    assert rows(tmp_path / "all.jsonl") == rows(tmp_path / "whole.jsonl") and len(rows(tmp_path / "all.jsonl")) == 20

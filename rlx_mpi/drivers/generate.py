@@ -268,6 +268,7 @@ class GenerateOptions:
     progress_s: float = 10.0
     logprobs: int = 0  # top alternatives per token in each row's "logprobs"; 0: no "logprobs"
     eos_where: str = "generate --eos-id"  # where eos_id came from, for its error
+    shard: tuple[int, int] | None = None  # --shard K/N: this job's part of the prompt file (`shards.py`)
 
     @classmethod
     def resolve(cls, flags: Any, job: Any) -> "GenerateOptions":
@@ -286,6 +287,9 @@ class GenerateOptions:
                                  ("--prefill-chunk", flags.prefill_chunk, 0)):
             rules.int_at_least(value, low, f"generate {flag}")
         rules.at_most(flags.logprobs, rules.LOGPROBS_MAX, "generate --logprobs")
+        from ..shards import parse_shard
+
+        shard = parse_shard(getattr(flags, "shard", None), "generate --shard")
         seed = pick(flags.seed, sec.seed if sec.seed is not None else job.run.seed)
         sampling = SamplingParams(pick(flags.temperature, sec.temperature), pick(flags.top_k, sec.top_k),
                                   pick(flags.top_p, sec.top_p), seed).check("generate")
@@ -293,7 +297,7 @@ class GenerateOptions:
                    sampling=sampling, eos_id=pick(flags.eos_id, sec.eos_id), batch=pick(flags.batch, sec.batch),
                    groups=pick(flags.groups, sec.groups), sync_s=sec.sync_s,
                    prefill_chunk=pick(flags.prefill_chunk, sec.prefill_chunk),
-                   logprobs=pick(flags.logprobs, sec.logprobs),
+                   logprobs=pick(flags.logprobs, sec.logprobs), shard=shard,
                    eos_where="generate --eos-id" if flags.eos_id is not None else f"{job.path}: [generate] eos_id")
 
 
@@ -335,16 +339,21 @@ class GenerateDriver(JournalDriver):
             rules.at_most(opts.logprobs, dims.vocab_size, "generate --logprobs")
             eos = sorted({opts.eos_id} if opts.eos_id is not None else set(eos_ids_beside(job.model.checkpoint)))
             tokenizer = load_tokenizer(job.model.checkpoint)
+            from ..shards import select
+
             prompts = read_prompts(opts.prompts, vocab_size=dims.vocab_size, max_positions=dims.max_positions,
                                    max_new_tokens=opts.max_new_tokens, tokenizer=tokenizer)
+            prompts, shard = select(prompts, opts.shard, str(opts.prompts))
             identity = RunIdentity.for_generate(job.model.checkpoint, opts.sampling, opts.max_new_tokens,
                                                 eos_ids=eos, logprobs=opts.logprobs)
             journal = Journal(opts.out, prompts, inputs=(opts.prompts, job.path, job.model.checkpoint,
-                                                         *self.argv_inputs), sync_s=opts.sync_s, identity=identity)
+                                                         *self.argv_inputs), sync_s=opts.sync_s, identity=identity,
+                              shard=shard)
             self.holder.update(journal=journal, tokenizer=tokenizer, prompts=prompts)
             pending = [[p.index, p.id, list(p.tokens)] for p in journal.pending]
             longest = max((len(p[2]) for p in pending), default=1)
-            return {"pending": pending, "total": len(prompts), "eos": eos, "max_seq": longest + opts.max_new_tokens}
+            return {"pending": pending, "total": len(prompts), "eos": eos, "max_seq": longest + opts.max_new_tokens,
+                    "first": shard["lines"][0] if shard else 0}  # (a shard's prompts are renumbered from 0)
 
         doc = cx.agree(load, "reading the prompts")
         self.doc = doc = transport.bcast_json(cx.world, doc, 0, job.run.startup_timeout_s, cx.ctx, "the prompts")
@@ -353,18 +362,24 @@ class GenerateDriver(JournalDriver):
                 self.holder["journal"].close()
                 log.info("all %d prompts of %s are already in %s", doc["total"], opts.prompts, opts.out)
             return None
-        n_stages = cx.world.size // job.placement.tp
-        self.groups = opts.groups or n_stages
+        replicas = job.placement.replicas
+        n_stages = cx.world.size // job.placement.tp // (replicas if replicas != "auto" else 1)
+        self.groups = opts.groups or n_stages  # (under replicas = "auto": set again once planned, check_plan)
         return self.groups * opts.batch, doc["max_seq"]
 
     def cost(self, cx: Any) -> Any:
-        """The family's cost with the KV term cut to what the ranks' policies keep."""
+        """The family's cost with the KV term cut to what the ranks' policies keep, as a function of
+        the stage count (one group of slots per stage by default: `placement.plan_grid`)."""
         from ..placement import kv_cost
 
-        return kv_cost(cx.cost(), [cx.job.kv_for(r) for r in range(cx.world.size)], cx.seq)
+        specs = [cx.job.kv_for(r) for r in range(cx.world.size)]
+        cx.prepare()
+        family, cfg, opts = cx.family, cx.model_config, self.opts
+        return lambda stages: kv_cost(family.cost(cfg, (opts.groups or stages) * opts.batch, cx.seq), specs, cx.seq)
 
     def check_plan(self, cx: Any) -> None:
         job = cx.job
+        self.groups = self.opts.groups or cx.topology.n_stages
 
         def same_kv() -> None:
             for a in cx.plan_:
@@ -383,7 +398,7 @@ class GenerateDriver(JournalDriver):
 
         def reset() -> int:
             try:
-                return cx.stage.reset(cx.batch, cx.seq, kv)
+                return cx.stage.reset(self.groups * self.opts.batch, cx.seq, kv)
             except NotImplementedError as e:
                 raise ConfigError(f"{job.model.checkpoint}: family {cx.family.name!r}", str(e),
                                   "generate needs a family whose Stage implements reset, prefill and decode") from None
@@ -391,9 +406,14 @@ class GenerateDriver(JournalDriver):
         self.kv_bytes = cx.agree(reset, "allocating the KV cache")
 
     def drive(self, cx: Any) -> GenerateResult | None:
-        """The decode ring on every rank; the `GenerateResult` on rank 0 (None elsewhere)."""
+        """The decode ring on every rank; the `GenerateResult` on rank 0 (None elsewhere).
+
+        With replicas (`rlx_mpi.replicas`), each replica's stage 0 takes chunks of the pending
+        prompts from the shared counter as its slots free, its finished rows go to rank 0 (the
+        one writer), and every rank waits for rank 0's end before the stats are gathered."""
         from ..faults import wait
         from ..progress import Progress
+        from ..replicas import Collector, ReplicaFeed, RowPost, SharedCounter, wait_for_end
 
         opts, doc, holder, stop = self.opts, self.doc, self.holder, cx.stop
         topo, job = cx.topology, cx.job
@@ -403,38 +423,75 @@ class GenerateDriver(JournalDriver):
         # a family's Stage written before chunked prefill (no ``start``) prefills whole prompts, and
         # one without ``mixed`` (not a `Stage` subclass) never gets a MIXED step
         chunk = opts.prefill_chunk if "start" in inspect.signature(cx.stage.prefill).parameters else 0
-        sched = Scheduler([(i, pid, tuple(t)) for i, pid, t in doc["pending"]], self.groups, opts.batch,
+        items = [(i, pid, tuple(t)) for i, pid, t in doc["pending"]]
+        shared = topo.n_replicas > 1
+        wait(cx.world.Ibarrier(), timeout, cx.ctx, lambda: "every rank to start generating", "some rank")
+        counter = SharedCounter(cx.world, cx.ctx, timeout) if shared else None
+        feed = (ReplicaFeed(counter, items, opts.batch, leader=topo.tp_rank == 0, tp_comm=topo.tp_comm, tp=topo.tp,
+                            ctx=cx.ctx, timeout_s=timeout) if shared and topo.stage == 0 else None)
+        sched = Scheduler([] if feed else items, self.groups, opts.batch,
                           opts.max_new_tokens, frozenset(doc["eos"]), recompute, prefill_chunk=chunk,
-                          mixed=callable(getattr(cx.stage, "mixed", None)), stages=topo.n_stages)
-        names = {prompt_key(pid): f"{pid!r} (prompt {i + 1} of {opts.prompts.name})" for i, pid, _ in doc["pending"]}
+                          mixed=callable(getattr(cx.stage, "mixed", None)), stages=topo.n_stages, feed=feed)
+        names = {prompt_key(pid): f"{pid!r} (prompt {doc.get('first', 0) + i + 1} of {opts.prompts.name})"
+                 for i, pid, _ in doc["pending"]}
         ring = DecodeRing(cx, opts.sampling, sched.header_size, k_logprobs=opts.logprobs, names=names)
         journal, tokenizer = holder.get("journal"), holder.get("tokenizer")
         texts = {p.index: p.text for p in holder.get("prompts", [])}
         done_before = doc["total"] - len(doc["pending"])
         progress = Progress(doc["total"], done_before, interval_s=opts.progress_s) if cx.is_root else None
         counts = {"done": 0, "tokens": 0}
+        per_replica = {r: {"rows": 0, "tokens": 0} for r in range(topo.n_replicas)}
+        replica_of = {rank: r for r, rep in enumerate(topo.replicas or [topo.grid]) for g in rep for rank in g}
+        driving = topo.stage == 0 and topo.tp_rank == 0
+        post = RowPost(cx.world, cx.ctx, timeout) if shared and not cx.is_root else None
 
-        def on_done(rows: list[Seq]) -> None:
-            now = time.perf_counter()
-            new = sum(len(r.new) for r in rows)
-            for r in rows:
-                counts["done"] += 1
-                counts["tokens"] += len(r.new)
-                if journal is None:
-                    continue
-                row = {"id": r.id, "tokens": r.new}
-                if tokenizer is not None and texts.get(r.index) is not None:
-                    row["text"] = tokenizer.decode(r.new)
-                row.update(finish_reason=r.finish_reason, prompt_tokens=len(r.prompt), new_tokens=len(r.new),
-                           ms=round((now - r.start) * 1e3, 1))
-                if opts.logprobs:
-                    row["logprobs"] = logprob_entries(r.new, *zip(*r.logprobs))
-                journal.complete(r.index, row)
+        def write(index: int, row: dict) -> None:
+            """Rank 0: one finished row into the journal (its text decoded here: the tokenizer is rank 0's)."""
+            if tokenizer is not None and texts.get(index) is not None:
+                row = {"id": row["id"], "tokens": row["tokens"], "text": tokenizer.decode(row["tokens"]),
+                       **{k: v for k, v in row.items() if k not in ("id", "tokens")}}
+            journal.complete(index, row)
+
+        def taken(replica: int, rows: list, new: int) -> None:
+            counts["done"] += len(rows)
+            counts["tokens"] += new
+            per_replica[replica]["rows"] += len(rows)
+            per_replica[replica]["tokens"] += new
             if journal is not None:
                 journal.flush()
                 progress.update(done_before + counts["done"], new)
 
+        def on_done(rows: list[Seq]) -> None:
+            now = time.perf_counter()
+            out = []
+            for r in rows if journal is not None or (post is not None and driving) else ():  # (rows only where kept)
+                row = {"id": r.id, "tokens": r.new, "finish_reason": r.finish_reason, "prompt_tokens": len(r.prompt),
+                       "new_tokens": len(r.new), "ms": round((now - r.start) * 1e3, 1)}
+                if opts.logprobs:
+                    row["logprobs"] = logprob_entries(r.new, *zip(*r.logprobs))
+                out.append((r.index, row))
+            if journal is not None:
+                for index, row in out:
+                    write(index, row)
+            elif post is not None and driving and out:  # another replica's rows go to the writer
+                post.rows([[index, row] for index, row in out])
+            taken(topo.replica, rows, sum(len(r.new) for r in rows))
+
+        def on_rows(src: int, msg: dict) -> None:
+            rows = msg["rows"]
+            for index, row in rows:
+                write(index, row)
+            taken(replica_of[src], rows, sum(len(row["tokens"]) for _, row in rows))
+
+        collector = (Collector(cx.world, cx.ctx, timeout, {rep[0][0]: [x for g in rep for x in g]
+                                                           for rep in topo.replicas[1:]}, on_rows)
+                     if shared and cx.is_root else None)
+
         def stop_now() -> bool:
+            if collector is not None:
+                collector.poll()
+            elif post is not None and driving:
+                post.beat()
             flag = np.array([1 if stop.requested else 0], np.int32)
             if topo.tp > 1:  # the first stage's ranks must stop after the same step
                 from ..collectives import ReduceKind, all_reduce
@@ -442,9 +499,18 @@ class GenerateDriver(JournalDriver):
                 all_reduce(flag, ReduceKind.MAX, comm=topo.tp_comm, timeout_s=timeout, ctx=cx.ctx)
             return bool(flag[0])
 
-        wait(cx.world.Ibarrier(), timeout, cx.ctx, lambda: "every rank to start generating", "some rank")
         t0 = time.perf_counter()
         stopped = ring.drive(sched, on_done, stop_now) if topo.stage == 0 else ring.relay()
+        mine_wall = time.perf_counter() - t0
+        if shared:
+            if feed is not None:
+                feed.close()
+            if collector is not None:
+                collector.finish()
+            else:
+                post.done()
+                wait_for_end(cx.world, cx.ctx, timeout)
+            counter.close()
         wall = time.perf_counter() - t0
         if journal is not None:
             journal.close()
@@ -457,22 +523,31 @@ class GenerateDriver(JournalDriver):
             forward_ms=ex.compute_s * 1e3, recv_wait_ms=(ex.recv_wait_s + ring.ring.recv_wait_s) * 1e3,
             send_ms=ex.send_wait_s * 1e3, bytes_sent=ex.bytes_sent, est_bytes=a.est_bytes,
             weight_bytes=cx.stage.weight_bytes, peak_rss_bytes=peak_rss_bytes(), pack_ms=ex.pack_s * 1e3,
-            unpack_ms=ex.unpack_s * 1e3, wall_ms=wall * 1e3, precision=job.precision_for(cx.world.rank).value,
+            unpack_ms=ex.unpack_s * 1e3, wall_ms=mine_wall * 1e3, precision=job.precision_for(cx.world.rank).value,
             kv=str(kv), kv_bytes=self.kv_bytes, prefill_ms=st.prefill_s * 1e3, decode_ms=st.decode_s * 1e3,
-            sample_ms=st.sample_s * 1e3)
+            sample_ms=st.sample_s * 1e3, replica=topo.replica if shared else None)
         mine = {"timing": timing.to_dict(), "stopped": bool(stopped) if topo.stage == 0 else False,
                 "signal": stop.signal_name}
         grace = max(1.0, 0.1 * timeout)
         rows = transport.gather_json(cx.world, mine, 0, timeout + (topo.n_stages + 1) * grace, cx.ctx,
                                      "the generation stats")
         stopped_by = None
-        if rows is not None and rows[0]["stopped"]:
+        if rows is not None and any(r["stopped"] for r in rows):
             stopped_by = next((r["signal"] for r in rows if r["signal"]), None) or "a stop request"
         stopped_by = transport.bcast_json(cx.world, stopped_by, 0, timeout, cx.ctx, "the end of the run")
         timings = [StageTiming.from_dict(r["timing"]) for r in rows or []]
+        replicas = None
+        if shared and rows is not None:
+            walls = {}
+            for t in timings:
+                if t.stage == 0 and t.tp_rank == 0:
+                    walls[t.replica] = t.wall_ms / 1e3
+            replicas = [{"replica": r, "rows": c["rows"], "tokens": c["tokens"], "wall_s": round(walls.get(r, 0.0), 3),
+                         "tokens_per_s": round(c["tokens"] / walls[r], 1) if walls.get(r) else None}
+                        for r, c in per_replica.items()]
         return GenerateResult(timings=timings, total=doc["total"], done_before=done_before, done_now=counts["done"],
                               new_tokens=counts["tokens"], wall_s=wall, stopped_by=stopped_by,
-                              prefill_steps=sched.prefill_steps, token_gap_ms=sched.token_gaps_ms())
+                              prefill_steps=sched.prefill_steps, token_gap_ms=sched.token_gaps_ms(), replicas=replicas)
 
     def report(self, cx: Any, result: GenerateResult | None) -> int:
         """Rank 0 prints the table and writes --json; 75 (requeue) when stopped by a signal."""

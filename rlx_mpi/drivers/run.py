@@ -32,6 +32,8 @@ __all__ = ["RunDriver", "forward", "microbatch_bounds", "clock_offset", "trace_d
 
 log = logging.getLogger("rlx_mpi")
 
+_TAG_REPLICA_LOGITS = 9_001  # another replica's last stage -> rank 0
+
 
 class RunDriver(Driver):
     """The ``run`` command as a driver of the shared start-up (see `rlx_mpi.drivers`)."""
@@ -55,6 +57,26 @@ class RunDriver(Driver):
     def load(self, cx: Any) -> tuple[int, int]:
         self.ids = cx.load_inputs(self.input_ids)
         return cx.batch, cx.seq
+
+    def cost(self, cx: Any) -> Any:
+        """The forward's cost as a function of the stage count: with replicas, each forwards its
+        part of the batch (the largest, ceil(batch / replicas) rows)."""
+        cx.prepare()
+        groups = cx.world.size // cx.job.placement.tp
+        return lambda stages: cx.family.cost(cx.model_config, -(-cx.batch // max(1, groups // stages)), cx.seq)
+
+    def check_plan(self, cx: Any) -> None:
+        """Replicas split the batch: each needs a row at least (agreed)."""
+        n = cx.topology.n_replicas
+
+        def rows() -> None:
+            if cx.batch < n:
+                from ..errors import ConfigError
+
+                raise ConfigError(f"{cx.job.path}: [placement] replicas", f"{n} replicas share a batch of "
+                                  f"{cx.batch} rows", f"give a batch of at least {n} rows, or fewer replicas")
+
+        cx.agree(rows, "checking the batch covers the replicas")
 
     def drive(self, cx: Any) -> ClusterRun | None:
         if self.plan_only:
@@ -114,8 +136,17 @@ def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
     if cx.is_root and ids is None:
         ids = cx.random_ids(cx.batch, cx.seq)
     ids = transport.bcast_array(cx.world, ids, 0, timeout, cx.ctx, "the input ids")
-    batch, seq = ids.shape
-    M = job.run.microbatches
+    whole, seq = ids.shape
+    # replicas split the batch: replica r forwards rows parts[r] (near-equal, contiguous) and its
+    # last stage sends their logits to rank 0, which puts the batch back together
+    parts = microbatch_bounds(whole, topo.n_replicas) if whole >= topo.n_replicas else None
+    if parts is None:
+        raise RankFault(cx.ctx.describe(), f"a batch of {whole} for {topo.n_replicas} replicas",
+                        "RunDriver.check_plan should have refused this; please report it")
+    lo_r, hi_r = parts[topo.replica]
+    ids = ids[lo_r:hi_r]
+    batch = hi_r - lo_r
+    M = min(job.run.microbatches, batch) if topo.n_replicas > 1 else job.run.microbatches
     if M > batch:
         raise RankFault(cx.ctx.describe(), f"{M} microbatches for a batch of {batch}",
                         "load_inputs should have refused this; please report it")
@@ -170,7 +201,15 @@ def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
         logits = np.empty(logits_shape, dtype=np.float32)
         final.recv(logits, topo.output_rank, M, "the logits")
     elif logits is not None and not cx.is_root:
-        final.send(logits, 0, M, "the logits")
+        final.send(logits, 0, M if topo.replica == 0 else _TAG_REPLICA_LOGITS, "the logits")
+    if cx.is_root and topo.n_replicas > 1:  # the other replicas' rows, in batch order
+        rows_logits = [logits]
+        for r in range(1, topo.n_replicas):
+            lo, hi = parts[r]
+            part = np.empty((hi - lo,) + tuple(logits_shape[1:]), dtype=np.float32)
+            final.recv(part, topo.replicas[r][-1][0], _TAG_REPLICA_LOGITS, f"the logits of replica {r}")
+            rows_logits.append(part)
+        logits = np.concatenate(rows_logits)
     total_ms = (time.perf_counter() - sync) * 1e3
 
     st = ex.stats
@@ -180,7 +219,8 @@ def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
         forward_ms=st.compute_s * 1e3, recv_wait_ms=st.recv_wait_s * 1e3, send_ms=st.send_wait_s * 1e3,
         bytes_sent=link.bytes_sent, est_bytes=a.est_bytes, weight_bytes=stage.weight_bytes,
         peak_rss_bytes=peak_rss_bytes(), pack_ms=st.pack_s * 1e3, unpack_ms=st.unpack_s * 1e3,
-        wall_ms=st.wall_s * 1e3, precision=job.precision_for(cx.world.rank).value)
+        wall_ms=st.wall_s * 1e3, precision=job.precision_for(cx.world.rank).value,
+        replica=topo.replica if topo.n_replicas > 1 else None)
     doc: dict = {"timing": timing.to_dict()}
     if trace:  # start-up phases (Cluster.start records them) too; all on rank 0's clock, from its sync
         phases = [(name, "startup", t0 - sync, dur, {}) for name, t0, dur in cx.phases]
@@ -192,7 +232,7 @@ def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
     if not cx.is_root:
         return None
     run = ClusterRun(timings=[StageTiming.from_dict(r["timing"]) for r in rows], total_forward_ms=total_ms,
-                     tokens=batch * seq, microbatches=M, output=logits)
+                     tokens=whole * seq, microbatches=M, output=logits)
     run.wire = codec.name
     if trace:
         run.spans = {r["timing"]["rank"]: r["spans"] for r in rows}

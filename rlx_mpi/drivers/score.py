@@ -106,6 +106,7 @@ class ScoreOptions:
     batch: int  # padded tokens per microbatch
     sync_s: float = 2.0
     progress_s: float = 10.0
+    shard: tuple[int, int] | None = None  # --shard K/N: this job's part of the prompt file (`shards.py`)
 
     @classmethod
     def resolve(cls, flags: Any, job: Any) -> "ScoreOptions":
@@ -119,8 +120,10 @@ class ScoreOptions:
             raise ConfigError("score --out", "no output file given", "pass --out FILE or set [score] out")
         rules.int_at_least(flags.batch, 1, "score --batch")
         rules.at_most(flags.batch, 2**31, "score --batch")
+        from ..shards import parse_shard
+
         return cls(prompts=Path(prompts), out=Path(out), batch=sec.batch if flags.batch is None else flags.batch,
-                   sync_s=sec.sync_s)
+                   sync_s=sec.sync_s, shard=parse_shard(getattr(flags, "shard", None), "score --shard"))
 
 
 @dataclass
@@ -135,9 +138,10 @@ class ScoreResult:
     padded_tokens: int  # positions computed, padding included
     rounds: int
     stopped_by: str | None
+    replicas: list[dict] | None = None  # per replica: rows, rounds, tokens, wall_s, tokens_per_s (None: one)
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k != "run"}
+        d = {k: v for k, v in asdict(self).items() if k != "run" and not (k == "replicas" and v is None)}
         return {**d, **self.run.to_dict()}
 
 
@@ -170,14 +174,17 @@ class ScoreDriver(JournalDriver):
             if not cx.is_root:
                 return None
             tokenizer = load_tokenizer(job.model.checkpoint)
+            from ..shards import select
+
             prompts = read_score_prompts(opts.prompts, vocab_size=dims.vocab_size, max_positions=dims.max_positions,
                                          tokenizer=tokenizer)
+            prompts, shard = select(prompts, opts.shard, str(opts.prompts))
             journal = Journal(opts.out, prompts, inputs=(opts.prompts, job.path, job.model.checkpoint,
                                                          *self.argv_inputs), sync_s=opts.sync_s,
-                              identity=RunIdentity.for_score(job.model.checkpoint))
+                              identity=RunIdentity.for_score(job.model.checkpoint), shard=shard)
             self.holder.update(journal=journal, prompts=prompts)
             pending = [[p.index, p.id, list(p.tokens), p.start] for p in journal.pending]
-            return {"pending": pending, "total": len(prompts)}
+            return {"pending": pending, "total": len(prompts), "first": shard["lines"][0] if shard else 0}
 
         doc = cx.agree(load, "reading the prompts")
         self.doc = doc = transport.bcast_json(cx.world, doc, 0, job.run.startup_timeout_s, cx.ctx, "the prompts")
@@ -186,12 +193,20 @@ class ScoreDriver(JournalDriver):
                 self.holder["journal"].close()
                 log.info("all %d lines of %s are already in %s", doc["total"], opts.prompts, opts.out)
             return None
-        n_stages = cx.world.size // job.placement.tp
-        per_round = max(job.run.microbatches, 2 * n_stages)
-        self.rounds = plan_rounds([len(p[2]) for p in doc["pending"]], opts.batch, per_round)
+        replicas = job.placement.replicas
+        n_stages = cx.world.size // job.placement.tp // (replicas if replicas != "auto" else 1)
+        self.rounds = self._rounds(cx, n_stages)  # (under replicas = "auto": again once planned, check_plan)
         rows = max(len(mb.lines) for r in self.rounds for mb in r)
         longest = max(mb.length for r in self.rounds for mb in r)
         return rows, longest  # the planner prices one microbatch at most this shape
+
+    def _rounds(self, cx: Any, n_stages: int) -> list[list[Microbatch]]:
+        per_round = max(cx.job.run.microbatches, 2 * n_stages)
+        return plan_rounds([len(p[2]) for p in self.doc["pending"]], self.opts.batch, per_round)
+
+    def check_plan(self, cx: Any) -> None:
+        if cx.job.placement.replicas == "auto":
+            self.rounds = self._rounds(cx, cx.topology.n_stages)
 
     def drive(self, cx: Any) -> ScoreResult | None:
         """Every round's forward on every rank; the `ScoreResult` on rank 0 (None elsewhere)."""
@@ -214,11 +229,11 @@ class ScoreDriver(JournalDriver):
         keeps = a.last and topo.tp_rank == 0  # computes the log-probs
         checks = topo.tp_rank == 0  # names a non-finite output (one line, not one per TP rank)
         H = cx.dims.hidden_size
-        counts = {"done": 0, "scored": 0, "padded": 0, "tokens": 0}
+        counts = {"done": 0, "scored": 0, "padded": 0, "tokens": 0, "microbatches": 0}
 
         def line_name(k: int) -> str:
             index, pid = pending[k][0], pending[k][1]
-            return f"line {pid!r} (line {index + 1} of the prompt file)"
+            return f"line {pid!r} (line {doc.get('first', 0) + index + 1} of the prompt file)"
 
         def check(out: np.ndarray, mb: Microbatch, m: int, what: str) -> None:
             if np.isfinite(out).all():
@@ -240,14 +255,9 @@ class ScoreDriver(JournalDriver):
             return ids
 
         def run_round(mbs: list[Microbatch]) -> tuple[np.ndarray | None, dict[int, tuple[int, int]]]:
-            # where each line's log-probs sit in the round's flat array (microbatch, then row order)
-            where, n = {}, 0
-            for mb in mbs:
-                for k in mb.lines:
-                    s, ln = pending[k][3], len(pending[k][2])
-                    where[k] = (n, n + ln - s)
-                    n += ln - s
-            lps = np.empty(n, np.float32) if keeps or cx.is_root else None
+            where = _where(mbs, pending)
+            n = max((hi for _, hi in where.values()), default=0)
+            lps = np.empty(n, np.float32) if keeps or (cx.is_root and topo.replica == 0) else None
             recv = None
             if cx.is_root and not keeps:  # posted first: the last stage's send never waits on buffering
                 recv = final.irecv(lps, topo.output_rank, _TAG_LOGPROBS, "the log-probs of a round")
@@ -282,41 +292,104 @@ class ScoreDriver(JournalDriver):
             ex.run(forward_schedule(topo.stage, topo.n_stages, len(mbs)), compute, recv_spec)
             if recv is not None:
                 recv.wait()
-            elif keeps and not cx.is_root:
+            elif keeps and not cx.is_root and topo.replica == 0:  # (another replica's go as rows: `RowPost`)
                 final.send(lps, 0, _TAG_LOGPROBS, "the log-probs of a round")
             return lps, where
 
-        def stop_now() -> bool:
+        def stop_now(claimed: int = -1) -> tuple[bool, int]:
+            """Every rank of the replica leaves after the same round (and, with replicas, learns the
+            round its stage 0 claimed: the largest of the claim and everyone's -1)."""
             from mpi4py import MPI
 
-            flag = np.array([1 if stop is not None and stop.requested else 0], np.int32)
-            if cx.world.size > 1:  # every rank leaves after the same round
-                req = cx.world.Iallreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
+            flag = np.array([1 if stop is not None and stop.requested else 0, claimed], np.int64)
+            comm = topo.replica_comm or cx.world
+            if comm.size > 1:
+                req = comm.Iallreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
                 wait(req, timeout + (topo.n_stages + 1) * grace, cx.ctx, lambda: "every rank to finish the round",
                      "some rank")
-            return bool(flag[0])
+            return bool(flag[0]), int(flag[1])
 
+        def write(k_lines: list[int], lps: np.ndarray, where: dict, replica: int = 0) -> None:
+            """Rank 0: a round's rows into the journal, in file order."""
+            for k in k_lines:
+                lo, hi = where[k]
+                index = pending[k][0]
+                journal.complete(index, score_row(prompts[index], lps[lo:hi]))
+                counts["scored"] += hi - lo
+            journal.flush()
+            counts["done"] += len(k_lines)
+            per_replica[replica] += len(k_lines)
+            progress.update(done_before + counts["done"], sum(len(pending[k][2]) for k in k_lines))
+
+        shared = topo.n_replicas > 1
+        per_replica = [0] * topo.n_replicas
         wait(cx.world.Ibarrier(), timeout, cx.ctx, lambda: "every rank to start scoring", "some rank")
+        post = collector = counter = claim = None
+        if shared:
+            from ..replicas import Collector, RowPost, SharedCounter
+
+            counter = SharedCounter(cx.world, cx.ctx, timeout)
+            heads = topo.stage == 0 and topo.tp_rank == 0  # claims the rounds of its replica
+            claim = counter.post(1) if heads else None
+            if keeps and topo.replica > 0:  # (replica 0's log-probs reach rank 0 as without replicas)
+                post = RowPost(cx.world, cx.ctx, timeout)
+
+            def on_rows(src: int, msg: dict) -> None:
+                mbs = self.rounds[msg["round"]]
+                where = _where(mbs, pending)
+                write(sorted(where), np.asarray(msg["lps"], np.float32), where, msg["replica"])
+
+            if cx.is_root:
+                collector = Collector(cx.world, cx.ctx, timeout, {rep[-1][0]: [x for g in rep for x in g]
+                                                                  for rep in topo.replicas[1:]}, on_rows)
         t0 = time.perf_counter()
-        stopped, done_rounds = False, 0
-        for r, mbs in enumerate(self.rounds):
+        stopped, done_rounds, r = False, 0, -1
+        while True:
+            if shared:  # the next round: claimed by the replica's stage 0 (one claim ahead), agreed with the stop
+                nxt = -1
+                if claim is not None:
+                    nxt = counter.take(claim)
+                    claim = counter.post(1) if nxt + 1 < len(self.rounds) else None
+                elif topo.stage == 0 and topo.tp_rank == 0:
+                    nxt = len(self.rounds)
+                if collector is not None:
+                    collector.poll()
+                elif post is not None:
+                    post.beat()
+                want_stop, r = stop_now(nxt)
+                if want_stop and done_rounds:
+                    stopped = True
+                    break
+            else:
+                r += 1
+            if r >= len(self.rounds):
+                break
+            mbs = self.rounds[r]
             lps, where = run_round(mbs)
             done_rounds += 1
             lines = sorted(where)  # pending positions of this round, in file order
             counts["padded"] += sum(len(mb.lines) * mb.length for mb in mbs)
+            counts["microbatches"] += len(mbs)
             counts["tokens"] += sum(len(pending[k][2]) for k in lines)
             if journal is not None:
-                for k in lines:
-                    lo, hi = where[k]
-                    index = pending[k][0]
-                    journal.complete(index, score_row(prompts[index], lps[lo:hi]))
-                    counts["scored"] += hi - lo
-                journal.flush()
-                counts["done"] += len(lines)
-                progress.update(done_before + counts["done"], sum(len(pending[k][2]) for k in lines))
-            if r + 1 < len(self.rounds) and stop_now():
+                write(lines, lps, where)
+            elif post is not None:
+                post.rows([], round=r, replica=topo.replica, lps=lps.tolist())
+            if not shared and r + 1 < len(self.rounds) and stop_now()[0]:
                 stopped = True
                 break
+        mine_wall = time.perf_counter() - t0
+        if shared:
+            from ..replicas import RowPost, wait_for_end
+
+            if claim is not None:
+                counter.take(claim)
+            if collector is not None:
+                collector.finish()
+            else:
+                (post or RowPost(cx.world, cx.ctx, timeout)).done()
+                wait_for_end(cx.world, cx.ctx, timeout)
+            counter.close()
         wall = time.perf_counter() - t0
         self.stopped = stopped  # agreed by every rank (stop_now)
         if journal is not None:
@@ -329,19 +402,35 @@ class ScoreDriver(JournalDriver):
             forward_ms=st.compute_s * 1e3, recv_wait_ms=(st.recv_wait_s + final.recv_wait_s) * 1e3,
             send_ms=st.send_wait_s * 1e3, bytes_sent=link.bytes_sent + final.bytes_sent, est_bytes=a.est_bytes,
             weight_bytes=stage.weight_bytes, peak_rss_bytes=peak_rss_bytes(), pack_ms=st.pack_s * 1e3,
-            unpack_ms=st.unpack_s * 1e3, wall_ms=st.wall_s * 1e3, precision=job.precision_for(cx.world.rank).value)
-        mine = {"timing": timing.to_dict(), "signal": stop.signal_name if stop is not None else None}
+            unpack_ms=st.unpack_s * 1e3, wall_ms=st.wall_s * 1e3, precision=job.precision_for(cx.world.rank).value,
+            replica=topo.replica if shared else None)
+        mine = {"timing": timing.to_dict(), "signal": stop.signal_name if stop is not None else None,
+                "stopped": stopped, "rounds": done_rounds, "tokens": counts["tokens"], "padded": counts["padded"],
+                "wall_s": mine_wall, "keeps": keeps, "microbatches": counts["microbatches"]}
         rows = transport.gather_json(cx.world, mine, 0, timeout + (topo.n_stages + 1) * grace, cx.ctx,
                                      "the score stats")
+        stopped = transport.bcast_json(cx.world, any(x["stopped"] for x in rows) if rows else None, 0, timeout,
+                                       cx.ctx, "the end of the run") if shared else stopped
+        self.stopped = stopped
         if not cx.is_root:
             return None
         stopped_by = (next((r["signal"] for r in rows if r["signal"]), None) or "a stop request") if stopped else None
+        replicas = None
+        if shared:  # the job's totals are every replica's (each replica's keeping rank counted its rounds)
+            kept = [x for x in rows if x["keeps"]]
+            done_rounds = sum(x["rounds"] for x in kept)
+            counts["tokens"], counts["padded"] = sum(x["tokens"] for x in kept), sum(x["padded"] for x in kept)
+            counts["microbatches"] = sum(x["microbatches"] for x in kept)
+            replicas = [{"replica": x["timing"]["replica"], "rows": per_replica[x["timing"]["replica"]],
+                         "rounds": x["rounds"], "tokens": x["tokens"], "wall_s": round(x["wall_s"], 3),
+                         "tokens_per_s": round(x["tokens"] / x["wall_s"], 1) if x["wall_s"] > 0 else None}
+                        for x in sorted(kept, key=lambda x: x["timing"]["replica"])]
         run = ClusterRun(timings=[StageTiming.from_dict(r["timing"]) for r in rows], total_forward_ms=wall * 1e3,
-                         tokens=counts["tokens"], microbatches=sum(len(mbs) for mbs in self.rounds[:done_rounds]))
+                         tokens=counts["tokens"], microbatches=counts["microbatches"])
         run.wire = job.run.wire
         return ScoreResult(run=run, total=doc["total"], done_before=done_before, done_now=counts["done"],
                            scored_tokens=counts["scored"], padded_tokens=counts["padded"], rounds=done_rounds,
-                           stopped_by=stopped_by)
+                           stopped_by=stopped_by, replicas=replicas)
 
     def report(self, cx: Any, result: ScoreResult | None) -> int:
         """Rank 0 prints the table and the file's summary, writes --json; 75 when stopped by a signal."""
@@ -351,6 +440,9 @@ class ScoreDriver(JournalDriver):
         if not cx.is_root:
             return REQUEUE_EXIT if self.stopped else 0
         print(result.run.table())
+        for r in result.replicas or []:
+            print(f"replica {r['replica']}: {r['rows']} lines in {r['rounds']} rounds, {r['tokens']} tokens in "
+                  f"{r['wall_s']:.2f} s ({r['tokens_per_s'] or 0.0:.1f} tokens/s)")
         pad = 1 - result.run.tokens / result.padded_tokens if result.padded_tokens else 0.0
         print(f"{result.done_now} lines scored in {result.rounds} round{'s' if result.rounds != 1 else ''} "
               f"({result.done_before} done before, {result.total} in total): {result.scored_tokens} scored tokens; "
@@ -378,3 +470,14 @@ class ScoreDriver(JournalDriver):
         if not self.opts.out.exists():
             return f"score: no rows in {self.opts.out}"
         return f"score: {self.opts.out}: {self.summary().line()}"
+
+
+def _where(mbs: list[Microbatch], pending: list) -> dict[int, tuple[int, int]]:
+    """Where each line's log-probs sit in a round's flat array (microbatch, then row order)."""
+    where, n = {}, 0
+    for mb in mbs:
+        for k in mb.lines:
+            s, ln = pending[k][3], len(pending[k][2])
+            where[k] = (n, n + ln - s)
+            n += ln - s
+    return where
