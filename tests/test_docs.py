@@ -147,3 +147,30 @@ def test_relative_links_point_at_files_that_exist():
             if not (page.parent / target).exists():
                 bad.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not bad, bad
+
+
+def _update() -> None:
+    """Rewrite every transcript's output with what the command prints now (then read the diff)."""
+    for page in PAGES:
+        text = page.read_text()
+        for _, body in _blocks(page):
+            if not body.startswith("$ rlx-mpi "):
+                continue
+            new = []
+            for chunk in re.split(r"^\$ ", body, flags=re.M)[1:]:
+                lines = chunk.splitlines()
+                cmd = []
+                while lines and lines[0].rstrip().endswith("\\"):
+                    cmd.append(lines.pop(0))
+                cmd.append(lines.pop(0))
+                argv = shlex.split(" ".join(c.rstrip().rstrip("\\") for c in cmd))[1:]
+                out = io.StringIO()
+                with contextlib.redirect_stdout(out):
+                    cli.main(argv)
+                new.append("$ " + "\n".join(cmd) + "\n" + out.getvalue().rstrip("\n") + "\n")
+            text = text.replace(body, "\n".join(new))
+        page.write_text(text)
+
+
+if __name__ == "__main__":  # python tests/test_docs.py: refresh the transcripts, then review git diff
+    _update()
