@@ -1,0 +1,729 @@
+"""Convert a GGUF file (llama.cpp's format) to our HDF5 checkpoint: the second reader beside
+`families.hf` (safetensors directories); both end in the same family converter.
+
+A GGUF holds the model's config as metadata (``general.architecture``, ``<arch>.block_count``,
+...), its tensors under llama.cpp's names (``token_embd``, ``blk.N.attn_q``, ..., ``output``),
+often quantized in blocks, and its tokenizer and chat template (``tokenizer.ggml.*``,
+``tokenizer.chat_template``). Here the metadata becomes the Hugging Face config dict the family's
+``arch_from_hf`` already reads, each tensor name is found through the ``gguf`` package's own
+name map, and `hf.convert_tensors` checks and writes them, so a GGUF is refused or accepted for the
+same reasons as the safetensors of the same model.
+
+Tensors of the block types the checkpoint's quantized groups hold exactly (``QUANT_CONTRACT``:
+Q4_0, Q4_1, Q4_K as 4-bit groups; Q8_0, Q6_K as int8 groups) are kept as they are, not
+quantized a second time (`QuantGroups`, written by `checkpoint.write_checkpoint`); every other
+type (Q5_K, Q5_0, Q3_K, Q2_K, IQ*, ...) is dequantized by the ``gguf`` package and written as
+float, and so is every tensor with ``dequantize=True`` (a checkpoint any precision loads).
+Embeddings and norms are always float. The `ConvertReport` says, per type, what was kept and
+what was dequantized.
+
+Note: llama.cpp's converter permutes the rows of q and k for ``llama``-architecture models
+(its RoPE rotates interleaved pairs, Hugging Face's rotates halves); `_unpermute` undoes it, as
+transformers does when it loads a GGUF. Gemma's norms are stored as ``1 + w`` and are stored
+back as ``w`` (the family adds the 1 at load). A row permutation and a row slice (Phi-3's fused
+qkv) act on whole rows, so both apply to quantized groups without touching a value.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError, ConfigError
+from .hf import _Entry, convert_tensors
+
+__all__ = ["QuantGroups", "ConvertReport", "EXACT_TYPES", "ARCHITECTURES", "open_gguf", "read_metadata",
+           "hf_config", "tokenizer_files", "convert_gguf", "quant_groups"]
+
+log = logging.getLogger(__name__)
+
+_FIX_FILE = "the file is truncated or corrupt; download it again"
+_FIX_INSTALL = "pip install 'rlx_mpi[gguf]'"
+
+
+def _gguf():
+    try:
+        import gguf
+        import gguf.quants  # noqa: F401
+    except ImportError:
+        raise ConfigError("convert", "reading a .gguf file needs the gguf package, which is not installed",
+                          _FIX_INSTALL) from None
+    return gguf
+
+
+# -- quantized groups (the on-disk contract shared with the q4 precision) ---------------------------
+
+
+@dataclass(frozen=True)
+class QuantGroups:
+    """A linear weight (N, K) as the checkpoint's quantized groups (quant contract):
+    ``w[n, k] = scale[n, k // G] * code[n, k] + minimum[n, k // G]`` in float32.
+
+    ``quant`` "q4": ``codes`` uint8 (N, K // 2), byte j of a row holding column 2j in its low
+    nibble and 2j + 1 in its high one, codes 0..15, and a ``minimum``; "q8": ``codes`` int8
+    (N, K), no minimum. ``scale`` / ``minimum``: float16 or float32, (N, K // G)."""
+
+    quant: str
+    codes: np.ndarray
+    scale: np.ndarray
+    minimum: np.ndarray | None
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, width = self.codes.shape
+        return n, width * (2 if self.quant == "q4" else 1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes + (0 if self.minimum is None else self.minimum.nbytes)
+
+    def __getitem__(self, rows: slice) -> "QuantGroups":
+        """Rows ``[a:b]`` (a fused tensor's part), or any index array of rows (a permutation)."""
+        pick = (lambda a: None if a is None else np.ascontiguousarray(a[rows]))
+        return QuantGroups(self.quant, pick(self.codes), pick(self.scale), pick(self.minimum), self.group_size)
+
+    def unpack(self) -> np.ndarray:
+        """The codes, one per column: uint8 0..15 (q4) or int8 (q8), (N, K)."""
+        if self.quant == "q8":
+            return self.codes
+        out = np.empty(self.shape, np.uint8)
+        out[:, 0::2] = self.codes & 0x0F
+        out[:, 1::2] = self.codes >> 4
+        return out
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 weight, computed as the contract says (scale * code + minimum)."""
+        n, k = self.shape
+        g = self.group_size
+        codes = self.unpack().astype(np.float32).reshape(n, k // g, g)
+        w = self.scale.astype(np.float32)[:, :, None] * codes
+        if self.minimum is not None:
+            w = w + self.minimum.astype(np.float32)[:, :, None]
+        return w.reshape(n, k)
+
+    def write_h5(self, parent, name: str) -> None:
+        """Write as the h5py group ``name`` under ``parent`` (`checkpoint.write_checkpoint`)."""
+        group = parent.create_group(name)
+        group.attrs["quant"] = self.quant
+        group.attrs["shape"] = np.asarray(self.shape, np.int64)
+        group.attrs["group_size"] = self.group_size
+        group.create_dataset("codes", data=self.codes)
+        group.create_dataset("scale", data=self.scale)
+        if self.minimum is not None:
+            group.create_dataset("minimum", data=self.minimum)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian float16 from a (..., 2) uint8 view."""
+    return np.ascontiguousarray(raw).view("<f2")[..., 0]
+
+
+def _narrow(*arrays: np.ndarray) -> list[np.ndarray]:
+    """float16 when every value is exactly a float16 (Q4_0's -8 d overflows only past 8188),
+    else float32 for all (scale and minimum share one dtype)."""
+    narrow = [a.astype(np.float16) for a in arrays]
+    if all(np.array_equal(n.astype(np.float32), a.astype(np.float32)) for n, a in zip(narrow, arrays)):
+        return narrow
+    return [a.astype(np.float32) for a in arrays]
+
+
+def _pack_q4(codes: np.ndarray) -> np.ndarray:
+    """(N, K) codes 0..15 -> (N, K // 2) bytes: column 2j low nibble, 2j + 1 high."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+
+
+def _nibbles32(qs: np.ndarray) -> np.ndarray:
+    """ggml's 32-value nibble block (16 bytes: value j < 16 in byte j's low nibble, value 16 + j
+    in its high one) -> (..., 32) codes in column order."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _q4_0(raw: np.ndarray) -> QuantGroups:  # block: d f16, 16 bytes of nibbles; w = d (q - 8)
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 18)
+    d = _f16(b[..., 0:2]).astype(np.float32)
+    codes = _nibbles32(b[..., 2:]).reshape(n, -1)
+    scale, minimum = _narrow(d, -8.0 * d)
+    return QuantGroups("q4", _pack_q4(codes), scale, minimum, 32)
+
+
+def _q4_1(raw: np.ndarray) -> QuantGroups:  # block: d, m f16, 16 bytes of nibbles; w = d q + m
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 20)
+    d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    codes = _nibbles32(b[..., 4:]).reshape(n, -1)
+    return QuantGroups("q4", _pack_q4(codes), d.copy(), m.copy(), 32)
+
+
+def _q8_0(raw: np.ndarray) -> QuantGroups:  # block: d f16, 32 int8; w = d q
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 34)
+    codes = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, -1)
+    return QuantGroups("q8", codes, _f16(b[..., 0:2]).copy(), None, 32)
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins (ggml's get_scale_min_k4)."""
+    s = s.astype(np.uint8)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _q4_k(raw: np.ndarray) -> QuantGroups:
+    """Super-block of 256: d, dmin f16, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+    (chunk c of 32 bytes: group 2c in the low nibbles, 2c + 1 in the high); w = d sc q - dmin mn."""
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 144)
+    d, dmin = _f16(b[..., 0:2]).astype(np.float32), _f16(b[..., 2:4]).astype(np.float32)
+    sc, mn = _k_scales(b[..., 4:16])
+    qs = b[..., 16:].reshape(n, -1, 4, 1, 32)
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-2).reshape(n, -1)  # (chunk, low|high, 32)
+    # exact in float32: an f16 (11-bit significand) times a 6-bit integer
+    scale = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
+    minimum = -(dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
+    return QuantGroups("q4", _pack_q4(codes), scale, minimum, 32)
+
+
+def _q6_k(raw: np.ndarray) -> QuantGroups:
+    """Super-block of 256: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, d
+    f16; value e = 128 h + r: low = (ql[64 h + r % 64] >> 4 (r // 64)) & 15, high =
+    (qh[32 h + r % 32] >> 2 (r // 32)) & 3, code = low | high << 4 - 32, scale d * sc[e // 16]."""
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 210)
+    ql = b[..., :128].reshape(n, -1, 2, 1, 64)
+    qh = b[..., 128:192].reshape(n, -1, 2, 1, 32)
+    low = ((ql >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F).reshape(n, -1, 2, 128)
+    high = ((qh >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 0x03).reshape(n, -1, 2, 128)
+    codes = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, -1)
+    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
+    d = _f16(b[..., 208:210]).astype(np.float32)
+    return QuantGroups("q8", codes, (d[..., None] * sc).reshape(n, -1), None, 16)
+
+
+# GGML type name -> its exact groups; the contract's "no second quantization" list
+QUANT_CONTRACT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q8_0": _q8_0, "Q6_K": _q6_k}
+EXACT_TYPES = tuple(QUANT_CONTRACT)
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def quant_groups(type_name: str, raw: np.ndarray) -> QuantGroups:
+    """The groups of a 2-D tensor of GGML type ``type_name`` from its raw bytes (N, bytes per row)."""
+    return QUANT_CONTRACT[type_name](np.ascontiguousarray(raw, dtype=np.uint8))
+
+
+# -- the file ---------------------------------------------------------------------------------------
+
+
+def open_gguf(path: str | os.PathLike):
+    """The ``gguf`` package's reader over ``path``; every way the file can be bad is one
+    `CheckpointError` naming it (magic, truncation, an unknown tensor type, a tensor whose bytes
+    disagree with its shape), never the package's traceback."""
+    gguf = _gguf()
+    path = Path(path)
+    where = str(path)
+    if not path.exists():
+        raise CheckpointError(where, "file not found", "give the path of a .gguf file")
+    if not path.is_file():
+        raise CheckpointError(where, "is not a regular file", "give the path of a .gguf file")
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise CheckpointError(where, f"cannot read ({e.strerror or e})", "check the file's permissions") from None
+    if len(magic) < 4:
+        raise CheckpointError(where, f"truncated: {size} bytes, too short for a GGUF header", _FIX_FILE)
+    if magic != b"GGUF":
+        raise CheckpointError(where, f"wrong magic {magic!r}: not a GGUF file (which starts with b'GGUF')",
+                              "give a .gguf file (llama.cpp's format), or a Hugging Face directory")
+
+    class Reader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):  # checked before the package reshapes the bytes
+            _check_tensor_table(gguf, where, size, start_offs, fields)
+            super()._build_tensors(start_offs, fields)
+
+    try:
+        return Reader(path)
+    except CheckpointError:
+        raise
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError) as e:
+        raise CheckpointError(where, f"truncated or corrupt header ({type(e).__name__}: {_clip(str(e))})",
+                              _FIX_FILE) from None
+    except OSError as e:
+        raise CheckpointError(where, f"cannot read ({e.strerror or e})", "check the file's permissions") from None
+
+
+def _check_tensor_table(gguf, where: str, size: int, start: int, fields) -> None:
+    """Each tensor's type is one ggml knows, its row a whole number of blocks, and its bytes
+    inside the file and clear of the next tensor's."""
+    spans = []
+    for fld in fields:
+        _, name_data, _, dims, raw_type, offset = fld.parts
+        name = bytes(name_data).decode("utf-8", "replace")
+        try:
+            qtype = gguf.GGMLQuantizationType(int(raw_type[0]))
+        except ValueError:
+            raise CheckpointError(f"{where}: {name}", f"unsupported tensor type (type id {int(raw_type[0])} is "
+                                  "not a ggml type this reader knows)",
+                                  "update the gguf package, or re-quantize the model to a common type") from None
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        shape = [int(d) for d in dims]
+        count = math.prod(shape)
+        if not shape or shape[0] % block:
+            raise CheckpointError(f"{where}: {name}", f"size disagrees with its shape: rows of {shape[0] if shape else 0} "
+                                  f"values are not whole {qtype.name} blocks of {block}", _FIX_FILE)
+        nbytes = count // block * type_size
+        first = start + int(offset[0])
+        spans.append((first, nbytes, name, qtype.name, tuple(reversed(shape))))
+    spans.sort()
+    for (first, nbytes, name, tname, shape), after in zip(spans, spans[1:] + [(size, 0, None, None, None)]):
+        if first + nbytes > size and after[2] is None:
+            raise CheckpointError(f"{where}: {name}", f"truncated: its {tname} data ends at byte {first + nbytes}, "
+                                  f"past the end of the {size}-byte file", _FIX_FILE)
+        if first + nbytes > after[0]:
+            raise CheckpointError(f"{where}: {name}", f"size disagrees with its shape: {tname} {shape} needs "
+                                  f"{nbytes} bytes but the next tensor ({after[2]}) starts {after[0] - first} "
+                                  "bytes after it", _FIX_FILE)
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    """Every metadata key -> its value (strings, numbers, lists), the ``GGUF.*`` header aside."""
+    out = {}
+    for key, fld in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            out[key] = fld.contents()
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{reader.data.filename}: {key}", f"unreadable metadata value ({e})", _FIX_FILE) from None
+    return out
+
+
+def _clip(text: str, n: int = 160) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+# -- config -----------------------------------------------------------------------------------------
+
+# general.architecture -> the Hugging Face model_type our families convert ("mistral" files are
+# llama's layout: llama.cpp writes Mistral-7B as "llama" with the q/k permutation)
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+                 "gemma3": "gemma3_text", "phi3": "phi3"}
+_PERMUTED = ("llama", "mistral")  # llama.cpp's LlamaModel.permute: q/k rows interleaved for its RoPE
+_GEMMA = ("gemma2", "gemma3")  # norms stored as 1 + w
+
+
+def hf_config(meta: dict, tensors: dict[str, tuple[int, ...]], where: str) -> dict:
+    """The Hugging Face config dict (config.json's keys) that the GGUF metadata ``meta`` states,
+    for the family converter; ``tensors`` (name -> shape) settles what the metadata leaves out
+    (tied head, biases, vocabulary size). An architecture we do not map is a `CheckpointError`."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{where}: general.architecture", f"unknown architecture {arch!r}",
+                              f"supported GGUF architectures: {', '.join(sorted(ARCHITECTURES))}")
+
+    def get(key, default=None, *, required=False):
+        value = meta.get(f"{arch}.{key}", default)
+        if required and value is None:
+            raise CheckpointError(where, f"metadata lacks {arch}.{key}", _FIX_FILE)
+        if isinstance(value, list):
+            if len(set(value)) != 1:  # per-layer values (OpenELM, LFM2): not a shape our records hold
+                raise CheckpointError(f"{where}: {arch}.{key}", f"differs per layer ({_clip(str(value), 60)})",
+                                      "only models with the same shape in every layer are supported")
+            value = value[0]
+        return value
+
+    heads = get("attention.head_count", required=True)
+    hidden = get("embedding_length", required=True)
+    # llama files may state the head size only as the rotary width (transformers reads it so)
+    head_dim = get("attention.key_length") or (get("rope.dimension_count") if arch in _PERMUTED else None) \
+        or hidden // heads
+    value_dim = get("attention.value_length")
+    if value_dim is not None and value_dim != head_dim:
+        raise CheckpointError(f"{where}: {arch}.attention.value_length", f"is {value_dim}, key_length {head_dim}",
+                              "only equal key and value head sizes are supported")
+    rotary = get("rope.dimension_count")
+    if rotary is not None and rotary != head_dim:
+        raise CheckpointError(f"{where}: {arch}.rope.dimension_count", f"is {rotary}, head size {head_dim}",
+                              "only full-width rotary embeddings are supported")
+    vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ()) or \
+        (tensors.get("token_embd.weight") or (0,))[0]
+    raw = {
+        "model_type": ARCHITECTURES[arch],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length", required=True),
+        "num_hidden_layers": get("block_count", required=True),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv") or heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": get("context_length"),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        # llama.cpp writes the output projection only when it is not the embedding matrix
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    biases = any(re.search(r"\.attn_(q|k|v|output|qkv)\.bias$", n) for n in tensors)
+    if arch != "qwen2":
+        raw["attention_bias"] = biases
+    raw["mlp_bias"] = any(re.search(r"\.ffn_(gate|up|down)\.bias$", n) for n in tensors)
+    scaling = _rope_scaling(get, arch, where, tensors)
+    if scaling is not None:
+        raw["rope_scaling"] = scaling
+    window = get("attention.sliding_window")
+    layers = raw["num_hidden_layers"]
+    if arch == "phi3":
+        raw["sliding_window"] = window
+    elif arch in _GEMMA:
+        raw["hidden_activation"] = "gelu_pytorch_tanh"
+        # llama.cpp's scale: 1 / sqrt(hidden / heads) for the 27B models, else 1 / sqrt(head size)
+        raw["query_pre_attn_scalar"] = hidden // heads if _is_27b(arch, layers, hidden) else head_dim
+        raw["sliding_window"] = window
+        pattern = 2 if arch == "gemma2" else 6  # llama.cpp's swa pattern: the n-th layer is global
+        raw["layer_types"] = ["full_attention" if (n + 1) % pattern == 0 else "sliding_attention"
+                              for n in range(layers)] if window else None
+        if arch == "gemma2":
+            raw["attn_logit_softcapping"] = get("attn_logit_softcapping")
+            raw["final_logit_softcapping"] = get("final_logit_softcapping")
+        else:  # Gemma 3: the local layers' RoPE base is not in the file; llama.cpp fixes it at 10000
+            raw["rope_local_base_freq"] = 10000.0
+            raw["final_logit_softcapping"] = get("final_logit_softcapping")
+    return raw
+
+
+def _is_27b(arch: str, layers: int, hidden: int) -> bool:
+    return (arch, layers, hidden) in (("gemma2", 46, 4608), ("gemma3", 62, 5376))
+
+
+def _rope_scaling(get, arch: str, where: str, tensors: dict) -> dict | None:
+    kind = get("rope.scaling.type")
+    if arch == "phi3" and "rope_factors_long.weight" in tensors:
+        return {"rope_type": "longrope", "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+                "attention_factor": get("rope.scaling.attn_factor"), "_factors": True}
+    if "rope_freqs.weight" in tensors:
+        raise CheckpointError(f"{where}: rope_freqs.weight", "per-frequency RoPE factors (Llama 3.1's llama3 "
+                              "scaling, as llama.cpp stores it) are not mapped from GGUF yet",
+                              "convert the model's Hugging Face safetensors instead")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    raise CheckpointError(f"{where}: {arch}.rope.scaling.type", f"is {kind!r}",
+                          "supported GGUF RoPE scaling: none, linear (and Phi-3's longrope factors)")
+
+
+# -- tokenizer --------------------------------------------------------------------------------------
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (byte-level BPE spells every token with it)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+# tokenizer.ggml.pre -> the split regex its merges were learned with (transformers'
+# integrations/gguf table, from llama.cpp's llama-vocab.cpp); others keep GPT-2's
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {**dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"), _LLAMA3),
+           **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2), "tekken": _TEKKEN,
+           **dict.fromkeys(("gpt-4o", "llama4"), _GPT4O)}
+
+
+def _merges(meta: dict, vocab: dict[str, int], scores: dict[str, float] | None) -> list[tuple[str, str]]:
+    """The file's merges, or (SentencePiece files have none) every split of a token into two
+    vocabulary pieces, best score first (transformers' generate_merges)."""
+    given = meta.get("tokenizer.ggml.merges")
+    if given:
+        return [tuple(m.split(" ", 1)) for m in given]
+    found = []
+    for token, score in (scores or {}).items():
+        local = [(token[:i], token[i:], score) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        found.extend(sorted(local, key=lambda x: (vocab[x[0]], vocab[x[1]])))
+    found.sort(key=lambda x: (x[2], len(x[0]), len(x[1])), reverse=True)
+    return [(a, b) for a, b, _ in found]
+
+
+def _build_tokenizer(meta: dict, arch: str):
+    """A `tokenizers.Tokenizer` equal to the one transformers builds from the same metadata
+    (integrations/gguf: GPT2Tokenizer for ``gpt2``, LlamaTokenizer / GemmaTokenizer for ``llama``)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    kind = meta.get("tokenizer.ggml.model")
+    tokens = list(meta.get("tokenizer.ggml.tokens") or ())
+    types = list(meta.get("tokenizer.ggml.token_type") or ())
+    where = "tokenizer.ggml.model"
+    if kind == "gpt2":
+        spelling = _bytes_to_unicode()
+        alphabet = set(spelling.values())
+        vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+                 for i, t in enumerate(tokens)}
+        tok = Tokenizer(models.BPE(vocab, _merges(meta, vocab, None), dropout=None, continuing_subword_prefix="",
+                                   end_of_word_suffix="", fuse_unk=False))
+        split = _SPLITS.get(meta.get("tokenizer.ggml.pre"))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else \
+            pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        control_ok = lambda t: set(t) <= alphabet  # noqa: E731 (a mislabelled token would grow the vocab)
+    elif kind == "llama":
+        scores = list(meta.get("tokenizer.ggml.scores") or ())
+        gemma = arch in ("gemma", "gemma2", "gemma3")
+        if gemma:  # runs of spaces are stored as spaces; merges follow the file's order, not its scores
+            tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        order = {t: -i for i, t in enumerate(tokens)} if gemma else dict(zip(tokens, scores))
+        unk = meta.get("tokenizer.ggml.unknown_token_id")
+        tok = Tokenizer(models.BPE(vocab, _merges(meta, vocab, order), fuse_unk=True, byte_fallback=True,
+                                   dropout=None, unk_token=tokens[unk] if gemma and unk is not None else None))
+        if gemma:
+            tok.normalizer = normalizers.Replace(" ", "\u2581")
+            tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+            tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+        else:
+            tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+            tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                             decoders.Strip(" ", 1, 0)])
+        control_ok = lambda t: True  # noqa: E731
+    else:
+        raise CheckpointError(where, f"is {kind!r}: no tokenizer is built for it",
+                              "give token ids in the prompt file (\"tokens\"); supported: gpt2, llama")
+    control = [AddedToken(t, normalized=False, special=True)
+               for t, ty in zip(tokens, types) if ty == 3 and control_ok(t)]  # 3: CONTROL
+    named = [tokens[i] for i in _special_ids(meta).values() if i is not None and 0 <= i < len(tokens)]
+    control += [AddedToken(t, normalized=False, special=True) for t in named if t not in {c.content for c in control}]
+    if control:
+        tok.add_special_tokens(control)
+    user = [AddedToken(t, normalized=False, special=False)
+            for t, ty in zip(tokens, types) if ty == 4 and t in vocab]  # 4: USER_DEFINED, matched whole
+    if user:
+        tok.add_tokens(user)
+    if _add_bos(meta) and meta.get("tokenizer.ggml.bos_token_id") is not None:
+        from tokenizers import processors
+
+        bos = tokens[meta["tokenizer.ggml.bos_token_id"]]
+        bos_id = meta["tokenizer.ggml.bos_token_id"]
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                                                           special_tokens=[(bos, bos_id)])
+    return tok
+
+
+def _special_ids(meta: dict) -> dict[str, int | None]:
+    return {name: meta.get(f"tokenizer.ggml.{key}") for name, key in
+            (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
+             ("pad_token", "padding_token_id"))}
+
+
+def _add_bos(meta: dict) -> bool:
+    # transformers: a SentencePiece vocabulary that does not say adds BOS, as llama.cpp does
+    return bool(meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama"))
+
+
+def tokenizer_files(meta: dict) -> dict[str, str]:
+    """The files `prompts.load_tokenizer` reads, as text: ``tokenizer.json`` (when the metadata
+    has a vocabulary), ``tokenizer_config.json`` (special tokens, chat template) and
+    ``generation_config.json`` (the end-of-sequence ids generate stops at)."""
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    eos = [meta.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    eos = list(dict.fromkeys(i for i in eos if isinstance(i, int)))
+    files = {"generation_config.json": json.dumps({"eos_token_id": eos[0] if len(eos) == 1 else eos,
+                                                   "bos_token_id": meta.get("tokenizer.ggml.bos_token_id")}, indent=1)}
+    if not tokens:
+        return files
+    config: dict[str, Any] = {name: tokens[i] for name, i in _special_ids(meta).items()
+                              if isinstance(i, int) and 0 <= i < len(tokens)}
+    config["add_bos_token"] = _add_bos(meta)
+    config["add_eos_token"] = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    if meta.get("tokenizer.chat_template") is not None:
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    files["tokenizer_config.json"] = json.dumps(config, indent=1, ensure_ascii=False)
+    files["tokenizer.json"] = _build_tokenizer(meta, meta.get("general.architecture")).to_str()
+    return files
+
+
+def _write_beside(out_path: Path, files: dict[str, str]) -> list[Path]:
+    """``<stem>.<name>`` beside the checkpoint, each through a temporary name (hf.copy_tokenizer's way)."""
+    written = []
+    for name, text in files.items():
+        dst = out_path.with_name(f"{out_path.stem}.{name}")
+        tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, dst)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        written.append(dst)
+    return written
+
+
+# -- convert ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class ConvertReport:
+    """What `convert_gguf` did with each tensor, by GGML type: kept as groups, dequantized to
+    float (a type the groups cannot hold exactly, an embedding, or ``dequantize=True``), float."""
+
+    kept: Counter = field(default_factory=Counter)  # type -> tensors kept ("Q4_1": 210)
+    dequantized: dict = field(default_factory=lambda: defaultdict(list))  # type -> tensor names
+    float: Counter = field(default_factory=Counter)
+    files: list = field(default_factory=list)  # tokenizer files written beside the checkpoint
+
+    def lines(self) -> list[str]:
+        out = []
+        for t in sorted(set(self.kept) | set(self.dequantized) | set(self.float)):
+            parts = []
+            if self.kept[t]:
+                parts.append(f"{self.kept[t]} kept as {'q4' if t.startswith('Q4') else 'int8'} groups (exact)")
+            if self.dequantized.get(t):
+                names = self.dequantized[t]
+                parts.append(f"{len(names)} dequantized to float: {_compress(names)}")
+            if self.float[t]:
+                parts.append(f"{self.float[t]} float")
+            out.append(f"{t}: " + "; ".join(parts))
+        return out
+
+
+def _compress(names: list[str]) -> str:
+    """``blk.{0-29}.attn_q.weight``-style: one entry per name pattern, its layers as ranges."""
+    layers: dict[str, list[int]] = defaultdict(list)
+    for name in names:
+        m = re.match(r"blk\.(\d+)\.(.*)", name)
+        layers[m.group(2) if m else name].append(int(m.group(1)) if m else -1)
+    out = []
+    for rest, ns in layers.items():
+        if ns == [-1]:
+            out.append(rest)
+            continue
+        ns, runs = sorted(ns), []
+        for n in ns:
+            if runs and n == runs[-1][1] + 1:
+                runs[-1][1] = n
+            else:
+                runs.append([n, n])
+        text = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+        out.append(f"blk.{{{text}}}.{rest}")
+    return ", ".join(out)
+
+
+def _unpermute(rows: int, heads: int) -> np.ndarray:
+    """Row order undoing llama.cpp's q/k permutation: new row i is stored row order[i]."""
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
+def convert_gguf(path: str | os.PathLike, out_path: str | os.PathLike, *, dtype: str = "float32",
+                 dequantize: bool = False, tokenizer: bool = True) -> tuple[Any, Any, ConvertReport]:
+    """Convert the GGUF ``path`` to the checkpoint ``out_path`` (atomically): the family of its
+    architecture, its quantized tensors kept exactly where the contract allows (all float with
+    ``dequantize``), float tensors stored as ``dtype``, and with ``tokenizer`` its tokenizer,
+    chat template and end-of-sequence ids beside it. Returns (family, `Arch`, `ConvertReport`)."""
+    from . import family_for_model_type
+
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ConfigError("dtype", f"{dtype!r} is not a checkpoint dtype", "use float32, float16 or bfloat16")
+    gguf = _gguf()
+    path, out_path = Path(path), Path(out_path)
+    if not out_path.parent.is_dir():
+        raise CheckpointError(str(out_path), f"output directory {str(out_path.parent)!r} does not exist", "create it first")
+    if out_path.is_dir():
+        raise CheckpointError(str(out_path), "is a directory", "give a file name such as model.h5")
+    where = str(path)
+    reader = open_gguf(path)
+    meta = read_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    shapes = {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in tensors.items()}
+    raw = hf_config(meta, shapes, where)
+    arch = meta["general.architecture"]
+    family = family_for_model_type(raw["model_type"])
+    if family is None:
+        raise CheckpointError(f"{where}: general.architecture", f"{arch!r} maps to the Hugging Face model type "
+                              f"{raw['model_type']!r}, which no family of this rlx_mpi converts",
+                              "update rlx_mpi (or install the family's plug-in)")
+    for name, t in tensors.items():
+        tname = t.tensor_type.name
+        if tname not in _FLOAT_TYPES and tname not in QUANT_CONTRACT and getattr(gguf.quants, tname, None) is None:
+            raise CheckpointError(f"{where}: {name}", f"unsupported tensor type {tname}",
+                                  f"types read: {', '.join(_FLOAT_TYPES + EXACT_TYPES)} and those the gguf package "
+                                  "dequantizes; re-quantize the model to one of them")
+    longrope = raw.get("rope_scaling", {}).pop("_factors", None) if raw.get("rope_scaling") else None
+    if longrope:  # Phi-3's per-frequency factors are tensors in a GGUF, config lists in Hugging Face's
+        for key, tensor in (("long_factor", "rope_factors_long.weight"), ("short_factor", "rope_factors_short.weight")):
+            raw["rope_scaling"][key] = [float(v) for v in _dequantized(gguf, tensors[tensor])]
+    names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
+                                     raw["num_hidden_layers"])
+    report = ConvertReport()
+    heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
+    ignored = {"rope_factors_long.weight", "rope_factors_short.weight"}
+
+    def rename(hf_name: str) -> str:
+        base, _, suffix = hf_name.rpartition(".")
+        found = names.get_name(base)
+        return f"{found}.{suffix}" if found else hf_name
+
+    def index() -> dict[str, _Entry]:
+        return {n: _Entry(path, n, t.tensor_type.name, shapes[n], int(t.data_offset), int(t.data_offset + t.n_bytes))
+                for n, t in tensors.items() if n not in ignored}
+
+    def read(entry: _Entry):
+        t = tensors[entry.name]
+        tname = t.tensor_type.name
+        linear = len(entry.shape) == 2 and entry.name != "token_embd.weight"
+        if linear and tname in QUANT_CONTRACT and not dequantize:
+            value = quant_groups(tname, t.data)
+            report.kept[tname] += 1
+        else:
+            value = _dequantized(gguf, t)
+            if tname in _FLOAT_TYPES:
+                report.float[tname] += 1
+            else:
+                report.dequantized[tname].append(entry.name)
+        if arch in _PERMUTED and re.search(r"\.attn_[qk]\.(weight|bias)$", entry.name):
+            value = value[_unpermute(entry.shape[0], heads if ".attn_q." in entry.name else kv_heads)]
+        if arch in _GEMMA and entry.name.endswith("norm.weight"):
+            value = value - np.float32(1.0)  # transformers' Gemma2TensorProcessor
+        return value
+
+    types = {t.tensor_type.name for t in tensors.values()}
+    cfg = convert_tensors(family, raw, where, index, read, out_path, dtype=dtype, dtypes=types, rename=rename)
+    if tokenizer:
+        report.files = _write_beside(out_path, tokenizer_files(meta))
+    return family, cfg, report
+
+
+def _dequantized(gguf, t) -> np.ndarray:
+    """A tensor as float32, through the gguf package's dequantizer (exact for float types)."""
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    try:
+        return np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+    except NotImplementedError:
+        raise CheckpointError(t.name, f"unsupported tensor type {t.tensor_type.name}",
+                              "re-quantize the model to a common type") from None
