@@ -131,7 +131,8 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 def _narrow(*arrays: np.ndarray) -> list[np.ndarray]:
     """float16 when every value is exactly a float16 (Q4_0's -8 d overflows only past 8188),
     else float32 for all (scale and minimum share one dtype)."""
-    narrow = [a.astype(np.float16) for a in arrays]
+    with np.errstate(over="ignore"):
+        narrow = [a.astype(np.float16) for a in arrays]
     if all(np.array_equal(n.astype(np.float32), a.astype(np.float32)) for n, a in zip(narrow, arrays)):
         return narrow
     return [a.astype(np.float32) for a in arrays]
@@ -392,16 +393,30 @@ def hf_config(meta: dict, tensors: dict[str, tuple[int, ...]], where: str) -> di
         # llama.cpp's scale: 1 / sqrt(hidden / heads) for the 27B models, else 1 / sqrt(head size)
         raw["query_pre_attn_scalar"] = hidden // heads if _is_27b(arch, layers, hidden) else head_dim
         raw["sliding_window"] = window
-        pattern = 2 if arch == "gemma2" else 6  # llama.cpp's swa pattern: the n-th layer is global
-        raw["layer_types"] = ["full_attention" if (n + 1) % pattern == 0 else "sliding_attention"
-                              for n in range(layers)] if window else None
+        raw["layer_types"] = _layer_types(meta, arch, layers, where) if window else None
         if arch == "gemma2":
             raw["attn_logit_softcapping"] = get("attn_logit_softcapping")
             raw["final_logit_softcapping"] = get("final_logit_softcapping")
         else:  # Gemma 3: the local layers' RoPE base is not in the file; llama.cpp fixes it at 10000
-            raw["rope_local_base_freq"] = 10000.0
+            raw["rope_local_base_freq"] = get("rope.freq_base_swa", 10000.0)
             raw["final_logit_softcapping"] = get("final_logit_softcapping")
     return raw
+
+
+def _layer_types(meta: dict, arch: str, layers: int, where: str) -> list[str]:
+    """Which layers slide: ``attention.sliding_window_pattern`` when the file states it (one
+    bool per layer, or n: every n-th layer is global), else llama.cpp's fixed pattern (Gemma 2:
+    every 2nd layer global, Gemma 3: every 6th)."""
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise CheckpointError(f"{where}: {arch}.attention.sliding_window_pattern",
+                                  f"has {len(pattern)} entries for {layers} layers", _FIX_FILE)
+        return ["sliding_attention" if slides else "full_attention" for slides in pattern]
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise CheckpointError(f"{where}: {arch}.attention.sliding_window_pattern", f"is {pattern!r}",
+                              "expected a positive integer or one bool per layer")
+    return ["full_attention" if (n + 1) % pattern == 0 else "sliding_attention" for n in range(layers)]
 
 
 def _is_27b(arch: str, layers: int, hidden: int) -> bool:
@@ -631,7 +646,7 @@ def _compress(names: list[str]) -> str:
             else:
                 runs.append([n, n])
         text = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
-        out.append(f"blk.{{{text}}}.{rest}")
+        out.append(f"blk.{text}.{rest}" if len(ns) == 1 else f"blk.{{{text}}}.{rest}")
     return ", ".join(out)
 
 
