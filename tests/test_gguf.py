@@ -397,3 +397,23 @@ def test_cli_converts_and_logs_per_type(tmp_path, good_gguf):
     assert r.returncode == BAD_INPUT and "applies to a .gguf source only" in r.stderr
     r = run_cli(["convert", good_gguf, good_gguf], timeout=60)  # never overwrites its input
     assert r.returncode == BAD_INPUT and good_gguf.read_bytes()[:4] == b"GGUF"
+
+
+def test_phi3_longrope_factors_come_from_their_tensors(tmp_path):
+    """llama.cpp stores Phi-3's longrope factors as tensors and its attention factor as metadata."""
+    family = get_family("phi3")
+    half = SHAPE["hidden_size"] // SHAPE["num_attention_heads"] // 2
+    rng = np.random.default_rng(1)
+    long, short = (rng.uniform(1.0, 4.0, half).astype(np.float32) for _ in range(2))
+    hf = dict(SHAPE, model_type="phi3", original_max_position_embeddings=64,
+              rope_scaling={"type": "longrope", "long_factor": long.tolist(), "short_factor": short.tolist()})
+    cfg = family.arch_from_hf(hf, "test").validate("test")
+    ours = dict(random_tensors(cfg, seed=3))
+    tensors = {n: (v, Q.F32) for n, v in gguf_tensors("phi3", cfg, ours).items()}
+    tensors.update({"rope_factors_long.weight": (long, Q.F32), "rope_factors_short.weight": (short, Q.F32)})
+    meta = {**base_meta(cfg), "rope.scaling.original_context_length": 64,
+            "rope.scaling.attn_factor": float(cfg.rope_attention_factor)}
+    _, got, _ = convert_gguf(write_gguf(tmp_path / "p.gguf", "phi3", meta, tensors), tmp_path / "p.h5")
+    assert got.rope_type == "longrope" and got.rope_original_max_positions == 64
+    assert got.rope_long_factor == cfg.rope_long_factor and got.rope_short_factor == cfg.rope_short_factor
+    assert got.rope_attention_factor == pytest.approx(cfg.rope_attention_factor, rel=1e-7)  # float32 in the file

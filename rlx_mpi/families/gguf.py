@@ -5,9 +5,11 @@ A GGUF holds the model's config as metadata (``general.architecture``, ``<arch>.
 ...), its tensors under llama.cpp's names (``token_embd``, ``blk.N.attn_q``, ..., ``output``),
 often quantized in blocks, and its tokenizer and chat template (``tokenizer.ggml.*``,
 ``tokenizer.chat_template``). Here the metadata becomes the Hugging Face config dict the family's
-``arch_from_hf`` already reads, each tensor name is found through the ``gguf`` package's own
-name map, and `hf.convert_tensors` checks and writes them, so a GGUF is refused or accepted for the
-same reasons as the safetensors of the same model.
+``arch_from_hf`` already reads and the family's name map (``hf_names``) gives each tensor's
+Hugging Face name, found in the file through the ``gguf`` package's own name map; so a GGUF is
+refused or accepted for the same reasons as the safetensors of the same model, and every tensor
+is checked against the config before a byte is written (`_plan`, the GGUF twin of `hf`'s check:
+the safetensors reader's plan is being reshaped by the MoE families, so this one owns its own).
 
 Tensors of the block types the checkpoint's quantized groups hold exactly (``QUANT_CONTRACT``:
 Q4_0, Q4_1, Q4_K as 4-bit groups; Q8_0, Q6_K as int8 groups) are kept as they are, not
@@ -39,7 +41,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError, ConfigError
-from .hf import _Entry, convert_tensors
+from ..checkpoint import write_checkpoint
+from .decoder.arch import expected_shapes
 
 __all__ = ["QuantGroups", "ConvertReport", "EXACT_TYPES", "ARCHITECTURES", "open_gguf", "read_metadata",
            "hf_config", "tokenizer_files", "convert_gguf", "quant_groups"]
@@ -400,7 +403,7 @@ def hf_config(meta: dict, tensors: dict[str, tuple[int, ...]], where: str) -> di
         else:  # Gemma 3: the local layers' RoPE base is not in the file; llama.cpp fixes it at 10000
             raw["rope_local_base_freq"] = get("rope.freq_base_swa", 10000.0)
             raw["final_logit_softcapping"] = get("final_logit_softcapping")
-    return raw
+    return {k: v for k, v in raw.items() if v is not None}  # absent: the family's default, as in config.json
 
 
 def _layer_types(meta: dict, arch: str, layers: int, where: str) -> list[str]:
@@ -693,45 +696,89 @@ def convert_gguf(path: str | os.PathLike, out_path: str | os.PathLike, *, dtype:
     if longrope:  # Phi-3's per-frequency factors are tensors in a GGUF, config lists in Hugging Face's
         for key, tensor in (("long_factor", "rope_factors_long.weight"), ("short_factor", "rope_factors_short.weight")):
             raw["rope_scaling"][key] = [float(v) for v in _dequantized(gguf, tensors[tensor])]
+    cfg = family.arch_from_hf(raw, where).validate(where)
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
-                                     raw["num_hidden_layers"])
-    report = ConvertReport()
-    heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
-    ignored = {"rope_factors_long.weight", "rope_factors_short.weight"}
+                                     cfg.num_hidden_layers)
 
-    def rename(hf_name: str) -> str:
+    def rename(hf_name: str) -> str:  # model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight
         base, _, suffix = hf_name.rpartition(".")
         found = names.get_name(base)
         return f"{found}.{suffix}" if found else hf_name
 
-    def index() -> dict[str, _Entry]:
-        return {n: _Entry(path, n, t.tensor_type.name, shapes[n], int(t.data_offset), int(t.data_offset + t.n_bytes))
-                for n, t in tensors.items() if n not in ignored}
+    plan = _plan(cfg, {ours: (rename(src.name), src.rows) for ours, src in family.hf_names(cfg).items()},
+                 shapes, where, family.name)
+    report = ConvertReport()
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
 
-    def read(entry: _Entry):
-        t = tensors[entry.name]
+    def read(name: str):
+        t = tensors[name]
         tname = t.tensor_type.name
-        linear = len(entry.shape) == 2 and entry.name != "token_embd.weight"
-        if linear and tname in QUANT_CONTRACT and not dequantize:
-            value = quant_groups(tname, t.data)
+        if name != "token_embd.weight" and len(shapes[name]) == 2 and tname in QUANT_CONTRACT and not dequantize:
+            value = quant_groups(tname, t.data)  # a linear weight: the groups hold it exactly
             report.kept[tname] += 1
         else:
             value = _dequantized(gguf, t)
             if tname in _FLOAT_TYPES:
                 report.float[tname] += 1
             else:
-                report.dequantized[tname].append(entry.name)
-        if arch in _PERMUTED and re.search(r"\.attn_[qk]\.(weight|bias)$", entry.name):
-            value = value[_unpermute(entry.shape[0], heads if ".attn_q." in entry.name else kv_heads)]
-        if arch in _GEMMA and entry.name.endswith("norm.weight"):
+                report.dequantized[tname].append(name)
+        if arch in _PERMUTED and re.search(r"\.attn_[qk]\.(weight|bias)$", name):
+            value = value[_unpermute(shapes[name][0], heads if ".attn_q." in name else kv_heads)]
+        if arch in _GEMMA and name.endswith("norm.weight"):
             value = value - np.float32(1.0)  # transformers' Gemma2TensorProcessor
         return value
 
-    types = {t.tensor_type.name for t in tensors.values()}
-    cfg = convert_tensors(family, raw, where, index, read, out_path, dtype=dtype, dtypes=types, rename=rename)
+    write_checkpoint(out_path, family.name, cfg.to_json(), _tensors(plan, read), dtype=dtype)
     if tokenizer:
         report.files = _write_beside(out_path, tokenizer_files(meta))
     return family, cfg, report
+
+
+_IGNORED = ("rope_factors_long.weight", "rope_factors_short.weight")  # read into the config (Phi-3)
+
+
+def _plan(cfg, sources: dict[str, tuple[str, tuple[int, int] | None]], shapes: dict[str, tuple[int, ...]],
+          where: str, family: str) -> dict[str, tuple[str, tuple[int, int] | None]]:
+    """Our name -> (GGUF name, rows or None), after checking that every tensor the config implies
+    is in the file with its shape, that a fused tensor's parts cover it, and that nothing is left."""
+    want = expected_shapes(cfg)
+    used = {name for name, _ in sources.values()}
+    missing = list(dict.fromkeys(sources[n][0] for n in want if sources[n][0] not in shapes))
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(where, f"missing tensors {missing[:5]}{more}", _FIX_FILE)
+    extra = sorted(n for n in shapes if n not in used and n not in _IGNORED)
+    if extra:
+        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+        raise CheckpointError(where, f"unexpected tensors {extra[:5]}{more}",
+                              f"they are not part of a {cfg.num_hidden_layers}-layer {family}; the metadata and "
+                              "the tensors disagree (another architecture?)")
+    covered: dict[str, int] = {}
+    for ours, shape in want.items():
+        name, rows = sources[ours]
+        have = shapes[name]
+        got = have if rows is None else (rows[1] - rows[0], *have[1:])
+        if got != tuple(shape) or (rows is not None and rows[1] > have[0]):
+            implied = tuple(shape) if rows is None else f"{tuple(shape)} at rows {rows[0]}..{rows[1]}"
+            raise CheckpointError(f"{where}: {name}", f"shape {have} disagrees with the config, which implies "
+                                  f"{implied}", "the metadata and the tensors disagree; download the file again")
+        if rows is not None:
+            covered[name] = covered.get(name, 0) + got[0]
+    for name, count in covered.items():
+        if count != shapes[name][0]:
+            raise CheckpointError(f"{where}: {name}", f"has {shapes[name][0]} rows, the config's parts cover {count}",
+                                  "the metadata and the tensors disagree; download the file again")
+    return {ours: sources[ours] for ours in want}
+
+
+def _tensors(plan: dict, read) -> Any:
+    """(our name, tensor) in checkpoint order; a fused tensor is read once for its parts."""
+    last: tuple[str, Any] | None = None
+    for ours, (name, rows) in plan.items():
+        if last is None or last[0] != name:
+            last = (name, read(name))
+        part = last[1] if rows is None else last[1][rows[0]:rows[1]]
+        yield ours, (np.ascontiguousarray(part) if isinstance(part, np.ndarray) else part)
 
 
 def _dequantized(gguf, t) -> np.ndarray:

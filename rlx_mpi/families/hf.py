@@ -24,7 +24,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import BinaryIO, Iterator
 
 import numpy as np
 
@@ -32,8 +32,8 @@ from ..checkpoint import write_checkpoint
 from ..errors import CheckpointError, ConfigError
 from .decoder.arch import Arch, expected_shapes
 
-__all__ = ["copy_tokenizer", "convert", "convert_tensors", "read_hf_config", "standard_names", "Source",
-           "TOKENIZER_FILES", "sizes", "rope_fields", "refuse_if", "sliding_windows"]
+__all__ = ["copy_tokenizer", "convert", "read_hf_config", "standard_names", "Source", "TOKENIZER_FILES",
+           "sizes", "rope_fields", "refuse_if", "sliding_windows"]
 
 # safetensors dtype -> numpy dtype of the stored bytes (little-endian by the format's rule).
 # BF16 is stored as uint16 and widened to float32 on read.
@@ -351,14 +351,12 @@ def sliding_windows(raw: dict, where: str, layers: int, *, all_layers: bool = Fa
 
 
 def _check_tensors(cfg: Arch, names: dict[str, Source], entries: dict[str, _Entry], where_dir: Path,
-                   family: str, dtypes=_DTYPES, head: str = "lm_head.weight",
-                   ) -> dict[str, tuple[_Entry, tuple[int, int] | None]]:
-    """Our name -> (entry, rows), after checking names, dtypes (the reader's: ``dtypes``) and shapes
-    against ``cfg``; ``head`` is the reader's name of the LM head (tied models may carry it)."""
+                   family: str) -> dict[str, tuple[_Entry, tuple[int, int] | None]]:
+    """Our name -> (entry, rows), after checking names, dtypes and shapes against ``cfg``."""
     want = expected_shapes(cfg)
     used = {src.name for src in names.values()}
     unmapped = sorted(n for n in entries if n not in used and not _HARMLESS.search(n)
-                      and not (cfg.tie_word_embeddings and n == head))
+                      and not (cfg.tie_word_embeddings and n == "lm_head.weight"))
     biases = [n for n in unmapped if n.endswith(".bias")]
     if biases:
         more = f" and {len(biases) - 3} more" if len(biases) > 3 else ""
@@ -374,7 +372,7 @@ def _check_tensors(cfg: Arch, names: dict[str, Source], entries: dict[str, _Entr
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         fix = "download the missing shards"
-        if missing == [head]:
+        if missing == ["lm_head.weight"]:
             fix = "if the model ties lm_head to embed_tokens, its config should say tie_word_embeddings: true"
         raise CheckpointError(str(where_dir), f"missing tensors {missing[:5]}{more}", fix)
     fused: dict[str, int] = {}  # rows of a split tensor our parts cover
@@ -383,9 +381,9 @@ def _check_tensors(cfg: Arch, names: dict[str, Source], entries: dict[str, _Entr
         src = names[name]
         entry = entries[src.name]
         where = f"{entry.path}: {src.name}"
-        if entry.dtype not in dtypes:
+        if entry.dtype not in _DTYPES:
             raise CheckpointError(where, f"dtype {entry.dtype} is not supported",
-                                  f"only {sorted(dtypes)} are read; convert an unquantized model")
+                                  f"only {sorted(_DTYPES)} are read; convert an unquantized model")
         got = entry.shape if src.rows is None else (src.rows[1] - src.rows[0], *entry.shape[1:])
         if src.rows is not None:
             fused[src.name] = fused.get(src.name, 0) + got[0]
@@ -401,35 +399,16 @@ def _check_tensors(cfg: Arch, names: dict[str, Source], entries: dict[str, _Entr
     return out
 
 
-def _tensors(plan: dict, read: Callable[[_Entry], Any]) -> Iterator[tuple[str, Any]]:
-    """(our name, tensor) in checkpoint order, one tensor (or one fused tensor) in memory at a time.
-    ``read`` gives an entry's array (or an object the checkpoint writer stores, as GGUF's groups)."""
-    last: tuple[str, Any] | None = None  # a fused tensor is read once for its parts
+def _tensors(plan: dict, stack: contextlib.ExitStack) -> Iterator[tuple[str, np.ndarray]]:
+    """(our name, array) in checkpoint order, one tensor (or one fused tensor) in memory at a time."""
+    handles: dict[Path, BinaryIO] = {}
+    last: tuple[str, np.ndarray] | None = None  # a fused tensor is read once for its parts
     for name, (entry, rows) in plan.items():
+        if entry.path not in handles:
+            handles[entry.path] = stack.enter_context(open(entry.path, "rb"))
         if last is None or last[0] != entry.name:
-            last = (entry.name, read(entry))
-        part = last[1] if rows is None else last[1][rows[0]:rows[1]]
-        yield name, (np.ascontiguousarray(part) if isinstance(part, np.ndarray) else part)
-
-
-def convert_tensors(family, raw: dict, where: str, index: Callable[[], dict[str, _Entry]],
-                    read: Callable[[_Entry], Any],
-                    out_path: str | os.PathLike, *, dtype: str = "float32", dtypes=_DTYPES,
-                    rename: Callable[[str], str] | None = None, origin: str | None = None) -> Arch:
-    """What every reader (safetensors here, GGUF in `gguf`) shares once it has a Hugging Face
-    config dict ``raw`` and its tensors (``index()``: the reader's name -> `_Entry`, called once
-    the config is found good): the family's config translation and name map (each Hugging Face
-    name through ``rename`` to the reader's), every tensor checked against the config, then
-    written atomically. ``where`` names the config in errors, ``origin`` (default ``where``) the
-    place tensors are missing from. Returns the `Arch`."""
-    cfg = family.arch_from_hf(raw, where).validate(where)
-    names = family.hf_names(cfg)
-    if rename is not None:
-        names = {ours: Source(rename(src.name), src.rows) for ours, src in names.items()}
-    head = rename("lm_head.weight") if rename is not None else "lm_head.weight"
-    plan = _check_tensors(cfg, names, index(), Path(origin or where), family.name, dtypes, head)
-    write_checkpoint(out_path, family.name, cfg.to_json(), _tensors(plan, read), dtype=dtype)
-    return cfg
+            last = (entry.name, _read_tensor(entry, handles[entry.path]))
+        yield name, (last[1] if rows is None else np.ascontiguousarray(last[1][rows[0]:rows[1]]))
 
 
 # -- entry point -------------------------------------------------------------------------------
@@ -459,16 +438,10 @@ def convert(family, hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, d
 
     config_path = hf_dir / config_name
     raw = hf_config if hf_config is not None else read_hf_config(config_path)
+    cfg = family.arch_from_hf(raw, str(config_path)).validate(str(config_path))
+    plan = _check_tensors(cfg, family.hf_names(cfg), _index_tensors(_safetensors_files(hf_dir)), hf_dir, family.name)
     with contextlib.ExitStack() as stack:
-        handles: dict[Path, BinaryIO] = {}
-
-        def read(entry: _Entry) -> np.ndarray:
-            if entry.path not in handles:
-                handles[entry.path] = stack.enter_context(open(entry.path, "rb"))
-            return _read_tensor(entry, handles[entry.path])
-
-        cfg = convert_tensors(family, raw, str(config_path), lambda: _index_tensors(_safetensors_files(hf_dir)),
-                              read, out_path, dtype=dtype, origin=str(hf_dir))
+        write_checkpoint(out_path, family.name, cfg.to_json(), _tensors(plan, stack), dtype=dtype)
     if tokenizer:
         copy_tokenizer(hf_dir, out_path)
     return cfg
