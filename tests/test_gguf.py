@@ -26,7 +26,7 @@ gguf = pytest.importorskip("gguf")  # the [gguf] extra (in [test]): CI always ha
 
 from conftest import run_cli  # noqa: E402
 from rlx_mpi.checkpoint import H5ParamSource, read_header  # noqa: E402
-from rlx_mpi.errors import CheckpointError  # noqa: E402
+from rlx_mpi.errors import CheckpointError, ConfigError  # noqa: E402
 from rlx_mpi.families import get_family  # noqa: E402
 from rlx_mpi.families.decoder.arch import expected_shapes  # noqa: E402
 from rlx_mpi.families.decoder.family import random_tensors  # noqa: E402
@@ -417,3 +417,28 @@ def test_phi3_longrope_factors_come_from_their_tensors(tmp_path):
     assert got.rope_type == "longrope" and got.rope_original_max_positions == 64
     assert got.rope_long_factor == cfg.rope_long_factor and got.rope_short_factor == cfg.rope_short_factor
     assert got.rope_attention_factor == pytest.approx(cfg.rope_attention_factor, rel=1e-7)  # float32 in the file
+
+
+def test_dtype_q4_requantizes_only_the_float_linear_weights(tmp_path):
+    """``dtype="q4"``: kept groups stay exact, float linear weights become q4 groups and are listed;
+    a build without the q4 precision refuses it in one line."""
+    family, cfg, ours, _ = source_model("llama")
+    tensors = {n: (v, Q.F32) for n, v in gguf_tensors("llama", cfg, ours).items()}
+    kept = "blk.0.ffn_gate.weight"
+    tensors[kept] = (gguf.quants.quantize(tensors[kept][0], Q.Q4_1), Q.Q4_1)
+    path = write_gguf(tmp_path / "m.gguf", "llama", base_meta(cfg), tensors)
+    try:
+        from rlx_mpi.families.decoder.weights import q4_tensor  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="q4 needs the q4 precision"):
+            convert_gguf(path, tmp_path / "q4.h5", dtype="q4")
+        return
+    _, _, report = convert_gguf(path, tmp_path / "q4.h5", dtype="q4")
+    linear = [n for n in tensors if n.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                                                "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))]
+    assert sorted(report.requantized) == sorted([n for n in linear if n != kept] + ["output.weight"])
+    assert report.kept == {"Q4_1": 1}
+    with h5py.File(tmp_path / "q4.h5", "r") as f:
+        np.testing.assert_array_equal(contract_values(f["layers/0/gate_proj"]),
+                                      gguf.quants.dequantize(tensors[kept][0], Q.Q4_1))
+        assert f["layers/1/up_proj"].attrs["quant"] == "q4" and isinstance(f["embed_tokens"], h5py.Dataset)

@@ -609,11 +609,13 @@ def _write_beside(out_path: Path, files: dict[str, str]) -> list[Path]:
 @dataclass
 class ConvertReport:
     """What `convert_gguf` did with each tensor, by GGML type: kept as groups, dequantized to
-    float (a type the groups cannot hold exactly, an embedding, or ``dequantize=True``), float."""
+    float (a type the groups cannot hold exactly, an embedding, or ``dequantize=True``), float;
+    and with ``dtype="q4"`` which float linear weights were quantized to q4 groups on writing."""
 
     kept: Counter = field(default_factory=Counter)  # type -> tensors kept ("Q4_1": 210)
     dequantized: dict = field(default_factory=lambda: defaultdict(list))  # type -> tensor names
     float: Counter = field(default_factory=Counter)
+    requantized: list = field(default_factory=list)  # GGUF names written as q4 groups from floats (--dtype q4)
     files: list = field(default_factory=list)  # tokenizer files written beside the checkpoint
 
     def lines(self) -> list[str]:
@@ -628,6 +630,8 @@ class ConvertReport:
             if self.float[t]:
                 parts.append(f"{self.float[t]} float")
             out.append(f"{t}: " + "; ".join(parts))
+        if self.requantized:
+            out.append(f"requantized to q4 (from float): {len(self.requantized)}: {_compress(self.requantized)}")
         return out
 
 
@@ -662,12 +666,14 @@ def convert_gguf(path: str | os.PathLike, out_path: str | os.PathLike, *, dtype:
                  dequantize: bool = False, tokenizer: bool = True) -> tuple[Any, Any, ConvertReport]:
     """Convert the GGUF ``path`` to the checkpoint ``out_path`` (atomically): the family of its
     architecture, its quantized tensors kept exactly where the contract allows (all float with
-    ``dequantize``), float tensors stored as ``dtype``, and with ``tokenizer`` its tokenizer,
+    ``dequantize``), float tensors stored as ``dtype`` ("q4": float linear weights quantized to q4
+    groups, once the q4 precision is in the build), and with ``tokenizer`` its tokenizer,
     chat template and end-of-sequence ids beside it. Returns (family, `Arch`, `ConvertReport`)."""
     from . import family_for_model_type
 
-    if dtype not in ("float32", "float16", "bfloat16"):
-        raise ConfigError("dtype", f"{dtype!r} is not a checkpoint dtype", "use float32, float16 or bfloat16")
+    if dtype not in ("float32", "float16", "bfloat16", "q4"):
+        raise ConfigError("dtype", f"{dtype!r} is not a checkpoint dtype", "use float32, float16, bfloat16 or q4")
+    requantize = _q4_picker() if dtype == "q4" else None
     gguf = _gguf()
     path, out_path = Path(path), Path(out_path)
     if not out_path.parent.is_dir():
@@ -728,7 +734,17 @@ def convert_gguf(path: str | os.PathLike, out_path: str | os.PathLike, *, dtype:
             value = value - np.float32(1.0)  # transformers' Gemma2TensorProcessor
         return value
 
-    write_checkpoint(out_path, family.name, cfg.to_json(), _tensors(plan, read), dtype=dtype)
+    extra = {}
+    if requantize is not None:  # dtype q4: the float linear weights (F16/F32, or a type dequantized above) as q4
+
+        def quantize(name: str, shape: tuple[int, ...]) -> bool:
+            if requantize(name, shape):
+                report.requantized.append(plan[name][0])
+                return True
+            return False
+
+        extra["quantize"] = quantize
+    write_checkpoint(out_path, family.name, cfg.to_json(), _tensors(plan, read), dtype=dtype, **extra)
     if tokenizer:
         report.files = _write_beside(out_path, tokenizer_files(meta))
     return family, cfg, report
@@ -779,6 +795,17 @@ def _tensors(plan: dict, read) -> Any:
             last = (name, read(name))
         part = last[1] if rows is None else last[1][rows[0]:rows[1]]
         yield ours, (np.ascontiguousarray(part) if isinstance(part, np.ndarray) else part)
+
+
+def _q4_picker():
+    """The q4 precision's choice of tensors a q4 checkpoint quantizes (``weights.q4_tensor``: issue
+    #32 part 1); a `ConfigError` in a build without it."""
+    try:
+        from .decoder.weights import q4_tensor
+    except ImportError:
+        raise ConfigError("convert --dtype", "q4 needs the q4 precision, which this rlx_mpi lacks",
+                          "use float32, float16 or bfloat16 (the GGUF's 4-bit tensors are kept as they are)") from None
+    return q4_tensor
 
 
 def _dequantized(gguf, t) -> np.ndarray:
