@@ -442,3 +442,29 @@ def test_dtype_q4_requantizes_only_the_float_linear_weights(tmp_path):
         np.testing.assert_array_equal(contract_values(f["layers/0/gate_proj"]),
                                       gguf.quants.dequantize(tensors[kept][0], Q.Q4_1))
         assert f["layers/1/up_proj"].attrs["quant"] == "q4" and isinstance(f["embed_tokens"], h5py.Dataset)
+
+
+def test_llama3_rope_scaling_comes_back_from_rope_freqs(tmp_path):
+    """llama.cpp keeps Llama 3.1's llama3 scaling only as the rope_freqs tensor; it converts to the
+    config transformers reads from the safetensors; factors of no such scaling are refused."""
+    family = get_family("llama")
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    cfg = family.arch_from_hf(dict(SHAPE, model_type="llama", max_position_embeddings=16384,
+                                   rope_scaling=scaling), "test").validate("test")
+    ours = dict(random_tensors(cfg, seed=3))
+    tensors = {n: (v, Q.F32) for n, v in gguf_tensors("llama", cfg, ours).items()}
+    # llama.cpp's LlamaModel.generate_extra_tensors, in float64 from float32 frequencies
+    freqs = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float32) / cfg.head_dim))
+    factors = []
+    for f in freqs.astype(np.float64):
+        wavelen = 2 * math.pi / f
+        smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+        factors.append(1.0 if wavelen < 8192 / 4 else 8.0 if wavelen > 8192 else 1 / ((1 - smooth) / 8.0 + smooth))
+    assert 1.0 < factors[-2] < 8.0 and factors[-1] == 8.0  # the tiny head still has all three bands
+    tensors["rope_freqs.weight"] = (np.asarray(factors, np.float32), Q.F32)
+    _, got, _ = convert_gguf(write_gguf(tmp_path / "l3.gguf", "llama", base_meta(cfg), tensors), tmp_path / "l3.h5")
+    assert got == cfg
+    tensors["rope_freqs.weight"] = (np.asarray(factors, np.float32) * 1.5, Q.F32)
+    with pytest.raises(CheckpointError, match="rope_freqs.weight: per-frequency RoPE factors"):
+        convert_gguf(write_gguf(tmp_path / "x.gguf", "llama", base_meta(cfg), tensors), tmp_path / "x.h5")

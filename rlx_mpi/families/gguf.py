@@ -431,10 +431,8 @@ def _rope_scaling(get, arch: str, where: str, tensors: dict) -> dict | None:
     if arch == "phi3" and "rope_factors_long.weight" in tensors:
         return {"rope_type": "longrope", "original_max_position_embeddings": get("rope.scaling.original_context_length"),
                 "attention_factor": get("rope.scaling.attn_factor"), "_factors": True}
-    if "rope_freqs.weight" in tensors:
-        raise CheckpointError(f"{where}: rope_freqs.weight", "per-frequency RoPE factors (Llama 3.1's llama3 "
-                              "scaling, as llama.cpp stores it) are not mapped from GGUF yet",
-                              "convert the model's Hugging Face safetensors instead")
+    if "rope_freqs.weight" in tensors:  # Llama 3.1+: its llama3 scaling as per-frequency factors
+        return {"rope_type": "llama3", "_freqs": True}
     if kind in (None, "none"):
         return None
     if kind == "linear":
@@ -698,10 +696,13 @@ def convert_gguf(path: str | os.PathLike, out_path: str | os.PathLike, *, dtype:
             raise CheckpointError(f"{where}: {name}", f"unsupported tensor type {tname}",
                                   f"types read: {', '.join(_FLOAT_TYPES + EXACT_TYPES)} and those the gguf package "
                                   "dequantizes; re-quantize the model to one of them")
-    longrope = raw.get("rope_scaling", {}).pop("_factors", None) if raw.get("rope_scaling") else None
-    if longrope:  # Phi-3's per-frequency factors are tensors in a GGUF, config lists in Hugging Face's
+    scaling = raw.get("rope_scaling") or {}
+    if scaling.pop("_factors", None):  # Phi-3's per-frequency factors are tensors in a GGUF, config lists in HF's
         for key, tensor in (("long_factor", "rope_factors_long.weight"), ("short_factor", "rope_factors_short.weight")):
-            raw["rope_scaling"][key] = [float(v) for v in _dequantized(gguf, tensors[tensor])]
+            scaling[key] = [float(v) for v in _dequantized(gguf, tensors[tensor])]
+    if scaling.pop("_freqs", None):
+        scaling.update(_llama3_scaling(_dequantized(gguf, tensors["rope_freqs.weight"]), raw["rope_theta"],
+                                       raw["head_dim"], f"{where}: rope_freqs.weight"))
     cfg = family.arch_from_hf(raw, where).validate(where)
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
                                      cfg.num_hidden_layers)
@@ -750,7 +751,40 @@ def convert_gguf(path: str | os.PathLike, out_path: str | os.PathLike, *, dtype:
     return family, cfg, report
 
 
-_IGNORED = ("rope_factors_long.weight", "rope_factors_short.weight")  # read into the config (Phi-3)
+# read into the config: Phi-3's longrope factors, Llama 3.1's llama3 factors
+_IGNORED = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
+
+
+def _llama3_factors(theta: float, head_dim: int, factor: float, low: float, high: float, original: int) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter writes as ``rope_freqs`` for llama3 scaling
+    (LlamaModel.generate_extra_tensors; transformers' _compute_llama3_parameters likewise)."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    out = []
+    for freq in freqs.astype(np.float64):
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def _llama3_scaling(freqs: np.ndarray, theta: float, head_dim: int, where: str) -> dict:
+    """llama3 RoPE parameters back from llama.cpp's ``rope_freqs`` tensor, which is all a GGUF keeps
+    of them: Meta's values (low 1, high 4, an 8192-token original context; the factor is the
+    largest divisor) are taken only if they reproduce every stored factor."""
+    factor = float(np.max(freqs))
+    if freqs.shape == (head_dim // 2,) and factor >= 1.0:
+        want = _llama3_factors(theta, head_dim, factor, 1.0, 4.0, 8192)
+        if np.allclose(want, freqs, rtol=1e-5, atol=0):
+            return {"factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}
+    raise CheckpointError(where, f"per-frequency RoPE factors {_clip(str(freqs.tolist()), 80)} are not llama3 "
+                          "scaling with Meta's parameters (low 1, high 4, original context 8192)",
+                          "convert the model's Hugging Face safetensors instead")
 
 
 def _plan(cfg, sources: dict[str, tuple[str, tuple[int, int] | None]], shapes: dict[str, tuple[int, ...]],
