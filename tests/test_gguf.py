@@ -468,3 +468,20 @@ def test_llama3_rope_scaling_comes_back_from_rope_freqs(tmp_path):
     tensors["rope_freqs.weight"] = (np.asarray(factors, np.float32) * 1.5, Q.F32)
     with pytest.raises(CheckpointError, match="rope_freqs.weight: per-frequency RoPE factors"):
         convert_gguf(write_gguf(tmp_path / "x.gguf", "llama", base_meta(cfg), tensors), tmp_path / "x.h5")
+
+
+def test_without_tokenizers_the_ids_only_files_are_written(tmp_path, good_gguf, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_tokenizers(name, *args, **kw):
+        if name == "tokenizers" or name.startswith("tokenizers."):
+            raise ImportError("No module named 'tokenizers'")
+        return real(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_tokenizers)
+    _, _, report = convert_gguf(good_gguf, tmp_path / "m.h5")
+    assert [p.name for p in report.files] == ["m.generation_config.json"]
+    assert any("no tokenizer.json written" in line for line in report.lines())
+    assert json.loads((tmp_path / "m.generation_config.json").read_text()) == {}  # the file names no eos

@@ -1,5 +1,6 @@
 """Convert a GGUF file (llama.cpp's format) to our HDF5 checkpoint: the second reader beside
-`families.hf` (safetensors directories); both end in the same family converter.
+`families.hf` (safetensors directories); both go through the family's config translation and
+name map and end in `checkpoint.write_checkpoint`.
 
 A GGUF holds the model's config as metadata (``general.architecture``, ``<arch>.block_count``,
 ...), its tensors under llama.cpp's names (``token_embd``, ``blk.N.attn_q``, ..., ``output``),
@@ -29,7 +30,6 @@ qkv) act on whole rows, so both apply to quantized groups without touching a val
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import re
@@ -40,14 +40,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError, ConfigError
 from ..checkpoint import write_checkpoint
+from ..errors import CheckpointError, ConfigError
 from .decoder.arch import expected_shapes
 
 __all__ = ["QuantGroups", "ConvertReport", "EXACT_TYPES", "ARCHITECTURES", "open_gguf", "read_metadata",
            "hf_config", "tokenizer_files", "convert_gguf", "quant_groups"]
-
-log = logging.getLogger(__name__)
 
 _FIX_FILE = "the file is truncated or corrupt; download it again"
 _FIX_INSTALL = "pip install 'rlx_mpi[gguf]'"
@@ -320,11 +318,11 @@ def _clip(text: str, n: int = 160) -> str:
 
 # -- config -----------------------------------------------------------------------------------------
 
-# general.architecture -> the Hugging Face model_type our families convert ("mistral" files are
-# llama's layout: llama.cpp writes Mistral-7B as "llama" with the q/k permutation)
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+# general.architecture -> the Hugging Face model_type our families convert (llama.cpp writes
+# Mistral-7B and Mistral-Nemo as "llama", with the q/k permutation: they convert as llama)
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
                  "gemma3": "gemma3_text", "phi3": "phi3"}
-_PERMUTED = ("llama", "mistral")  # llama.cpp's LlamaModel.permute: q/k rows interleaved for its RoPE
+_PERMUTED = ("llama",)  # llama.cpp's LlamaModel.permute: q/k rows interleaved for its RoPE
 _GEMMA = ("gemma2", "gemma3")  # norms stored as 1 + w
 
 
@@ -563,15 +561,16 @@ def _add_bos(meta: dict) -> bool:
     return bool(meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama"))
 
 
-def tokenizer_files(meta: dict) -> dict[str, str]:
+def tokenizer_files(meta: dict, vocabulary: bool = True) -> dict[str, str]:
     """The files `prompts.load_tokenizer` reads, as text: ``tokenizer.json`` (when the metadata
-    has a vocabulary), ``tokenizer_config.json`` (special tokens, chat template) and
-    ``generation_config.json`` (the end-of-sequence ids generate stops at)."""
-    tokens = meta.get("tokenizer.ggml.tokens") or []
+    has a vocabulary and ``vocabulary``; it needs the tokenizers package), ``tokenizer_config.json``
+    (special tokens, chat template) and ``generation_config.json`` (the end-of-sequence ids
+    generate stops at)."""
+    tokens = (meta.get("tokenizer.ggml.tokens") or []) if vocabulary else []
     eos = [meta.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
     eos = list(dict.fromkeys(i for i in eos if isinstance(i, int)))
-    files = {"generation_config.json": json.dumps({"eos_token_id": eos[0] if len(eos) == 1 else eos,
-                                                   "bos_token_id": meta.get("tokenizer.ggml.bos_token_id")}, indent=1)}
+    generation = {"eos_token_id": eos[0] if len(eos) == 1 else eos, "bos_token_id": meta.get("tokenizer.ggml.bos_token_id")}
+    files = {"generation_config.json": json.dumps({k: v for k, v in generation.items() if v not in (None, [])}, indent=1)}
     if not tokens:
         return files
     config: dict[str, Any] = {name: tokens[i] for name, i in _special_ids(meta).items()
@@ -614,6 +613,7 @@ class ConvertReport:
     dequantized: dict = field(default_factory=lambda: defaultdict(list))  # type -> tensor names
     float: Counter = field(default_factory=Counter)
     requantized: list = field(default_factory=list)  # GGUF names written as q4 groups from floats (--dtype q4)
+    notes: list = field(default_factory=list)  # anything else the user should read
     files: list = field(default_factory=list)  # tokenizer files written beside the checkpoint
 
     def lines(self) -> list[str]:
@@ -630,7 +630,7 @@ class ConvertReport:
             out.append(f"{t}: " + "; ".join(parts))
         if self.requantized:
             out.append(f"requantized to q4 (from float): {len(self.requantized)}: {_compress(self.requantized)}")
-        return out
+        return out + self.notes
 
 
 def _compress(names: list[str]) -> str:
@@ -747,7 +747,13 @@ def convert_gguf(path: str | os.PathLike, out_path: str | os.PathLike, *, dtype:
         extra["quantize"] = quantize
     write_checkpoint(out_path, family.name, cfg.to_json(), _tensors(plan, read), dtype=dtype, **extra)
     if tokenizer:
-        report.files = _write_beside(out_path, tokenizer_files(meta))
+        try:
+            files = tokenizer_files(meta)
+        except ImportError:  # the [gguf] extra brings tokenizers; without it prompts are token ids
+            files = tokenizer_files(meta, vocabulary=False)
+            report.notes.append("no tokenizer.json written: the tokenizers package is not installed "
+                                f"({_FIX_INSTALL}); prompts must then be token ids")
+        report.files = _write_beside(out_path, files)
     return family, cfg, report
 
 
