@@ -485,3 +485,29 @@ def test_without_tokenizers_the_ids_only_files_are_written(tmp_path, good_gguf, 
     assert [p.name for p in report.files] == ["m.generation_config.json"]
     assert any("no tokenizer.json written" in line for line in report.lines())
     assert json.loads((tmp_path / "m.generation_config.json").read_text()) == {}  # the file names no eos
+
+
+def test_split_gguf_converts_from_its_first_shard(tmp_path):
+    """llama.cpp's gguf-split files (NAME-00001-of-0000N.gguf): the first shard names them all."""
+    family, cfg, ours, _ = source_model("qwen3")
+    tensors = {n: (v, Q.F32) for n, v in gguf_tensors("qwen3", cfg, ours).items()}
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen3", split_max_tensors=9)
+    for key, value in base_meta(cfg).items():
+        (w.add_uint32 if isinstance(value, int) else w.add_float32)(f"qwen3.{key}", value)
+    for name, (data, _) in tensors.items():
+        w.add_tensor(name, data)
+    w.write_header_to_file(tmp_path / "m.gguf")
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    shards = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert len(shards) == 3, shards
+    _, got, report = convert_gguf(shards[0], tmp_path / "m.h5")
+    assert got == cfg and report.float["F32"] == len(tensors)
+    with H5ParamSource(tmp_path / "m.h5", expected_shapes(cfg)) as src:
+        np.testing.assert_array_equal(src.read("layers/1/down_proj"), ours["layers/1/down_proj"])
+    with pytest.raises(CheckpointError, match="not the first"):
+        convert_gguf(shards[1], tmp_path / "x.h5")
+    shards[2].unlink()
+    with pytest.raises(CheckpointError, match="shard 3 of 3 not found beside the first"):
+        convert_gguf(shards[0], tmp_path / "x.h5")

@@ -681,7 +681,7 @@ def convert_gguf(path: str | os.PathLike, out_path: str | os.PathLike, *, dtype:
     where = str(path)
     reader = open_gguf(path)
     meta = read_metadata(reader)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = _all_tensors(path, meta, reader)
     shapes = {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in tensors.items()}
     raw = hf_config(meta, shapes, where)
     arch = meta["general.architecture"]
@@ -758,6 +758,35 @@ def convert_gguf(path: str | os.PathLike, out_path: str | os.PathLike, *, dtype:
 
 
 # read into the config: Phi-3's longrope factors, Llama 3.1's llama3 factors
+def _all_tensors(path: Path, meta: dict, reader) -> dict:
+    """Name -> tensor of the whole model: the file's, and with ``split.count`` > 1 (llama.cpp's
+    gguf-split: ``NAME-00001-of-00003.gguf`` ...) every shard's, the first file holding the metadata."""
+    count = meta.get("split.count", 1)
+    readers = [reader]
+    if count > 1:
+        found = re.fullmatch(r"(.*)-(\d{5})-of-(\d{5})\.gguf", path.name)
+        if found is None or int(found.group(2)) != 1 or int(found.group(3)) != count:
+            raise CheckpointError(str(path), f"is one of {count} shards (split.count) but not the first, "
+                                  "NAME-00001-of-NNNNN.gguf", "give the first shard; the others are read beside it")
+        for i in range(2, count + 1):
+            shard = path.with_name(f"{found.group(1)}-{i:05d}-of-{count:05d}.gguf")
+            if not shard.is_file():
+                raise CheckpointError(str(shard), f"shard {i} of {count} not found beside the first",
+                                      "download every shard into the same folder")
+            readers.append(open_gguf(shard))
+    tensors = {}
+    for r in readers:
+        for t in r.tensors:
+            if t.name in tensors:
+                raise CheckpointError(f"{r.data.filename}: {t.name}", "is in two shards", _FIX_FILE)
+            tensors[t.name] = t
+    expected = meta.get("split.tensors.count")
+    if count > 1 and expected is not None and expected != len(tensors):
+        raise CheckpointError(str(path), f"split.tensors.count is {expected} but the {count} shards hold "
+                              f"{len(tensors)} tensors", "download the shards again")
+    return tensors
+
+
 _IGNORED = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
 
 
