@@ -523,7 +523,10 @@ def _build_tokenizer(meta: dict, arch: str):
             tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
             tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
         else:
-            tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+            if arch == "phi3":  # the prefix space from a normalizer (Phi-3's tokenizer.json), not Metaspace
+                tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+            else:
+                tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
             tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                              decoders.Strip(" ", 1, 0)])
         control_ok = lambda t: True  # noqa: E731
