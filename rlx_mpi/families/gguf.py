@@ -359,8 +359,9 @@ def hf_config(meta: dict, tensors: dict[str, tuple[int, ...]], where: str) -> di
     if rotary is not None and rotary != head_dim:
         raise CheckpointError(f"{where}: {arch}.rope.dimension_count", f"is {rotary}, head size {head_dim}",
                               "only full-width rotary embeddings are supported")
-    vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ()) or \
-        (tensors.get("token_embd.weight") or (0,))[0]
+    # the embedding's rows are the model's vocabulary (a token list may be shorter than a padded one)
+    vocab = (tensors.get("token_embd.weight") or (0,))[0] or get("vocab_size") or \
+        len(meta.get("tokenizer.ggml.tokens") or ())
     raw = {
         "model_type": ARCHITECTURES[arch],
         "vocab_size": vocab,
