@@ -157,8 +157,8 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert a Hugging Face Llama directory to an rlx_mpi HDF5 checkpoint")
     c.add_argument("hf_dir", help="directory with config.json and *.safetensors, or a .gguf file (llama.cpp's)")
     c.add_argument("--dequantize", action="store_true",
-                   help="GGUF: store every tensor as --dtype floats instead of keeping Q4_0/Q4_1/Q4_K/Q8_0/Q6_K "
-                   "as quantized groups (docs/gguf.md)")
+                   help="GGUF: store every tensor as --dtype floats instead of keeping Q4_0/Q4_1/Q4_K "
+                   "(4-bit) and Q8_0/Q6_K/Q5_0/Q3_K (int8) as quantized groups (docs/gguf.md)")
     c.add_argument("out", help="output .h5 file")
     c.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                    help="storage precision (default float32; bfloat16 is stored as uint16, see README)")

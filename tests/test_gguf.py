@@ -226,13 +226,13 @@ def random_blocks(qtype, rows: int, blocks: int, rng) -> np.ndarray:
     """Raw blocks of random bytes with finite float16 d (and dmin) fields."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
-    halves = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}[qtype]
+    halves = {Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.Q3_K: (108,)}[qtype]
     for at in halves:
         raw[..., at:at + 2] = rng.uniform(-0.05, 0.05, (rows, blocks)).astype("<f2")[..., None].view(np.uint8)
     return raw.reshape(rows, blocks * size)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q3_K"])
 def test_groups_reproduce_the_gguf_dequantizer(tmp_path, name):
     rng = np.random.default_rng(7)
     qtype = Q[name]
@@ -243,7 +243,7 @@ def test_groups_reproduce_the_gguf_dequantizer(tmp_path, name):
     want = gguf.quants.dequantize(raw, qtype)
     groups = quant_groups(name, raw)
     assert groups.quant == ("q4" if name.startswith("Q4") else "q8")
-    assert groups.group_size == (16 if name == "Q6_K" else 32) and groups.shape == want.shape
+    assert groups.group_size == (16 if name in ("Q6_K", "Q3_K") else 32) and groups.shape == want.shape
     assert groups.scale.dtype == (np.float32 if name.endswith("_K") else np.float16)
     np.testing.assert_array_equal(groups.dequantize(), want)
     with h5py.File(tmp_path / "g.h5", "w") as f:
@@ -265,18 +265,21 @@ def test_q4_0_scale_past_float16_range_is_stored_float32():
 
 
 def test_other_types_are_dequantized_and_named(tmp_path):
+    """Q5_1 has a minimum the int8 groups lack: dequantized to float (Q5_0 beside it is kept)."""
     family, cfg, ours, _ = source_model("llama")
     tensors = {n: (v, Q.F32) for n, v in gguf_tensors("llama", cfg, ours).items()}
     for n in range(cfg.num_hidden_layers):
         name = f"blk.{n}.ffn_down.weight"
-        tensors[name] = (gguf.quants.quantize(tensors[name][0], Q.Q5_0), Q.Q5_0)
+        tensors[name] = (gguf.quants.quantize(tensors[name][0], Q.Q5_1), Q.Q5_1)
+    tensors["blk.0.ffn_up.weight"] = (gguf.quants.quantize(tensors["blk.0.ffn_up.weight"][0], Q.Q5_0), Q.Q5_0)
     path = write_gguf(tmp_path / "q5.gguf", "llama", base_meta(cfg), tensors)
     _, _, report = convert_gguf(path, tmp_path / "q5.h5")
-    assert report.dequantized == {"Q5_0": ["blk.0.ffn_down.weight", "blk.1.ffn_down.weight"]}
-    assert "Q5_0: 2 dequantized to float: blk.{0-1}.ffn_down.weight" in report.lines()
+    assert report.dequantized == {"Q5_1": ["blk.0.ffn_down.weight", "blk.1.ffn_down.weight"]}
+    assert report.kept == {"Q5_0": 1}
+    assert "Q5_1: 2 dequantized to float: blk.{0-1}.ffn_down.weight" in report.lines()
     with H5ParamSource(tmp_path / "q5.h5", expected_shapes(cfg)) as src:
         np.testing.assert_array_equal(src.read("layers/1/down_proj"),
-                                      gguf.quants.dequantize(tensors["blk.1.ffn_down.weight"][0], Q.Q5_0))
+                                      gguf.quants.dequantize(tensors["blk.1.ffn_down.weight"][0], Q.Q5_1))
 
 
 # -- config mapping -------------------------------------------------------------------------------------

@@ -221,12 +221,12 @@ def test_gemma3_k_quant_blocks_are_kept_exactly(gemma3_meta):
     reader, _ = gemma3_meta
     kinds = {}
     for t in reader.tensors:
-        if t.tensor_type.name in ("Q4_K", "Q6_K") and t.name.startswith(("blk.0.", "blk.17.")):
+        if t.tensor_type.name in ("Q4_K", "Q6_K", "Q5_0") and t.name.startswith(("blk.0.", "blk.17.")):
             groups = quant_groups(t.tensor_type.name, t.data)
             np.testing.assert_array_equal(groups.dequantize(), gguf.quants.dequantize(t.data, t.tensor_type),
                                           err_msg=t.name)
             kinds[t.tensor_type.name] = groups.quant
-    assert kinds == {"Q4_K": "q4", "Q6_K": "q8"}
+    assert kinds == {"Q4_K": "q4", "Q6_K": "q8", "Q5_0": "q8"}
 
 
 def test_gemma3_config_and_tokenizer_match_transformers(gemma3_meta):
@@ -265,7 +265,7 @@ def test_gemma3_converts_and_completes_as_transformers(tmp_path, gemma3):
     assert r.returncode == 0, r.stderr
     log = r.stdout.splitlines()
     assert "  Q4_K: 27 kept as q4 groups (exact)" in log and "  Q6_K: 9 kept as int8 groups (exact)" in log
-    assert any(line.startswith("  Q5_0: 81 dequantized to float: ") for line in log)
+    assert "  Q5_0: 81 kept as int8 groups (exact)" in log
     r = run_cli(["convert", gemma3, out, "--dequantize"], timeout=600)
     assert r.returncode == 0, r.stderr
     prompts = tmp_path / "prompts.jsonl"

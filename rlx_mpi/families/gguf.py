@@ -13,9 +13,9 @@ is checked against the config before a byte is written (`_plan`, the GGUF twin o
 the safetensors reader's plan is being reshaped by the MoE families, so this one owns its own).
 
 Tensors of the block types the checkpoint's quantized groups hold exactly (``QUANT_CONTRACT``:
-Q4_0, Q4_1, Q4_K as 4-bit groups; Q8_0, Q6_K as int8 groups) are kept as they are, not
-quantized a second time (`QuantGroups`, written by `checkpoint.write_checkpoint`); every other
-type (Q5_K, Q5_0, Q3_K, Q2_K, IQ*, ...) is dequantized by the ``gguf`` package and written as
+Q4_0, Q4_1, Q4_K as 4-bit groups; Q8_0, Q6_K, Q5_0, Q3_K as int8 groups) are kept as they are,
+not quantized a second time (`QuantGroups`, written by `checkpoint.write_checkpoint`); every
+other type (Q5_1, Q5_K, Q2_K: a minimum the int8 groups lack; IQ*, ...) is dequantized by the ``gguf`` package and written as
 float, and so is every tensor with ``dequantize=True`` (a checkpoint any precision loads).
 Embeddings and norms are always float. The `ConvertReport` says, per type, what was kept and
 what was dequantized.
@@ -213,8 +213,38 @@ def _q6_k(raw: np.ndarray) -> QuantGroups:
     return QuantGroups("q8", codes, (d[..., None] * sc).reshape(n, -1), None, 16)
 
 
-# GGML type name -> its exact groups; the contract's "no second quantization" list
-QUANT_CONTRACT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q8_0": _q8_0, "Q6_K": _q6_k}
+def _q5_0(raw: np.ndarray) -> QuantGroups:
+    """Block: d f16, 32 high bits (uint32, bit j for value j), 16 bytes of low nibbles;
+    w = d (q - 16), q - 16 in [-16, 15]: an int8 group of 32 with scale d, exactly."""
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 22)
+    high = (np.ascontiguousarray(b[..., 2:6]).view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
+    codes = ((_nibbles32(b[..., 6:]) | (high.astype(np.uint8) << 4)).astype(np.int16) - 16).astype(np.int8)
+    return QuantGroups("q8", codes.reshape(n, -1), _f16(b[..., 0:2]).copy(), None, 32)
+
+
+def _q3_k(raw: np.ndarray) -> QuantGroups:
+    """Super-block of 256: 32 bytes of high bits (hmask), 64 bytes of 2-bit lows, 12 bytes of
+    6-bit scales, d f16; value e = 128 h + 32 s + l: low (qs[32 h + l] >> 2 s) & 3, high bit
+    (hmask[l] >> (e // 32)) & 1, q = low - 4 (1 - high) in [-4, 3], scale d (sc - 32) per 16:
+    int8 groups of 16, exact (an f16 times a 6-bit integer)."""
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 110)
+    hmask, qs, sc = b[..., :32], b[..., 32:96], b[..., 96:108]
+    low = ((qs.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3).reshape(n, -1, 256)
+    high = ((hmask.reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1).reshape(n, -1, 256)
+    codes = (low.astype(np.int8) - ((high ^ 1) << 2).astype(np.int8)).reshape(n, -1)
+    lo = (sc[..., 0:8, None] >> np.array([0, 4], np.uint8)).swapaxes(-1, -2).reshape(n, -1, 16) & 0x0F
+    hi = (sc[..., 8:12, None] >> np.array([0, 2, 4, 6], np.uint8)).swapaxes(-1, -2).reshape(n, -1, 16) & 0x03
+    scales = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.float32)
+    d = _f16(b[..., 108:110]).astype(np.float32)
+    return QuantGroups("q8", codes, (d[..., None] * scales).reshape(n, -1), None, 16)
+
+
+# GGML type name -> its exact groups; the contract's "no second quantization" list (Q5_0 and
+# Q3_K have no minimum: their codes fit int8 groups as they are, 8 bits where they used 5 or 3.4)
+QUANT_CONTRACT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q8_0": _q8_0, "Q6_K": _q6_k, "Q5_0": _q5_0,
+                  "Q3_K": _q3_k}
 EXACT_TYPES = tuple(QUANT_CONTRACT)
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
