@@ -62,6 +62,11 @@ def write_checkpoint(path: str | os.PathLike, family: str, config_json: str,
             f.attrs["family"] = family
             f.attrs["config"] = config_json
             for name, array in tensors:
+                if hasattr(array, "write_h5"):  # quantized groups (families/gguf.py: the quant contract)
+                    check_space(tmp, array.nbytes, str(path))
+                    array.write_h5(f, name)
+                    f.attrs["quantized"] = True  # for plan / probe
+                    continue
                 if dtype == "bfloat16":  # HDF5 has no bfloat16: its bit patterns as uint16, marked
                     from .kernels import to_bf16
 

@@ -161,7 +161,10 @@ def _parser() -> argparse.ArgumentParser:
                     "(default: the job's [run]/[[rank]] kv_cache, else full: batch x seq positions per layer)")
 
     c = sub.add_parser("convert", help="convert a Hugging Face Llama directory to an rlx_mpi HDF5 checkpoint")
-    c.add_argument("hf_dir", help="directory with config.json and *.safetensors")
+    c.add_argument("hf_dir", help="directory with config.json and *.safetensors, or a .gguf file (llama.cpp's)")
+    c.add_argument("--dequantize", action="store_true",
+                   help="GGUF: store every tensor as --dtype floats instead of keeping Q4_0/Q4_1/Q4_K "
+                   "(4-bit) and Q8_0/Q6_K/Q5_0/Q3_K (int8) as quantized groups (docs/gguf.md)")
     c.add_argument("out", help="output .h5 file")
     c.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                    help="storage precision (default float32; bfloat16 is stored as uint16, see README)")
@@ -451,6 +454,10 @@ def cmd_convert(args) -> int:
     from .outputs import check_output
 
     src = Path(args.hf_dir)
+    if src.suffix.lower() == ".gguf" and not src.is_dir():
+        return _convert_gguf(args, src)
+    if args.dequantize:
+        raise ConfigError("convert --dequantize", "applies to a .gguf source only", "drop the flag")
     inputs = {f"the source file {p.name}": p for p in (sorted(src.iterdir()) if src.is_dir() else []) if p.is_file()}
     check_output("convert OUT", args.out, inputs, stream_ok=False)
     family, _ = hf_family(src)
@@ -459,6 +466,20 @@ def cmd_convert(args) -> int:
     tok = Path(args.out).with_name(f"{Path(args.out).stem}.tokenizer.json")
     if tok.is_file():  # copied by the family's converter: text prompts work with `generate`
         print(f"wrote {tok}: the model's tokenizer")
+    return 0
+
+
+def _convert_gguf(args, src: Path) -> int:
+    from .families.gguf import convert_gguf
+    from .outputs import check_output
+
+    check_output("convert OUT", args.out, {f"the source file {src.name}": src}, stream_ok=False)
+    family, cfg, report = convert_gguf(src, args.out, dtype=args.dtype, dequantize=args.dequantize)
+    for line in report.lines():
+        print(f"  {line}")
+    print(f"wrote {args.out}: {family.describe(cfg)}")
+    for path in report.files:
+        print(f"wrote {path}")
     return 0
 
 
