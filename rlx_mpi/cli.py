@@ -149,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     shape.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                        help="weight precision for the memory estimate, the same as --precision f32|f16|bf16")
     shape.add_argument("--tied", action="store_true", help="LM head shares the embedding matrix")
-    pl.add_argument("--precision", help="weight precision in memory: f32 | bf16 | f16 | int8 for every rank, or a "
+    pl.add_argument("--precision", help="weight precision in memory: f32 | bf16 | f16 | int8 | q4 for every rank, or a "
                     "comma list with one per rank (default: the job's [run]/[[rank]] precision, else --dtype's)")
     pl.add_argument("--kv-cache", metavar="POLICY", help="KV cache that `generate` keeps: none | full | window:W "
                     "(default: the job's [run]/[[rank]] kv_cache, else full: batch x seq positions per layer)")

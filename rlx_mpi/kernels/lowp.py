@@ -1,4 +1,4 @@
-"""Low-precision weights: bf16 / f16 / int8 formats, their decode matvecs and prefill tiles.
+"""Low-precision weights: bf16 / f16 / int8 / q4 formats (q4's kernels: quant.py), their decode matvecs and prefill tiles.
 
 The fused matvecs split output rows over the rank's numba threads (compiled parallel); the
 dequantise tiles and format conversions run on the calling thread.
@@ -12,6 +12,7 @@ import numpy as np
 from ._common import ERR, FAST, check_f32, pool_threads
 from .bits import pack_bf16, unpack_bf16, unpack_f16
 from .matvec import _matvec_float
+from .quant import _matvec_q4, check_q4, dequant_tile_q4, dequantize_q4, pairs_f32
 from .rowdot import AHEAD_BYTES, INT8_BLOCK, ROWS, row_dot_i8, row_dots_i8
 
 __all__ = ["dequant_matmul", "fused_matvec", "kernel_weight", "check_weight", "dequantize", "to_bf16", "from_bf16", "quantize_int8",
@@ -138,12 +139,15 @@ def _quantize_int8(w, q, scale):  # w (N, K) f32 -> q (N, K) int8, scale (N, nb)
                 q[n, k] = np.int8(np.rint(w[n, k] * inv))
 
 
-WEIGHT_FORMATS = ("bf16", "f16", "int8")
+WEIGHT_FORMATS = ("bf16", "f16", "int8", "q4")
 _TILE_BYTES = 1 << 20  # f32 bytes of one dequantised tile: fits L2 beside BLAS's own panels
 
 
 def check_weight(fmt: str, w: np.ndarray, scale: np.ndarray | None) -> None:
-    """TypeError / ValueError saying what to pass unless ``w`` (and int8's ``scale``) is a weight of ``fmt``."""
+    """TypeError / ValueError saying what to pass unless ``w`` (and int8's ``scale``, q4's scale /
+    minimum pairs) is a weight of ``fmt``."""
+    if fmt == "q4":
+        return check_q4(w, scale)
     want = {"bf16": np.uint16, "f16": np.uint16, "int8": np.int8}.get(fmt)
     if want is None:
         raise ValueError(f"weight format {fmt!r} is not one of {WEIGHT_FORMATS}")
@@ -174,6 +178,8 @@ def fused_matvec(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | Non
     chunks = min(w.shape[0], 4 * pool_threads())  # a few per thread: balanced
     if fmt == "int8":
         _matvec_int8(x, w, scale, out, chunks)
+    elif fmt == "q4":
+        _matvec_q4(x, w, scale, out, chunks)
     else:  # bf16 (uint16 bits: a shift) or f16 (int16 bits: a conversion), matvec.py's kernel
         _matvec_float(x, kernel_weight(fmt, w), out, chunks)
     return out
@@ -192,14 +198,16 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
     """
     check_f32("dequant_matmul x", x)
     check_weight(fmt, w, scale)
-    if x.ndim != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"dequant_matmul: x {x.shape} does not fit W {w.shape}; expected (R, {w.shape[1]})")
+    K = 2 * w.shape[1] if fmt == "q4" else w.shape[1]  # q4: two codes a byte
+    if x.ndim != 2 or x.shape[1] != K:
+        raise ValueError(f"dequant_matmul: x {x.shape} does not fit W ({w.shape[0]}, {K}); expected (R, {K})")
     R, N = x.shape[0], w.shape[0]
     if out is None:
         out = np.empty((R, N), np.float32)
     if fused and R <= matvec_rows(fmt):
         return fused_matvec(x, w, fmt, scale, out)
-    K = w.shape[1]
+    if fmt == "q4":
+        scale = pairs_f32(scale)  # the tiles read float32 pairs: one conversion per product, not per tile
     tile = max(16, min(N, _TILE_BYTES // (4 * K)))
     buf = np.empty((tile, K), np.float32)
     part = np.empty((R, tile), np.float32)
@@ -210,6 +218,8 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
             _dequant_bf16(w, a, t)
         elif fmt == "f16":
             _dequant_f16(w, a, t)
+        elif fmt == "q4":
+            dequant_tile_q4(w, scale, a, t)
         else:
             _dequant_int8(w, scale, a, t)
         p = part[:, :b - a]
@@ -242,7 +252,9 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
 #   f16, 1 thread:   48 1.00x;  64 0.95x
 #   f16, 2 threads:  64 1.53x | 1.12x;  96 1.08x | 0.86x
 # so bf16 32 / 64 -> 48 / 96 and f16 48 -> 64 on 2 threads (int8 has a kernel of its own, unchanged).
-_MATVEC_ROWS = {"bf16": (48, 96), "f16": (32, 64), "int8": (96, 128)}  # (1 thread, 2 or more threads)
+# q4 takes int8's limits, not measured for it (its decode kernel is int8's shape: rounded activations,
+# integer products per group; its tiles dequantise on the calling thread as int8's do).
+_MATVEC_ROWS = {"bf16": (48, 96), "f16": (32, 64), "int8": (96, 128), "q4": (96, 128)}  # (1 thread, 2 or more threads)
 
 
 def matvec_rows(fmt: str, threads: int | None = None) -> int:
@@ -255,6 +267,8 @@ def matvec_rows(fmt: str, threads: int | None = None) -> int:
 def dequantize(w: np.ndarray, fmt: str, scale: np.ndarray | None = None, rows: np.ndarray | None = None) -> np.ndarray:
     """float32 copy of ``W`` (or of its ``rows``): for embedding lookups and tests."""
     check_weight(fmt, w, scale)
+    if fmt == "q4":
+        return dequantize_q4(w, scale, rows)
     if rows is not None:
         rows = np.asarray(rows).reshape(-1)
         w = np.ascontiguousarray(w[rows])

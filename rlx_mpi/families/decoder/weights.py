@@ -2,13 +2,20 @@
 
 ``Linear(x)`` maps float32 activations ``(..., in)`` to float32 ``(..., out)`` whatever the
 storage: f32 (one BLAS GEMM over all B*T rows), bf16 / f16 (uint16 bit patterns) or int8 with
-symmetric scales per block of 64 weights of a row, computed at load (kernels.quantize_int8). Low-precision weights are multiplied by
+symmetric scales per block of 64 weights of a row, computed at load (kernels.quantize_int8), or q4
+(4-bit codes with a scale and a minimum per group of 32: kernels/quant.py; quantized at load, or
+read as the checkpoint holds them). Low-precision weights are multiplied by
 the fused kernels in `rlx_mpi.kernels` and never expanded to a float32 copy of the matrix.
 A `Linear` also answers ``table[ids]`` (float32 rows), so one object serves as the
 embedding table and, with tied embeddings, as the LM head.
 
 Note: under tensor parallelism a row-parallel shard (o_proj, down_proj: a slice of the
-input columns) gets int8 blocks cut from its own columns; no communication at load.
+input columns) gets int8 blocks cut from its own columns; no communication at load. A q4
+checkpoint's groups are sliced on whole groups (checkpoint.py refuses a degree that cuts one).
+
+Note: q4 holds a matrix whose input width is not a multiple of 32 (kernels.Q4_GROUP) as int8:
+the groups cannot cover it, and one precision per matrix keeps each product one kernel (the
+fused decode layer types each product by its own weight, so a layer may mix the two).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from ... import kernels
 
 __all__ = ["PRECISIONS", "Linear", "make_linear", "read_linear", "fuse", "Mlp", "Experts", "LayerWeights"]
 
-PRECISIONS = ("f32", "bf16", "f16", "int8")
+PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")
 # Note: few rows. For a handful of activation rows (decode: one per sequence) OpenBLAS runs
 # ``x @ W.T`` 1.4-3x slower than ``(W @ x.T).T`` (measured on the small and medium shapes, 1 and
 # 2 threads: 2.8x at 2 rows, 2x at 8, 1.5x at 32, 1.1-1.2x at 64; bench/README.md), and an f32
@@ -32,7 +39,7 @@ PRECISIONS = ("f32", "bf16", "f16", "int8")
 # 65-192 rows (1.08-1.26x OpenBLAS at 128 rows; its note).
 # What ParamSource.read is asked for: the storage closest to the rank's format, so a 16-bit
 # rank never holds a float32 copy of a tensor it can read as 16 bits.
-_READ_DTYPE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "int8": "float32"}
+_READ_DTYPE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "int8": "float32", "q4": "float32"}
 
 
 class Linear:
@@ -49,7 +56,8 @@ class Linear:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.data.shape  # (out, in)
+        n, k = self.data.shape
+        return (n, 2 * k) if self.precision == "q4" else (n, k)  # (out, in): q4 holds two codes a byte
 
     @property
     def kernel_data(self) -> np.ndarray:
@@ -62,8 +70,8 @@ class Linear:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         lead, c = x.shape[:-1], x.shape[-1]
-        if c != self.data.shape[1]:  # (the decode kernel below reads x unchecked)
-            raise ValueError(f"Linear: input has {c} features, the weight {self.data.shape} takes {self.data.shape[1]}")
+        if c != self.shape[1]:  # (the decode kernel below reads x unchecked)
+            raise ValueError(f"Linear: input has {c} features, the weight {self.shape} takes {self.shape[1]}")
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, c)  # (B*T, in): one GEMM, not B
         rows = x2.shape[0]
         if self.precision != "f32" and rows <= kernels.matvec_rows(self.precision):  # decode
@@ -114,16 +122,23 @@ def make_linear(w: np.ndarray, precision: str) -> Linear:
         return Linear("bf16", kernels.to_bf16(w32))
     if precision == "f16":
         return Linear("f16", w32.astype(np.float16).view(np.uint16))
-    return Linear("int8", *kernels.quantize_int8(w32))
+    if precision == "q4" and w32.ndim == 2 and w32.shape[1] % kernels.Q4_GROUP == 0:
+        return Linear("q4", *kernels.quantize_q4(w32))
+    return Linear("int8", *kernels.quantize_int8(w32))  # (q4 of a width groups cannot cover: the module note)
 
 
 def read_linear(source, name: str, precision: str, **slicing) -> Linear:
     """Read tensor ``name`` (optionally a TP slice) straight into a `Linear` of ``precision``.
 
     f32 ranks call ``source.read`` exactly as before (a ParamSource without the ``dtype``
-    keyword keeps working for them)."""
+    keyword keeps working for them). A q4 rank takes a tensor the checkpoint holds in q4 groups
+    as they are (``source.read_q4``, where the source has it); any other tensor is quantized here."""
     if precision == "f32":
         return make_linear(source.read(name, **slicing), "f32")
+    if precision == "q4" and hasattr(source, "read_q4"):
+        held = source.read_q4(name, **slicing)  # None: stored as floats (or as int8 groups)
+        if held is not None:
+            return Linear("q4", *held)
     return make_linear(source.read(name, dtype=_READ_DTYPE[precision], **slicing), precision)
 
 
