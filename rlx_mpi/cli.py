@@ -157,15 +157,17 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert a Hugging Face Llama directory to an rlx_mpi HDF5 checkpoint")
     c.add_argument("hf_dir", help="directory with config.json and *.safetensors")
     c.add_argument("out", help="output .h5 file")
-    c.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
-                   help="storage precision (default float32; bfloat16 is stored as uint16, see README)")
+    c.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "q4"], default="float32",
+                   help="storage precision (default float32; bfloat16 is stored as uint16, see README; q4: "
+                   "linear weights as 4-bit groups, docs/precision-q4.md)")
 
     i = sub.add_parser("init-model", help="write a random Llama checkpoint from a preset")
     i.add_argument("out", help="output .h5 file")
     i.add_argument("--preset", default="tiny", help="tiny | small | medium (default tiny)")
     i.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    i.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
-                   help="storage precision (default float32; bfloat16 is stored as uint16, see README)")
+    i.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "q4"], default="float32",
+                   help="storage precision (default float32; bfloat16 is stored as uint16, see README; q4: "
+                   "linear weights as 4-bit groups, docs/precision-q4.md)")
     return p
 
 

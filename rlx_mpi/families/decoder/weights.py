@@ -26,7 +26,7 @@ import numpy as np
 
 from ... import kernels
 
-__all__ = ["PRECISIONS", "Linear", "make_linear", "read_linear", "fuse", "Mlp", "Experts", "LayerWeights"]
+__all__ = ["PRECISIONS", "Linear", "make_linear", "read_linear", "fuse", "Mlp", "Experts", "LayerWeights", "q4_tensor"]
 
 PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")
 # Note: few rows. For a handful of activation rows (decode: one per sequence) OpenBLAS runs
@@ -40,6 +40,15 @@ PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")
 # What ParamSource.read is asked for: the storage closest to the rank's format, so a 16-bit
 # rank never holds a float32 copy of a tensor it can read as 16 bits.
 _READ_DTYPE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "int8": "float32", "q4": "float32"}
+
+
+def q4_tensor(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a checkpoint written as q4 (``convert --dtype q4``, ``init-model --dtype q4``) holds
+    tensor ``name`` as q4 groups: the projections and LM head whose input width is a multiple of
+    32; the embedding (a lookup: stored float, as the contract says), norms, biases and MoE
+    routers stay float32."""
+    last = name.rsplit("/", 1)[-1]
+    return len(shape) == 2 and shape[1] % kernels.Q4_GROUP == 0 and last not in ("embed_tokens", "router")
 
 
 class Linear:
