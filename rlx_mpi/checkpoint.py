@@ -231,6 +231,25 @@ class H5ParamSource:
         node = self._node(name)
         return node.shape if isinstance(node, _Quant) else tuple(node.shape)
 
+    def read_q8(self, name: str, *, axis: int | None = None, part: int = 0,
+                parts: int = 1) -> tuple[np.ndarray, np.ndarray] | None:
+        """A q8 group (or its slice) as an int8 rank holds it: (int8 codes, float32 scales, one
+        per group of 16, 32 or 64; exact from float16); None when ``name`` is not a q8 group."""
+        node = self._node(name)
+        if not isinstance(node, _Quant) or node.kind != "q8":
+            return None
+        from .kernels import INT8_GROUPS
+
+        if node.group not in INT8_GROUPS:
+            return None  # another group width: read() dequantizes it and the rank quantizes its own blocks
+        codes, scale = node.read(axis, part, parts)
+        scale = np.ascontiguousarray(scale, dtype=np.float32)
+        if self.check_finite and not np.isfinite(scale).all():
+            raise CheckpointError(f"{self.path}: /{name}", "contains NaN or Inf scales",
+                                  "the weights are corrupt; re-convert from the source model")
+        self.bytes_read += codes.nbytes + scale.nbytes
+        return codes, scale
+
     def read_q4(self, name: str, *, axis: int | None = None, part: int = 0,
                 parts: int = 1) -> tuple[np.ndarray, np.ndarray] | None:
         """A q4 group (or its ``part``-th slice along ``axis``) as `kernels.quantize_q4` makes them:

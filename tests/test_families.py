@@ -172,7 +172,6 @@ def test_q4_is_its_own_dequantized_model(converted, case, monkeypatch):
     _as_f32(held, twin)
     want = twin.forward(ids)
     decode = held.forward(ids)  # 80 rows: the decode kernels
-    print(case, np.abs(decode - want).max() / np.abs(want).max())
     assert np.abs(decode - want).max() <= 0.2 * np.abs(want).max()
     for module in (kernels, kernels.lowp):  # every product on the tiles (Linear's and dequant_matmul's limit)
         monkeypatch.setattr(module, "matvec_rows", lambda fmt, threads=None: 0)

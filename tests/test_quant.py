@@ -387,3 +387,42 @@ def test_q4_tp_that_cuts_a_group_is_refused(tmp_path, q4_files):
                          {"precision": "q4"})
     assert proc.returncode == 2, proc.stderr
     assert "tp 4 cuts its q4 groups" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_q8_groups_load_as_int8_without_a_second_quantization(tmp_path, q4_files):
+    """q8 groups of 32 (float16 scales, as GGUF's Q8_0) and of 16 (float32 scales, as Q6_K's
+    d * sc) become an int8 rank's weights as they are, TP slices on group boundaries included,
+    and multiply as their dequantized values; a float rank reads them dequantized."""
+    import shutil
+
+    path = tmp_path / "q8.h5"
+    shutil.copy(q4_files / "f32.h5", path)
+    rng = np.random.default_rng(12)
+    groups = {"layers/0/q_proj": (32, np.float16), "layers/0/o_proj": (16, np.float32)}
+    stored = {}
+    with h5py.File(path, "r+") as f:
+        for name, (gs, sdtype) in groups.items():
+            n, k = f[name].shape
+            codes = rng.integers(-127, 128, (n, k)).astype(np.int8)
+            scale = (rng.random((n, k // gs)) * 0.01).astype(sdtype)
+            del f[name]
+            g = f.create_group(name)
+            g.attrs["quant"], g.attrs["shape"], g.attrs["group_size"] = "q8", np.array([n, k], np.int64), gs
+            g["codes"], g["scale"] = codes, scale
+            stored[name] = codes, scale.astype(np.float32)
+    cfg = PRESETS["tiny"]
+    with H5ParamSource(path, expected_shapes(cfg)) as src:
+        from rlx_mpi.families.decoder.weights import read_linear
+
+        for name, (codes, scale) in stored.items():
+            lin = read_linear(src, name, "int8")
+            assert lin.precision == "int8" and np.array_equal(lin.data, codes) and np.array_equal(lin.scale, scale)
+            value = codes.astype(np.float64) * np.repeat(scale.astype(np.float64), codes.shape[1] // scale.shape[1], 1)
+            x = rng.standard_normal((3, codes.shape[1])).astype(np.float32)
+            assert np.abs(lin(x) - x @ value.T).max() <= 1e-4 * np.abs(x @ value.T).max()
+            assert np.array_equal(src.read(name), value.astype(np.float32))
+        half = read_linear(src, "layers/0/o_proj", "int8", axis=1, part=1, parts=2)  # columns 32:64
+        assert np.array_equal(half.data, stored["layers/0/o_proj"][0][:, 32:])
+        assert src.read_q4("layers/0/o_proj") is None and src.read_q8("layers/0/k_proj") is None
+    st = stage(path, "int8")  # the whole model: q8 groups beside float tensors quantized at load
+    assert np.isfinite(st.forward(np.array([[1, 2, 3]]))).all()

@@ -141,13 +141,18 @@ def read_linear(source, name: str, precision: str, **slicing) -> Linear:
 
     f32 ranks call ``source.read`` exactly as before (a ParamSource without the ``dtype``
     keyword keeps working for them). A q4 rank takes a tensor the checkpoint holds in q4 groups
-    as they are (``source.read_q4``, where the source has it); any other tensor is quantized here."""
+    as they are (``source.read_q4``, where the source has it), an int8 rank q8 groups of 16, 32 or
+    64 (``source.read_q8``); any other tensor is read as floats and quantized here."""
     if precision == "f32":
         return make_linear(source.read(name, **slicing), "f32")
     if precision == "q4" and hasattr(source, "read_q4"):
-        held = source.read_q4(name, **slicing)  # None: stored as floats (or as int8 groups)
+        held = source.read_q4(name, **slicing)  # None: stored as floats (or as q8 groups)
         if held is not None:
             return Linear("q4", *held)
+    if precision == "int8" and hasattr(source, "read_q8"):  # q8 groups (GGUF's Q8_0, Q6_K) as they are
+        held = source.read_q8(name, **slicing)
+        if held is not None:
+            return Linear("int8", *held)
     return make_linear(source.read(name, dtype=_READ_DTYPE[precision], **slicing), precision)
 
 
@@ -164,7 +169,14 @@ def fuse(parts: list[Linear]) -> Linear:
     if len({p.precision for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
         raise ValueError(f"fuse: parts differ in precision or input width: "
                          f"{[(p.precision, p.shape) for p in parts]}")
-    scale = None if parts[0].scale is None else np.concatenate([p.scale for p in parts])
+    scales = [p.scale for p in parts]
+    if parts[0].precision == "int8" and len({s.shape[1] for s in scales}) > 1:
+        # q8 groups of 32 / 16 beside blocks of 64 quantized at load (a partly q8 checkpoint): the
+        # coarser blocks' scales repeated to the finest width, the same values (kernels.int8_block)
+        k = parts[0].shape[1]
+        fine = min(kernels.int8_block(k, s.shape[1]) for s in scales)
+        scales = [np.repeat(s, kernels.int8_block(k, s.shape[1]) // fine, axis=1)[:, :k // fine] for s in scales]
+    scale = None if parts[0].scale is None else np.concatenate(scales)
     return Linear(parts[0].precision, np.concatenate([p.data for p in parts]), scale)
 
 
