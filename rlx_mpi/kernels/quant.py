@@ -39,6 +39,17 @@ positions, every product through the decode kernel): mean KL against f32 0.0318 
 activations, 0.0310 with int16 (= the exact products of prefill's tiles); Q4_0's weights in the
 same kernels 0.070. The 3 % of KL buys 18-39 % of speed: int8 kept.
 
+Note: the pairs. Where the CPU has AVX-512 (BW, VNNI: `PAIRS`), the decode kernel takes two
+groups a step: 32 bytes of codes become one 64-byte vector (both groups' low nibbles, then
+their high ones), multiplied by the activations laid out to match (per pair of groups: the
+first group's 16 even columns, the second's, then their odd columns) in one 512-bit
+``vpdpbusd``; the two groups' scales are spread over its lanes and their minimum terms kept as
+one 4-lane product (s0 d0, m0 sum0, s1 d1, m1 sum1). A row with an odd number of groups takes
+its last one alone. Against one group a step (256-bit), whole decode step of the medium preset
+in q4 (bench/ab_decode.py, 1 thread, in process, interleaved rounds, on a loaded 2-core Xeon VM:
+a decision, not a figure): batch 1 0.95x and 1.06x in two runs, batch 8 1.28x. Elsewhere
+(AVX2) one group a step, generic IR.
+
 Note: scale and minimum (why not symmetric). Measured on 512 x 1024 Gaussian and Student-t
 (3 dof) weights, groups of 32, relative RMS error of the dequantized weights: llama.cpp's Q4_0
 (symmetric, code - 8, f16 scale max / -8) 0.0862 / 0.1261; min/max groups with an f16 scale and
@@ -63,6 +74,7 @@ __all__ = ["GROUP", "VNNI", "check_q4", "q4_groups", "quantize_q4", "dequantize_
 
 GROUP = 32  # weights per scale and minimum (the contract's G)
 VNNI = _target_has("avx512vnni") and _target_has("avx512vl")  # vpdpbusd on 256-bit vectors
+PAIRS = VNNI and _target_has("avx512bw")  # two groups a step in 512-bit vectors (the pairs note)
 _I32 = ir.IntType(32)
 _FAST = ("reassoc", "contract")
 
@@ -198,9 +210,12 @@ pairs_f32 = _pairs_f32
 @numba.njit(cache=True, error_model=ERR)
 def _quantize_rows_q8(x, xq, xs):
     """x (R, K) f32 -> xq (R, K) int8, each group's 16 even columns then its 16 odd ones (the
-    nibble-order note); xs (R, 2nb) f32: per group the scale max|x| / 127 and the sum of x."""
+    nibble-order note), or with PAIRS two groups' even columns then their odd ones (the pairs
+    note); xs (R, 2nb) f32: per group the scale max|x| / 127 and the sum of x."""
+    groups = xs.shape[1] // 2
+    paired = groups - groups % 2 if PAIRS else 0
     for r in range(x.shape[0]):
-        for g in range(xs.shape[1] // 2):
+        for g in range(groups):
             lo = g * 32
             peak = np.float32(0.0)
             total = np.float32(0.0)
@@ -213,15 +228,19 @@ def _quantize_rows_q8(x, xq, xs):
             xs[r, 2 * g] = d
             xs[r, 2 * g + 1] = total
             inv = np.float32(1.0) / d if d > 0 and d < np.inf else np.float32(0.0)
+            even, odd = lo, lo + 16
+            if g < paired:  # (g // 2) * 64 + (g % 2) * 16 = lo - (g % 2) * 16
+                even = lo - (g % 2) * 16
+                odd = even + 32
             for j in range(16):
-                xq[r, lo + j] = np.int8(np.rint(x[r, lo + 2 * j] * inv))
-                xq[r, lo + 16 + j] = np.int8(np.rint(x[r, lo + 2 * j + 1] * inv))
+                xq[r, even + j] = np.int8(np.rint(x[r, lo + 2 * j] * inv))
+                xq[r, odd + j] = np.int8(np.rint(x[r, lo + 2 * j + 1] * inv))
 
 
 def _make_q4(rows: int):
     @intrinsic
-    def row_dots_q4(typingctx, w, n, x, r0, sm, xs, groups, ahead):
-        """For activation rows r0 .. r0+rows-1: sum over the first ``groups`` groups of weight row n of
+    def row_dots_q4(typingctx, w, n, x, r0, sm, xs, first, groups, ahead):
+        """For activation rows r0 .. r0+rows-1: sum over groups ``first`` .. ``groups`` - 1 of weight row n of
         ``sm_s * xs_d * (codes . xq in int32) + sm_m * xs_sum``. w (N, K/2) uint8, x (R, K) int8 (the
         permuted groups), sm (N, 2nb) uint16 (f16 bits) or float32, xs (R, 2nb) float32."""
         arrays = (w, x, sm, xs)
@@ -232,11 +251,11 @@ def _make_q4(rows: int):
         if sm.dtype not in (types.uint16, types.float32):
             return None
         half = sm.dtype == types.uint16
-        sig = types.UniTuple(types.float32, rows)(w, n, x, r0, sm, xs, groups, ahead)
+        sig = types.UniTuple(types.float32, rows)(w, n, x, r0, sm, xs, first, groups, ahead)
 
         def codegen(context, builder, signature, args):
-            wt, nt, xt, rt, smt, xst, gt, at = signature.args
-            w_, n_, x_, r_, sm_, xs_, g_, a_ = args
+            wt, nt, xt, rt, smt, xst, ft, gt, at = signature.args
+            w_, n_, x_, r_, sm_, xs_, f_, g_, a_ = args
             intp, row, n_, r_ = _rows_of(context, builder, n_, nt, r_, rt)
             a_ = context.cast(builder, a_, at, types.intp)
             wp, smp = row(wt, w_, n_), row(smt, sm_, n_)
@@ -249,9 +268,10 @@ def _make_q4(rows: int):
             if VNNI:
                 dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i8x8, [i8x8, v32, v32]),
                                                     "llvm.x86.avx512.vpdpbusd.256")
-            ng = context.cast(builder, g_, gt, types.intp)
+            first_ = context.cast(builder, f_, ft, types.intp)
+            ng = builder.sub(context.cast(builder, g_, gt, types.intp), first_)
             with cgutils.for_range(builder, ng) as loop:
-                g = loop.index
+                g = builder.add(loop.index, first_)
                 base = builder.mul(g, intp(16))  # a group's 32 codes are 16 bytes
                 _prefetch(builder, wp, builder.add(base, a_))
                 cv = builder.load(builder.bitcast(builder.gep(wp, [base]), v16.as_pointer()), align=1)
@@ -304,6 +324,101 @@ row_dots_q4 = _make_q4(ROWS)  # ROWS activation rows share each group's unpacked
 row_dot_q4 = _make_q4(1)  # the rows left over after steps of ROWS
 
 
+def _make_q4_pairs(rows: int):
+    @intrinsic
+    def row_dots_q4_pairs(typingctx, w, n, x, r0, sm, xs, pairs, ahead):
+        """`row_dots_q4` over the first 2 * ``pairs`` groups, two groups a step in 512-bit vectors
+        (PAIRS only: x in the pairs layout, the pairs note)."""
+        arrays = (w, x, sm, xs)
+        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays):
+            return None
+        if (w.dtype, x.dtype, xs.dtype) != (types.uint8, types.int8, types.float32):
+            return None
+        if sm.dtype not in (types.uint16, types.float32):
+            return None
+        half = sm.dtype == types.uint16
+        sig = types.UniTuple(types.float32, rows)(w, n, x, r0, sm, xs, pairs, ahead)
+
+        def codegen(context, builder, signature, args):
+            wt, nt, xt, rt, smt, xst, pt, at = signature.args
+            w_, n_, x_, r_, sm_, xs_, p_, a_ = args
+            intp, row, n_, r_ = _rows_of(context, builder, n_, nt, r_, rt)
+            a_ = context.cast(builder, a_, at, types.intp)
+            wp, smp = row(wt, w_, n_), row(smt, sm_, n_)
+            xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
+            xsps = [row(xst, xs_, builder.add(r_, intp(i))) for i in range(rows)]
+            v32, v64 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(8), 64)
+            i16, f16, f4 = ir.VectorType(_I32, 16), ir.VectorType(ir.FloatType(), 16), ir.VectorType(ir.FloatType(), 4)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(f16, [0.0] * 16)) for _ in range(rows)]
+            maccs = [cgutils.alloca_once_value(builder, ir.Constant(f4, [0.0] * 4)) for _ in range(rows)]
+            dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16, [i16, v64, v64]),
+                                                "llvm.x86.avx512.vpdpbusd.512")
+            spread = _idx([0] * 4 + [2] * 4 + [0] * 4 + [2] * 4)  # lanes' groups: g, g+1 even columns, g, g+1 odd
+            with cgutils.for_range(builder, context.cast(builder, p_, pt, types.intp)) as loop:
+                p = loop.index
+                base = builder.mul(p, intp(32))  # two groups' codes: 32 bytes
+                _prefetch(builder, wp, builder.add(base, a_))
+                cv = builder.load(builder.bitcast(builder.gep(wp, [base]), v32.as_pointer()), align=1)
+                lo = builder.and_(cv, ir.Constant(v32, [15] * 32))
+                hi = builder.lshr(cv, ir.Constant(v32, [4] * 32))
+                codes = builder.shuffle_vector(lo, hi, _idx(range(64)))  # both groups' even columns, then odd
+                four = builder.mul(p, intp(4))
+                if half:
+                    pairs = builder.load(builder.bitcast(builder.gep(smp, [four]),
+                                                         ir.VectorType(ir.HalfType(), 4).as_pointer()), align=2)
+                    pairs = builder.fpext(pairs, f4)
+                else:
+                    pairs = builder.load(builder.bitcast(builder.gep(smp, [four]), f4.as_pointer()), align=4)
+                for i in range(rows):
+                    xv = builder.load(builder.bitcast(builder.gep(xps[i], [builder.mul(p, intp(64))]),
+                                                      v64.as_pointer()), align=1)
+                    isum = builder.call(dp, [ir.Constant(i16, [0] * 16), codes, xv])
+                    xs4 = builder.load(builder.bitcast(builder.gep(xsps[i], [four]), f4.as_pointer()), align=4)
+                    prod = builder.fmul(pairs, xs4, flags=_FAST)  # s0 d0, m0 sum0, s1 d1, m1 sum1
+                    scale = builder.shuffle_vector(prod, prod, spread)
+                    acc = builder.fadd(builder.load(accs[i]), builder.fmul(builder.sitofp(isum, f16), scale, flags=_FAST),
+                                       flags=_FAST)
+                    builder.store(acc, accs[i])
+                    builder.store(builder.fadd(builder.load(maccs[i]), prod, flags=_FAST), maccs[i])
+            sums = []
+            for a, ma in zip(accs, maccs):
+                m = builder.load(ma)
+                mins = builder.fadd(builder.extract_element(m, ir.Constant(_I32, 1)),
+                                    builder.extract_element(m, ir.Constant(_I32, 3)), flags=_FAST)
+                sums.append(builder.fadd(_hsum(builder, builder.load(a), 16), mins, flags=_FAST))
+            return context.make_tuple(builder, signature.return_type, sums)
+
+        return sig, codegen
+
+    return row_dots_q4_pairs
+
+
+row_dots_q4_pairs = _make_q4_pairs(ROWS)
+row_dot_q4_pairs = _make_q4_pairs(1)
+
+
+@numba.njit(cache=True, fastmath=FAST)
+def _q4_dots(w, n, xq, r, sm, xs, groups, ahead):  # ROWS rows' sums over every group (the pairs note)
+    if PAIRS:
+        pairs = groups // 2
+        sums = row_dots_q4_pairs(w, n, xq, r, sm, xs, pairs, ahead)
+        if groups % 2:
+            tail = row_dots_q4(w, n, xq, r, sm, xs, groups - 1, groups, 0)
+            return (sums[0] + tail[0], sums[1] + tail[1], sums[2] + tail[2], sums[3] + tail[3])
+        return sums
+    return row_dots_q4(w, n, xq, r, sm, xs, 0, groups, ahead)
+
+
+@numba.njit(cache=True, fastmath=FAST)
+def _q4_dot(w, n, xq, r, sm, xs, groups, ahead):  # one row's sum over every group
+    if PAIRS:
+        total = row_dot_q4_pairs(w, n, xq, r, sm, xs, groups // 2, ahead)[0]
+        if groups % 2:
+            total += row_dot_q4(w, n, xq, r, sm, xs, groups - 1, groups, 0)[0]
+        return total
+    return row_dot_q4(w, n, xq, r, sm, xs, 0, groups, ahead)[0]
+
+
 @numba.njit(cache=True, parallel=True, fastmath=FAST)
 def _matvec_q4(x, w, sm, out, chunks):  # x (R, K) f32; w (N, K/2) u8, sm (N, 2nb); out (R, N) f32
     r_len, k_len = x.shape
@@ -316,11 +431,11 @@ def _matvec_q4(x, w, sm, out, chunks):  # x (R, K) f32; w (N, K/2) u8, sm (N, 2n
     for c in numba.prange(chunks):
         for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
             for r in range(0, grouped, ROWS):
-                sums = row_dots_q4(w, n, xq, r, sm, xs, groups, AHEAD_BYTES if r == 0 else 0)
+                sums = _q4_dots(w, n, xq, r, sm, xs, groups, AHEAD_BYTES if r == 0 else 0)
                 for i in range(ROWS):
                     out[r + i, n] = sums[i]
             for r in range(grouped, r_len):
-                out[r, n] = row_dot_q4(w, n, xq, r, sm, xs, groups, AHEAD_BYTES if r == 0 else 0)[0]
+                out[r, n] = _q4_dot(w, n, xq, r, sm, xs, groups, AHEAD_BYTES if r == 0 else 0)
 
 
 def fused_matvec_q4(x: np.ndarray, codes: np.ndarray, sm: np.ndarray, out: np.ndarray) -> np.ndarray:
