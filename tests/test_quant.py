@@ -426,3 +426,42 @@ def test_q8_groups_load_as_int8_without_a_second_quantization(tmp_path, q4_files
         assert src.read_q4("layers/0/o_proj") is None and src.read_q8("layers/0/k_proj") is None
     st = stage(path, "int8")  # the whole model: q8 groups beside float tensors quantized at load
     assert np.isfinite(st.forward(np.array([[1, 2, 3]]))).all()
+
+
+def test_cli_convert_and_init_model_write_q4(tmp_path):
+    """``convert --dtype q4`` of a Hugging Face directory and ``init-model --dtype q4`` write the
+    contract's groups; a q4 rank reads them as the weights it would quantize at load itself."""
+    from conftest import TESTS
+    from rlx_mpi.checkpoint import read_header
+    from rlx_mpi.families import get_family
+
+    src = TESTS / "fixtures" / "families" / "qwen2"  # biases, tied embeddings
+    for name, args in (("q4.h5", ["--dtype", "q4"]), ("f32.h5", [])):
+        proc = run_cli(["convert", src, tmp_path / name, *args], timeout=120)
+        assert proc.returncode == 0, proc.stderr
+    with h5py.File(tmp_path / "q4.h5", "r") as f:
+        assert f.attrs["quantized"] and f["layers/0/o_proj"].attrs["quant"] == "q4"
+        assert isinstance(f["embed_tokens"], h5py.Dataset) and isinstance(f["layers/0/q_bias"], h5py.Dataset)
+    family = get_family(read_header(tmp_path / "q4.h5")[0])
+    cfg = family.load_config(read_header(tmp_path / "q4.h5")[1], "x")
+    ids = np.random.default_rng(13).integers(0, cfg.vocab_size, (1, 9))
+    got = []
+    for name in ("q4.h5", "f32.h5"):
+        with H5ParamSource(tmp_path / name, family.expected_shapes(cfg)) as s:
+            got.append(family.build_stage(cfg, s, range(cfg.num_hidden_layers), True, True, precision="q4").forward(ids))
+    assert np.array_equal(got[0], got[1])
+    proc = run_cli(["init-model", tmp_path / "r.h5", "--preset", "tiny", "--dtype", "q4"], timeout=60)
+    assert proc.returncode == 0 and h5py.File(tmp_path / "r.h5", "r").attrs["quantized"]
+
+
+def test_planner_prices_q4_as_the_stage_holds_it(tmp_path):
+    """`Precision.bytes_per_param` (what `plan` and the placement use) against the bytes a q4
+    stage of the small preset really holds (norms, held float32, are priced at q4: 0.3 % here)."""
+    cfg = PRESETS["small"]
+    FAMILY.init_random(tmp_path / "s.h5", cfg, seed=0)
+    with H5ParamSource(tmp_path / "s.h5", expected_shapes(cfg)) as src:
+        st = DecoderStage(cfg, src, range(cfg.num_hidden_layers), True, True, precision="q4")
+    cost = FAMILY.cost(cfg, 1, 1)
+    f32 = cfg.num_hidden_layers * cost.layer_bytes + cost.embed_bytes + cost.head_bytes - cost.shared_end_bytes
+    est = f32 * Precision.Q4.bytes_per_param / 4
+    assert abs(st.weight_bytes - est) <= 0.01 * est, (st.weight_bytes, est)
