@@ -465,3 +465,37 @@ def test_planner_prices_q4_as_the_stage_holds_it(tmp_path):
     f32 = cfg.num_hidden_layers * cost.layer_bytes + cost.embed_bytes + cost.head_bytes - cost.shared_end_bytes
     est = f32 * Precision.Q4.bytes_per_param / 4
     assert abs(st.weight_bytes - est) <= 0.01 * est, (st.weight_bytes, est)
+
+
+def test_q4_rank_keeps_q8_groups_as_int8_where_unfused(tmp_path, q4_files):
+    """A Q4_K_M-like file (q4 groups, with q8 groups for v_proj and down_proj as its Q6_K
+    tensors): a q4 rank holds down_proj's codes as they are (int8), re-quantizes v_proj to q4
+    only because it is fused with q and k, and runs."""
+    import shutil
+
+    path = tmp_path / "mixed.h5"
+    shutil.copy(q4_files / "q4_whole.h5", path)
+    rng = np.random.default_rng(14)
+    with h5py.File(path, "r+") as f:
+        for name in ("layers/0/v_proj", "layers/0/down_proj"):
+            n, k = f[name].attrs["shape"]
+            del f[name]
+            g = f.create_group(name)
+            g.attrs["quant"], g.attrs["shape"], g.attrs["group_size"] = "q8", np.array([n, k], np.int64), 16
+            g["codes"] = rng.integers(-32, 32, (n, k)).astype(np.int8)
+            g["scale"] = (rng.random((n, k // 16)) * 0.003).astype(np.float32)
+            codes = g["codes"][()]
+    st = stage(path, "q4", cfg=WHOLE)
+    down = st.blocks[0].mlp.down_proj
+    assert down.precision == "int8" and np.array_equal(down.data, codes)
+    assert st.blocks[0].qkv.precision == "q4" and st.blocks[1].mlp.down_proj.precision == "q4"
+    assert np.isfinite(st.forward(np.array([[3, 1, 4, 1, 5]]))).all()
+    from rlx_mpi.kv_cache import KvSpec
+
+    steps = []
+    for fused in (st._fused_rows, 0):  # the one-call decode layer types each product by its weight
+        st._fused_rows = fused
+        st.reset(2, 8, KvSpec("full"))
+        st.prefill(np.array([[3, 1, 4], [1, 5, 9]]), np.array([0, 1]), np.array([3, 3]))
+        steps.append(st.decode(np.array([[2], [6]]), np.array([0, 1]), np.array([3, 3])))
+    assert np.array_equal(steps[0], steps[1]) and np.isfinite(steps[0]).all()

@@ -141,15 +141,16 @@ def read_linear(source, name: str, precision: str, **slicing) -> Linear:
 
     f32 ranks call ``source.read`` exactly as before (a ParamSource without the ``dtype``
     keyword keeps working for them). A q4 rank takes a tensor the checkpoint holds in q4 groups
-    as they are (``source.read_q4``, where the source has it), an int8 rank q8 groups of 16, 32 or
-    64 (``source.read_q8``); any other tensor is read as floats and quantized here."""
+    as they are (``source.read_q4``, where the source has it), an int8 or q4 rank q8 groups of 16,
+    32 or 64 (``source.read_q8``: a q4 rank holds a Q4_K_M file's Q6_K tensors as int8, the note on
+    mixed parts in `fuse`); any other tensor is read as floats and quantized here."""
     if precision == "f32":
         return make_linear(source.read(name, **slicing), "f32")
     if precision == "q4" and hasattr(source, "read_q4"):
         held = source.read_q4(name, **slicing)  # None: stored as floats (or as q8 groups)
         if held is not None:
             return Linear("q4", *held)
-    if precision == "int8" and hasattr(source, "read_q8"):  # q8 groups (GGUF's Q8_0, Q6_K) as they are
+    if precision in ("int8", "q4") and hasattr(source, "read_q8"):  # q8 groups (GGUF's Q8_0, Q6_K) as they are
         held = source.read_q8(name, **slicing)
         if held is not None:
             return Linear("int8", *held)
@@ -166,6 +167,11 @@ def fuse(parts: list[Linear]) -> Linear:
     element is the same dot product as before (rows are independent; int8's block scales
     concatenate with their rows), so results are bit-for-bit those of the separate matrices.
     Built once at load after TP sharding; the parts are dropped, so weight bytes do not grow."""
+    if len({p.precision for p in parts}) > 1 and {p.precision for p in parts} <= {"q4", "int8"}:
+        # Note: mixed parts. A q4 rank holds a checkpoint's q8 groups as int8 (Q4_K_M keeps attn_v in
+        # Q6_K beside Q4_K q and k); fused with q4 parts they are re-quantized to q4 (one format per
+        # product), while unfused ones (down_proj, the head: Q4_K_M's other Q6_K tensors) stay int8.
+        parts = [p if p.precision == "q4" else make_linear(p.to_f32(), "q4") for p in parts]
     if len({p.precision for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
         raise ValueError(f"fuse: parts differ in precision or input width: "
                          f"{[(p.precision, p.shape) for p in parts]}")
