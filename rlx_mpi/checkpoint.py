@@ -45,13 +45,12 @@ import numpy as np
 
 from .errors import CheckpointError
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "READ_DTYPES", "WRITE_DTYPES", "write_checkpoint", "read_header",
-           "H5ParamSource", "part_bounds"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "READ_DTYPES", "write_checkpoint", "read_header", "H5ParamSource",
+           "part_bounds"]
 
 FORMAT = "rlx_mpi"
 FORMAT_VERSION = 1
 READ_DTYPES = ("float32", "float16", "bfloat16")  # what read() returns; bfloat16 as uint16 bit patterns
-WRITE_DTYPES = ("float32", "float16", "bfloat16", "q4")  # q4: the linear weights as q4 groups, the rest float32
 _CONVERT_ROWS_BYTES = 4 << 20  # a converting read goes through float32 blocks of about this size (peak RSS)
 
 
@@ -210,13 +209,9 @@ class H5ParamSource:
             return q
         return self._dataset(name, node)
 
-    def _dataset(self, name: str, ds=None) -> h5py.Dataset:
+    def _dataset(self, name: str, ds) -> h5py.Dataset:
+        """``ds`` (the file's node ``name``) checked as a float tensor."""
         where = f"{self.path}: /{name}"
-        if ds is None:
-            try:
-                ds = self._file[name]
-            except KeyError:
-                raise CheckpointError(where, "tensor missing", "the checkpoint is incomplete; re-convert it") from None
         if not isinstance(ds, h5py.Dataset):
             raise CheckpointError(where, "is a group, not a tensor", "re-convert the checkpoint")
         if ds.dtype.kind != "f" and not _is_bf16(ds):
@@ -255,9 +250,11 @@ class H5ParamSource:
         """A q4 group (or its ``part``-th slice along ``axis``) as `kernels.quantize_q4` makes them:
         (codes, scale / minimum pairs), float16 pairs where the file holds both as float16; None
         when ``name`` is not a q4 group (a float tensor, or q8)."""
+        from .kernels import Q4_GROUP
+
         node = self._node(name)
-        if not isinstance(node, _Quant) or node.kind != "q4":
-            return None
+        if not isinstance(node, _Quant) or node.kind != "q4" or node.group != Q4_GROUP:
+            return None  # (q4 groups of another width: read() dequantizes them, the rank quantizes its own)
         codes, scale, minimum = node.read(axis, part, parts)
         half = scale.dtype == np.float16 and minimum.dtype == np.float16
         sm = np.empty((codes.shape[0], 2 * scale.shape[1]), np.float16 if half else np.float32)
@@ -340,7 +337,7 @@ class _Quant:
             gs = int(gs)
         except (TypeError, ValueError):
             raise CheckpointError(where, f"{kind} group without a shape [N, K] and group_size", fix) from None
-        if gs <= 0 or k % gs or n <= 0:
+        if gs <= 0 or k % gs or n <= 0 or (kind == "q4" and gs % 2):
             raise CheckpointError(where, f"{kind} group of shape {[n, k]}: {k} columns are not groups of {gs}", fix)
         want = {"codes": ((n, k // 2), "uint8") if kind == "q4" else ((n, k), "int8"),
                 "scale": ((n, k // gs), "float"), **({"minimum": ((n, k // gs), "float")} if kind == "q4" else {})}

@@ -70,7 +70,8 @@ from numba.extending import intrinsic
 from ._common import ERR, FAST, check_f32, pool_threads
 from .rowdot import AHEAD_BYTES, ROWS, _hsum, _idx, _prefetch, _rows_of, _target_has
 
-__all__ = ["GROUP", "VNNI", "check_q4", "q4_groups", "quantize_q4", "dequantize_q4", "matvec_q4", "q4_nbytes"]
+__all__ = ["GROUP", "VNNI", "PAIRS", "check_q4", "q4_groups", "quantize_q4", "dequantize_q4", "pairs_f32", "matvec_q4",
+           "fused_matvec_q4", "q4_nbytes"]
 
 GROUP = 32  # weights per scale and minimum (the contract's G)
 VNNI = _target_has("avx512vnni") and _target_has("avx512vl")  # vpdpbusd on 256-bit vectors
@@ -111,8 +112,9 @@ _QUANT_ROWS_BYTES = 4 << 20  # rows quantized at a time: bounds the float32 temp
 
 def quantize_q4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(codes, sm) of float32 ``w`` (N, K), K a multiple of GROUP: per group of 32 weights of a row
-    the minimum and (max - min) / 15, both rounded to float16, and each code the nearest of 0..15
-    under the rounded pair. A group holding NaN or Inf gets a non-finite pair (it stays visible)."""
+    the minimum and (max - min) / 15, both rounded to float16, each code the nearest of 0..15 under
+    the rounded pair; then _REFITS least-squares refits of the pair (the scale note). A group
+    holding NaN or Inf gets a non-finite pair (it stays visible)."""
     check_f32("quantize_q4 w", w)
     if w.ndim != 2 or w.shape[1] % GROUP:
         raise ValueError(f"quantize_q4: expected a 2-D weight (out, in) with in a multiple of {GROUP}, got {w.shape}")
@@ -169,7 +171,8 @@ def _refit(g, q, scale, minimum):
                 np.where(better[..., None], q2, q))
 
 
-def _pairs_f32(sm: np.ndarray) -> np.ndarray:
+def pairs_f32(sm: np.ndarray) -> np.ndarray:
+    """A q4 weight's scale / minimum pairs as float32 (float16 bits widened, exactly)."""
     return sm.view(np.float16).astype(np.float32) if sm.dtype == np.uint16 else sm
 
 
@@ -180,7 +183,7 @@ def dequantize_q4(codes: np.ndarray, sm: np.ndarray, rows: np.ndarray | None = N
         rows = np.asarray(rows).reshape(-1)
         codes, sm = codes[rows], sm[rows]
     out = np.empty((codes.shape[0], 2 * codes.shape[1]), np.float32)
-    _dequant_q4(codes, _pairs_f32(np.ascontiguousarray(sm)), 0, out)
+    _dequant_q4(codes, pairs_f32(np.ascontiguousarray(sm)), 0, out)
     return out
 
 
@@ -200,8 +203,6 @@ def dequant_tile_q4(codes: np.ndarray, sm32: np.ndarray, start: int, out: np.nda
     (`pairs_f32`, once per product): prefill's tile, as lowp's int8 one."""
     _dequant_q4(codes, sm32, start, out)
 
-
-pairs_f32 = _pairs_f32
 
 
 # -- decode: the activation row in int8 groups, the dot product as vector IR --------------------
