@@ -288,9 +288,12 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
 #   f16, 1 thread:   48 1.00x;  64 0.95x
 #   f16, 2 threads:  64 1.53x | 1.12x;  96 1.08x | 0.86x
 # so bf16 32 / 64 -> 48 / 96 and f16 48 -> 64 on 2 threads (int8 has a kernel of its own, unchanged).
-# q4 takes int8's limits, not measured for it (its decode kernel is int8's shape: rounded activations,
-# integer products per group; its tiles dequantise on the calling thread as int8's do).
-_MATVEC_ROWS = {"bf16": (48, 96), "f16": (32, 64), "int8": (96, 128), "q4": (96, 128)}  # (1 thread, 2 or more threads)
+# q4 (quant.py's kernel, medium's 4 matrices of a layer, kernel alone, in process, interleaved rounds,
+# 2026-12-03 on a 2-core Xeon VM at load 6-7: a decision, not a figure), dequantise + BLAS time over
+# the fused kernel's: 1 thread 16 rows 5.0x, 48 2.2x, 96 1.28x, 128 0.98x, 192 1.12x, 256 0.90x;
+# 2 threads 32 2.8x, 96 3.1x, 128 4.0x, 192 2.2x, 256 6.2x, 384 2.7x (BLAS's threads suffer more
+# from the load than numba's: to re-measure on a quiet host).
+_MATVEC_ROWS = {"bf16": (48, 96), "f16": (32, 64), "int8": (96, 128), "q4": (128, 256)}  # (1 thread, 2 or more threads)
 
 
 def matvec_rows(fmt: str, threads: int | None = None) -> int:
