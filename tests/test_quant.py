@@ -469,9 +469,11 @@ def test_planner_prices_q4_as_the_stage_holds_it(tmp_path):
 
 
 def test_q4_rank_keeps_q8_groups_as_int8_where_unfused(tmp_path, q4_files):
-    """A Q4_K_M-like file (q4 groups, with q8 groups for v_proj and down_proj as its Q6_K
-    tensors): a q4 rank holds down_proj's codes as they are (int8), re-quantizes v_proj to q4
-    only because it is fused with q and k, and runs."""
+    """A Q4_K_M-like file (q4 groups, layer 0's q and k with float32 pairs as Q4_K's, and q8
+    groups for v_proj and down_proj as its Q6_K tensors): a q4 rank holds down_proj's codes as
+    they are (int8), re-quantizes v_proj to q4 only because it is fused with q and k (pairs made
+    float32 to match theirs), and runs, decode included (the one-call layer compiled for these
+    mixed types at reset)."""
     import shutil
 
     path = tmp_path / "mixed.h5"
@@ -486,10 +488,19 @@ def test_q4_rank_keeps_q8_groups_as_int8_where_unfused(tmp_path, q4_files):
             g["codes"] = rng.integers(-32, 32, (n, k)).astype(np.int8)
             g["scale"] = (rng.random((n, k // 16)) * 0.003).astype(np.float32)
             codes = g["codes"][()]
+        for name in ("layers/0/q_proj", "layers/0/k_proj"):
+            for key in ("scale", "minimum"):
+                value = f[name][key][()].astype(np.float32)
+                del f[name][key]
+                f[name][key] = value
     st = stage(path, "q4", cfg=WHOLE)
     down = st.blocks[0].mlp.down_proj
     assert down.precision == "int8" and np.array_equal(down.data, codes)
     assert st.blocks[0].qkv.precision == "q4" and st.blocks[1].mlp.down_proj.precision == "q4"
+    assert st.blocks[0].qkv.kind == "q4f" and st.blocks[1].qkv.kind == "q4"
+    with H5ParamSource(path, expected_shapes(WHOLE)) as src:  # q's rows of the fused matrix: as stored
+        q_codes, q_sm = src.read_q4("layers/0/q_proj")
+    assert np.array_equal(st.blocks[0].qkv.data[:64], q_codes) and np.array_equal(st.blocks[0].qkv.scale[:64], q_sm)
     assert np.isfinite(st.forward(np.array([[3, 1, 4, 1, 5]]))).all()
     from rlx_mpi.kv_cache import KvSpec
 

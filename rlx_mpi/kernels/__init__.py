@@ -38,7 +38,7 @@ from .elementwise import _exp, rms_norm, rope, silu_mul_, swiglu
 from .lowp import (INT8_BLOCK, INT8_GROUPS, int8_block, matvec_rows, WEIGHT_FORMATS, check_weight, dequant_matmul, dequantize,
                    fused_matvec, from_bf16, int8_blocks, kernel_weight, quantize_int8, to_bf16)
 from .matvec import F32_MATVEC_ROWS, _matvec_float, matvec_f32
-from .quant import GROUP as Q4_GROUP, VNNI, dequantize_q4, matvec_q4, q4_nbytes, quantize_q4
+from .quant import GROUP as Q4_GROUP, VNNI, dequantize_q4, matvec_q4, pairs_f32, q4_nbytes, quantize_q4
 from .gemm import F32_GEMM, F32_GEMM_ROWS, gemm_f32
 from ._common import pool_threads
 from .decode_layer import FORMATS as DECODE_LAYER_FORMATS, decode_layer, warm_up as warm_up_decode_layer
@@ -47,7 +47,7 @@ __all__ = ["rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_cache", 
            "matvec_f32", "F32_MATVEC_ROWS", "gemm_f32", "F32_GEMM", "F32_GEMM_ROWS", "dequant_matmul", "fused_matvec", "kernel_weight", "check_weight", "dequantize", "to_bf16",
            "from_bf16", "quantize_int8", "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "matvec_rows", "set_threads", "pool_threads", "decode_layer", "DECODE_LAYER_FORMATS", "warm_up_decode_layer", "warm_up",
            "warm_up_lowp",
-           "INT8_GROUPS", "int8_block", "Q4_GROUP", "VNNI", "quantize_q4", "dequantize_q4", "matvec_q4", "q4_nbytes"]
+           "INT8_GROUPS", "int8_block", "Q4_GROUP", "VNNI", "pairs_f32", "quantize_q4", "dequantize_q4", "matvec_q4", "q4_nbytes"]
 
 
 def warm_up() -> None:

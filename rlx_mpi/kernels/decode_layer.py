@@ -118,18 +118,22 @@ def decode_layer(h: np.ndarray, ln1: np.ndarray, ln2: np.ndarray, eps: float, qk
     return out
 
 
-def warm_up(fmt: str) -> None:
-    """Load (or compile) the fused layer for weights in ``fmt`` (tiny shapes: C 4, 2 heads of 2; q4's
-    products take 32 columns: C 32, 2 heads of 16)."""
+def warm_up(fmt: str, kinds: tuple[str, str, str, str] | None = None) -> None:
+    """Load (or compile) the fused layer for weights in ``fmt``, or with ``kinds`` for qkv, o,
+    gate_up and down each its own (`Linear.kind`: a format, or "q4f" for q4 with float32 pairs, as
+    a converted GGUF mixes them; numba types the layer on every product's storage). Tiny shapes:
+    C 4, 2 heads of 2; with any q4 product 32 columns: C 32, 2 heads of 16."""
     from .lowp import kernel_weight, quantize_int8, to_bf16
-    from .quant import quantize_q4
+    from .quant import pairs_f32, quantize_q4
 
-    c, hs = (32, 16) if fmt == "q4" else (4, 2)
+    kinds = kinds or (fmt,) * 4
+    c, hs = (32, 16) if any(k.startswith("q4") for k in kinds) else (4, 2)
 
-    def weight(n: int, k: int):
+    def weight(n: int, k: int, fmt: str):
         w = np.full((n * c // 4, k * c // 4), 0.5, np.float32)
-        if fmt == "q4":
-            return quantize_q4(w)
+        if fmt.startswith("q4"):
+            codes, sm = quantize_q4(w)
+            return codes, (pairs_f32(sm) if fmt == "q4f" else sm)
         if fmt == "int8":
             return quantize_int8(w)
         if fmt == "f16":
@@ -137,7 +141,8 @@ def warm_up(fmt: str) -> None:
         return (to_bf16(w) if fmt == "bf16" else w), None
 
     ones = np.ones(c, np.float32)
-    (wqkv, sqkv), (wo, so), (wgu, sgu), (wd, sd) = weight(8, 4), weight(4, 4), weight(8, 4), weight(4, 4)
+    (wqkv, sqkv), (wo, so), (wgu, sgu), (wd, sd) = (weight(n, k, f) for (n, k), f in
+                                                      zip(((8, 4), (4, 4), (8, 4), (4, 4)), kinds))
     cache = np.zeros((1, 1, 4, hs), np.float32)
     trig = np.ones((1, hs), np.float32)
     decode_layer(np.ones((1, c), np.float32), ones, ones, 1e-6, wqkv, sqkv, None, c, trig, trig, None, None,

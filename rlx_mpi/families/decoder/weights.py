@@ -69,6 +69,12 @@ class Linear:
         return (n, 2 * k) if self.precision == "q4" else (n, k)  # (out, in): q4 holds two codes a byte
 
     @property
+    def kind(self) -> str:
+        """The storage as the decode kernels are typed on it: the precision, "q4f" for q4 with
+        float32 scale / minimum pairs (a Q4_K file's) (`kernels.warm_up_decode_layer`)."""
+        return "q4f" if self.precision == "q4" and self.scale.dtype == np.float32 else self.precision
+
+    @property
     def kernel_data(self) -> np.ndarray:
         """The weight as the decode kernels take it (`kernels.decode_layer`): `kernels.kernel_weight`."""
         return kernels.kernel_weight(self.precision, self.data)
@@ -176,6 +182,8 @@ def fuse(parts: list[Linear]) -> Linear:
         raise ValueError(f"fuse: parts differ in precision or input width: "
                          f"{[(p.precision, p.shape) for p in parts]}")
     scales = [p.scale for p in parts]
+    if parts[0].precision == "q4" and len({s.dtype for s in scales}) > 1:  # float16 pairs beside Q4_K's float32
+        scales = [kernels.pairs_f32(s) for s in scales]
     if parts[0].precision == "int8" and len({s.shape[1] for s in scales}) > 1:
         # q8 groups of 32 / 16 beside blocks of 64 quantized at load (a partly q8 checkpoint): the
         # coarser blocks' scales repeated to the finest width, the same values (kernels.int8_block)
