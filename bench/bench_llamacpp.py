@@ -37,6 +37,14 @@ cpus and pins T BLAS/numba threads; llama.cpp gets ``-t T``), trials interleaved
   threads (a numba parallel copy of 256 MB, read + write bytes, as STREAM counts them), and over
   the read bandwidth (a numba parallel sum of 256 MB: a decode step only reads; on the 2-core
   VM the copy probe gave less at 2 threads than at 1, the read probe 1.4-1.6x more).
+- q4 (issue 32; ``--skip q4`` leaves it out): our ``q4`` (4-bit codes, an f16 scale and minimum
+  per 32 weights, from ``rlx-mpi convert --dtype q4``) against llama.cpp's Q4_0 and Q4_K_M, both
+  made from the same f32 GGUF by ``llama-quantize``: batch-1 decode (as above; one run of ours
+  set against each of theirs), 8 prompts x 32 new whole time (as above, q4 against each), prefill
+  128 (as above, against Q4_0's pp128); the bandwidth fractions with each side's own bytes (ours:
+  half a byte a weight and 4 bytes a group of 32; theirs: the GGUF's tensors bar the embedding, read
+  with gguf's reader); our resident weight bytes over float32's (the stage's own count, target
+  <= 0.16); and the accuracy below for q4, Q4_0 and Q4_K_M.
 - accuracy against the f32 model on the same 8 x 256 random tokens (ids 3..V-1; the GGUF's
   stand-in vocabulary maps token i to one character, checked with llama-tokenize): ours from
   ``rlx-mpi run --out`` logits at f32 and int8 (and bf16), theirs from ``llama-perplexity -c 256
@@ -75,6 +83,7 @@ from bench_generate import run_generate, write_prompts
 HERE = Path(__file__).resolve().parent
 VOCAB = 8192
 PREC = {"f32": "f32", "bf16": "bf16", "int8": "q8_0"}  # ours -> the GGUF it is set against
+Q4_GGUF = {"q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}  # llama.cpp's 4-bit files (llama-quantize types) our q4 is set against
 CTX = 256  # accuracy chunk length (llama-perplexity -c); the second half of each chunk is scored
 CHUNKS = 8  # 8 x 127 = 1016 scored positions
 
@@ -94,7 +103,7 @@ def _opt(value: str | None, env: str, what: str, required: bool = True) -> str |
 
 
 def _run(cmd: list[str], timeout: float = 3600.0) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout)  # llama-quantize prints raw token bytes
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return proc.stdout + proc.stderr
@@ -108,23 +117,34 @@ def _cores(threads: int) -> list[str]:
 
 def prepare(work: Path, args) -> dict:
     """The HF directory, the three GGUFs and our checkpoint in ``work`` (made when missing)."""
-    hf = work / "hf_medium"
+    preset = args.preset
+    hf = work / f"hf_{preset}"
     if not (hf / "config.json").exists():
         from rlx_mpi.families import find_preset
 
-        dims = asdict(find_preset("medium")[1])
+        dims = asdict(find_preset(preset)[1])
         torch_py = _opt(args.torch_python, "RLX_TORCH_PYTHON", "--torch-python (to make the HF model)")
-        _run([torch_py, str(HERE / "_hf_generate.py"), "build", "--preset", "medium", "--vocab", str(VOCAB),
+        _run([torch_py, str(HERE / "_hf_generate.py"), "build", "--preset", preset, "--vocab", str(VOCAB),
               "--dims", json.dumps(dims), "--hf-dir", str(hf)])
-    ggufs = {t: work / f"medium-{t}.gguf" for t in PREC.values()}
+    ggufs = {t: work / f"{preset}-{t}.gguf" for t in PREC.values()}
     if not all(p.exists() for p in ggufs.values()):
         py = _opt(args.gguf_python, "RLX_GGUF_PYTHON", "--gguf-python (a Python with gguf)")
         conv = _opt(args.hf_to_gguf, "RLX_HF_TO_GGUF", "--hf-to-gguf (the anchor's hf_to_gguf.py)")
-        _run([py, conv, str(hf), "--outdir", str(work), "--types", ",".join(PREC.values()), "--name", "medium"])
-    ckpt = work / "medium.h5"
+        _run([py, conv, str(hf), "--outdir", str(work), "--types", ",".join(PREC.values()), "--name", preset])
+    ckpt = work / f"{preset}.h5"
     if not ckpt.exists():
         _run([sys.executable, "-m", "rlx_mpi", "convert", str(hf), str(ckpt)])
-    return {"hf": hf, "gguf": ggufs, "ckpt": ckpt, "config": json.loads((hf / "config.json").read_text())}
+    out = {"hf": hf, "gguf": ggufs, "ckpt": ckpt, "config": json.loads((hf / "config.json").read_text())}
+    if "q4" not in args.skip_set:
+        for name, qtype in Q4_GGUF.items():
+            ggufs[name] = work / f"{preset}-{name}.gguf"
+            if not ggufs[name].exists():
+                bin_dir = Path(_opt(args.llama_bin, "RLX_LLAMA_BIN", "--llama-bin (llama.cpp's build/bin)"))
+                _run([str(bin_dir / "llama-quantize"), str(ggufs["f32"]), str(ggufs[name]), qtype])
+        out["ckpt_q4"] = work / f"{preset}-q4.h5"
+        if not out["ckpt_q4"].exists():
+            _run([sys.executable, "-m", "rlx_mpi", "convert", str(hf), str(out["ckpt_q4"]), "--dtype", "q4"])
+    return out
 
 
 def weight_bytes(cfg: dict, fmt: str) -> float:
@@ -134,9 +154,32 @@ def weight_bytes(cfg: dict, fmt: str) -> float:
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     rows_cols = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)] * cfg["num_hidden_layers"] + [(v, h)]
-    per = {"f32": 4.0, "bf16": 2.0, "q8_0": 34 / 32, "int8": 1.0}[fmt]
+    per = {"f32": 4.0, "bf16": 2.0, "q8_0": 34 / 32, "int8": 1.0, "q4": 0.5 + 4 / 32, "q4_0": 18 / 32}[fmt]
     total = sum(n * k * per + (4 * n * -(-k // 64) if fmt == "int8" else 0) for n, k in rows_cols)
     return total + 4 * h * (2 * cfg["num_hidden_layers"] + 1)
+
+
+def gguf_weight_bytes(gguf_python: str, path: Path) -> float:
+    """Bytes of a GGUF's tensors but the embedding (a decode step reads one row of it), by gguf's
+    own reader: Q4_K_M mixes Q4_K, Q6_K and float32 tensors, so its bytes are counted, not priced."""
+    code = ("import sys, gguf\n"
+            "r = gguf.GGUFReader(sys.argv[1])\n"
+            "print(sum(int(t.n_bytes) for t in r.tensors if t.name != 'token_embd.weight'))\n")
+    return float(_run([gguf_python, "-c", code, str(path)]).split()[-1])
+
+
+def q4_resident_fraction(ckpt: Path) -> float:
+    """Our q4 stage's resident weight bytes over the float32 bytes of the same tensors."""
+    from rlx_mpi.checkpoint import H5ParamSource, read_header
+    from rlx_mpi.families import get_family
+
+    family_name, config_json = read_header(ckpt)
+    family = get_family(family_name)
+    cfg = family.load_config(config_json, str(ckpt))
+    with H5ParamSource(ckpt, family.expected_shapes(cfg)) as src:
+        stage = family.build_stage(cfg, src, range(family.dims(cfg).n_layers), True, True, precision="q4")
+    f32 = sum(4 * int(np.prod(s)) for s in family.expected_shapes(cfg).values())
+    return stage.weight_bytes / f32
 
 
 def copy_bandwidth(threads: int) -> float:
@@ -211,7 +254,14 @@ def ours_decode(folder: Path, job: Path, prompts: Path, new: int, threads: int, 
     times its decode evaluations alone."""
     ours(folder, job, prompts, new, 1, threads, mpiexec)
     rows = json.loads((folder / "stats.json").read_text())["rows"]
-    return (new - 1) / (max(r["decode_ms"] for r in rows) / 1e3)
+    return (new_tokens(folder) - 1) / (max(r["decode_ms"] for r in rows) / 1e3)
+
+
+def new_tokens(folder: Path) -> int:
+    """New tokens of the last ``generate``'s completions: fewer than asked where a row sampled
+    an end-of-sequence id (llama.cpp's benches never stop early; a random model's greedy text may:
+    seen on the small preset at q4), so rates count the tokens made, not the tokens asked for."""
+    return sum(json.loads(line)["new_tokens"] for line in (folder / "out.jsonl").read_text().splitlines() if line)
 
 
 def llama_bench(bin_dir: Path, gguf: Path, threads: int, reps: int, *, p: int, n: int, d: int = 0) -> float:
@@ -244,21 +294,24 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def accuracy(m: dict, args, folder: Path, bin_dir: Path, mpiexec: str) -> dict:
-    """Top-1 agreement and mean KL against the f32 model: ours at bf16 / int8, llama.cpp's bf16 / q8_0."""
+    """Top-1 agreement and mean KL against the f32 model: ours at bf16 / int8 (/ q4), llama.cpp's bf16 /
+    q8_0 (/ Q4_0 / Q4_K_M)."""
     import h5py
 
     ids = np.random.default_rng(1).integers(3, VOCAB, (CHUNKS, CTX))
     np.save(folder / "ids.npy", ids)
     scored = slice(CTX // 2, CTX - 1)  # logits at t predict token t + 1 (llama-perplexity's first = n_ctx / 2)
     logits = {}
-    for prec in ("f32", "bf16", "int8"):
+    with_q4 = "q4" not in args.skip_set
+    ours_prec = ("bf16", "int8", "q4") if with_q4 else ("bf16", "int8")
+    for prec in ("f32", *ours_prec):
         _run([mpiexec, "-n", "1", sys.executable, "-m", "rlx_mpi", "run", str(_job(folder, m["ckpt"], prec)),
               "--input-ids", str(folder / "ids.npy"), "--out", str(folder / f"logits_{prec}.h5")])
         with h5py.File(folder / f"logits_{prec}.h5", "r") as f:
             logits[prec] = f["logits"][:, scored]
     base = _log_softmax(logits["f32"])
     doc = {"positions": int(base.shape[0] * base.shape[1]), "ours": {}, "llama.cpp": {}}
-    for prec in ("bf16", "int8"):
+    for prec in ours_prec:
         lq = _log_softmax(logits[prec])
         doc["ours"][prec] = {"top1_agreement": float((lq.argmax(-1) == base.argmax(-1)).mean()),
                              "mean_kld": float((np.exp(base) * (base - lq)).sum(-1).mean()),
@@ -272,7 +325,7 @@ def accuracy(m: dict, args, folder: Path, bin_dir: Path, mpiexec: str) -> dict:
     kl_base = folder / "kl_base.dat"
     common = ["-f", str(text), "-c", str(CTX), "-b", str(CTX), "-t", str(max(args.threads_list)), "-fa", "off"]
     _run([str(bin_dir / "llama-perplexity"), "-m", str(m["gguf"]["f32"]), *common, "--kl-divergence-base", str(kl_base)])
-    for fmt in ("bf16", "q8_0"):
+    for fmt in ("bf16", "q8_0", *(Q4_GGUF if with_q4 else ())):
         out = _run([str(bin_dir / "llama-perplexity"), "-m", str(m["gguf"][fmt]), *common, "--kl-divergence-base",
                     str(kl_base), "--kl-divergence"])
         kld = re.search(r"Mean\s+KLD:\s*([-+\d.eE]+)", out)
@@ -284,6 +337,33 @@ def accuracy(m: dict, args, folder: Path, bin_dir: Path, mpiexec: str) -> dict:
 
 # -- the run ----------------------------------------------------------------------------------
 
+def q4_trial(folder: Path, job: Path, m: dict, p32: dict, plong: dict, new: int, t: int, skip: set, args,
+             bin_dir: Path, mine: dict, theirs: dict) -> None:
+    """One trial of the q4 cases on ``t`` threads: each of our runs set against Q4_0 and Q4_K_M."""
+    if "decode" not in skip:
+        wait_quiet(args.quiet, args.quiet_wait)
+        ours_ts = ours_decode(folder, job, p32[1], new, t, args.mpiexec)
+        for name, q in Q4_GGUF.items():
+            key = f"decode batch 1, q4 vs {q}, {t} thread(s)"
+            mine.setdefault(key, []).append(ours_ts)
+            theirs.setdefault(key, []).append(llama_bench(bin_dir, m["gguf"][name], t, 1, p=0, n=32, d=32))
+    if "batch8" not in skip:
+        wait_quiet(args.quiet, args.quiet_wait)
+        wall = ours(folder, job, p32[8], 32, 8, t, args.mpiexec)
+        ours_ts = new_tokens(folder) / wall
+        for name, q in Q4_GGUF.items():
+            key = f"8 prompts x 32 new, whole time, q4 vs {q}, {t} thread(s)"
+            mine.setdefault(key, []).append(ours_ts)
+            theirs.setdefault(key, []).append(llama_batched(bin_dir, m["gguf"][name], t, 32, 32, 8))
+    if "prefill" not in skip:
+        key = f"prefill 128, q4 vs Q4_0, {t} thread(s)"
+        wait_quiet(args.quiet, args.quiet_wait)
+        ours(folder, job, plong[128], 1, 1, t, args.mpiexec)
+        done = [json.loads(line) for line in (folder / "out.jsonl").read_text().splitlines()]
+        mine.setdefault(key, []).append(128 / (statistics.median(r["ms"] for r in done[1:]) / 1e3))
+        theirs.setdefault(key, []).append(llama_bench(bin_dir, m["gguf"]["q4_0"], t, 1, p=128, n=0))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-bin", help="llama.cpp's build/bin (or env RLX_LLAMA_BIN)")
@@ -292,27 +372,30 @@ def main() -> None:
     ap.add_argument("--gguf-python", help="a Python with gguf for hf_to_gguf.py (or env RLX_GGUF_PYTHON)")
     ap.add_argument("--hf-to-gguf", help="the anchor's hf_to_gguf.py (or env RLX_HF_TO_GGUF)")
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--preset", default="medium", help="the model's shape (a llama preset; tiny only to smoke-test this script)")
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--precisions", default="f32,bf16,int8", help="batch-1 decode precisions (ours)")
-    ap.add_argument("--skip", default="", help="comma list of parts to leave out: decode,batch8,prefill,accuracy")
+    ap.add_argument("--skip", default="", help="comma list of parts to leave out: decode,batch8,prefill,accuracy,q4")
     ap.add_argument("--mpiexec", default=default_mpiexec())
     add_common_args(ap, quiet_wait_s=20.0)
     args = ap.parse_args()
     args.threads_list = [int(t) for t in args.threads.split(",")]
-    skip = set(filter(None, args.skip.split(",")))
+    skip = args.skip_set = set(filter(None, args.skip.split(",")))
     bin_dir = Path(_opt(args.llama_bin, "RLX_LLAMA_BIN", "--llama-bin (llama.cpp's build/bin)"))
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     m = prepare(work, args)
     cfg = m["config"]
     info = machine()
-    print(header("rlx-mpi against llama.cpp: medium preset, vocab 8192", info))
+    print(header(f"rlx-mpi against llama.cpp: {args.preset} preset, vocab {VOCAB}", info))
     mine: dict[str, list[float]] = {}
     theirs: dict[str, list[float]] = {}
     new, plen = 33, 32  # 32 decode steps after a 32-token prompt (llama-bench -n 32 -d 32)
     with tempfile.TemporaryDirectory(prefix="rlx_bench_llamacpp_") as tmp:
         folder = Path(tmp)
         jobs = {p: _job(folder, m["ckpt"], p) for p in PREC}
+        if "q4" not in skip:
+            jobs["q4"] = _job(folder, m["ckpt_q4"], "q4")
         p32 = {n: write_prompts(folder / f"p{n}.jsonl", n, plen, VOCAB) for n in (1, 8)}
         plong = {n: write_prompts(folder / f"long{n}.jsonl", 4, n, VOCAB) for n in (128, 512)}
         for trial in range(args.trials):
@@ -327,7 +410,8 @@ def main() -> None:
                 if "batch8" not in skip:
                     key = f"8 prompts x 32 new, whole time, f32, {t} thread(s)"
                     wait_quiet(args.quiet, args.quiet_wait)
-                    mine.setdefault(key, []).append(8 * 32 / ours(folder, jobs["f32"], p32[8], 32, 8, t, args.mpiexec))
+                    wall = ours(folder, jobs["f32"], p32[8], 32, 8, t, args.mpiexec)
+                    mine.setdefault(key, []).append(new_tokens(folder) / wall)
                     theirs.setdefault(key, []).append(llama_batched(bin_dir, m["gguf"]["f32"], t, 32, 32, 8))
                 if "prefill" not in skip:
                     for n in (128, 512):
@@ -338,20 +422,28 @@ def main() -> None:
                         warm = statistics.median(r["ms"] for r in done[1:])  # the first prefill is cold
                         mine.setdefault(key, []).append(n / (warm / 1e3))
                         theirs.setdefault(key, []).append(llama_bench(bin_dir, m["gguf"]["f32"], t, 1, p=n, n=0))
+                if "q4" not in skip:
+                    q4_trial(folder, jobs["q4"], m, p32, plong, new, t, skip, args, bin_dir, mine, theirs)
             print(f"  trial {trial + 1}/{args.trials} done (load {loadavg()})", file=sys.stderr, flush=True)
         bw = {t: copy_bandwidth(t) for t in args.threads_list}
         rbw = {t: read_bandwidth(t) for t in args.threads_list}
+        gguf_bytes = {}
+        if "q4" not in skip:
+            py = _opt(args.gguf_python, "RLX_GGUF_PYTHON", "--gguf-python (a Python with gguf, to count Q4_K_M's bytes)")
+            gguf_bytes = {q: gguf_weight_bytes(py, m["gguf"][name]) for name, q in Q4_GGUF.items()}
         rows, table = {}, []
         for key in mine:
             a, b = statistics.median(mine[key]), statistics.median(theirs[key])
             row = {"ours_tok_s": a, "llamacpp_tok_s": b, "ratio": a / b, "ratio_paired": paired_ratio(mine[key], theirs[key]),
                    "ours_trials": mine[key], "llamacpp_trials": theirs[key]}
             if key.startswith("decode"):
-                prec, t = key.split(", ")[1].split(" vs ")[0], int(key.split(", ")[2].split()[0])
+                prec, other = key.split(", ")[1].split(" vs ")
+                t = int(key.split(", ")[2].split()[0])
+                theirs_bytes = (gguf_bytes[other] if other in Q4_GGUF.values() else weight_bytes(cfg, PREC[prec]))
                 row["ours_of_bound"] = a * weight_bytes(cfg, prec) / bw[t]
-                row["llamacpp_of_bound"] = b * weight_bytes(cfg, PREC[prec]) / bw[t]
+                row["llamacpp_of_bound"] = b * theirs_bytes / bw[t]
                 row["ours_of_read_bound"] = a * weight_bytes(cfg, prec) / rbw[t]
-                row["llamacpp_of_read_bound"] = b * weight_bytes(cfg, PREC[prec]) / rbw[t]
+                row["llamacpp_of_read_bound"] = b * theirs_bytes / rbw[t]
             rows[key] = row
             bound = "ours_of_bound" in row
             table.append([key, f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}", f"{row['ratio_paired']:.2f}",
@@ -364,7 +456,12 @@ def main() -> None:
         doc = {"machine": info, "loadavg_end": loadavg(), "trials": args.trials, "model": cfg,
                "copy_bandwidth_GBs": {t: v / 1e9 for t, v in bw.items()},
                "read_bandwidth_GBs": {t: v / 1e9 for t, v in rbw.items()},
-               "decode_weight_bytes": {f: weight_bytes(cfg, f) for f in ("f32", "bf16", "int8", "q8_0")}, "cases": rows}
+               "decode_weight_bytes": {**{f: weight_bytes(cfg, f) for f in ("f32", "bf16", "int8", "q8_0")},
+                                       **({"q4": weight_bytes(cfg, "q4"), **gguf_bytes} if gguf_bytes else {})},
+               "cases": rows}
+        if "q4" not in skip:
+            doc["q4_resident_of_f32"] = frac = q4_resident_fraction(m["ckpt_q4"])
+            print(f"q4 resident weight bytes / f32: {frac:.4f} (target <= 0.16)")
         save_json(args.json, doc)
         if "accuracy" not in skip:
             doc["accuracy"] = acc = accuracy(m, args, folder, bin_dir, args.mpiexec)

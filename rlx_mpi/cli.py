@@ -155,7 +155,7 @@ def _parser() -> argparse.ArgumentParser:
     shape.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                        help="weight precision for the memory estimate, the same as --precision f32|f16|bf16")
     shape.add_argument("--tied", action="store_true", help="LM head shares the embedding matrix")
-    pl.add_argument("--precision", help="weight precision in memory: f32 | bf16 | f16 | int8 for every rank, or a "
+    pl.add_argument("--precision", help="weight precision in memory: f32 | bf16 | f16 | int8 | q4 for every rank, or a "
                     "comma list with one per rank (default: the job's [run]/[[rank]] precision, else --dtype's)")
     pl.add_argument("--kv-cache", metavar="POLICY", help="KV cache that `generate` keeps: none | full | window:W "
                     "(default: the job's [run]/[[rank]] kv_cache, else full: batch x seq positions per layer)")
@@ -166,8 +166,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="GGUF: store every tensor as --dtype floats instead of keeping Q4_0/Q4_1/Q4_K "
                    "(4-bit) and Q8_0/Q6_K/Q5_0/Q3_K (int8) as quantized groups (docs/gguf.md)")
     c.add_argument("out", help="output .h5 file")
-    c.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
-                   help="storage precision (default float32; bfloat16 is stored as uint16, see README)")
+    c.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "q4"], default="float32",
+                   help="storage precision (default float32; bfloat16 is stored as uint16, see README; q4: "
+                   "linear weights as 4-bit groups, docs/precision-q4.md)")
 
     mg = sub.add_parser("merge", help="join the outputs of generate/score --shard K/N jobs into one file (no MPI)",
                         description="Join the complete outputs of shards 1..N of one run (generate or score with "
@@ -182,8 +183,9 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("out", help="output .h5 file")
     i.add_argument("--preset", default="tiny", help="tiny | small | medium (default tiny)")
     i.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    i.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
-                   help="storage precision (default float32; bfloat16 is stored as uint16, see README)")
+    i.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "q4"], default="float32",
+                   help="storage precision (default float32; bfloat16 is stored as uint16, see README; q4: "
+                   "linear weights as 4-bit groups, docs/precision-q4.md)")
     sub.add_parser("compile-kernels", help="compile every numba kernel into its on-disk cache once (a site or "
                    "read-only install: run it after installing, on the CPU kind the jobs use)")
     return p

@@ -43,18 +43,22 @@ class PlacementPolicy(str, enum.Enum):
 
 class Precision(str, enum.Enum):
     """How a rank holds its weights (activations are always float32): converted at load from
-    whatever the checkpoint stores. int8 is symmetric with one float32 scale per 64 weights of a row (kernels.INT8_BLOCK)."""
+    whatever the checkpoint stores. int8 is symmetric with one float32 scale per 64 weights of a row (kernels.INT8_BLOCK);
+    q4 is 4-bit codes with a float16 scale and minimum per 32 weights of a row (kernels/quant.py)."""
 
     F32 = "f32"  # the names are rules.PRECISIONS (one list for job files, plan and the planner)
     BF16 = "bf16"
     F16 = "f16"
     INT8 = "int8"
+    Q4 = "q4"
     FLOAT32 = "f32"  # an alias: the seed's name
 
     @property
     def bytes_per_param(self) -> float:
-        """Resident bytes per weight (int8: one byte and a 4-byte scale per 64 weights)."""
-        return {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "int8": 1.0 + 4.0 / 64}[self.value]
+        """Resident bytes per weight (int8: one byte and a 4-byte scale per 64 weights; q4: half a
+        byte and a 2-byte scale and minimum per 32, as our quantizer and Q4_0 / Q4_1 hold them;
+        a Q4_K checkpoint's float32 pairs take 0.75)."""
+        return {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "int8": 1.0 + 4.0 / 64, "q4": 0.5 + 4.0 / 32}[self.value]
 
 
 
@@ -90,7 +94,7 @@ class RunSection:
     wire: str = "f32"
     """Format of the hidden states between stages: f32 (exact, no copy) | bf16 | f16 (half the bytes)."""
     precision: Precision = Precision.F32
-    """f32 | bf16 | f16 | int8: how every rank holds its weights, unless [[rank]] precision overrides."""
+    """f32 | bf16 | f16 | int8 | q4: how every rank holds its weights, unless [[rank]] precision overrides."""
     kv_cache: KvSpec = KvSpec("full")
     """Generation's KV cache: "none" (recompute the prefix), "full", or "window:W" (sliding-window
     attention over the last W positions: a different model from the checkpoint's)."""

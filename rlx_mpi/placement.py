@@ -314,7 +314,7 @@ def plan_placement(cost: ModelCost, caps: Sequence[NodeCaps], policy: PlacementP
     pipeline order, each the world ranks of its tensor-parallel group (default: one rank per
     stage, ``[[0], [1], ...]``); ``reserve_bytes`` is kept free on every rank; ``manual``
     is used by the manual policy only; ``precision`` gives each world rank's weight precision
-    ("f32", "bf16", "f16", "int8"; default all f32, which is what ``cost`` is priced in), so a
+    ("f32", "bf16", "f16", "int8", "q4"; default all f32, which is what ``cost`` is priced in), so a
     16-bit stage counts half the weight bytes and can take more layers. Raises ConfigError for a bad grid or manual ranges and
     FitError when a stage would not fit its memory.
 

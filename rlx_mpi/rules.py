@@ -20,14 +20,14 @@ __all__ = ["PRECISIONS", "WIRE_FORMATS", "precision_name", "tp_divides_ranks", "
            "manual_ranges_tile", "seq_fits", "ids_array", "microbatches_fit", "int_at_least", "at_most",
            "token_in_vocab", "LOGPROBS_MAX", "replicas_value", "replicas_divide"]
 
-PRECISIONS = ("f32", "bf16", "f16", "int8")  # how a rank holds its weights (config.Precision)
+PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")  # how a rank holds its weights (config.Precision)
 _PRECISION_ALIASES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # numpy-style spellings
 LOGPROBS_MAX = 20  # generate --logprobs K: top alternatives per token at most (as OpenAI's and vLLM's APIs)
 WIRE_FORMATS = ("f32", "bf16", "f16")  # wire.py's codecs, named here so the job file is checked without numba
 
 
 def precision_name(value: Any, where: str) -> str:
-    """The canonical precision name of ``value`` (f32 | bf16 | f16 | int8, or a numpy spelling)."""
+    """The canonical precision name of ``value`` (f32 | bf16 | f16 | int8 | q4, or a numpy spelling)."""
     name = _PRECISION_ALIASES.get(value, value) if isinstance(value, str) else value
     if name not in PRECISIONS:
         raise ConfigError(where, f"got {value!r}", f"expected one of {list(PRECISIONS)}")

@@ -190,5 +190,5 @@ class ModelFamily(Protocol):
                     tp: TensorParallel, ctx: Any) -> Stage:
         """The stage for ``layers``; ``ctx`` is the rank's `faults.RankContext` (for messages and
         for deadlines of the TP collectives; a stage may ignore it). For a rank whose precision
-        is not f32 it is also called with ``precision=`` ("bf16" | "f16" | "int8"); a family
+        is not f32 it is also called with ``precision=`` ("bf16" | "f16" | "int8" | "q4"); a family
         without that keyword is refused for such ranks."""

@@ -91,5 +91,5 @@ def test_precision_per_job_and_per_rank():
     job = parse(run={"precision": "bf16"}, rank=[{"rank": 1, "precision": "float32"}, {"rank": 2, "precision": "int8"}])
     assert [job.precision_for(r) for r in range(4)] == [Precision.BF16, Precision.F32, Precision.INT8, Precision.BF16]
     assert parse().precision_for(0) is Precision.F32 is Precision.FLOAT32
-    with pytest.raises(ConfigError, match="expected one of \\['f32', 'bf16', 'f16', 'int8'\\]"):
+    with pytest.raises(ConfigError, match="expected one of \\['f32', 'bf16', 'f16', 'int8', 'q4'\\]"):
         parse(run={"precision": "fp8"})

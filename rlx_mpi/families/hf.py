@@ -490,8 +490,8 @@ def convert(family, hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, d
     tokenizer files are copied beside the checkpoint (see `copy_tokenizer`). Everything that
     could make the numbers wrong is checked before a byte is written. Returns the `Arch`.
     """
-    if dtype not in ("float32", "float16", "bfloat16"):
-        raise ConfigError("dtype", f"{dtype!r} is not a checkpoint dtype", "use float32, float16 or bfloat16")
+    if dtype not in ("float32", "float16", "bfloat16", "q4"):
+        raise ConfigError("dtype", f"{dtype!r} is not a checkpoint dtype", "use float32, float16, bfloat16 or q4")
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     if not hf_dir.is_dir():
         raise CheckpointError(str(hf_dir), "not a directory", "give the Hugging Face model directory")
@@ -508,8 +508,11 @@ def convert(family, hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, d
     names, tower = text_tower(family.hf_names(cfg), entries)
     names = fused_expert_names(cfg, names, entries) if cfg.num_experts else names
     plan = _check_tensors(cfg, names, entries, hf_dir, family.name, tower)
+    from .decoder.weights import q4_tensor
+
     with contextlib.ExitStack() as stack:
-        write_checkpoint(out_path, family.name, cfg.to_json(), _tensors(plan, stack), dtype=dtype)
+        write_checkpoint(out_path, family.name, cfg.to_json(), _tensors(plan, stack), dtype=dtype,
+                         quantize=q4_tensor if dtype == "q4" else None)  # q4: linear weights as q4 groups
     if tokenizer:
         copy_tokenizer(hf_dir, out_path)
     return cfg

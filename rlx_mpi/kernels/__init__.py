@@ -5,7 +5,8 @@
   place from a KV cache (`attend_cache`; `decode_attention` adds RoPE and the cache write), a
   reference softmax
 - ``matvec``: decode's float32 and bfloat16 matvec on the rank's numba threads
-- ``lowp``: bf16 / f16 / int8 weights, their decode matvecs (bf16's is matvec's) and prefill tiles
+- ``lowp``: bf16 / f16 / int8 / q4 weights, their decode matvecs (bf16's is matvec's) and prefill tiles
+- ``quant``: resident block formats (q4: 4-bit codes, a scale and minimum per 32) and their matvecs
 - ``decode_layer``: a dense SwiGLU layer's decode step in one call of the kernels above
 - ``bits``: float32 <-> bf16 / f16 bit patterns, shared with the wire codecs (rlx_mpi.wire)
 - ``rowdot``: the decode matvecs' dot products as LLVM vector IR (prefetch, 2-row tiles)
@@ -34,9 +35,10 @@ from ._common import set_threads
 from .attention import (_row_max, attend, attend_cache, attend_workspace_bytes, causal_softmax_, check_cache_rows,
                         decode_attention)
 from .elementwise import _exp, rms_norm, rope, silu_mul_, swiglu
-from .lowp import (INT8_BLOCK, matvec_rows, WEIGHT_FORMATS, check_weight, dequant_matmul, dequantize,
+from .lowp import (INT8_BLOCK, INT8_GROUPS, int8_block, matvec_rows, WEIGHT_FORMATS, check_weight, dequant_matmul, dequantize,
                    fused_matvec, from_bf16, int8_blocks, kernel_weight, quantize_int8, to_bf16)
 from .matvec import F32_MATVEC_ROWS, _matvec_float, matvec_f32
+from .quant import GROUP as Q4_GROUP, VNNI, dequantize_q4, matvec_q4, pairs_f32, q4_nbytes, quantize_q4
 from .gemm import F32_GEMM, F32_GEMM_ROWS, gemm_f32
 from ._common import pool_threads
 from .decode_layer import FORMATS as DECODE_LAYER_FORMATS, decode_layer, warm_up as warm_up_decode_layer
@@ -44,7 +46,8 @@ from .decode_layer import FORMATS as DECODE_LAYER_FORMATS, decode_layer, warm_up
 __all__ = ["rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_cache", "decode_attention", "check_cache_rows", "attend_workspace_bytes", "causal_softmax_",
            "matvec_f32", "F32_MATVEC_ROWS", "gemm_f32", "F32_GEMM", "F32_GEMM_ROWS", "dequant_matmul", "fused_matvec", "kernel_weight", "check_weight", "dequantize", "to_bf16",
            "from_bf16", "quantize_int8", "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "matvec_rows", "set_threads", "pool_threads", "decode_layer", "DECODE_LAYER_FORMATS", "warm_up_decode_layer", "warm_up",
-           "warm_up_lowp"]
+           "warm_up_lowp",
+           "INT8_GROUPS", "int8_block", "Q4_GROUP", "VNNI", "pairs_f32", "quantize_q4", "dequantize_q4", "matvec_q4", "q4_nbytes"]
 
 
 def warm_up() -> None:
@@ -73,7 +76,10 @@ def warm_up_lowp() -> None:
     w = np.ones((2, 4), np.float32)
     q, s = quantize_int8(w)
     b = to_bf16(w)
-    for fmt, ww, sc in (("bf16", b, None), ("f16", w.astype(np.float16).view(np.uint16), None), ("int8", q, s)):
-        dequant_matmul(x, ww, fmt, sc)  # the fused kernel
-        dequant_matmul(x, ww, fmt, sc, fused=False)  # the tiles
+    x32, w32 = np.ones((1, 32), np.float32), np.ones((2, 32), np.float32)
+    c4, sm4 = quantize_q4(w32)
+    for fmt, xx, ww, sc in (("bf16", x, b, None), ("f16", x, w.astype(np.float16).view(np.uint16), None),
+                            ("int8", x, q, s), ("q4", x32, c4, sm4), ("q4", x32, c4, np.zeros((2, 2), np.float32))):
+        dequant_matmul(xx, ww, fmt, sc)  # the fused kernel (q4: f16 pairs, then float32 pairs as Q4_K's)
+        dequant_matmul(xx, ww, fmt, sc, fused=False)  # the tiles
 

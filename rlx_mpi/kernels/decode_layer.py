@@ -6,8 +6,8 @@
     a = h + o(attention(rms_norm(h) @ qkv.T + bias))          attention: per-head q/k norm?, RoPE,
     out = a + down(silu(gate(x)) * up(x)),  x = rms_norm(a)    cache write, cached keys
 
-with the weights in one format (f32, bf16 bits as uint16, f16 bits as int16, or int8 + block
-scales; typing picks the matvec).
+with the weights in f32, bf16 bits as uint16, f16 bits as int16, int8 + block scales, or q4
+codes (uint8) + scale / minimum pairs (typing picks each product's matvec).
 It is what `decoder.model.block` does at decode for a dense SwiGLU layer under no tensor
 parallelism, with the same kernels in the same order: the logits are bit-for-bit those of the
 layer-by-layer path (tests/test_families.py, every dense family at f32, bf16, f16 and int8). Other layers (MoE, GeGLU, sandwich norms, a TP
@@ -36,10 +36,11 @@ from .attention import _attend_cache, _attend_cache_par, _decode_qkv
 from .elementwise import _rms_norm, _swiglu
 from .lowp import _matvec_int8
 from .matvec import _matvec_float
+from .quant import _matvec_q4
 
 __all__ = ["decode_layer", "FORMATS"]
 
-FORMATS = ("f32", "bf16", "f16", "int8")  # weight formats the fused layer takes (f16: its bits as int16)
+FORMATS = ("f32", "bf16", "f16", "int8", "q4")  # weight formats the fused layer takes (f16: its bits as int16)
 
 
 def _matvec(x, w, scale, out, chunks):
@@ -52,6 +53,8 @@ def _matvec_typed(x, w, scale, out, chunks):
         return lambda x, w, scale, out, chunks: _matvec_float(x, w, out, chunks)
     if w.dtype == types.int8:
         return lambda x, w, scale, out, chunks: _matvec_int8(x, w, scale, out, chunks)
+    if w.dtype == types.uint8:  # q4 codes
+        return lambda x, w, scale, out, chunks: _matvec_q4(x, w, scale, out, chunks)
     return None
 
 
@@ -115,21 +118,32 @@ def decode_layer(h: np.ndarray, ln1: np.ndarray, ln2: np.ndarray, eps: float, qk
     return out
 
 
-def warm_up(fmt: str) -> None:
-    """Load (or compile) the fused layer for weights in ``fmt`` (tiny shapes: C 4, 2 heads of 2)."""
+def warm_up(fmt: str, kinds: tuple[str, str, str, str] | None = None) -> None:
+    """Load (or compile) the fused layer for weights in ``fmt``, or with ``kinds`` for qkv, o,
+    gate_up and down each its own (`Linear.kind`: a format, or "q4f" for q4 with float32 pairs, as
+    a converted GGUF mixes them; numba types the layer on every product's storage). Tiny shapes:
+    C 4, 2 heads of 2; with any q4 product 32 columns: C 32, 2 heads of 16."""
     from .lowp import kernel_weight, quantize_int8, to_bf16
+    from .quant import pairs_f32, quantize_q4
 
-    def weight(n: int, k: int):
-        w = np.full((n, k), 0.5, np.float32)
+    kinds = kinds or (fmt,) * 4
+    c, hs = (32, 16) if any(k.startswith("q4") for k in kinds) else (4, 2)
+
+    def weight(n: int, k: int, fmt: str):
+        w = np.full((n * c // 4, k * c // 4), 0.5, np.float32)
+        if fmt.startswith("q4"):
+            codes, sm = quantize_q4(w)
+            return codes, (pairs_f32(sm) if fmt == "q4f" else sm)
         if fmt == "int8":
             return quantize_int8(w)
         if fmt == "f16":
             return kernel_weight(fmt, w.astype(np.float16).view(np.uint16)), None
         return (to_bf16(w) if fmt == "bf16" else w), None
 
-    ones = np.ones(4, np.float32)
-    (wqkv, sqkv), (wo, so), (wgu, sgu), (wd, sd) = weight(8, 4), weight(4, 4), weight(8, 4), weight(4, 4)
-    cache = np.zeros((1, 1, 4, 2), np.float32)
-    trig = np.ones((1, 2), np.float32)
-    decode_layer(np.ones((1, 4), np.float32), ones, ones, 1e-6, wqkv, sqkv, None, 4, trig, trig, None, None,
+    ones = np.ones(c, np.float32)
+    (wqkv, sqkv), (wo, so), (wgu, sgu), (wd, sd) = (weight(n, k, f) for (n, k), f in
+                                                      zip(((8, 4), (4, 4), (8, 4), (4, 4)), kinds))
+    cache = np.zeros((1, 1, 4, hs), np.float32)
+    trig = np.ones((1, hs), np.float32)
+    decode_layer(np.ones((1, c), np.float32), ones, ones, 1e-6, wqkv, sqkv, None, c, trig, trig, None, None,
                  cache, cache.copy(), np.zeros(1, np.int64), np.ones(1, np.int64), 0.7, 0.0, wo, so, wgu, sgu, wd, sd, 1)

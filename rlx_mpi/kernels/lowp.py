@@ -1,4 +1,4 @@
-"""Low-precision weights: bf16 / f16 / int8 formats, their decode matvecs and prefill tiles.
+"""Low-precision weights: bf16 / f16 / int8 / q4 formats (q4's kernels: quant.py), their decode matvecs and prefill tiles.
 
 The fused matvecs split output rows over the rank's numba threads (compiled parallel); the
 dequantise tiles and format conversions run on the calling thread.
@@ -12,10 +12,12 @@ import numpy as np
 from ._common import ERR, FAST, check_f32, pool_threads
 from .bits import pack_bf16, unpack_bf16, unpack_f16
 from .matvec import _matvec_float
-from .rowdot import AHEAD_BYTES, INT8_BLOCK, ROWS, row_dot_i8, row_dots_i8
+from .quant import _matvec_q4, check_q4, dequant_tile_q4, dequantize_q4, pairs_f32
+from .rowdot import (AHEAD_BYTES, INT8_BLOCK, ROWS, row_dot_i8, row_dot_i8_16, row_dot_i8_32, row_dots_i8, row_dots_i8_16,
+                     row_dots_i8_32)
 
 __all__ = ["dequant_matmul", "fused_matvec", "kernel_weight", "check_weight", "dequantize", "to_bf16", "from_bf16", "quantize_int8",
-           "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "matvec_rows"]
+           "int8_blocks", "int8_block", "INT8_BLOCK", "INT8_GROUPS", "WEIGHT_FORMATS", "matvec_rows"]
 
 # Note: storage. bf16 is kept as its uint16 bit pattern (the top half of a float32: decoding
 # is a shift), f16 as its uint16 bit pattern (numba has no float16 type on CPU): the tiles decode
@@ -53,12 +55,32 @@ def int8_blocks(k: int) -> int:
     return -(-k // INT8_BLOCK)
 
 
+# Note: q8 groups. A checkpoint's q8 groups (the contract in checkpoint.py: GGUF's Q8_0, 32 weights
+# a scale, and Q6_K, 16) are int8 weights with blocks of 32 or 16: held as they are (no second
+# quantization), their scales as float32 (an f16 scale, or Q6_K's d * sc, is exact in float32).
+# The block is the row's width over its scales: ``int8_block``. The decode product takes the same
+# vector IR with one or two 16-lane steps a block (rowdot's row_dots_i8_32 / _16) and rounds the
+# activations to int16 per block of the same width; the blocks of 64 (our own quantizer) are the
+# ones the notes here measured.
+INT8_GROUPS = (INT8_BLOCK, 32, 16)  # block widths an int8 weight may have
+
+
+def int8_block(k: int, scales: int) -> int:
+    """Weights per scale of an int8 weight of ``k`` columns and ``scales`` scales a row: INT8_BLOCK
+    when there are ceil(k / INT8_BLOCK) of them (the last block may be shorter), else k / scales
+    (32 or 16, whole blocks); 0 when it is neither."""
+    if scales == int8_blocks(k):
+        return INT8_BLOCK
+    block = k // scales if scales else 0
+    return block if block in INT8_GROUPS and block * scales == k else 0
+
+
 @numba.njit(cache=True, error_model=ERR)
-def _quantize_rows_i16(x, xq, xs):  # x (R, K) f32 -> xq (R, K) int16, xs (R, nb) f32: per block
+def _quantize_rows_i16(x, xq, xs, block):  # x (R, K) f32 -> xq (R, K) int16, xs (R, nb) f32: per block
     r_len, k_len = x.shape
     for r in range(r_len):
         for b in range(xs.shape[1]):
-            lo, hi = b * INT8_BLOCK, min(k_len, (b + 1) * INT8_BLOCK)
+            lo, hi = b * block, min(k_len, (b + 1) * block)
             peak = np.float32(0.0)
             for k in range(lo, hi):
                 a = abs(x[r, k])
@@ -72,7 +94,7 @@ def _quantize_rows_i16(x, xq, xs):  # x (R, K) f32 -> xq (R, K) int16, xs (R, nb
 
 
 @numba.njit(cache=True)
-def _dot_i8_i16_tail(w, n, x, r, ws, xs, b):  # the shorter last block b of row n (by index: no views)
+def _dot_i8_i16_tail(w, n, x, r, ws, xs, b):  # the shorter last block b (of 64) of row n (by index: no views)
     isum = np.int32(0)
     for k in range(np.uint64(b * INT8_BLOCK), np.uint64(w.shape[1])):
         isum = np.int32(isum + np.int32(w[n, k]) * np.int32(x[r, k]))
@@ -83,19 +105,33 @@ def _dot_i8_i16_tail(w, n, x, r, ws, xs, b):  # the shorter last block b of row 
 def _matvec_int8(x, w, scale, out, chunks):  # x (R, K) f32; w (N, K) int8, scale (N, nb); out (R, N) f32
     r_len, k_len = x.shape
     n_len = w.shape[0]
+    nb = scale.shape[1]
+    block = INT8_BLOCK if nb == (k_len + INT8_BLOCK - 1) // INT8_BLOCK else k_len // nb  # (int8_block)
     xq = np.empty((r_len, k_len), np.int16)  # x rounded to int16 per block, on the calling thread
-    xs = np.empty((r_len, scale.shape[1]), np.float32)
-    _quantize_rows_i16(x, xq, xs)
-    full = k_len // INT8_BLOCK
+    xs = np.empty((r_len, nb), np.float32)
+    _quantize_rows_i16(x, xq, xs, block)
+    full = k_len // block
     grouped = r_len - r_len % ROWS
     for c in numba.prange(chunks):
         for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
             for r in range(0, grouped, ROWS):  # ROWS activation rows share each weight load
-                sums = row_dots_i8(w, n, xq, r, scale, xs, full, AHEAD_BYTES if r == 0 else 0)
+                ahead = AHEAD_BYTES if r == 0 else 0
+                if block == INT8_BLOCK:
+                    sums = row_dots_i8(w, n, xq, r, scale, xs, full, ahead)
+                elif block == 32:  # a checkpoint's q8 groups (the q8 groups note)
+                    sums = row_dots_i8_32(w, n, xq, r, scale, xs, full, ahead)
+                else:
+                    sums = row_dots_i8_16(w, n, xq, r, scale, xs, full, ahead)
                 for i in range(ROWS):
                     out[r + i, n] = sums[i]
             for r in range(grouped, r_len):
-                out[r, n] = row_dot_i8(w, n, xq, r, scale, xs, full, AHEAD_BYTES if r == 0 else 0)[0]
+                ahead = AHEAD_BYTES if r == 0 else 0
+                if block == INT8_BLOCK:
+                    out[r, n] = row_dot_i8(w, n, xq, r, scale, xs, full, ahead)[0]
+                elif block == 32:
+                    out[r, n] = row_dot_i8_32(w, n, xq, r, scale, xs, full, ahead)[0]
+                else:
+                    out[r, n] = row_dot_i8_16(w, n, xq, r, scale, xs, full, ahead)[0]
             if full < scale.shape[1]:  # a shorter last block
                 for r in range(r_len):
                     out[r, n] += _dot_i8_i16_tail(w, n, xq, r, scale, xs, full)
@@ -116,10 +152,10 @@ def _dequant_f16(w, start, out):
 
 
 @numba.njit(cache=True)
-def _dequant_int8(w, scale, start, out):  # scale (N, nb): one per INT8_BLOCK weights of a row
+def _dequant_int8(w, scale, start, out, block):  # scale (N, nb): one per ``block`` weights of a row
     for i in range(out.shape[0]):
         for k in range(out.shape[1]):
-            out[i, k] = np.float32(w[start + i, k]) * scale[start + i, k // INT8_BLOCK]
+            out[i, k] = np.float32(w[start + i, k]) * scale[start + i, k // block]
 
 
 @numba.njit(cache=True, parallel=True)
@@ -138,12 +174,15 @@ def _quantize_int8(w, q, scale):  # w (N, K) f32 -> q (N, K) int8, scale (N, nb)
                 q[n, k] = np.int8(np.rint(w[n, k] * inv))
 
 
-WEIGHT_FORMATS = ("bf16", "f16", "int8")
+WEIGHT_FORMATS = ("bf16", "f16", "int8", "q4")
 _TILE_BYTES = 1 << 20  # f32 bytes of one dequantised tile: fits L2 beside BLAS's own panels
 
 
 def check_weight(fmt: str, w: np.ndarray, scale: np.ndarray | None) -> None:
-    """TypeError / ValueError saying what to pass unless ``w`` (and int8's ``scale``) is a weight of ``fmt``."""
+    """TypeError / ValueError saying what to pass unless ``w`` (and int8's ``scale``, q4's scale /
+    minimum pairs) is a weight of ``fmt``."""
+    if fmt == "q4":
+        return check_q4(w, scale)
     want = {"bf16": np.uint16, "f16": np.uint16, "int8": np.int8}.get(fmt)
     if want is None:
         raise ValueError(f"weight format {fmt!r} is not one of {WEIGHT_FORMATS}")
@@ -153,10 +192,11 @@ def check_weight(fmt: str, w: np.ndarray, scale: np.ndarray | None) -> None:
                         "or np.float16(...).view(np.uint16)")
     if fmt == "int8":
         want_scale = (w.shape[0], int8_blocks(w.shape[1]))
-        if scale is None or scale.shape != want_scale:
+        if scale is None or scale.ndim != 2 or scale.shape[0] != w.shape[0] or \
+                not int8_block(w.shape[1], scale.shape[1]):
             raise ValueError(f"int8 weight: scale must have shape {want_scale} (one per {INT8_BLOCK} "
-                             f"weights of a row), got {None if scale is None else scale.shape}; "
-                             "build it with kernels.quantize_int8")
+                             f"weights of a row; or one per 32 or 16, a checkpoint's q8 groups), got "
+                             f"{None if scale is None else scale.shape}; build it with kernels.quantize_int8")
         check_f32("int8 scale", scale)
 
 
@@ -174,6 +214,8 @@ def fused_matvec(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | Non
     chunks = min(w.shape[0], 4 * pool_threads())  # a few per thread: balanced
     if fmt == "int8":
         _matvec_int8(x, w, scale, out, chunks)
+    elif fmt == "q4":
+        _matvec_q4(x, w, scale, out, chunks)
     else:  # bf16 (uint16 bits: a shift) or f16 (int16 bits: a conversion), matvec.py's kernel
         _matvec_float(x, kernel_weight(fmt, w), out, chunks)
     return out
@@ -192,14 +234,16 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
     """
     check_f32("dequant_matmul x", x)
     check_weight(fmt, w, scale)
-    if x.ndim != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"dequant_matmul: x {x.shape} does not fit W {w.shape}; expected (R, {w.shape[1]})")
+    K = 2 * w.shape[1] if fmt == "q4" else w.shape[1]  # q4: two codes a byte
+    if x.ndim != 2 or x.shape[1] != K:
+        raise ValueError(f"dequant_matmul: x {x.shape} does not fit W ({w.shape[0]}, {K}); expected (R, {K})")
     R, N = x.shape[0], w.shape[0]
     if out is None:
         out = np.empty((R, N), np.float32)
     if fused and R <= matvec_rows(fmt):
         return fused_matvec(x, w, fmt, scale, out)
-    K = w.shape[1]
+    if fmt == "q4":
+        scale = pairs_f32(scale)  # the tiles read float32 pairs: one conversion per product, not per tile
     tile = max(16, min(N, _TILE_BYTES // (4 * K)))
     buf = np.empty((tile, K), np.float32)
     part = np.empty((R, tile), np.float32)
@@ -210,8 +254,10 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
             _dequant_bf16(w, a, t)
         elif fmt == "f16":
             _dequant_f16(w, a, t)
+        elif fmt == "q4":
+            dequant_tile_q4(w, scale, a, t)
         else:
-            _dequant_int8(w, scale, a, t)
+            _dequant_int8(w, scale, a, t, int8_block(K, scale.shape[1]))
         p = part[:, :b - a]
         np.matmul(x, t.T, out=p)
         out[:, a:b] = p
@@ -242,7 +288,12 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
 #   f16, 1 thread:   48 1.00x;  64 0.95x
 #   f16, 2 threads:  64 1.53x | 1.12x;  96 1.08x | 0.86x
 # so bf16 32 / 64 -> 48 / 96 and f16 48 -> 64 on 2 threads (int8 has a kernel of its own, unchanged).
-_MATVEC_ROWS = {"bf16": (48, 96), "f16": (32, 64), "int8": (96, 128)}  # (1 thread, 2 or more threads)
+# q4 (quant.py's kernel, medium's 4 matrices of a layer, kernel alone, in process, interleaved rounds,
+# 2026-12-03 on a 2-core Xeon VM at load 6-7: a decision, not a figure), dequantise + BLAS time over
+# the fused kernel's: 1 thread 16 rows 5.0x, 48 2.2x, 96 1.28x, 128 0.98x, 192 1.12x, 256 0.90x;
+# 2 threads 32 2.8x, 96 3.1x, 128 4.0x, 192 2.2x, 256 6.2x, 384 2.7x (BLAS's threads suffer more
+# from the load than numba's: to re-measure on a quiet host).
+_MATVEC_ROWS = {"bf16": (48, 96), "f16": (32, 64), "int8": (96, 128), "q4": (128, 256)}  # (1 thread, 2 or more threads)
 
 
 def matvec_rows(fmt: str, threads: int | None = None) -> int:
@@ -255,6 +306,8 @@ def matvec_rows(fmt: str, threads: int | None = None) -> int:
 def dequantize(w: np.ndarray, fmt: str, scale: np.ndarray | None = None, rows: np.ndarray | None = None) -> np.ndarray:
     """float32 copy of ``W`` (or of its ``rows``): for embedding lookups and tests."""
     check_weight(fmt, w, scale)
+    if fmt == "q4":
+        return dequantize_q4(w, scale, rows)
     if rows is not None:
         rows = np.asarray(rows).reshape(-1)
         w = np.ascontiguousarray(w[rows])
@@ -265,7 +318,7 @@ def dequantize(w: np.ndarray, fmt: str, scale: np.ndarray | None = None, rows: n
     elif fmt == "f16":
         _dequant_f16(w, 0, out)
     else:
-        _dequant_int8(w, scale, 0, out)
+        _dequant_int8(w, scale, 0, out, int8_block(w.shape[1], scale.shape[1]))
     return out
 
 

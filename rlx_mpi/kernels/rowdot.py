@@ -144,7 +144,7 @@ def _rows_of(context, builder, n, n_type, r, r_type):
     return intp, row, context.cast(builder, n, n_type, types.intp), context.cast(builder, r, r_type, types.intp)
 
 
-def _make(rows: int):
+def _make(rows: int, block: int = INT8_BLOCK):
     @intrinsic
     def row_dots(typingctx, w, n, x, r0, ws, xs, blocks, ahead):
         arrays = (w, x, ws, xs)
@@ -170,10 +170,10 @@ def _make(rows: int):
             nb = context.cast(builder, b_, bt, types.intp)
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
-                base = builder.mul(b, intp(INT8_BLOCK))
-                _prefetch(builder, wp, builder.add(base, a_))  # a block is one 64-byte line
+                base = builder.mul(b, intp(block))
+                _prefetch(builder, wp, builder.add(base, a_))  # a block is one 64-byte line (or less)
                 isums = [ir.Constant(hi32, [0] * _HALF)] * rows
-                for j in range(INT8_BLOCK // _LANES):
+                for j in range(block // _LANES):
                     off = builder.add(base, intp(j * _LANES))
                     wv = builder.load(builder.bitcast(builder.gep(wp, [off]), vi8.as_pointer()), align=1)
                     w32 = builder.sext(wv, vi32)
@@ -201,6 +201,10 @@ def _make(rows: int):
 ROWS = 4  # activation rows per call of row_dots_i8: 4 float and 4 int accumulators fit 16 ymm registers
 row_dots_i8 = _make(ROWS)
 row_dot_i8 = _make(1)  # the rows left over after steps of ROWS
+# Blocks of 32 and 16 with their own scales: a checkpoint's q8 groups (GGUF's Q8_0 and Q6_K) held
+# as they are (lowp's int8 note)
+row_dots_i8_32, row_dot_i8_32 = _make(ROWS, 32), _make(1, 32)
+row_dots_i8_16, row_dot_i8_16 = _make(ROWS, 16), _make(1, 16)
 
 
 def _target_has(feature: str) -> bool:

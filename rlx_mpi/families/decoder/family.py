@@ -81,7 +81,10 @@ class DecoderFamily:
     def init_random(self, path: str | os.PathLike, cfg: Arch, *, seed: int = 0, dtype: str = "float32") -> None:
         from ...checkpoint import write_checkpoint
 
-        write_checkpoint(path, self.name, cfg.to_json(), random_tensors(cfg, seed), dtype=dtype)
+        from .weights import q4_tensor
+
+        write_checkpoint(path, self.name, cfg.to_json(), random_tensors(cfg, seed), dtype=dtype,
+                         quantize=q4_tensor if dtype == "q4" else None)
 
     def convert_hf(self, hf_dir, out, *, dtype: str = "float32", hf_config: Mapping[str, Any] | None = None,
                    **kw) -> Arch:

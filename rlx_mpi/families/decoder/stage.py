@@ -152,6 +152,8 @@ class DecoderStage(Stage):
         cfg = self.cfg
         if self._fused_rows:  # generation only: `run` never compiles (or loads) the one-call layer
             kernels.warm_up_decode_layer(self.precision)
+            for kinds in {tuple(x.kind for x in (b.qkv, b.o_proj, b.mlp.gate_up, b.mlp.down_proj)) for b in self.blocks}:
+                kernels.warm_up_decode_layer(self.precision, kinds)  # a file's mixed storage (weights.Linear.kind)
         nkv = cfg.num_key_value_heads // self.kv_part[1]  # this rank's kv heads
         self.specs = [_layer_spec(kv, w.window) for w in self.blocks]
         self.caches = None

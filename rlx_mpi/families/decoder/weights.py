@@ -2,13 +2,20 @@
 
 ``Linear(x)`` maps float32 activations ``(..., in)`` to float32 ``(..., out)`` whatever the
 storage: f32 (one BLAS GEMM over all B*T rows), bf16 / f16 (uint16 bit patterns) or int8 with
-symmetric scales per block of 64 weights of a row, computed at load (kernels.quantize_int8). Low-precision weights are multiplied by
+symmetric scales per block of 64 weights of a row, computed at load (kernels.quantize_int8), or q4
+(4-bit codes with a scale and a minimum per group of 32: kernels/quant.py; quantized at load, or
+read as the checkpoint holds them). Low-precision weights are multiplied by
 the fused kernels in `rlx_mpi.kernels` and never expanded to a float32 copy of the matrix.
 A `Linear` also answers ``table[ids]`` (float32 rows), so one object serves as the
 embedding table and, with tied embeddings, as the LM head.
 
 Note: under tensor parallelism a row-parallel shard (o_proj, down_proj: a slice of the
-input columns) gets int8 blocks cut from its own columns; no communication at load.
+input columns) gets int8 blocks cut from its own columns; no communication at load. A q4
+checkpoint's groups are sliced on whole groups (checkpoint.py refuses a degree that cuts one).
+
+Note: q4 holds a matrix whose input width is not a multiple of 32 (kernels.Q4_GROUP) as int8:
+the groups cannot cover it, and one precision per matrix keeps each product one kernel (the
+fused decode layer types each product by its own weight, so a layer may mix the two).
 """
 
 from __future__ import annotations
@@ -19,9 +26,9 @@ import numpy as np
 
 from ... import kernels
 
-__all__ = ["PRECISIONS", "Linear", "make_linear", "read_linear", "fuse", "Mlp", "Experts", "LayerWeights"]
+__all__ = ["PRECISIONS", "Linear", "make_linear", "read_linear", "fuse", "Mlp", "Experts", "LayerWeights", "q4_tensor"]
 
-PRECISIONS = ("f32", "bf16", "f16", "int8")
+PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")
 # Note: few rows. For a handful of activation rows (decode: one per sequence) OpenBLAS runs
 # ``x @ W.T`` 1.4-3x slower than ``(W @ x.T).T`` (measured on the small and medium shapes, 1 and
 # 2 threads: 2.8x at 2 rows, 2x at 8, 1.5x at 32, 1.1-1.2x at 64; bench/README.md), and an f32
@@ -32,7 +39,16 @@ PRECISIONS = ("f32", "bf16", "f16", "int8")
 # 65-192 rows (1.08-1.26x OpenBLAS at 128 rows; its note).
 # What ParamSource.read is asked for: the storage closest to the rank's format, so a 16-bit
 # rank never holds a float32 copy of a tensor it can read as 16 bits.
-_READ_DTYPE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "int8": "float32"}
+_READ_DTYPE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "int8": "float32", "q4": "float32"}
+
+
+def q4_tensor(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a checkpoint written as q4 (``convert --dtype q4``, ``init-model --dtype q4``) holds
+    tensor ``name`` as q4 groups: the projections and LM head whose input width is a multiple of
+    32; the embedding (a lookup: stored float, as the contract says), norms, biases and MoE
+    routers stay float32."""
+    last = name.rsplit("/", 1)[-1]
+    return len(shape) == 2 and shape[1] % kernels.Q4_GROUP == 0 and last not in ("embed_tokens", "router")
 
 
 class Linear:
@@ -49,7 +65,14 @@ class Linear:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.data.shape  # (out, in)
+        n, k = self.data.shape
+        return (n, 2 * k) if self.precision == "q4" else (n, k)  # (out, in): q4 holds two codes a byte
+
+    @property
+    def kind(self) -> str:
+        """The storage as the decode kernels are typed on it: the precision, "q4f" for q4 with
+        float32 scale / minimum pairs (a Q4_K file's) (`kernels.warm_up_decode_layer`)."""
+        return "q4f" if self.precision == "q4" and self.scale.dtype == np.float32 else self.precision
 
     @property
     def kernel_data(self) -> np.ndarray:
@@ -62,8 +85,8 @@ class Linear:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         lead, c = x.shape[:-1], x.shape[-1]
-        if c != self.data.shape[1]:  # (the decode kernel below reads x unchecked)
-            raise ValueError(f"Linear: input has {c} features, the weight {self.data.shape} takes {self.data.shape[1]}")
+        if c != self.shape[1]:  # (the decode kernel below reads x unchecked)
+            raise ValueError(f"Linear: input has {c} features, the weight {self.shape} takes {self.shape[1]}")
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, c)  # (B*T, in): one GEMM, not B
         rows = x2.shape[0]
         if self.precision != "f32" and rows <= kernels.matvec_rows(self.precision):  # decode
@@ -114,16 +137,29 @@ def make_linear(w: np.ndarray, precision: str) -> Linear:
         return Linear("bf16", kernels.to_bf16(w32))
     if precision == "f16":
         return Linear("f16", w32.astype(np.float16).view(np.uint16))
-    return Linear("int8", *kernels.quantize_int8(w32))
+    if precision == "q4" and w32.ndim == 2 and w32.shape[1] % kernels.Q4_GROUP == 0:
+        return Linear("q4", *kernels.quantize_q4(w32))
+    return Linear("int8", *kernels.quantize_int8(w32))  # (q4 of a width groups cannot cover: the module note)
 
 
 def read_linear(source, name: str, precision: str, **slicing) -> Linear:
     """Read tensor ``name`` (optionally a TP slice) straight into a `Linear` of ``precision``.
 
     f32 ranks call ``source.read`` exactly as before (a ParamSource without the ``dtype``
-    keyword keeps working for them)."""
+    keyword keeps working for them). A q4 rank takes a tensor the checkpoint holds in q4 groups
+    as they are (``source.read_q4``, where the source has it), an int8 or q4 rank q8 groups of 16,
+    32 or 64 (``source.read_q8``: a q4 rank holds a Q4_K_M file's Q6_K tensors as int8, the note on
+    mixed parts in `fuse`); any other tensor is read as floats and quantized here."""
     if precision == "f32":
         return make_linear(source.read(name, **slicing), "f32")
+    if precision == "q4" and hasattr(source, "read_q4"):
+        held = source.read_q4(name, **slicing)  # None: stored as floats (or as q8 groups)
+        if held is not None:
+            return Linear("q4", *held)
+    if precision in ("int8", "q4") and hasattr(source, "read_q8"):  # q8 groups (GGUF's Q8_0, Q6_K) as they are
+        held = source.read_q8(name, **slicing)
+        if held is not None:
+            return Linear("int8", *held)
     return make_linear(source.read(name, dtype=_READ_DTYPE[precision], **slicing), precision)
 
 
@@ -137,10 +173,24 @@ def fuse(parts: list[Linear]) -> Linear:
     element is the same dot product as before (rows are independent; int8's block scales
     concatenate with their rows), so results are bit-for-bit those of the separate matrices.
     Built once at load after TP sharding; the parts are dropped, so weight bytes do not grow."""
+    if len({p.precision for p in parts}) > 1 and {p.precision for p in parts} <= {"q4", "int8"}:
+        # Note: mixed parts. A q4 rank holds a checkpoint's q8 groups as int8 (Q4_K_M keeps attn_v in
+        # Q6_K beside Q4_K q and k); fused with q4 parts they are re-quantized to q4 (one format per
+        # product), while unfused ones (down_proj, the head: Q4_K_M's other Q6_K tensors) stay int8.
+        parts = [p if p.precision == "q4" else make_linear(p.to_f32(), "q4") for p in parts]
     if len({p.precision for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
         raise ValueError(f"fuse: parts differ in precision or input width: "
                          f"{[(p.precision, p.shape) for p in parts]}")
-    scale = None if parts[0].scale is None else np.concatenate([p.scale for p in parts])
+    scales = [p.scale for p in parts]
+    if parts[0].precision == "q4" and len({s.dtype for s in scales}) > 1:  # float16 pairs beside Q4_K's float32
+        scales = [kernels.pairs_f32(s) for s in scales]
+    if parts[0].precision == "int8" and len({s.shape[1] for s in scales}) > 1:
+        # q8 groups of 32 / 16 beside blocks of 64 quantized at load (a partly q8 checkpoint): the
+        # coarser blocks' scales repeated to the finest width, the same values (kernels.int8_block)
+        k = parts[0].shape[1]
+        fine = min(kernels.int8_block(k, s.shape[1]) for s in scales)
+        scales = [np.repeat(s, kernels.int8_block(k, s.shape[1]) // fine, axis=1)[:, :k // fine] for s in scales]
+    scale = None if parts[0].scale is None else np.concatenate(scales)
     return Linear(parts[0].precision, np.concatenate([p.data for p in parts]), scale)
 
 
