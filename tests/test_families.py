@@ -167,7 +167,7 @@ def _as_f32(held, twin) -> None:
             t.gate_up, t.down_proj = f32(m.gate_up), f32(m.down_proj)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", PRECISION_CASES)  # the *_fused cases: see PRECISION_CASES
 def test_q4_is_its_own_dequantized_model(converted, case, monkeypatch):
     """Every family at q4 computes what a float32 model of its dequantized weights computes:
     within 1e-4 through the prefill tiles (exact products), and through the decode kernels (the
