@@ -171,6 +171,36 @@ CASES = {
     "mixtral": dict(model_type="mixtral", vocab_size=256, num_hidden_layers=2, intermediate_size=64,
                     num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
                     router_jitter_noise=0.0, rope_parameters=rope("default", 1000000.0)),
+    # DeepSeek-V3: MLA with q_lora_rank, yarn (mscale != mscale_all_dim: both the cos/sin factor
+    # and the softmax temperature move), interleaved RoPE; 1 dense layer then 2 MoE layers of 8
+    # experts in 4 groups (top-2 groups), top-2, 2 shared experts, routed_scaling_factor 2.5
+    "deepseek_v3": dict(model_type="deepseek_v3", vocab_size=256, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
+                        n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2, n_group=4, topk_group=2,
+                        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                        rope_interleave=True,
+                        rope_parameters=rope("yarn", 10000.0, factor=4.0, original_max_position_embeddings=16,
+                                             mscale=0.8, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0)),
+    # DeepSeek-V2-Lite style: q_lora_rank null (one q_proj), softmax group_limited_greedy routing,
+    # never renormalised, routed_scaling_factor 1.5, 1 shared expert, yarn. topk_group 1: with a group
+    # scored by its best expert, top-2 within the best 2 groups is plain top-2 (no test)
+    "deepseek_v2": dict(model_type="deepseek_v2", vocab_size=256, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
+                        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=1,
+                        topk_method="group_limited_greedy", first_k_dense_replace=1, routed_scaling_factor=1.5,
+                        norm_topk_prob=False, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=12,
+                        rope_parameters=rope("yarn", 10000.0, factor=4.0, original_max_position_embeddings=16,
+                                             mscale=0.707, mscale_all_dim=0.707)),
+    # GPT-OSS: sinks, q/k/v/o biases, sliding (window 8) / full layers, yarn (truncate false),
+    # 4 experts top-2 with biases, swiglu_limit 1.0 (small, so the clamp acts)
+    "gpt_oss": dict(model_type="gpt_oss", vocab_size=256, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=32, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0, attention_bias=True,
+                    layer_types=["sliding_attention", "full_attention"] * 2,
+                    rope_parameters=rope("yarn", 150000.0, factor=4.0, original_max_position_embeddings=16,
+                                         beta_fast=32.0, beta_slow=1.0, truncate=False)),
 }
 FIRST = ("llama3", "mistral", "qwen2")
 
@@ -338,9 +368,14 @@ def make_model(case):
     assert model.config._attn_implementation == "eager"
     gemma = model_type == "gemma2"
     with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: a buffer that steers the choice
+                b.normal_(0.0, 0.1)
         for name, p in model.named_parameters():
             leaf = name.rsplit(".", 2)[-2] if "." in name else name
-            if name.endswith(".bias"):
+            if name.endswith("sinks"):  # GPT-OSS: about the size of a score, so some mass goes there
+                p.normal_(0.0, 1.0)
+            elif name.endswith(".bias") or name.endswith("_bias"):
                 p.normal_(0.0, 0.1)
             elif gemma and leaf in ("post_attention_layernorm", "post_feedforward_layernorm"):
                 p.normal_(2.0, 0.2)  # see the module docstring
@@ -410,6 +445,19 @@ FEATURES = {
                ("sliding window on alternate layers", {"sliding_window": 4096}, None),
                ("query_pre_attn_scalar", {"query_pre_attn_scalar": 16}, None)],
     "mixtral": [("top-2 routing", {"num_experts_per_tok": 1}, None)],
+    "deepseek_v3": [("yarn RoPE", {"rope_parameters": rope("default", 10000.0)}, None),
+                    ("grouped top-k", {"n_group": 1, "topk_group": 1}, None),
+                    ("e_score_correction_bias", {}, ("e_score_correction_bias", 0.0)),
+                    ("routed_scaling_factor", {"routed_scaling_factor": 1.0}, None),
+                    ("shared experts", {}, ("shared_experts.down_proj", 0.0)),
+                    ("rope_interleave", {"rope_interleave": False}, None)],
+    "deepseek_v2": [("group_limited_greedy", {"topk_method": "greedy"}, None),
+                    ("routed_scaling_factor", {"routed_scaling_factor": 1.0}, None)],
+    "gpt_oss": [("attention sinks", {}, ("sinks", -1e4)),
+                ("sliding window", {"sliding_window": 4096}, None),
+                ("swiglu_limit", {"swiglu_limit": 1e4}, None),
+                ("expert biases", {}, ("gate_up_proj_bias", 0.0)),
+                ("yarn RoPE", {"rope_parameters": rope("default", 150000.0)}, None)],
 }
 
 

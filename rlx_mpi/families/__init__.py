@@ -29,6 +29,9 @@ _BUILTIN: dict[str, str] = {
     "phi3": "rlx_mpi.families.phi",
     "gemma2": "rlx_mpi.families.gemma",
     "mixtral": "rlx_mpi.families.mixtral",
+    "deepseek_v2": "rlx_mpi.families.deepseek:DEEPSEEK_V2",
+    "deepseek_v3": "rlx_mpi.families.deepseek:DEEPSEEK_V3",
+    "gpt_oss": "rlx_mpi.families.gpt_oss",
 }
 
 _FAMILIES: dict[str, Any] = {}

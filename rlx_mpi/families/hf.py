@@ -18,7 +18,9 @@ more than one tensor (plus its float32 copy) in memory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import logging
 import math
 import os
 import re
@@ -33,7 +35,7 @@ from ..errors import CheckpointError, ConfigError
 from .decoder.arch import Arch, expected_shapes
 
 __all__ = ["copy_tokenizer", "convert", "read_hf_config", "standard_names", "Source", "TOKENIZER_FILES",
-           "sizes", "rope_fields", "refuse_if", "sliding_windows"]
+           "sizes", "rope_fields", "refuse_if", "sliding_windows", "mxfp4_decode"]
 
 # safetensors dtype -> numpy dtype of the stored bytes (little-endian by the format's rule).
 # BF16 is stored as uint16 and widened to float32 on read.
@@ -48,10 +50,39 @@ _HARMLESS = re.compile(r"(^|\.)rotary_emb\.(inv_freq|original_inv_freq|long_inv_
 @dataclass(frozen=True)
 class Source:
     """Where one of our tensors comes from: a Hugging Face tensor, or rows [start, stop) of
-    one (a fused tensor split at convert time: Phi-3's qkv_proj and gate_up_proj)."""
+    one (a fused tensor split at convert time: Phi-3's qkv_proj and gate_up_proj).
+
+    Per-expert 3-D tensors (GPT-OSS) take ``expert`` (the slab [expert] of [E, ...], read alone),
+    ``transposed`` (the slab is stored (in, out)), ``step`` (every step-th row of ``rows``: gate
+    and up interleaved) and, for MXFP4 weights, ``scales``: ``name`` is then the packed blocks
+    (uint8 [E, out, in/32, 16]) and ``scales`` their e8m0 exponents (uint8 [E, out, in/32]),
+    dequantized at convert (`mxfp4_decode`)."""
 
     name: str
     rows: tuple[int, int] | None = None
+    expert: int | None = None
+    step: int = 1
+    transposed: bool = False
+    scales: str | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Rows of a whole 2-D tensor at most (the parts of it must cover it)."""
+        return self.expert is None and self.step == 1 and not self.transposed and self.scales is None
+
+
+_FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def mxfp4_decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 (OCP microscaling) as float32: blocks uint8 (..., G, 16), scales uint8 (..., G) ->
+    (..., G * 32). Each byte holds two e2m1 values, the low nibble first (sign bit, then the
+    value table 0, .5, 1, 1.5, 2, 3, 4, 6); each block of 32 is scaled by 2^(scale - 127)
+    (e8m0), as transformers' ``integrations/mxfp4.py`` decodes the Hub's GPT-OSS experts."""
+    out = np.empty((*blocks.shape, 2), np.float32)
+    out[..., 0], out[..., 1] = _FP4[blocks & 0x0F], _FP4[blocks >> 4]
+    out = np.ldexp(out, (scales.astype(np.int32) - 127)[..., None, None]).astype(np.float32)
+    return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1] * 2)
 
 
 _LAYER = {  # our per-layer name -> the Llama-style Hugging Face name under model.layers.{n}.
@@ -306,7 +337,7 @@ def rope_fields(raw: dict, where: str, allowed: tuple[str, ...] = ("default", "l
     if kind == "llama3":
         out["rope_low_freq_factor"] = _positive(get("low_freq_factor"), f"{key}.low_freq_factor", where)
         out["rope_high_freq_factor"] = _positive(get("high_freq_factor"), f"{key}.high_freq_factor", where)
-    if kind in ("llama3", "longrope"):
+    if kind in ("llama3", "longrope", "yarn"):
         orig = get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
         if isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0:
             raise CheckpointError(f"{where}: original_max_position_embeddings", f"is {orig!r}",
@@ -320,7 +351,33 @@ def rope_fields(raw: dict, where: str, allowed: tuple[str, ...] = ("default", "l
         given = params.get("attention_factor")
         out["rope_attention_factor"] = float(given) if given is not None else attention_factor(
             params.get("factor"), raw.get("max_position_embeddings") or 2048, out["rope_original_max_positions"])
+    if kind == "yarn":
+        out.update(_yarn_fields(params, raw, where, key, out["rope_original_max_positions"]))
     return out
+
+
+def _yarn_fields(params: dict, raw: dict, where: str, key: str, original: int) -> dict:
+    """yarn's `Arch` fields as transformers' ``_compute_yarn_parameters`` reads them (GPT-OSS,
+    DeepSeek-V3): factor (else max_position_embeddings / original), the cos/sin attention factor
+    (given, else from mscale / mscale_all_dim), beta_fast / beta_slow, truncate."""
+    from .decoder.rope import yarn_mscale
+
+    factor = params.get("factor")
+    factor = _positive(factor if factor is not None else (raw.get("max_position_embeddings") or 2048) / original,
+                       f"{key}.factor", where)
+    given, mscale, mscale_all = params.get("attention_factor"), params.get("mscale"), params.get("mscale_all_dim")
+    if given is not None:
+        attention = _positive(given, f"{key}.attention_factor", where)
+    elif mscale and mscale_all:
+        attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+    else:
+        attention = yarn_mscale(factor)
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise CheckpointError(f"{where}: {key}.truncate", f"is {truncate!r}", "expected true or false")
+    return {"rope_factor": factor, "rope_attention_factor": float(attention), "rope_truncate": truncate,
+            "rope_beta_fast": _positive(params.get("beta_fast") or 32.0, f"{key}.beta_fast", where),
+            "rope_beta_slow": _positive(params.get("beta_slow") or 1.0, f"{key}.beta_slow", where)}
 
 
 def sliding_windows(raw: dict, where: str, layers: int, *, all_layers: bool = False) -> tuple:
@@ -351,12 +408,14 @@ def sliding_windows(raw: dict, where: str, layers: int, *, all_layers: bool = Fa
 
 
 def _check_tensors(cfg: Arch, names: dict[str, Source], entries: dict[str, _Entry], where_dir: Path,
-                   family: str) -> dict[str, tuple[_Entry, tuple[int, int] | None]]:
-    """Our name -> (entry, rows), after checking names, dtypes and shapes against ``cfg``."""
+                   family: str, ignore=None) -> dict[str, tuple[_Entry, tuple[int, int] | None]]:
+    """Our name -> (entry, rows), after checking names, dtypes and shapes against ``cfg``;
+    ``ignore(name)``: a Hugging Face tensor the family leaves on purpose."""
     want = expected_shapes(cfg)
-    used = {src.name for src in names.values()}
+    names = {k: _mxfp4_instead(src, entries) for k, src in names.items()}
+    used = {src.name for src in names.values()} | {src.scales for src in names.values() if src.scales}
     unmapped = sorted(n for n in entries if n not in used and not _HARMLESS.search(n)
-                      and not (cfg.tie_word_embeddings and n == "lm_head.weight"))
+                      and not (cfg.tie_word_embeddings and n == "lm_head.weight") and not (ignore and ignore(n)))
     biases = [n for n in unmapped if n.endswith(".bias")]
     if biases:
         more = f" and {len(biases) - 3} more" if len(biases) > 3 else ""
@@ -381,17 +440,20 @@ def _check_tensors(cfg: Arch, names: dict[str, Source], entries: dict[str, _Entr
         src = names[name]
         entry = entries[src.name]
         where = f"{entry.path}: {src.name}"
-        if entry.dtype not in _DTYPES:
+        scales = _check_mxfp4(src, entry, entries, where) if src.scales else None
+        if entry.dtype not in _DTYPES and not scales:
             raise CheckpointError(where, f"dtype {entry.dtype} is not supported",
                                   f"only {sorted(_DTYPES)} are read; convert an unquantized model")
-        got = entry.shape if src.rows is None else (src.rows[1] - src.rows[0], *entry.shape[1:])
-        if src.rows is not None:
+        matrix = _matrix_shape(src, entry.shape)
+        got = matrix if src.rows is None else (len(range(*src.rows, src.step)), *matrix[1:])
+        if src.rows is not None and src.plain:
             fused[src.name] = fused.get(src.name, 0) + got[0]
-        if got != tuple(shape) or (src.rows is not None and src.rows[1] > entry.shape[0]):
+        if got != tuple(shape) or (src.rows is not None and src.rows[1] > matrix[0]) or (
+                src.expert is not None and src.expert >= entry.shape[0]):
             implied = tuple(shape) if src.rows is None else f"{tuple(shape)} at rows {src.rows[0]}..{src.rows[1]}"
             raise CheckpointError(where, f"shape {entry.shape} disagrees with the config, which implies {implied}",
                                   "config.json and the tensors come from different models")
-        out[name] = (entry, src.rows)
+        out[name] = (entry, src, scales)
     for hf, rows in fused.items():
         if rows != entries[hf].shape[0]:
             raise CheckpointError(f"{entries[hf].path}: {hf}", f"has {entries[hf].shape[0]} rows, the config's "
@@ -399,16 +461,86 @@ def _check_tensors(cfg: Arch, names: dict[str, Source], entries: dict[str, _Entr
     return out
 
 
+def _mxfp4_instead(src: Source, entries: dict) -> Source:
+    """``src``, or where the checkpoint has no such tensor but MXFP4 ``<name>_blocks`` and
+    ``<name>_scales`` (the Hub's GPT-OSS experts), those: stored (out, in), so a source read
+    transposed from the dense (in, out) layout is read as it is from the blocks."""
+    if src.name in entries or src.scales or f"{src.name}_blocks" not in entries:
+        return src
+    if src.name not in _MXFP4_LOGGED:
+        _MXFP4_LOGGED.add(src.name)
+        logging.getLogger(__name__).warning("%s: MXFP4 weights, dequantized at convert to the checkpoint dtype",
+                                            src.name)
+    return dataclasses.replace(src, name=f"{src.name}_blocks", scales=f"{src.name}_scales",
+                               transposed=not src.transposed)
+
+
+_MXFP4_LOGGED: set = set()
+
+
+def _matrix_shape(src: Source, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the (out, in) matrix ``src`` reads from a tensor of ``shape``, before its rows."""
+    if src.expert is not None:
+        shape = shape[1:]
+    if src.scales:  # blocks (out, in/32, 16)
+        shape = (shape[0], shape[1] * shape[2] * 2) if len(shape) == 3 else (-1,)
+    return tuple(reversed(shape)) if src.transposed else tuple(shape)
+
+
+def _check_mxfp4(src: Source, entry: _Entry, entries: dict, where: str) -> _Entry:
+    """The scales entry of MXFP4 blocks ``entry``, both checked (uint8, matching shapes, whole bytes)."""
+    scales = entries.get(src.scales)
+    if scales is None:
+        raise CheckpointError(where, f"MXFP4 blocks without their scales {src.scales!r}", "download the missing shards")
+    for e in (entry, scales):
+        if e.dtype != "U8" or e.stop - e.start != math.prod(e.shape):
+            raise CheckpointError(f"{e.path}: {e.name}", f"dtype {e.dtype} shape {e.shape} is not MXFP4 "
+                                  "(uint8 blocks [..., 16] and scales)", "download the model again")
+    if entry.shape[:-1] != scales.shape or entry.shape[-1] != 16:
+        raise CheckpointError(where, f"blocks {entry.shape} do not fit scales {scales.shape}",
+                              "expected blocks [..., G, 16] with scales [..., G]")
+    return scales
+
+
+def _read_source(entry: _Entry, src: Source, scales: _Entry | None, handle) -> np.ndarray:
+    """The (out, in) matrix of a per-expert source (its slab alone), before its rows."""
+    def slab(e: _Entry, dtype) -> np.ndarray:
+        shape = e.shape[1:] if src.expert is not None else e.shape
+        count = math.prod(shape)
+        handle(e.path).seek(e.start + (src.expert or 0) * count * np.dtype(dtype).itemsize)
+        data = np.fromfile(handle(e.path), dtype=dtype, count=count)
+        if data.size != count:
+            raise CheckpointError(f"{e.path}: {e.name}", f"short read ({data.size} of {count} values)",
+                                  "the file is truncated; download it again")
+        return data.reshape(shape)
+
+    if scales is not None:
+        m = mxfp4_decode(slab(entry, np.uint8), slab(scales, np.uint8))
+    else:
+        m = slab(entry, _DTYPES[entry.dtype])
+        if entry.dtype == "BF16":
+            m = (m.astype(np.uint32) << 16).view(np.float32)
+    return m.T if src.transposed else m
+
+
 def _tensors(plan: dict, stack: contextlib.ExitStack) -> Iterator[tuple[str, np.ndarray]]:
     """(our name, array) in checkpoint order, one tensor (or one fused tensor) in memory at a time."""
     handles: dict[Path, BinaryIO] = {}
-    last: tuple[str, np.ndarray] | None = None  # a fused tensor is read once for its parts
-    for name, (entry, rows) in plan.items():
-        if entry.path not in handles:
-            handles[entry.path] = stack.enter_context(open(entry.path, "rb"))
-        if last is None or last[0] != entry.name:
-            last = (entry.name, _read_tensor(entry, handles[entry.path]))
-        yield name, (last[1] if rows is None else np.ascontiguousarray(last[1][rows[0]:rows[1]]))
+
+    def handle(path: Path) -> BinaryIO:
+        if path not in handles:
+            handles[path] = stack.enter_context(open(path, "rb"))
+        return handles[path]
+
+    last: tuple[tuple, np.ndarray] | None = None  # a fused tensor (or expert slab) is read once for its parts
+    for name, (entry, src, scales) in plan.items():
+        key = (entry.name, src.expert, src.transposed)
+        if last is None or last[0] != key:
+            matrix = _read_tensor(entry, handle(entry.path)) if src.plain else _read_source(entry, src, scales, handle)
+            last = (key, matrix)
+        rows = src.rows
+        yield name, (last[1] if rows is None and src.plain else
+                     np.ascontiguousarray(last[1][slice(*(rows or (None, None)), src.step)]))
 
 
 # -- entry point -------------------------------------------------------------------------------
@@ -439,7 +571,9 @@ def convert(family, hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, d
     config_path = hf_dir / config_name
     raw = hf_config if hf_config is not None else read_hf_config(config_path)
     cfg = family.arch_from_hf(raw, str(config_path)).validate(str(config_path))
-    plan = _check_tensors(cfg, family.hf_names(cfg), _index_tensors(_safetensors_files(hf_dir)), hf_dir, family.name)
+    hf_ignore = getattr(family, "hf_ignore", None)
+    plan = _check_tensors(cfg, family.hf_names(cfg), _index_tensors(_safetensors_files(hf_dir)), hf_dir, family.name,
+                          hf_ignore(cfg) if hf_ignore else None)
     with contextlib.ExitStack() as stack:
         write_checkpoint(out_path, family.name, cfg.to_json(), _tensors(plan, stack), dtype=dtype)
     if tokenizer:

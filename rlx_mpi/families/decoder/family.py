@@ -25,13 +25,15 @@ class DecoderFamily:
 
     def __init__(self, name: str, hf_model_types: tuple[str, ...], arch_from_hf: Callable[[dict, str], Arch],
                  hf_names: Callable[[Arch], dict], presets: Mapping[str, Arch] | None = None,
-                 shape_defaults: Mapping[str, Any] | None = None):
+                 shape_defaults: Mapping[str, Any] | None = None,
+                 hf_ignore: Callable[[Arch], Callable[[str], bool]] | None = None):
         self.name = name
         self.hf_model_types = hf_model_types
         self.arch_from_hf = arch_from_hf
         self.hf_names = hf_names
         self.presets = dict(presets or {})
         self._shape_defaults = dict(shape_defaults or {})
+        self.hf_ignore = hf_ignore  # Hugging Face tensors the converter may leave (DeepSeek's MTP layer)
 
     def __repr__(self) -> str:
         return f"<family {self.name}>"

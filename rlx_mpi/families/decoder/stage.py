@@ -26,7 +26,7 @@ from ...stage import ParamSource, Stage, TensorParallel
 from . import model, ops
 from .arch import Arch
 from .rope import Rope
-from .weights import PRECISIONS, Experts, LayerWeights, Mlp, read_linear
+from .weights import PRECISIONS, Experts, LayerWeights, MlaWeights, Mlp, read_linear
 
 __all__ = ["DecoderStage", "warm_up"]
 
@@ -86,8 +86,14 @@ class DecoderStage(Stage):
 
     def _layer(self, source: ParamSource, n: int, shard) -> LayerWeights:
         cfg, tp, p = self.cfg, self.tp, f"layers/{n}/"
-        w = {"q_proj": shard(p + "q_proj", 0), "o_proj": shard(p + "o_proj", 1)}
-        w.update({k: shard(p + k, 0, self.kv_part) for k in ("k_proj", "v_proj")})
+        w = {"o_proj": shard(p + "o_proj", 1)}
+        if not cfg.kv_lora_rank:
+            w["q_proj"] = shard(p + "q_proj", 0)
+            w.update({k: shard(p + k, 0, self.kv_part) for k in ("k_proj", "v_proj")})
+        if cfg.o_bias:
+            w["o_bias"] = source.read(p + "o_bias")
+        if cfg.attention_sinks:  # this rank's query heads' sinks
+            w["sinks"] = source.read(p + "sinks", axis=0, part=tp.rank, parts=tp.size)
         for k in ("input_layernorm", "post_attention_layernorm"):
             w[k] = self._norm(source, p + k)
         if cfg.qkv_bias:
@@ -97,14 +103,35 @@ class DecoderStage(Stage):
             w["q_norm"], w["k_norm"] = self._norm(source, p + "q_norm"), self._norm(source, p + "k_norm")
         if cfg.sandwich_norms:
             w["attn_out_norm"], w["mlp_out_norm"] = self._norm(source, p + "attn_out_norm"), self._norm(source, p + "mlp_out_norm")
-        if cfg.num_experts:  # expert parallelism: this rank's experts whole
+        if cfg.is_moe(n):  # expert parallelism: this rank's experts whole
             a, b = part_bounds(cfg.num_experts, tp.rank, tp.size)
-            experts = [Mlp.of(*(read_linear(source, f"{p}experts/{e}/{k}", self.precision) for k in _MLP))
-                       for e in range(a, b)]
-            w["mlp"] = Experts(source.read(p + "router"), a, experts)
+            biases = ("gate_bias", "up_bias", "down_bias") if cfg.expert_bias else ()
+            experts = [Mlp.of(*(read_linear(source, f"{p}experts/{e}/{k}", self.precision) for k in _MLP),
+                              *(source.read(f"{p}experts/{e}/{k}") for k in biases)) for e in range(a, b)]
+            shared = Mlp.of(*(shard(f"{p}shared_{k}", axis) for k, axis in _MLP.items())) \
+                if cfg.shared_intermediate_size else None  # sliced as a dense MLP
+            w["mlp"] = Experts(source.read(p + "router"), a, experts,
+                               source.read(p + "router_bias") if cfg.router_bias else None, shared)
         else:
             w["mlp"] = Mlp.of(*(shard(p + k, axis) for k, axis in _MLP.items()))
+        if cfg.kv_lora_rank:
+            return LayerWeights.latent(self._mla(source, p, shard), **w, window=cfg.window(n))
         return LayerWeights.of(**w, window=cfg.window(n))  # q/k/v and gate/up fused after sharding
+
+    def _mla(self, source: ParamSource, p: str, shard) -> MlaWeights:
+        """This rank's heads of a latent-attention layer (q and kv_b by head rows); the latent's
+        down-projection and norms replicated; kv_b's halves per head as float32 (absorbed at decode)."""
+        cfg = self.cfg
+        whole = (0, 1)  # every TP rank reads these whole
+        q_a = shard(p + "q_a_proj", 0, whole) if cfg.q_lora_rank else None
+        m = MlaWeights(q=shard(p + ("q_b_proj" if cfg.q_lora_rank else "q_proj"), 0),
+                       kv_a=shard(p + "kv_a_proj", 0, whole), kv_a_norm=self._norm(source, p + "kv_a_norm"),
+                       kv_b=shard(p + "kv_b_proj", 0), uk=None, uv=None, q_a=q_a,
+                       q_a_norm=self._norm(source, p + "q_a_norm") if cfg.q_lora_rank else None)
+        dn = cfg.qk_nope_head_dim
+        per_head = m.kv_b.to_f32().reshape(-1, dn + cfg.v_head_dim, cfg.kv_lora_rank)  # (nh, dn + dv, r)
+        m.uk, m.uv = per_head[:, :dn], per_head[:, dn:]  # views of kv_b itself when it is float32
+        return m
 
     @property
     def weight_bytes(self) -> int:
@@ -141,13 +168,22 @@ class DecoderStage(Stage):
         cfg = self.cfg
         if self._fused_rows:  # generation only: `run` never compiles (or loads) the one-call layer
             kernels.warm_up_decode_layer(self.precision)
-        nkv = cfg.num_key_value_heads // self.kv_part[1]  # this rank's kv heads
         self.specs = [_layer_spec(kv, w.window) for w in self.blocks]
         self.caches = None
         if not kv.recompute:
-            self.caches = [LayerCache(slots, nkv, s.cache_len(max_seq), cfg.head_dim) for s in self.specs]
+            heads, k_width, v_width = self._entry()
+            self.caches = [LayerCache(slots, heads, s.cache_len(max_seq), k_width, v_width) for s in self.specs]
         self.rope = Rope(cfg, max_seq)
         return sum(c.nbytes for c in self.caches) if self.caches else 0
+
+    def _entry(self) -> tuple[int, int, int]:
+        """A layer's cache entry per position: (heads, k width, v width) on this rank. K and V of
+        this rank's kv heads; with MLA one shared "head" of the latent (kv_lora_rank, in ``k``) and
+        the RoPE key (head_dim, in ``v``), the same on every TP rank (`decoder.mla`)."""
+        cfg = self.cfg
+        if cfg.kv_lora_rank:
+            return 1, cfg.kv_lora_rank, cfg.head_dim
+        return cfg.num_key_value_heads // self.kv_part[1], cfg.head_dim, cfg.head_dim
 
     def prefill(self, x: np.ndarray, slots: np.ndarray, lengths: np.ndarray, start: int = 0) -> np.ndarray:
         """Positions start..start+T-1 of each row, filling the cache; a row's whole prompt is
