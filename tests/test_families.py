@@ -26,9 +26,11 @@ from rlx_mpi.kv_cache import KvSpec
 from rlx_mpi.stage import TensorParallel
 
 FAMILIES = TESTS / "fixtures" / "families"
-CASES = ["llama3", "llama_linear", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope", "gemma2", "mixtral"]
+CASES = ["llama3", "llama_linear", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope", "gemma2", "mixtral",
+         "deepseek_v3", "deepseek_v2", "gpt_oss"]
 FAMILY_OF = {"llama3": "llama", "llama_linear": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-             "phi3": "phi3", "phi3_longrope": "phi3", "gemma2": "gemma2", "mixtral": "mixtral"}
+             "phi3": "phi3", "phi3_longrope": "phi3", "gemma2": "gemma2", "mixtral": "mixtral",
+             "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v2", "gpt_oss": "gpt_oss"}
 
 # Stated bounds: max |logit - f32 logit| / max |f32 logit| on the fixtures' 2 x 40 tokens.
 # Measured (transformers 5.24 fixtures, initializer_range 0.2): dense bf16 0.012-0.027,
@@ -36,6 +38,11 @@ FAMILY_OF = {"llama3": "llama", "llama_linear": "llama", "mistral": "mistral", "
 # router score changes which experts a token takes (a discontinuity no precision avoids).
 BOUNDS = {"bf16": 0.04, "f16": 0.01, "int8": 0.16}
 MOE_BOUNDS = {"bf16": 0.15, "f16": 0.12, "int8": 0.25}
+# DeepSeek's grouped routers (a group flips with its experts; V3 x routed_scaling_factor 2.5)
+# flip at a few of the 80 positions: measured V3 bf16 4, f16 1, int8 2 positions beyond
+# MOE_BOUNDS (0.42-0.79 there), every other position within 0.07; V2 int8 1 (0.250), bf16 and
+# f16 none (0.025, 0.002). Allowed: 6 positions beyond, the median position within the dense BOUNDS.
+ROUTING_FLIPS = {"deepseek_v3": 6, "deepseek_v2": 6}
 
 
 def reference(case: str):
@@ -135,6 +142,11 @@ def test_low_precision_within_the_stated_bound(converted, case, precision):
     ref = reference(case)
     got = build(family, cfg, path, precision=precision).forward(ref["input_ids"])
     bound = (MOE_BOUNDS if cfg.num_experts else BOUNDS)[precision]
+    if case in ROUTING_FLIPS:
+        per_position = np.abs(got - ref["logits"]).max(axis=-1) / np.abs(ref["logits"]).max()
+        assert np.isfinite(got).all() and (per_position > bound).sum() <= ROUTING_FLIPS[case], (precision, per_position)
+        assert np.median(per_position) <= BOUNDS[precision], (precision, np.median(per_position))
+        return
     err = np.abs(got - ref["logits"]).max() / np.abs(ref["logits"]).max()
     assert np.isfinite(got).all() and err <= bound, (case, precision, err)
 
@@ -208,7 +220,7 @@ def test_tp2_logits_and_greedy_match_transformers(converted, case):
     assert tokens[0] == want
     if cfg.num_experts:  # expert parallelism: each rank holds E/2 whole experts, not slices
         for r, stage in enumerate(stages):
-            moe = stage.blocks[0].mlp
+            moe = stage.blocks[cfg.first_dense_layers].mlp  # (DeepSeek's first layers are dense)
             assert moe.first == part_bounds(cfg.num_experts, r, 2)[0] and len(moe.experts) == cfg.num_experts // 2
             assert moe.experts[0].gate_proj.shape == (cfg.intermediate_size, cfg.hidden_size)
 

@@ -20,7 +20,8 @@ from rlx_mpi.families import convert_hf
 pytestmark = pytest.mark.mpi
 
 FAMILIES = TESTS / "fixtures" / "families"
-CASES = ["llama3", "llama_linear", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope", "gemma2", "mixtral"]
+CASES = ["llama3", "llama_linear", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope", "gemma2", "mixtral",
+         "deepseek_v3", "deepseek_v2", "gpt_oss"]
 LAYOUTS = [(1, 1), (2, 1), (2, 2)]  # (ranks, tp)
 
 
