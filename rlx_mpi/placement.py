@@ -40,6 +40,7 @@ class ModelCost:
     # that has both ends (tied embeddings on a one-stage plan)
     kv_heads: int = 0  # key/value heads (0: not told); under tp > kv_heads each TP rank holds one
     kv_weight_bytes: int = 0  # k and v projections (and biases) of one layer, within layer_bytes
+    layer_flops_all_experts: float = 0.0  # per token were every expert computed (MoE); 0: as layer_flops_per_token
 
     def under_tp(self, tp: int) -> "ModelCost":
         """The whole stage's bytes when its ``tp`` ranks split the layers: every rank holds the

@@ -554,14 +554,68 @@ def _dump(path, obj):
         f.write("\n")
 
 
+def build_mxfp4():
+    """GPT-OSS's MXFP4 experts, decoded by transformers' own ``convert_moe_packed_tensors``:
+
+    * ``tests/fixtures/mxfp4.npz``: random ``blocks`` uint8 [2, 6, 2, 16], ``scales`` uint8
+      [2, 6, 2] (120..131) and ``dequantized`` float32 [2, 64, 6] (transformers' output, (E, in, out)).
+    * ``families/gpt_oss_mxfp4/``: the ``gpt_oss`` case's model (same seed and perturbation) with
+      every expert's gate_up / down replaced by random MXFP4 (scales 121..124) that transformers
+      dequantizes; saved the Hub's way: ``mlp.experts.{gate_up,down}_proj_{blocks,scales}``, the
+      biases and everything else as float32, ``quantization_config`` {quant_method: mxfp4};
+      ``reference.npz``: ``input_ids`` [2, 40] (seed 1234) and transformers' ``logits``.
+    """
+    import torch
+    from safetensors.numpy import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(77)
+    blocks = torch.randint(0, 256, (2, 6, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(120, 132, (2, 6, 2), generator=g).to(torch.uint8)
+    deq = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    np.savez(os.path.join(HERE, "fixtures", "mxfp4.npz"), blocks=blocks.numpy(), scales=scales.numpy(),
+             dequantized=deq.numpy().astype(np.float32))
+    print("  mxfp4.npz:", tuple(deq.shape), "max", float(deq.abs().max()))
+
+    case = CASES["gpt_oss"]
+    model = make_model(case)
+    packed = {}
+    with torch.no_grad():
+        for n, layer in enumerate(model.model.layers):
+            ex = layer.mlp.experts
+            E, H, I2 = ex.gate_up_proj.shape
+            I = I2 // 2
+            for proj, rows, cols in (("gate_up_proj", I2, H), ("down_proj", H, I)):
+                b = torch.randint(0, 256, (E, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+                sc = torch.randint(121, 125, (E, rows, cols // 32), generator=g).to(torch.uint8)
+                getattr(ex, proj).copy_(convert_moe_packed_tensors(b, sc, dtype=torch.float32))
+                packed[f"model.layers.{n}.mlp.experts.{proj}_blocks"] = b.numpy()
+                packed[f"model.layers.{n}.mlp.experts.{proj}_scales"] = sc.numpy()
+    out = os.path.join(OUT, "gpt_oss_mxfp4")
+    os.makedirs(out, exist_ok=True)
+    for f in os.listdir(out):
+        os.unlink(os.path.join(out, f))
+    ids = torch.randint(0, model.config.vocab_size, (2, T_LONG), generator=torch.Generator().manual_seed(1234))
+    logits = forward(model, ids.numpy())
+    state = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()
+             if not k.endswith("experts.gate_up_proj") and not k.endswith("experts.down_proj")}
+    save_file({**state, **packed}, os.path.join(out, "model.safetensors"))
+    config = model.config.to_dict()
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    _dump(os.path.join(out, "config.json"), config)
+    np.savez(os.path.join(out, "reference.npz"), input_ids=ids.numpy().astype(np.int64), logits=logits)
+    print("  gpt_oss_mxfp4:", sorted(packed)[:2], "logits max |.| %.3f" % np.abs(logits).max())
+
+
 def main(argv):
-    names = argv or list(CASES)
-    unknown = [n for n in names if n not in CASES]
+    names = argv or [*CASES, "mxfp4"]
+    unknown = [n for n in names if n not in CASES and n != "mxfp4"]
     if unknown:
-        sys.exit(f"unknown case(s) {unknown}; cases: {list(CASES)}")
+        sys.exit(f"unknown case(s) {unknown}; cases: {[*CASES, 'mxfp4']}")
     for name in names:
         print(f"=== {name}")
-        build(name)
+        build_mxfp4() if name == "mxfp4" else build(name)
     print("OK")
     return 0
 

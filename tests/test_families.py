@@ -558,3 +558,282 @@ def test_one_call_decode_layer_equals_the_layer_by_layer_path(converted, case, p
             logits.append(stage.decode(ids[np.arange(6), pos][:, None], slots, pos))
         runs.append(np.stack(logits))
     assert np.array_equal(runs[0], runs[1]) and np.isfinite(runs[0]).all()
+
+
+# -- DeepSeek: latent attention and its cache, grouped routing -----------------------------------
+
+
+def test_mla_cache_holds_the_latent_and_absorbed_decode_equals_transformers(converted):
+    """The cache of a latent-attention layer is (c, kr): kv_lora_rank + qk_rope_head_dim floats a
+    token (16 + 8 here; full K and V would be 4 x (24 + 12)); the planner prices the same; decode
+    steps (the up-projections absorbed into q and o) give transformers' logits at every position,
+    and the prefill's logits for the same prefix."""
+    family, cfg, path = converted("deepseek_v3")
+    ref = reference("deepseek_v3")
+    stage = build(family, cfg, path)
+    B, S, P = 2, ref["input_ids"].shape[1], 8
+    latent = cfg.kv_lora_rank + cfg.head_dim
+    assert latent == 24 and cfg.latent_dim == latent
+    nbytes = stage.reset(B, S, KvSpec("full"))
+    assert nbytes == cfg.num_hidden_layers * B * S * latent * 4
+    assert all(c.k.shape == (B, 1, S, 16) and c.v.shape == (B, 1, S, 8) and c.entry_floats == latent
+               for c in stage.caches)
+    assert cfg.cost(B, S).kv_bytes_per_layer == B * S * latent * 4
+    full_kv = cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)  # what expanded K and V would hold
+    assert full_kv == 144 and full_kv / latent == 6.0
+    ids = ref["input_ids"]
+    first = stage.prefill(ids[:, :P], np.arange(B), np.full(B, P))
+    assert np.abs(first - ref["logits"][:, P - 1]).max() <= 1e-4
+    for pos in range(P, S):  # teacher-forced: the next input token at each position
+        got = stage.decode(ids[:, pos:pos + 1], np.arange(B), np.full(B, pos))
+        assert np.abs(got - ref["logits"][:, pos]).max() <= 1e-4, pos
+    stage.reset(B, S, KvSpec("full"))  # the prefill of the whole prefix gives the same last logits
+    whole = stage.prefill(ids, np.arange(B), np.full(B, S))
+    assert np.abs(whole - got).max() <= 1e-4
+
+
+def test_mla_tp2_shards_heads_and_replicates_the_latent(converted):
+    family, cfg, path = converted("deepseek_v3")
+    nh, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    stages, sizes = tp_run(family, cfg, path, 2, lambda s: s.reset(3, 16, KvSpec("full")))
+    for s in stages:
+        m = s.blocks[0].mla
+        assert m.kv_b.shape == (nh // 2 * (dn + dv), cfg.kv_lora_rank) and m.uk.shape == (nh // 2, dn, cfg.kv_lora_rank)
+        assert m.q.shape[0] == nh // 2 * cfg.qk_head_dim and s.blocks[0].o_proj.shape == (cfg.hidden_size, nh // 2 * dv)
+        assert m.kv_a.shape == (cfg.latent_dim, cfg.hidden_size)  # whole on each rank
+        assert [c.k.shape for c in s.caches] == [(3, 1, 16, cfg.kv_lora_rank)] * cfg.num_hidden_layers
+    assert sizes[0] == cfg.num_hidden_layers * 3 * 16 * cfg.latent_dim * 4  # each rank: the whole latent
+    cost = cfg.cost(3, 16)
+    assert cost.kv_heads == 1 and cost.under_tp(2).kv_bytes_per_layer == 2 * cost.kv_bytes_per_layer
+
+
+def test_absorbed_attention_against_naive_numpy():
+    """`mla.absorbed` (q moved into the latent space, the latents as values) against expanding
+    every key and value per head."""
+    from rlx_mpi.families.decoder import mla
+    from rlx_mpi.families.decoder.weights import MlaWeights
+
+    rng = np.random.default_rng(5)
+    B, nh, dn, dr, dv, r, S = 3, 4, 6, 4, 5, 7, 9
+    uk, uv = rng.standard_normal((nh, dn, r), dtype=np.float32), rng.standard_normal((nh, dv, r), dtype=np.float32)
+    m = MlaWeights(q=None, kv_a=None, kv_a_norm=None, kv_b=None, uk=uk, uv=uv)
+    q_nope, q_rot = rng.standard_normal((B, nh, dn), dtype=np.float32), rng.standard_normal((B, nh, dr), dtype=np.float32)
+    c, kr = rng.standard_normal((B, S, r), dtype=np.float32), rng.standard_normal((B, S, dr), dtype=np.float32)
+    pos = np.array([0, 4, 8])
+    got = mla.absorbed(q_nope, q_rot, c, kr, m, pos, 0.3).reshape(B, nh, dv)
+    for b in range(B):
+        for h in range(nh):
+            n = pos[b] + 1
+            k = np.concatenate([c[b, :n].astype(np.float64) @ uk[h].T, kr[b, :n]], axis=-1)  # (n, dn + dr)
+            v = c[b, :n].astype(np.float64) @ uv[h].T  # (n, dv)
+            s = k @ np.concatenate([q_nope[b, h], q_rot[b, h]]) * 0.3
+            p = np.exp(s - s.max())
+            np.testing.assert_allclose(got[b, h], (p / p.sum()) @ v, rtol=1e-4, atol=1e-5)
+
+
+def _naive_route(logits, bias, cfg):
+    """Per row, as DeepSeek-V3's / V2's / GPT-OSS's routers are written (plain Python)."""
+    out = []
+    for row, in zip(logits.astype(np.float64)):
+        E, size = len(row), len(row) // cfg.n_group
+        if cfg.routing == "topk_softmax":
+            z = row + bias
+            top = sorted(range(E), key=lambda e: -z[e])[:cfg.experts_per_token]
+            w = np.exp([z[e] - z[top[0]] for e in top])
+            out.append(dict(zip(top, w / w.sum())))
+            continue
+        scores = 1 / (1 + np.exp(-row)) if cfg.routing == "sigmoid" else np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+        choice = scores + (bias if cfg.routing == "sigmoid" else 0)
+        group = [sorted(choice[g * size:(g + 1) * size])[-2:] for g in range(cfg.n_group)]
+        group = [sum(x) if cfg.routing == "sigmoid" else max(x) for x in group]
+        keep = sorted(range(cfg.n_group), key=lambda g: -group[g])[:cfg.topk_group]
+        allowed = [e for e in range(E) if e // size in keep]
+        top = sorted(allowed, key=lambda e: -choice[e])[:cfg.experts_per_token]
+        w = np.array([scores[e] for e in top])
+        if cfg.norm_topk_prob:
+            w = w / w.sum()
+        out.append(dict(zip(top, w * cfg.routed_scaling_factor)))
+    return out
+
+
+@pytest.mark.parametrize("routing, norm", [("sigmoid", True), ("softmax", False), ("topk_softmax", True)])
+def test_routers_against_a_naive_loop(routing, norm):
+    from rlx_mpi.families.decoder.moe import route
+
+    rng = np.random.default_rng(3)
+    cfg = Arch(vocab_size=8, hidden_size=16, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=2, num_experts=16, experts_per_token=3, routing=routing, n_group=4, topk_group=2,
+               norm_topk_prob=norm, routed_scaling_factor=2.5 if routing != "topk_softmax" else 1.0,
+               router_bias=routing != "softmax").validate("t")
+    x, w = rng.standard_normal((50, 16), dtype=np.float32), rng.standard_normal((16, 16), dtype=np.float32) * 0.3
+    bias = rng.standard_normal(16, dtype=np.float32) * 0.2 if cfg.router_bias else None
+    index, weight = route(x, w, 3, cfg, bias)
+    want = _naive_route(x @ w.T, bias if bias is not None else np.zeros(16), cfg)
+    for n in range(50):
+        got = dict(zip(index[n].tolist(), weight[n].tolist()))
+        assert set(got) == set(want[n]), n
+        np.testing.assert_allclose([got[e] for e in want[n]], list(want[n].values()), rtol=1e-5)
+
+
+def test_deepseek_refuses_what_it_does_not_compute(tmp_path):
+    family = get_family("deepseek_v3")
+    raw = json.loads((FAMILIES / "deepseek_v3" / "config.json").read_text())
+    for change, key in [({"scoring_func": "softmax"}, "scoring_func"), ({"attention_bias": True}, "attention_bias"),
+                        ({"num_key_value_heads": 2}, "num_key_value_heads"), ({"hidden_act": "gelu"}, "hidden_act"),
+                        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+                        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+                         "rope_parameters.rope_type")]:
+        with pytest.raises(CheckpointError, match=key):
+            family.arch_from_hf({**raw, **change}, "config.json")
+    with pytest.raises(CheckpointError, match="topk_method"):
+        get_family("deepseek_v2").arch_from_hf({**raw, "model_type": "deepseek_v2", "topk_method": "noaux_tc"}, "c")
+
+
+def test_deepseek_mtp_layer_is_left_and_other_strays_refused(tmp_path):
+    """DeepSeek-V3 checkpoints carry a multi-token-prediction layer past num_hidden_layers: not read."""
+    src = tmp_path / "hf"
+    shutil.copytree(FAMILIES / "deepseek_v3", src)
+    (src / "model.safetensors").rename(src / "model-1.safetensors")  # two shards: every *.safetensors is read
+    mtp = {"model.layers.3.embed_tokens.weight": np.zeros((4, 4), np.float32),  # the MTP module's names
+           "model.layers.3.eh_proj.weight": np.zeros((4, 8), np.float32)}
+    _save_safetensors(src / "model-2.safetensors", mtp)
+    cfg = get_family("deepseek_v3").convert_hf(src, tmp_path / "m.h5")
+    assert cfg.num_hidden_layers == 3
+    _save_safetensors(src / "model-2.safetensors", {**mtp, "model.extra.weight": np.zeros(2, np.float32)})
+    with pytest.raises(CheckpointError, match="unexpected tensors"):
+        get_family("deepseek_v3").convert_hf(src, tmp_path / "m2.h5")
+
+
+def _save_safetensors(path, tensors: dict) -> None:
+    """float32 tensors in the safetensors format (the JSON header, then the bytes)."""
+    header, offset = {}, 0
+    for name, a in tensors.items():
+        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for a in tensors.values():
+            f.write(np.ascontiguousarray(a, "<f4").tobytes())
+
+
+# -- GPT-OSS: sinks, clamped SwiGLU, MXFP4 -------------------------------------------------------
+
+
+def _naive_attention(q, k, v, window, scale, sinks):
+    """(B, nh, T, hs) x (B, nkv, S, hs|hv) in float64, causal over the last T of S, softmax over
+    [scores, sink] with the sink's share dropped."""
+    B, nh, T, _ = q.shape
+    S = k.shape[2]
+    g = nh // k.shape[1]
+    kk, vv = np.repeat(k, g, axis=1).astype(np.float64), np.repeat(v, g, axis=1).astype(np.float64)
+    s = q.astype(np.float64) @ kk.transpose(0, 1, 3, 2) * scale
+    i, j = np.arange(S - T, S)[:, None], np.arange(S)[None, :]
+    s = np.where((j <= i) & ((j > i - window) if window else True), s, -np.inf)
+    sink = np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None, None], (B, nh, T, 1))
+    both = np.concatenate([s, sink], axis=-1)
+    p = np.exp(both - both.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    return (p[..., :-1] @ vv).transpose(0, 2, 1, 3)  # (B, T, nh, hv)
+
+
+@pytest.mark.parametrize("T, window, hv", [(5, 0, 8), (70, 9, 8), (70, 0, 5)])
+def test_attend_with_sinks_and_a_value_width_of_its_own_against_numpy(T, window, hv):
+    rng = np.random.default_rng(T + hv)
+    q = rng.standard_normal((2, 4, T, 8), dtype=np.float32) * 2
+    k, v = rng.standard_normal((2, 2, T, 8), dtype=np.float32) * 2, rng.standard_normal((2, 2, T, hv), dtype=np.float32)
+    sinks = np.array([-1.0, 0.5, 3.0, 8.0], np.float32)
+    got = kernels.attend(q, k, v, None, window, scale=0.3, sinks=sinks)
+    np.testing.assert_allclose(got, _naive_attention(q, k, v, window, 0.3, sinks), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="sinks"):
+        kernels.attend(q, k, v, None, window, sinks=sinks[:3])
+
+
+def test_decode_attention_with_sinks_against_numpy():
+    rng = np.random.default_rng(9)
+    B, nh, nkv, L, hs = 2, 4, 2, 12, 8
+    ck, cv = rng.standard_normal((3, nkv, L, hs), dtype=np.float32), rng.standard_normal((3, nkv, L, hs), dtype=np.float32)
+    q = rng.standard_normal((B, nh, 1, hs), dtype=np.float32)
+    slots, pos = np.array([2, 0]), np.array([11, 5])
+    sinks = np.array([0.0, -2.0, 1.5, 4.0], np.float32)
+    got = kernels.attend_cache(q, ck, cv, slots, pos, scale=0.4, sinks=sinks)
+    for b in range(B):
+        n = pos[b] + 1
+        want = _naive_attention(q[b:b + 1], ck[slots[b]][None, :, :n], cv[slots[b]][None, :, :n], 0, 0.4, sinks)
+        np.testing.assert_allclose(got[b], want[0], rtol=1e-4, atol=1e-5)
+
+
+def test_swiglu_clamped_against_numpy():
+    rng = np.random.default_rng(2)
+    gate, up = rng.standard_normal((3, 41), dtype=np.float32) * 6, rng.standard_normal((3, 41), dtype=np.float32) * 6
+    g, u = np.minimum(gate.astype(np.float64), 7.0), np.clip(up.astype(np.float64), -7.0, 7.0)
+    want = (u + 1) * g / (1 + np.exp(-1.702 * g))
+    np.testing.assert_allclose(ops.swiglu_clamped_(gate.copy(), up, 7.0, 1.702), want, rtol=1e-5, atol=1e-5)
+
+
+def test_mxfp4_decode_against_transformers():
+    """`hf.mxfp4_decode` against transformers' ``convert_moe_packed_tensors`` on random blocks
+    and scales (tests/fixtures/mxfp4.npz, made by tests/make_family_fixtures.py mxfp4); two
+    bytes by hand (low nibble first, sign bit 8, scale 2^(e - 127))."""
+    from rlx_mpi.families.hf import mxfp4_decode
+
+    ref = np.load(TESTS / "fixtures" / "mxfp4.npz", allow_pickle=False)
+    got = mxfp4_decode(ref["blocks"], ref["scales"])  # (E, out, in)
+    np.testing.assert_array_equal(got.transpose(0, 2, 1), ref["dequantized"])  # transformers returns (E, in, out)
+    one = mxfp4_decode(np.full((1, 16), 0x3A, np.uint8), np.array([128], np.uint8))  # low 0xA = -1, high 0x3 = 1.5
+    assert one.shape == (32,) and one[:2].tolist() == [-2.0, 3.0]
+    two = mxfp4_decode(np.full((1, 16), 0xC1, np.uint8), np.array([126], np.uint8))  # low 0x1 = .5, high 0xC = -2
+    assert two[:2].tolist() == [0.25, -1.0]
+
+
+def test_gpt_oss_mxfp4_checkpoint_converts_to_transformers_logits(tmp_path, caplog):
+    """The Hub's layout (experts as MXFP4 blocks + scales, quantization_config mxfp4):
+    dequantized at convert (logged), logits as transformers' own dequantization gives."""
+    case = FAMILIES / "gpt_oss_mxfp4"
+    family = get_family("gpt_oss")
+    with caplog.at_level("WARNING"):
+        cfg = family.convert_hf(case, tmp_path / "m.h5")
+    assert "MXFP4" in caplog.text and "dequantized" in caplog.text
+    ref = np.load(case / "reference.npz", allow_pickle=False)
+    assert np.abs(build(family, cfg, tmp_path / "m.h5").forward(ref["input_ids"]) - ref["logits"]).max() <= 1e-4
+
+
+# -- the giants, on paper --------------------------------------------------------------------------
+
+HUB = TESTS / "fixtures" / "hub_configs"
+
+
+@pytest.mark.parametrize("name, total, active", [("deepseek_v3", 671e9, 37e9), ("gpt_oss_120b", 116.8e9, 5.1e9)])
+def test_parameter_counts_at_real_sizes(name, total, active):
+    """Published counts (DeepSeek-V3: 671 B, 37 B activated, without its 14 B MTP module;
+    gpt-oss-120b: 116.8 B, 5.1 B active) from the Hub configs, within 0.5 % (total) and 3 %
+    (active, which both count without the input embedding: a lookup)."""
+    raw = json.loads((HUB / f"{name}.json").read_text())
+    cfg = family_for_model_type(raw["model_type"]).arch_from_hf(
+        {k: v for k, v in raw.items() if k != "quantization_config"}, name).validate(name)
+    ends = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
+    n = cfg.num_hidden_layers
+    got_total = sum(cfg.layer_params(layer=k) for k in range(n)) + ends
+    got_active = sum(cfg.layer_params(True, k) for k in range(n)) + ends - cfg.vocab_size * cfg.hidden_size
+    assert abs(got_total / total - 1) <= 0.005, got_total
+    assert abs(got_active / active - 1) <= 0.03, got_active
+    cost = cfg.cost(1, 1024, weight_bytes=2)
+    assert abs(n * cost.layer_bytes / (2 * (got_total - ends)) - 1) < 1e-3  # the planner's average layer
+
+
+def test_plan_prices_the_giants_from_their_configs(tmp_path):
+    """``plan --hf-config``: DeepSeek-V3 in int8 on six 256 GB nodes; its KV is the latent
+    (61 layers x 576 floats a token); gpt-oss-120b in bf16 on one 256 GB node."""
+    out = run_cli(["plan", "--hf-config", HUB / "deepseek_v3.json", "--ranks", "6", "--mem-gb", "256",
+                   "--precision", "int8", "--seq", "4096"], timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "6 stages x tp 1" in out.stdout and "latent attention" in out.stdout
+    kv = 61 * 576 * 4 * 1000 / 2**20
+    assert f"KV cache {kv:.2f} MiB per 1k tokens" in out.stdout
+    assert "active of" in out.stdout
+    none = run_cli(["plan", "--hf-config", HUB / "deepseek_v3.json", "--ranks", "4", "--mem-gb", "256",
+                    "--precision", "bf16"], timeout=60)  # 1.3 TB of weights
+    assert none.returncode != 0 and "Traceback" not in none.stderr
+    gpt = run_cli(["plan", "--hf-config", HUB / "gpt_oss_120b.json", "--ranks", "1", "--mem-gb", "256",
+                   "--precision", "bf16", "--seq", "4096"], timeout=60)
+    assert gpt.returncode == 0, gpt.stderr

@@ -13,8 +13,6 @@ MXFP4 ``*_blocks`` + ``*_scales``, dequantized at convert to the checkpoint's dt
 
 from __future__ import annotations
 
-import logging
-
 from .decoder.arch import Arch
 from .decoder.family import DecoderFamily
 from .hf import Source, refuse_if, rope_fields, sizes, sliding_windows, standard_names
@@ -25,9 +23,8 @@ __all__ = ["FAMILY", "arch_from_hf", "hf_names"]
 def arch_from_hf(raw: dict, where: str) -> Arch:
     """A GPT-OSS config as an `Arch`; MXFP4 quantization is accepted (dequantized at convert)."""
     quant = raw.get("quantization_config")
-    if isinstance(quant, dict) and quant.get("quant_method") == "mxfp4":
-        logging.getLogger(__name__).warning("%s: MXFP4 experts are dequantized at convert (no 4-bit path yet)", where)
-        raw = {k: v for k, v in raw.items() if k != "quantization_config"}
+    if isinstance(quant, dict) and quant.get("quant_method") == "mxfp4":  # the experts: `hf.convert` dequantizes
+        raw = {k: v for k, v in raw.items() if k != "quantization_config"}  # them (and logs it)
     refuse_if(raw, where, "attention_bias", raw.get("attention_bias", True) is not True,
               "GPT-OSS without attention biases is not supported (no released model lacks them)")
     limit, alpha = raw.get("swiglu_limit", 7.0), raw.get("swiglu_alpha", 1.702)

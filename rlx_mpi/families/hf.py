@@ -467,15 +467,8 @@ def _mxfp4_instead(src: Source, entries: dict) -> Source:
     transposed from the dense (in, out) layout is read as it is from the blocks."""
     if src.name in entries or src.scales or f"{src.name}_blocks" not in entries:
         return src
-    if src.name not in _MXFP4_LOGGED:
-        _MXFP4_LOGGED.add(src.name)
-        logging.getLogger(__name__).warning("%s: MXFP4 weights, dequantized at convert to the checkpoint dtype",
-                                            src.name)
     return dataclasses.replace(src, name=f"{src.name}_blocks", scales=f"{src.name}_scales",
                                transposed=not src.transposed)
-
-
-_MXFP4_LOGGED: set = set()
 
 
 def _matrix_shape(src: Source, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -574,6 +567,10 @@ def convert(family, hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, d
     hf_ignore = getattr(family, "hf_ignore", None)
     plan = _check_tensors(cfg, family.hf_names(cfg), _index_tensors(_safetensors_files(hf_dir)), hf_dir, family.name,
                           hf_ignore(cfg) if hf_ignore else None)
+    packed = sorted({src.name for _, src, _ in plan.values() if src.scales})
+    if packed:  # until 4-bit weights are resident, say what the checkpoint holds instead
+        logging.getLogger(__name__).warning("%s: %d MXFP4 tensors (%s, ...) are dequantized to %s at convert",
+                                            hf_dir, len(packed), packed[0], dtype)
     with contextlib.ExitStack() as stack:
         write_checkpoint(out_path, family.name, cfg.to_json(), _tensors(plan, stack), dtype=dtype)
     if tokenizer:

@@ -299,13 +299,14 @@ class Arch:
         inner = self.intermediate_size * (self.experts_per_token if self.num_experts else 1)
         inner = max(inner + self.shared_intermediate_size, self.dense_width())
         if self.kv_lora_rank:
-            kv_bytes = tokens * self.latent_dim * 4
+            kv_bytes = tokens * self.latent_dim * 4  # float32 cache
             kv_heads = 1
             replicated = h * self.latent_dim + self.kv_lora_rank + (h * self.q_lora_rank + self.q_lora_rank)
             attn_flops = 2.0 * seq * self.num_attention_heads * (self.qk_head_dim + self.v_head_dim)
             heads_dim = self.qk_head_dim
-        else:
-            kv_bytes = 2 * tokens * self.kv_dim * 4
+        else:  # a sliding-window layer keeps its window: the average layer's cache
+            kept = sum(min(self.window(n) or seq, seq) for n in range(self.num_hidden_layers))
+            kv_bytes = 2 * batch * kept * self.kv_dim * 4 // self.num_hidden_layers
             kv_heads = self.num_key_value_heads
             replicated = 2 * self.kv_dim * (h + (1 if self.qkv_bias else 0))
             attn_flops = 4.0 * seq * self.q_dim
@@ -314,6 +315,7 @@ class Arch:
             n_layers=self.num_hidden_layers,
             layer_bytes=self.layer_params() * weight_bytes,
             layer_flops_per_token=2.0 * self.layer_params(active=True) + attn_flops,
+            layer_flops_all_experts=2.0 * self.layer_params() + attn_flops if self.num_experts else 0.0,
             embed_bytes=embed,
             head_bytes=head,
             head_flops_per_token=2.0 * v * h,

@@ -47,7 +47,12 @@ class DecoderFamily:
 
     def describe(self, cfg: Arch) -> str:
         heads = f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} kv, head_dim {cfg.head_dim})"
+        if cfg.kv_lora_rank:  # MLA: one latent for all heads
+            heads = (f"{cfg.num_attention_heads} heads (latent attention: cache {cfg.kv_lora_rank} + {cfg.head_dim} "
+                     f"rope per token)")
         moe = f", {cfg.num_experts} experts (top {cfg.experts_per_token})" if cfg.num_experts else ""
+        if cfg.shared_intermediate_size:
+            moe = moe[:-1] + f", {cfg.shared_intermediate_size // cfg.intermediate_size} shared)"
         rope = f", rope {cfg.rope_type}" if cfg.rope_type != "default" else ""
         return (f"{self.name}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {heads}, "
                 f"vocab {cfg.vocab_size}{moe}{rope}")
