@@ -377,7 +377,11 @@ def test_arch_validation_names_the_field():
     good = Arch(vocab_size=8, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=2)
     for change, match in [({"activation": "relu"}, "activation = 'relu'"),
-                          ({"rope_type": "yarn"}, "rope_type = 'yarn'"),
+                          ({"rope_type": "dynamic"}, "rope_type = 'dynamic'"),
+                          ({"rope_type": "yarn"}, "rope_original_max_positions"),
+                          ({"routing": "hash"}, "routing = 'hash'"),
+                          ({"num_experts": 6, "experts_per_token": 2, "n_group": 4}, "n_group = 4"),
+                          ({"kv_lora_rank": 8}, "kv_lora_rank = 8"),
                           ({"layer_windows": (4,)}, "layer_windows = \\(4,\\)"),
                           ({"num_experts": 4, "experts_per_token": 5}, "experts_per_token = 5"),
                           ({"rope_type": "longrope", "rope_original_max_positions": 4}, "rope_short_factor")]:
