@@ -8,6 +8,7 @@ Exact command line used (from the repo root)::
 
     /work/torchvenv/bin/python tests/make_family_fixtures.py            # every case
     /work/torchvenv/bin/python tests/make_family_fixtures.py llama3 qwen2  # only these
+    /work/torchvenv/bin/python tests/make_family_fixtures.py deepseek_v3 deepseek_v2 gpt_oss mxfp4
 
 Versions used for the committed fixtures: torch 2.13.0+cpu, transformers 5.24.0,
 safetensors 0.8.0, tokenizers 0.23.3, jinja2 3.1.6, Python 3.11 (recorded per case in
@@ -40,7 +41,8 @@ What it writes, for each case, in ``tests/fixtures/families/<case>/``:
     (so a float32 re-implementation cannot flip a choice). The prompt is drawn with
     ``torch.Generator().manual_seed(s)`` for the first s from 4321 up whose run has at least 6
     distinct new tokens (a random model that repeats one token cannot tell a broken KV cache
-    from a working one) and passes the margin check: 4321 for every case but gemma2 (4323).
+    from a working one) and passes the margin check: 4321 for every case but gemma2 (4323) and
+    deepseek_v2 (4322).
     P = 8 (so 8 + 12 positions pass the window 8 and the original 16 positions);
     ``phi3_longrope``: P = 20 (see below).
   - ``phi3_longrope`` only: ``input_ids_short`` [2, 12] and ``logits_short``: transformers
@@ -70,7 +72,8 @@ What it writes, for each case, in ``tests/fixtures/families/<case>/``:
 Weights: ``torch.manual_seed(0)`` before each model is built; ``initializer_range`` 0.2 (HF's
 0.02 leaves logits ~0 and attention uniform). Then every norm weight is perturbed away from 1
 (``normal_(1.0, 0.2)``; Gemma 2's (1 + w) norms: w ``normal_(0.0, 0.2)``) and every bias away
-from 0 (``normal_(0.0, 0.1)``), so a missing norm offset or bias shows in the logits. Gemma 2's
+from 0 (``normal_(0.0, 0.1)``; GPT-OSS's ``*_bias`` too, DeepSeek-V3's ``e_score_correction_bias``
+buffer likewise; GPT-OSS's ``sinks`` ``normal_(0.0, 1.0)``), so a missing norm offset or bias shows in the logits. Gemma 2's
 post-attention and post-feedforward norms get w ``normal_(2.0, 0.2)`` (a scale of about 3):
 with w around 0 the sqrt(hidden)-scaled embedding swamps the layers' normalised outputs and,
 through the tied head, a token often predicts itself (21% of positions), so greedy decoding
@@ -95,12 +98,29 @@ gemma2         gemma2, 4 layers (sliding, full, sliding, full; window 8), head_d
                matter), gelu_pytorch_tanh, tied head, eps 1e-6
 mixtral        mixtral, 4 experts top-2, intermediate 64, sliding_window null; saved in the
                Hub's per-expert layout (block_sparse_moe.experts.N.w1/w2/w3, .gate)
+deepseek_v3    deepseek_v3, 3 layers (first_k_dense_replace 1, dense width 96), MLA: q_lora_rank
+               24, kv_lora_rank 16, rope/nope/v head dims 8/16/12, interleaved RoPE, yarn
+               (factor 4, original 16, mscale 0.8, mscale_all_dim 1.0); 8 experts of 32 in 4
+               groups, topk_group 2, top-2, 2 shared, routed_scaling_factor 2.5; saved per
+               expert (mlp.experts.N.gate_proj, mlp.gate.e_score_correction_bias)
+deepseek_v2    deepseek_v2, 2 layers, q_lora_rank null (q_proj), group_limited_greedy (4 groups,
+               topk_group 1), norm_topk_prob false, routed_scaling_factor 1.5, 1 shared, yarn
+gpt_oss        gpt_oss, 4 layers (sliding 8 / full alternating), head_dim 16, sinks, q/k/v/o
+               biases, yarn (factor 4, original 16, truncate false), 4 experts of 32 top-2 with
+               biases, swiglu_limit 1.0 (so the clamp acts); saved fused (mlp.experts.gate_up_proj
+               [E, C, 2I], gate/up interleaved; down_proj [E, I, C]; ``_bias``)
 ============== =========================================================================
+
+``mxfp4`` (a name beside the cases): ``tests/fixtures/mxfp4.npz`` (random MXFP4 blocks and scales
+with transformers' ``convert_moe_packed_tensors`` output) and ``families/gpt_oss_mxfp4/`` (the
+gpt_oss case with MXFP4 experts, saved as the Hub stores them; ``build_mxfp4``).
 
 Checks done here: the saved model reloads to the same logits exactly; taking away each
 feature a case must exercise (``FEATURES``: llama3/linear RoPE scaling, the sliding window,
 Qwen2's biases, Qwen3's q/k norms, each Gemma 2 soft-cap, its alternate-layer window and
-``query_pre_attn_scalar``, Mixtral's top-2) moves the logits by more than 0.1, so the fixture
+``query_pre_attn_scalar``, Mixtral's top-2, DeepSeek's grouped top-k, correction bias, scaling
+factor, shared experts, yarn and interleaved RoPE, V2's group-limited routing, GPT-OSS's sinks,
+window, clamp, expert biases and yarn) moves the logits by more than 0.1, so the fixture
 catches an implementation that ignores it; LongRoPE's short and long factors give different
 logits; the greedy checks above. Everything is printed.
 """
