@@ -41,6 +41,10 @@ from .weights import LayerWeights, MlaWeights
 
 __all__ = ["attention", "absorbed"]
 
+# transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not the
+# config's rms_norm_eps (1e-6 in the released configs, so only a model with another value differs)
+_LATENT_EPS = 1e-6
+
 
 def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave: bool) -> np.ndarray:
     """x (B, H, T, dr) -> RoPE(x), C-contiguous (interleaved pairs taken evens-then-odds: module note)."""
@@ -51,7 +55,7 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave: bool) -> 
 
 def _project(x: np.ndarray, m: MlaWeights, cfg: Arch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x (B, T, C) -> q (B, T, nh, dn + dr), the normed latent c (B, T, r), kr (B, T, dr) before RoPE."""
-    eps = cfg.rms_norm_eps
+    eps = _LATENT_EPS
     q = m.q(kernels.rms_norm(np.ascontiguousarray(m.q_a(x)), m.q_a_norm, eps)) if m.q_a is not None else m.q(x)
     B, T, _ = q.shape
     ckv = m.kv_a(x)  # (B, T, r + dr)
