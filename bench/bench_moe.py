@@ -78,7 +78,7 @@ def main() -> None:
             family.init_random(path, cfg, seed=0)
             with H5ParamSource(path) as src:
                 stages[label] = family.build_stage(cfg, src, range(cfg.num_hidden_layers), True, True)
-    print(f"{args.kind}: {family.describe(moe)}; dense peer MLP width {dense.dense_width()}")
+    print(f"{args.kind}: {family.describe(moe)}; dense peer MLP width {dense.mlp_width(0)}")
     for B in args.batch:
         best = {label: float("inf") for label in stages}
         rows, prompt = np.arange(B), np.arange(16 * B).reshape(B, 16) % moe.vocab_size

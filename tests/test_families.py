@@ -220,7 +220,7 @@ def test_tp2_logits_and_greedy_match_transformers(converted, case):
     assert tokens[0] == want
     if cfg.num_experts:  # expert parallelism: each rank holds E/2 whole experts, not slices
         for r, stage in enumerate(stages):
-            moe = stage.blocks[cfg.first_dense_layers].mlp  # (DeepSeek's first layers are dense)
+            moe = stage.blocks[len(cfg.dense_layers)].mlp  # (DeepSeek's first layers are dense)
             assert moe.first == part_bounds(cfg.num_experts, r, 2)[0] and len(moe.experts) == cfg.num_experts // 2
             assert moe.experts[0].gate_proj.shape == (cfg.intermediate_size, cfg.hidden_size)
 
@@ -254,7 +254,7 @@ def test_planner_counts_what_each_tp_rank_holds(converted, case):
         norms = 4 * cfg.hidden_size * (2 * cfg.num_hidden_layers + 1) * (tp - 1) / tp  # every rank holds them whole
         # as the routers (and GPT-OSS's o_proj bias): left out of the plan (0.02 % of a DeepSeek-V3 layer)
         whole = sum(cfg.num_experts * (cfg.hidden_size + cfg.router_bias) for n in range(cfg.num_hidden_layers)
-                    if cfg.is_moe(n)) + cfg.o_bias * cfg.hidden_size * cfg.num_hidden_layers
+                    if cfg.moe(n)) + cfg.o_bias * cfg.hidden_size * cfg.num_hidden_layers
         norms += 4 * whole * (tp - 1) / tp
         for s in stages:
             assert abs(s.weight_bytes - norms - est) <= 0.01 * est, (tp, s.weight_bytes, est)
@@ -819,14 +819,13 @@ def test_parameter_counts_at_real_sizes(name, total, active):
     raw = json.loads((HUB / f"{name}.json").read_text())
     cfg = family_for_model_type(raw["model_type"]).arch_from_hf(
         {k: v for k, v in raw.items() if k != "quantization_config"}, name).validate(name)
-    ends = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
-    n = cfg.num_hidden_layers
-    got_total = sum(cfg.layer_params(layer=k) for k in range(n)) + ends
-    got_active = sum(cfg.layer_params(True, k) for k in range(n)) + ends - cfg.vocab_size * cfg.hidden_size
+    got_total, got_active = cfg.parameters(), cfg.parameters(active=True) - cfg.vocab_size * cfg.hidden_size
     assert abs(got_total / total - 1) <= 0.005, got_total
     assert abs(got_active / active - 1) <= 0.03, got_active
+    ends = cfg.vocab_size * cfg.hidden_size * 2 + cfg.hidden_size
     cost = cfg.cost(1, 1024, weight_bytes=2)
-    assert abs(n * cost.layer_bytes / (2 * (got_total - ends)) - 1) < 1e-3  # the planner's average layer
+    assert abs(cfg.num_hidden_layers * cost.layer_bytes / (2 * (got_total - ends)) - 1) < 1e-3  # the average layer
+    assert cfg.kv_bytes_per_token() == cfg.num_hidden_layers * (576 * 4 if cfg.kv_lora_rank else 2 * 8 * 64 * 4)
 
 
 def test_plan_prices_the_giants_from_their_configs(tmp_path):

@@ -74,8 +74,8 @@ def arch_from_hf(raw: dict, where: str) -> Arch:
                 routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
                 shared_intermediate_size=_count(raw, where, "n_shared_experts", 1, zero=True) * _count(
                     raw, where, "moe_intermediate_size", 2048 if v3 else 1407),
-                first_dense_layers=min(_count(raw, where, "first_k_dense_replace", 0, zero=True),
-                                       shape["num_hidden_layers"]),
+                dense_layers=tuple(range(min(_count(raw, where, "first_k_dense_replace", 0, zero=True),
+                                             shape["num_hidden_layers"]))),
                 dense_intermediate_size=shape["intermediate_size"])
 
 

@@ -52,7 +52,7 @@ class Source:
     """Where one of our tensors comes from: a Hugging Face tensor, or rows [start, stop) of
     one (a fused tensor split at convert time: Phi-3's qkv_proj and gate_up_proj).
 
-    Per-expert 3-D tensors (GPT-OSS) take ``expert`` (the slab [expert] of [E, ...], read alone),
+    Per-expert 3-D tensors (GPT-OSS) take ``index`` (the slab [index] of [E, ...], read alone),
     ``transposed`` (the slab is stored (in, out)), ``step`` (every step-th row of ``rows``: gate
     and up interleaved) and, for MXFP4 weights, ``scales``: ``name`` is then the packed blocks
     (uint8 [E, out, in/32, 16]) and ``scales`` their e8m0 exponents (uint8 [E, out, in/32]),
@@ -60,7 +60,7 @@ class Source:
 
     name: str
     rows: tuple[int, int] | None = None
-    expert: int | None = None
+    index: int | None = None
     step: int = 1
     transposed: bool = False
     scales: str | None = None
@@ -68,7 +68,7 @@ class Source:
     @property
     def plain(self) -> bool:
         """Rows of a whole 2-D tensor at most (the parts of it must cover it)."""
-        return self.expert is None and self.step == 1 and not self.transposed and self.scales is None
+        return self.index is None and self.step == 1 and not self.transposed and self.scales is None
 
 
 _FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
@@ -449,7 +449,7 @@ def _check_tensors(cfg: Arch, names: dict[str, Source], entries: dict[str, _Entr
         if src.rows is not None and src.plain:
             fused[src.name] = fused.get(src.name, 0) + got[0]
         if got != tuple(shape) or (src.rows is not None and src.rows[1] > matrix[0]) or (
-                src.expert is not None and src.expert >= entry.shape[0]):
+                src.index is not None and src.index >= entry.shape[0]):
             implied = tuple(shape) if src.rows is None else f"{tuple(shape)} at rows {src.rows[0]}..{src.rows[1]}"
             raise CheckpointError(where, f"shape {entry.shape} disagrees with the config, which implies {implied}",
                                   "config.json and the tensors come from different models")
@@ -473,7 +473,7 @@ def _mxfp4_instead(src: Source, entries: dict) -> Source:
 
 def _matrix_shape(src: Source, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of the (out, in) matrix ``src`` reads from a tensor of ``shape``, before its rows."""
-    if src.expert is not None:
+    if src.index is not None:
         shape = shape[1:]
     if src.scales:  # blocks (out, in/32, 16)
         shape = (shape[0], shape[1] * shape[2] * 2) if len(shape) == 3 else (-1,)
@@ -498,9 +498,9 @@ def _check_mxfp4(src: Source, entry: _Entry, entries: dict, where: str) -> _Entr
 def _read_source(entry: _Entry, src: Source, scales: _Entry | None, handle) -> np.ndarray:
     """The (out, in) matrix of a per-expert source (its slab alone), before its rows."""
     def slab(e: _Entry, dtype) -> np.ndarray:
-        shape = e.shape[1:] if src.expert is not None else e.shape
+        shape = e.shape[1:] if src.index is not None else e.shape
         count = math.prod(shape)
-        handle(e.path).seek(e.start + (src.expert or 0) * count * np.dtype(dtype).itemsize)
+        handle(e.path).seek(e.start + (src.index or 0) * count * np.dtype(dtype).itemsize)
         data = np.fromfile(handle(e.path), dtype=dtype, count=count)
         if data.size != count:
             raise CheckpointError(f"{e.path}: {e.name}", f"short read ({data.size} of {count} values)",
@@ -527,7 +527,7 @@ def _tensors(plan: dict, stack: contextlib.ExitStack) -> Iterator[tuple[str, np.
 
     last: tuple[tuple, np.ndarray] | None = None  # a fused tensor (or expert slab) is read once for its parts
     for name, (entry, src, scales) in plan.items():
-        key = (entry.name, src.expert, src.transposed)
+        key = (entry.name, src.index, src.transposed)
         if last is None or last[0] != key:
             matrix = _read_tensor(entry, handle(entry.path)) if src.plain else _read_source(entry, src, scales, handle)
             last = (key, matrix)

@@ -87,8 +87,9 @@ class Arch:
     norm_topk_prob: bool = True  # the k weights renormalised to sum 1 (Mixtral: always)
     routed_scaling_factor: float = 1.0  # the routed experts' weights x this
     shared_intermediate_size: int = 0  # an always-on dense MLP beside the experts (n_shared x width); 0: none
-    first_dense_layers: int = 0  # DeepSeek first_k_dense_replace: layers 0..n-1 are a dense MLP
-    dense_intermediate_size: int = 0  # the width of those dense layers' MLP (0: intermediate_size)
+    dense_layers: tuple = ()  # MoE models: layers with a dense MLP instead of experts (DeepSeek's
+    # first_k_dense_replace; the same field as Qwen3-MoE's in part 1)
+    dense_intermediate_size: int = 0  # their MLP width; 0: intermediate_size (the same field as part 1's)
     expert_bias: bool = False  # GPT-OSS: experts' gate/up/down have biases
     swiglu_limit: float = 7.0  # silu_clamped: gate <= limit, |up| <= limit
     swiglu_alpha: float = 1.702  # silu_clamped: gate * sigmoid(alpha * gate) * (up + 1)
@@ -98,7 +99,7 @@ class Arch:
     def __post_init__(self):
         if self.head_dim == 0 and isinstance(self.hidden_size, int) and isinstance(self.num_attention_heads, int):
             object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_attention_heads, 1))
-        for name in ("rope_short_factor", "rope_long_factor", "layer_windows"):  # JSON lists -> tuples
+        for name in ("rope_short_factor", "rope_long_factor", "layer_windows", "dense_layers"):  # JSON lists -> tuples
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
@@ -163,7 +164,7 @@ class Arch:
     def _validate_mla_moe(self, bad) -> None:
         """The DeepSeek / GPT-OSS block's fields (validate)."""
         for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim", "shared_intermediate_size",
-                     "first_dense_layers", "dense_intermediate_size", "n_group", "topk_group"):
+                     "dense_intermediate_size", "n_group", "topk_group"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 bad(name, "must be an integer >= 0")
@@ -188,8 +189,10 @@ class Arch:
                 f"({self.topk_group}) <= n_group")
         if self.num_experts and self.experts_per_token > self.topk_group * (self.num_experts // self.n_group):
             bad("experts_per_token", "exceeds the experts of the topk_group groups that compete")
-        if self.first_dense_layers > self.num_hidden_layers:
-            bad("first_dense_layers", f"must be at most num_hidden_layers ({self.num_hidden_layers})")
+        if self.dense_layers and (not self.num_experts or len(set(self.dense_layers)) != len(self.dense_layers)
+                                  or not all(isinstance(n, int) and not isinstance(n, bool)
+                                             and 0 <= n < self.num_hidden_layers for n in self.dense_layers)):
+            bad("dense_layers", f"must be distinct layer numbers 0..{self.num_hidden_layers - 1} of a MoE model")
         if self.rope_type == "yarn" and (not isinstance(self.rope_original_max_positions, int)
                                          or self.rope_original_max_positions <= 0):
             bad("rope_original_max_positions", "must be a positive integer with rope_type 'yarn'")
@@ -241,13 +244,27 @@ class Arch:
         """The sliding window of ``layer`` (0: full attention)."""
         return self.layer_windows[layer] if self.layer_windows else 0
 
-    def is_moe(self, layer: int) -> bool:
-        """``layer`` routes to experts (DeepSeek's first ``first_dense_layers`` are dense)."""
-        return bool(self.num_experts) and layer >= self.first_dense_layers
+    def moe(self, layer: int) -> bool:
+        """Whether ``layer`` has experts (a MoE model's `dense_layers` have a dense MLP)."""
+        return bool(self.num_experts) and layer not in self.dense_layers
 
-    def dense_width(self) -> int:
-        """Inner width of a dense layer's MLP."""
+    def mlp_width(self, layer: int) -> int:
+        """The inner width of ``layer``'s MLP (of each expert in a MoE layer)."""
+        if self.moe(layer) or not self.num_experts:
+            return self.intermediate_size
         return self.dense_intermediate_size or self.intermediate_size
+
+    def parameters(self, active: bool = False) -> int:
+        """The whole model's parameters; with ``active`` only the experts a token uses (top-k and
+        shared) of each MoE layer, the embeddings included."""
+        h, v = self.hidden_size, self.vocab_size
+        layers = sum(self.layer_params(active, n) for n in range(self.num_hidden_layers))
+        return layers + (1 if self.tie_word_embeddings else 2) * v * h + h  # embedding, head, final norm
+
+    def kv_bytes_per_token(self, cache_bytes: int = 4) -> int:
+        """Cache bytes one token of context adds over every layer: K and V, or MLA's latent."""
+        per_layer = self.latent_dim if self.kv_lora_rank else 2 * self.kv_dim
+        return self.num_hidden_layers * per_layer * cache_bytes
 
     def attention_params(self) -> int:
         """Parameters of one layer's attention (with its norms, biases and sinks)."""
@@ -273,8 +290,8 @@ class Arch:
         h = self.hidden_size
         norms = (4 if self.sandwich_norms else 2) * h
         attn = self.attention_params()
-        if not self.is_moe(layer):
-            return attn + 3 * h * self.dense_width() + norms
+        if not self.moe(layer):
+            return attn + 3 * h * self.mlp_width(layer) + norms
         i = self.intermediate_size
         expert = 3 * h * i + ((2 * i + h) if self.expert_bias else 0)
         experts = self.experts_per_token if active else self.num_experts
@@ -297,7 +314,7 @@ class Arch:
             head += embed  # the last stage needs the embedding matrix as its head
         tokens = batch * seq
         inner = self.intermediate_size * (self.experts_per_token if self.num_experts else 1)
-        inner = max(inner + self.shared_intermediate_size, self.dense_width())
+        inner = max(inner + self.shared_intermediate_size, self.dense_intermediate_size)  # dense layers too
         if self.kv_lora_rank:
             kv_bytes = tokens * self.latent_dim * 4  # float32 cache
             kv_heads = 1
@@ -369,7 +386,7 @@ def _layer_shapes(cfg: Arch, n: int) -> dict[str, tuple[int, ...]]:
         layer.update(q_norm=(hs,), k_norm=(hs,))
     if cfg.sandwich_norms:
         layer.update(attn_out_norm=(h,), mlp_out_norm=(h,))
-    if cfg.is_moe(n):
+    if cfg.moe(n):
         layer["router"] = (cfg.num_experts, h)
         if cfg.router_bias:
             layer["router_bias"] = (cfg.num_experts,)
@@ -383,6 +400,6 @@ def _layer_shapes(cfg: Arch, n: int) -> dict[str, tuple[int, ...]]:
         if si:
             layer.update(shared_gate_proj=(si, h), shared_up_proj=(si, h), shared_down_proj=(h, si))
     else:
-        d = cfg.dense_width()
+        d = cfg.mlp_width(n)
         layer.update(gate_proj=(d, h), up_proj=(d, h), down_proj=(h, d))
     return layer

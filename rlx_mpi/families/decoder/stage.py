@@ -103,7 +103,7 @@ class DecoderStage(Stage):
             w["q_norm"], w["k_norm"] = self._norm(source, p + "q_norm"), self._norm(source, p + "k_norm")
         if cfg.sandwich_norms:
             w["attn_out_norm"], w["mlp_out_norm"] = self._norm(source, p + "attn_out_norm"), self._norm(source, p + "mlp_out_norm")
-        if cfg.is_moe(n):  # expert parallelism: this rank's experts whole
+        if cfg.moe(n):  # expert parallelism: this rank's experts whole
             a, b = part_bounds(cfg.num_experts, tp.rank, tp.size)
             biases = ("gate_bias", "up_bias", "down_bias") if cfg.expert_bias else ()
             experts = [Mlp.of(*(read_linear(source, f"{p}experts/{e}/{k}", self.precision) for k in _MLP),
