@@ -844,3 +844,17 @@ def test_plan_prices_the_giants_from_their_configs(tmp_path):
     gpt = run_cli(["plan", "--hf-config", HUB / "gpt_oss_120b.json", "--ranks", "1", "--mem-gb", "256",
                    "--precision", "bf16", "--seq", "4096"], timeout=60)
     assert gpt.returncode == 0, gpt.stderr
+
+
+def test_plan_hf_config_refusals_are_one_line(tmp_path):
+    """An unsupported model type, a missing file, a config its family refuses: exit 2, one line."""
+    bert = tmp_path / "config.json"
+    bert.write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
+    bad = tmp_path / "bad.json"
+    raw = json.loads((HUB / "deepseek_v3.json").read_text())
+    bad.write_text(json.dumps({**raw, "scoring_func": "softmax"}))
+    for path, what in ((bert, "'bert' is not a supported model type"), (tmp_path / "nope.json", "not found"),
+                       (bad, "scoring_func")):
+        out = run_cli(["plan", "--hf-config", path, "--ranks", "2"], timeout=60)
+        assert out.returncode == 2 and what in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
