@@ -858,3 +858,19 @@ def test_plan_hf_config_refusals_are_one_line(tmp_path):
         out = run_cli(["plan", "--hf-config", path, "--ranks", "2"], timeout=60)
         assert out.returncode == 2 and what in out.stderr and "Traceback" not in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_head_matmul_against_numpy_and_row_independent(transposed):
+    """`ops.head_matmul` (MLA's per-head absorbed products) against einsum in float64; a row's
+    result is bit-for-bit the same alone or in a batch of 5."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((5, 3, 37), dtype=np.float32)
+    w = rng.standard_normal((3, 19, 37) if transposed else (3, 37, 19), dtype=np.float32)
+    want = np.einsum("bhk,hnk->bhn" if transposed else "bhk,hkn->bhn", x.astype(np.float64), w)
+    got = ops.head_matmul(x, w, transposed)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for b in range(5):
+        assert np.array_equal(ops.head_matmul(x[b:b + 1], w, transposed)[0], got[b])
+    with pytest.raises(ValueError, match="do not fit"):
+        ops.head_matmul(x, w[..., :5] if transposed else w[:, :5], transposed)  # K cut short

@@ -17,8 +17,8 @@ paper's absorption instead: q_h . k_h = (uk_h^T q_nope_h) . c + q_rot_h . kr, so
 query moves into the latent space (``q_lat``, r wide) and attends over the cache as it is, one
 shared "head" of width r + dr, with the latents themselves as values; the r-wide result goes
 through uv_h to the head's dv outputs. Same numbers, reassociated (the fixture test bounds
-decode against prefill logits at 1e-4). The absorbed products use ``np.einsum`` without
-BLAS (``optimize=False``): each row's result is its own dot products, whatever the batch.
+decode against prefill logits at 1e-4). The per-head products are `ops.head_matmul` (numba):
+each row's result is the same ordered sum whatever the batch (its note).
 
 Note: DeepSeek rotates interleaved pairs (x0, x1), (x2, x3)...; transformers' V3 rotates
 them and writes the even results before the odd ones, V2 writes them back in place. Only
@@ -36,6 +36,7 @@ import numpy as np
 
 from ... import kernels
 from ...kv_cache import prefill_kv
+from . import ops
 from .arch import Arch
 from .weights import LayerWeights, MlaWeights
 
@@ -91,12 +92,12 @@ def absorbed(q_nope: np.ndarray, q_rot: np.ndarray, c: np.ndarray, kr: np.ndarra
     q_nope (B, nh, dn), q_rot (B, nh, dr) roped; c (B, S, r) latents, kr (B, S, dr) roped keys;
     q_pos (B,): each row sees cached columns 0..q_pos. Returns (B, nh * dv)."""
     B, nh, _ = q_nope.shape
-    q_lat = np.einsum("bhd,hdr->bhr", q_nope, m.uk, optimize=False)  # (B, nh, r): uk_h^T q_nope_h
+    q_lat = ops.head_matmul(q_nope, m.uk)  # (B, nh, r): uk_h^T q_nope_h
     q = np.concatenate([q_lat, q_rot], axis=-1)[:, :, None]  # (B, nh, 1, r + dr)
     keys = np.concatenate([c, kr], axis=-1)[:, None]  # (B, 1, S, r + dr): one head shared by all
     y = kernels.attend(np.ascontiguousarray(q, np.float32), keys, np.ascontiguousarray(c[:, None]),
                        np.asarray(q_pos, np.int64).reshape(B, 1), 0, scale=scale)  # (B, 1, nh, r)
-    return np.einsum("bhr,hvr->bhv", y[:, 0], m.uv, optimize=False).reshape(B, -1)  # (B, nh * dv)
+    return ops.head_matmul(y[:, 0], m.uv, transposed=True).reshape(B, -1)  # (B, nh * dv): uv_h y_h
 
 
 def _decode(q, c, kr, m: MlaWeights, cfg: Arch, cos, sin, kv) -> np.ndarray:
