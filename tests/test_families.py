@@ -225,16 +225,19 @@ def test_tp2_logits_and_greedy_match_transformers(converted, case):
             assert moe.experts[0].gate_proj.shape == (cfg.intermediate_size, cfg.hidden_size)
 
 
-@pytest.mark.parametrize("case", ["mistral", "qwen2", "gemma2", "mixtral"])
+@pytest.mark.parametrize("case", ["mistral", "qwen2", "gemma2", "mixtral", "gpt_oss"])
 def test_tp4_replicates_kv_heads_across_ranks(converted, case):
     """tp = 4 over 2 kv heads: each rank holds the one kv head its query head reads (with its
-    bias for Qwen2); Mixtral's 4 experts one per rank."""
+    bias for Qwen2, GPT-OSS); Mixtral's and GPT-OSS's 4 experts one per rank, GPT-OSS's sinks
+    one per rank."""
     family, cfg, path = converted(case)
     family.check_tp(cfg, 4, "test")
     ref = reference(case)
     stages, logits = tp_run(family, cfg, path, 4, lambda s: s.forward(ref["input_ids"]))
     assert np.abs(logits[0] - ref["logits"]).max() <= 1e-4
     assert [s.blocks[0].k_proj.shape[0] for s in stages] == [cfg.head_dim] * 4
+    if cfg.attention_sinks:
+        assert [s.blocks[0].sinks.shape for s in stages] == [(1,)] * 4
     want = ref["greedy_ids"][0].tolist()
     _, tokens = tp_run(family, cfg, path, 4, lambda s: greedy(s, ref["prompt_ids"], len(want)))
     assert tokens[0] == want
