@@ -102,10 +102,11 @@ def test_greedy_tokens_equal_generate(converted, case):
     assert greedy(build(family, cfg, path), ref["prompt_ids"], len(want)) == want
 
 
-@pytest.mark.parametrize("case", ["mistral", "gemma2"])
+@pytest.mark.parametrize("case", ["mistral", "gemma2", "gpt_oss", "deepseek_v3"])
 def test_window_layers_keep_a_ring_and_the_recompute_path_agrees(converted, case):
     """A sliding-window layer caches only its window (a ring); ``kv_cache = none`` (recompute
-    the prefix every step) gives the same tokens."""
+    the prefix every step) gives the same tokens (DeepSeek: no window, the latent cache against
+    recomputing)."""
     family, cfg, path = converted(case)
     ref = reference(case)
     stage = build(family, cfg, path)
