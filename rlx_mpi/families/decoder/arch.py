@@ -16,6 +16,11 @@ Tensor names in our checkpoint (one scheme for every family; `expected_shapes`):
 outputs), and either ``gate_proj``/``up_proj``/``down_proj`` or, with experts, ``router``
 (E, C) and ``experts/{e}/gate_proj|up_proj|down_proj``. Norm weights are stored as the
 checkpoint has them; ``norm_offset`` is added at load (Gemma's ``1 + w``).
+DeepSeek's latent attention has, instead of q/k/v_proj, ``q_a_proj``/``q_a_norm``/``q_b_proj``
+(or ``q_proj``), ``kv_a_proj`` (latent + RoPE key), ``kv_a_norm`` and ``kv_b_proj``; its MoE
+layers (all but ``dense_layers``) add ``router_bias`` and ``shared_gate_proj|up_proj|down_proj``.
+GPT-OSS adds ``o_bias``, ``sinks`` (heads,), ``router_bias`` and ``experts/{e}/gate_bias|up_bias|
+down_bias``.
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ class Arch:
     experts_per_token: int = 0  # top-k of the router (weights renormalised over the k, as Mixtral)
     # -- DeepSeek-V2/V3 (multi-head latent attention, grouped routing, shared experts) and GPT-OSS --
     kv_lora_rank: int = 0  # MLA: width of the cached k/v latent; 0: ordinary attention (no MLA)
-    q_lora_rank: int = 0  # MLA: q through q_a_proj -> norm -> q_b_proj of this rank; 0: one q_proj
+    q_lora_rank: int = 0  # MLA: q through q_a_proj (to this width) -> norm -> q_b_proj; 0: one q_proj
     qk_nope_head_dim: int = 0  # MLA: per-head q/k dims without RoPE (head_dim is the RoPE part)
     v_head_dim: int = 0  # MLA: per-head value width
     rope_interleave: bool = False  # RoPE over interleaved pairs (DeepSeek): de-interleaved first
