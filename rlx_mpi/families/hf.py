@@ -408,9 +408,9 @@ def sliding_windows(raw: dict, where: str, layers: int, *, all_layers: bool = Fa
 
 
 def _check_tensors(cfg: Arch, names: dict[str, Source], entries: dict[str, _Entry], where_dir: Path,
-                   family: str, ignore=None) -> dict[str, tuple[_Entry, tuple[int, int] | None]]:
-    """Our name -> (entry, rows), after checking names, dtypes and shapes against ``cfg``;
-    ``ignore(name)``: a Hugging Face tensor the family leaves on purpose."""
+                   family: str, ignore=None) -> dict[str, tuple[_Entry, Source, _Entry | None]]:
+    """Our name -> (entry, source, MXFP4 scales entry or None), after checking names, dtypes and
+    shapes against ``cfg``; ``ignore(name)``: a Hugging Face tensor the family leaves on purpose."""
     want = expected_shapes(cfg)
     names = {k: _mxfp4_instead(src, entries) for k, src in names.items()}
     used = {src.name for src in names.values()} | {src.scales for src in names.values() if src.scales}
