@@ -8,7 +8,7 @@ Exact command line used (from the repo root)::
 
     /work/torchvenv/bin/python tests/make_family_fixtures.py            # every case
     /work/torchvenv/bin/python tests/make_family_fixtures.py llama3 qwen2  # only these
-    /work/torchvenv/bin/python tests/make_family_fixtures.py deepseek_v3 deepseek_v2 gpt_oss mxfp4
+    /work/torchvenv/bin/python tests/make_family_fixtures.py deepseek_v3 deepseek_v2 gpt_oss mxfp4 fp8
 
 Versions used for the committed fixtures: torch 2.13.0+cpu, transformers 5.24.0,
 safetensors 0.8.0, tokenizers 0.23.3, jinja2 3.1.6, Python 3.11 (recorded per case in
@@ -113,7 +113,9 @@ gpt_oss        gpt_oss, 4 layers (sliding 8 / full alternating), head_dim 16, si
 
 ``mxfp4`` (a name beside the cases): ``tests/fixtures/mxfp4.npz`` (random MXFP4 blocks and scales
 with transformers' ``convert_moe_packed_tensors`` output) and ``families/gpt_oss_mxfp4/`` (the
-gpt_oss case with MXFP4 experts, saved as the Hub stores them; ``build_mxfp4``).
+gpt_oss case with MXFP4 experts, saved as the Hub stores them; ``build_mxfp4``). ``fp8``:
+``families/deepseek_v3_fp8/`` (the deepseek_v3 case with FP8 block-scaled weights as the Hub's
+DeepSeek-V3 stores them; ``build_fp8``).
 
 Checks done here: the saved model reloads to the same logits exactly; taking away each
 feature a case must exercise (``FEATURES``: llama3/linear RoPE scaling, the sliding window,
@@ -628,14 +630,67 @@ def build_mxfp4():
     print("  gpt_oss_mxfp4:", sorted(packed)[:2], "logits max |.| %.3f" % np.abs(logits).max())
 
 
+def build_fp8():
+    """``families/deepseek_v3_fp8/``: the ``deepseek_v3`` case's model (same seed and perturbation)
+    with every linear weight but the embedding, head and routers stored the way the Hub's
+    DeepSeek-V3 is: float8 e4m3fn with a float32 ``weight_scale_inv`` per 128 x 128 block
+    (the block's max |w| / 448), ``quantization_config`` {quant_method: fp8, fmt: e4m3,
+    weight_block_size: [128, 128]}. The model runs on the weights transformers'
+    ``finegrained_fp8._dequantize_fp8_weight`` gives back; ``reference.npz``: ``input_ids`` [2, 40]
+    (seed 1234) and its ``logits``."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    model = make_model(CASES["deepseek_v3"])
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)  # the Hub's per-expert names
+        dense = load_file(os.path.join(tmp, "model.safetensors"))
+        state = {}
+        for name, p in dense.items():
+            if p.ndim != 2 or "embed_tokens" in name or "lm_head" in name or name.endswith("mlp.gate.weight"):
+                state[name] = p
+                continue
+            rows, cols = p.shape
+            grid = (-(-rows // 128), -(-cols // 128))
+            pad = torch.zeros(grid[0] * 128, grid[1] * 128)
+            pad[:rows, :cols] = p
+            scale = (pad.abs().reshape(grid[0], 128, grid[1], 128).amax(dim=(1, 3)).clamp(min=1e-12) / 448.0).float()
+            q = (p / scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]).to(torch.float8_e4m3fn)
+            dense[name] = _dequantize_fp8_weight(q, scale, [128, 128], torch.float32)
+            state[name], state[name + "_scale_inv"] = q, scale
+        save_file(dense, os.path.join(tmp, "model.safetensors"))  # what transformers' dequantization gives
+        model = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager", dtype=torch.float32).eval()
+    out = os.path.join(OUT, "deepseek_v3_fp8")
+    os.makedirs(out, exist_ok=True)
+    for f in os.listdir(out):
+        os.unlink(os.path.join(out, f))
+    ids = torch.randint(0, model.config.vocab_size, (2, T_LONG), generator=torch.Generator().manual_seed(1234))
+    logits = forward(model, ids.numpy())
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, "model.safetensors"))
+    config = model.config.to_dict()
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": [128, 128]}
+    _dump(os.path.join(out, "config.json"), config)
+    np.savez(os.path.join(out, "reference.npz"), input_ids=ids.numpy().astype(np.int64), logits=logits)
+    fp8 = sorted(k for k, v in state.items() if v.dtype == torch.float8_e4m3fn)
+    print(f"  deepseek_v3_fp8: {len(fp8)} FP8 weights ({fp8[0]}, ...); logits max |.| %.3f" % np.abs(logits).max())
+
+
+EXTRA = {"mxfp4": build_mxfp4, "fp8": build_fp8}
+
+
 def main(argv):
-    names = argv or [*CASES, "mxfp4"]
-    unknown = [n for n in names if n not in CASES and n != "mxfp4"]
+    names = argv or [*CASES, *EXTRA]
+    unknown = [n for n in names if n not in CASES and n not in EXTRA]
     if unknown:
-        sys.exit(f"unknown case(s) {unknown}; cases: {[*CASES, 'mxfp4']}")
+        sys.exit(f"unknown case(s) {unknown}; cases: {[*CASES, *EXTRA]}")
     for name in names:
         print(f"=== {name}")
-        build_mxfp4() if name == "mxfp4" else build(name)
+        EXTRA[name]() if name in EXTRA else build(name)
     print("OK")
     return 0
 

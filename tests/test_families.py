@@ -692,7 +692,7 @@ def test_deepseek_refuses_what_it_does_not_compute(tmp_path):
     raw = json.loads((FAMILIES / "deepseek_v3" / "config.json").read_text())
     for change, key in [({"scoring_func": "softmax"}, "scoring_func"), ({"attention_bias": True}, "attention_bias"),
                         ({"num_key_value_heads": 2}, "num_key_value_heads"), ({"hidden_act": "gelu"}, "hidden_act"),
-                        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+                        ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
                         ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
                          "rope_parameters.rope_type")]:
         with pytest.raises(CheckpointError, match=key):
@@ -878,3 +878,32 @@ def test_head_matmul_against_numpy_and_row_independent(transposed):
         assert np.array_equal(ops.head_matmul(x[b:b + 1], w, transposed)[0], got[b])
     with pytest.raises(ValueError, match="do not fit"):
         ops.head_matmul(x, w[..., :5] if transposed else w[:, :5], transposed)  # K cut short
+
+
+def test_fp8_block_decode_by_hand():
+    """e4m3fn: bias 7, subnormals at exponent 0, 0x7f NaN, no infinities; one scale per 128 x 128 block."""
+    from rlx_mpi.families.hf import fp8_block_decode
+
+    codes = np.array([[0x30, 0x7E, 0x01, 0xB8, 0x7F]], np.uint8)  # 0.5, 448, 2^-9, -1, NaN
+    got = fp8_block_decode(codes, np.array([[2.0]], np.float32))
+    np.testing.assert_array_equal(got[0, :4], [1.0, 896.0, 2.0 ** -8, -2.0])
+    assert np.isnan(got[0, 4])
+    big = fp8_block_decode(np.full((130, 3), 0x38, np.uint8), np.array([[1.0], [3.0]], np.float32))  # 1.0 each
+    assert big[:128].tolist() == [[1.0] * 3] * 128 and big[128:].tolist() == [[3.0] * 3] * 2
+
+
+def test_deepseek_fp8_checkpoint_converts_to_transformers_logits(tmp_path, caplog):
+    """The Hub's DeepSeek-V3 layout (e4m3 weights, a float32 weight_scale_inv per 128 x 128 block,
+    quantization_config fp8): dequantized at convert (logged), logits as transformers' own
+    dequantization gives; another block size is refused, naming the key."""
+    case = FAMILIES / "deepseek_v3_fp8"
+    family = get_family("deepseek_v3")
+    with caplog.at_level("WARNING"):
+        cfg = family.convert_hf(case, tmp_path / "m.h5")
+    assert "FP8 tensors" in caplog.text and "dequantized" in caplog.text
+    ref = np.load(case / "reference.npz", allow_pickle=False)
+    assert np.abs(build(family, cfg, tmp_path / "m.h5").forward(ref["input_ids"]) - ref["logits"]).max() <= 1e-4
+    raw = json.loads((case / "config.json").read_text())
+    raw["quantization_config"]["weight_block_size"] = [64, 64]
+    with pytest.raises(CheckpointError, match="quantization_config.weight_block_size"):
+        family.arch_from_hf(raw, "config.json")

@@ -6,12 +6,15 @@ V3 (DeepSeek-V3, V3.1, R1, and their bf16 re-exports) routes with sigmoid scores
 ``e_score_correction_bias`` and grouped top-k (``n_group`` / ``topk_group``), yarn RoPE on
 interleaved pairs; V2 (DeepSeek-V2, V2-Lite, V2.5; V2-Lite has ``q_lora_rank`` null: one
 ``q_proj``) routes with a softmax, greedy or ``group_limited_greedy``, never renormalised.
-The Hub's V3/R1 weights are FP8 (``quantization_config``): refused, convert a bf16 export.
-The multi-token-prediction layer(s) past ``num_hidden_layers`` are not read.
+The Hub's V3/R1 weights are FP8 (e4m3 with a float32 ``weight_scale_inv`` per 128 x 128 block):
+dequantized at convert to the checkpoint's dtype (logged; `hf.fp8_block_decode`); any other
+``quantization_config`` is refused. The multi-token-prediction layer(s) past
+``num_hidden_layers`` are not read.
 """
 
 from __future__ import annotations
 
+from ..errors import CheckpointError
 from .decoder.arch import Arch
 from .decoder.family import DecoderFamily
 from .decoder.rope import yarn_mscale
@@ -32,6 +35,13 @@ def _count(raw: dict, where: str, key: str, default, *, zero: bool = False) -> i
 def arch_from_hf(raw: dict, where: str) -> Arch:
     """A DeepSeek-V2/V3 config as an `Arch`, refusing what we do not compute."""
     v3 = raw.get("model_type") == "deepseek_v3"
+    quant = raw.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method") == "fp8":  # `hf.convert` dequantizes the weights
+        for key, want in (("fmt", "e4m3"), ("weight_block_size", [128, 128])):
+            if quant.get(key, want) != want:
+                raise CheckpointError(f"{where}: quantization_config.{key}", f"is {quant[key]!r}",
+                                      f"only DeepSeek-V3's FP8 ({want!r}) is read; convert a bf16 export")
+        raw = {k: v for k, v in raw.items() if k != "quantization_config"}
     silu_only(raw, where)
     for key in ("attention_bias", "mlp_bias"):
         refuse_if(raw, where, key, bool(raw.get(key, False)), "DeepSeek with linear biases is not supported "

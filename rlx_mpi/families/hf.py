@@ -35,7 +35,7 @@ from ..errors import CheckpointError, ConfigError
 from .decoder.arch import Arch, expected_shapes
 
 __all__ = ["copy_tokenizer", "convert", "read_hf_config", "standard_names", "Source", "TOKENIZER_FILES",
-           "sizes", "rope_fields", "refuse_if", "sliding_windows", "mxfp4_decode"]
+           "sizes", "rope_fields", "refuse_if", "sliding_windows", "mxfp4_decode", "fp8_block_decode"]
 
 # safetensors dtype -> numpy dtype of the stored bytes (little-endian by the format's rule).
 # BF16 is stored as uint16 and widened to float32 on read.
@@ -56,7 +56,8 @@ class Source:
     ``transposed`` (the slab is stored (in, out)), ``step`` (every step-th row of ``rows``: gate
     and up interleaved) and, for MXFP4 weights, ``scales``: ``name`` is then the packed blocks
     (uint8 [E, out, in/32, 16]) and ``scales`` their e8m0 exponents (uint8 [E, out, in/32]),
-    dequantized at convert (`mxfp4_decode`)."""
+    dequantized at convert (`mxfp4_decode`). An FP8 weight (DeepSeek-V3's e4m3 [out, in]) names
+    its float32 ``weight_scale_inv`` (one per 128 x 128 block) as ``scales`` (`fp8_block_decode`)."""
 
     name: str
     rows: tuple[int, int] | None = None
@@ -72,6 +73,29 @@ class Source:
 
 
 _FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def _e4m3_table() -> np.ndarray:
+    """float8 e4m3fn's 256 values: sign, 4 exponent bits (bias 7; 0: subnormal), 3 mantissa
+    bits; exponent 15 with mantissa 7 is NaN (no infinities)."""
+    b = np.arange(256)
+    e, m = (b >> 3) & 15, (b & 7).astype(np.float64)
+    mag = np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e - 7))
+    mag = np.where((e == 15) & (m == 7), np.nan, mag)
+    return np.where(b >> 7, -mag, mag).astype(np.float32)
+
+
+_E4M3 = _e4m3_table()
+FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size [128, 128]
+
+
+def fp8_block_decode(weight: np.ndarray, scale_inv: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray:
+    """DeepSeek-V3's FP8 weights as float32: e4m3fn bytes (rows, cols) times their block's
+    ``weight_scale_inv`` (ceil(rows / block), ceil(cols / block)), as transformers'
+    ``finegrained_fp8`` dequantizes them."""
+    rows, cols = weight.shape
+    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), block, axis=0), block, axis=1)[:rows, :cols]
+    return _E4M3[weight] * scale
 
 
 def mxfp4_decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -444,7 +468,7 @@ def _check_tensors(cfg: Arch, names: dict[str, Source], entries: dict[str, _Entr
         if entry.dtype not in _DTYPES and not scales:
             raise CheckpointError(where, f"dtype {entry.dtype} is not supported",
                                   f"only {sorted(_DTYPES)} are read; convert an unquantized model")
-        matrix = _matrix_shape(src, entry.shape)
+        matrix = _matrix_shape(src, entry)
         got = matrix if src.rows is None else (len(range(*src.rows, src.step)), *matrix[1:])
         if src.rows is not None and src.plain:
             fused[src.name] = fused.get(src.name, 0) + got[0]
@@ -464,27 +488,38 @@ def _check_tensors(cfg: Arch, names: dict[str, Source], entries: dict[str, _Entr
 def _mxfp4_instead(src: Source, entries: dict) -> Source:
     """``src``, or where the checkpoint has no such tensor but MXFP4 ``<name>_blocks`` and
     ``<name>_scales`` (the Hub's GPT-OSS experts), those: stored (out, in), so a source read
-    transposed from the dense (in, out) layout is read as it is from the blocks."""
+    transposed from the dense (in, out) layout is read as it is from the blocks. An FP8 tensor
+    with its ``<name>_scale_inv`` (DeepSeek-V3) gets that as its scales."""
+    entry = entries.get(src.name)
+    if entry is not None and entry.dtype == "F8_E4M3" and f"{src.name}_scale_inv" in entries and not src.scales:
+        return dataclasses.replace(src, scales=f"{src.name}_scale_inv")
     if src.name in entries or src.scales or f"{src.name}_blocks" not in entries:
         return src
     return dataclasses.replace(src, name=f"{src.name}_blocks", scales=f"{src.name}_scales",
                                transposed=not src.transposed)
 
 
-def _matrix_shape(src: Source, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of the (out, in) matrix ``src`` reads from a tensor of ``shape``, before its rows."""
-    if src.index is not None:
-        shape = shape[1:]
-    if src.scales:  # blocks (out, in/32, 16)
+def _matrix_shape(src: Source, entry: _Entry) -> tuple[int, ...]:
+    """The shape of the (out, in) matrix ``src`` reads from ``entry``, before its rows."""
+    shape = entry.shape[1:] if src.index is not None else entry.shape
+    if src.scales and entry.dtype == "U8":  # MXFP4 blocks (out, in/32, 16); FP8: as stored
         shape = (shape[0], shape[1] * shape[2] * 2) if len(shape) == 3 else (-1,)
     return tuple(reversed(shape)) if src.transposed else tuple(shape)
 
 
 def _check_mxfp4(src: Source, entry: _Entry, entries: dict, where: str) -> _Entry:
-    """The scales entry of MXFP4 blocks ``entry``, both checked (uint8, matching shapes, whole bytes)."""
+    """The scales entry of MXFP4 blocks ``entry``, both checked (uint8, matching shapes, whole bytes);
+    or of an FP8 weight (e4m3 bytes, float32 scales of its 128 x 128 blocks)."""
     scales = entries.get(src.scales)
     if scales is None:
         raise CheckpointError(where, f"MXFP4 blocks without their scales {src.scales!r}", "download the missing shards")
+    if entry.dtype == "F8_E4M3":
+        grid = tuple(-(-d // FP8_BLOCK) for d in entry.shape)
+        if len(entry.shape) != 2 or entry.stop - entry.start != math.prod(entry.shape) or scales.dtype != "F32" \
+                or scales.shape != grid:
+            raise CheckpointError(where, f"FP8 weight {entry.shape} with scales {scales.dtype} {scales.shape}",
+                                  f"expected float32 scales {grid}: one per {FP8_BLOCK} x {FP8_BLOCK} block")
+        return scales
     for e in (entry, scales):
         if e.dtype != "U8" or e.stop - e.start != math.prod(e.shape):
             raise CheckpointError(f"{e.path}: {e.name}", f"dtype {e.dtype} shape {e.shape} is not MXFP4 "
@@ -507,7 +542,9 @@ def _read_source(entry: _Entry, src: Source, scales: _Entry | None, handle) -> n
                                   "the file is truncated; download it again")
         return data.reshape(shape)
 
-    if scales is not None:
+    if scales is not None and entry.dtype == "F8_E4M3":
+        m = fp8_block_decode(slab(entry, np.uint8), slab(scales, _DTYPES["F32"]))
+    elif scales is not None:
         m = mxfp4_decode(slab(entry, np.uint8), slab(scales, np.uint8))
     else:
         m = slab(entry, _DTYPES[entry.dtype])
@@ -567,10 +604,11 @@ def convert(family, hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, d
     hf_ignore = getattr(family, "hf_ignore", None)
     plan = _check_tensors(cfg, family.hf_names(cfg), _index_tensors(_safetensors_files(hf_dir)), hf_dir, family.name,
                           hf_ignore(cfg) if hf_ignore else None)
-    packed = sorted({src.name for _, src, _ in plan.values() if src.scales})
-    if packed:  # until 4-bit weights are resident, say what the checkpoint holds instead
-        logging.getLogger(__name__).warning("%s: %d MXFP4 tensors (%s, ...) are dequantized to %s at convert",
-                                            hf_dir, len(packed), packed[0], dtype)
+    for kind, stored in (("MXFP4", "U8"), ("FP8", "F8_E4M3")):
+        packed = sorted({s.name for e, s, _ in plan.values() if s.scales and e.dtype == stored})
+        if packed:  # until such weights are resident, say what the checkpoint holds instead
+            logging.getLogger(__name__).warning("%s: %d %s tensors (%s, ...) are dequantized to %s at convert",
+                                                hf_dir, len(packed), kind, packed[0], dtype)
     with contextlib.ExitStack() as stack:
         write_checkpoint(out_path, family.name, cfg.to_json(), _tensors(plan, stack), dtype=dtype)
     if tokenizer:
