@@ -171,19 +171,19 @@ class DecoderStage(Stage):
         self.specs = [_layer_spec(kv, w.window) for w in self.blocks]
         self.caches = None
         if not kv.recompute:
-            heads, k_width, v_width = self._entry()
-            self.caches = [LayerCache(slots, heads, s.cache_len(max_seq), k_width, v_width) for s in self.specs]
+            self.caches = [LayerCache(slots, *self._entry(w, s.cache_len(max_seq))) for w, s in zip(self.blocks, self.specs)]
         self.rope = Rope(cfg, max_seq)
         return sum(c.nbytes for c in self.caches) if self.caches else 0
 
-    def _entry(self) -> tuple[int, int, int]:
-        """A layer's cache entry per position: (heads, k width, v width) on this rank. K and V of
-        this rank's kv heads; with MLA one shared "head" of the latent (kv_lora_rank, in ``k``) and
-        the RoPE key (head_dim, in ``v``), the same on every TP rank (`decoder.mla`)."""
+    def _entry(self, w: LayerWeights, length: int) -> tuple[int, int, int, int]:
+        """Layer ``w``'s cache shape on this rank, (heads, positions, k width, v width): K and V of
+        this rank's kv heads, or for a latent-attention layer one shared "head" holding the
+        latent (kv_lora_rank, in ``k``) and the RoPE key (head_dim, in ``v``), the same on every
+        TP rank (`decoder.mla`). The entry width is the layer's own (`LayerCache.entry_floats`)."""
         cfg = self.cfg
-        if cfg.kv_lora_rank:
-            return 1, cfg.kv_lora_rank, cfg.head_dim
-        return cfg.num_key_value_heads // self.kv_part[1], cfg.head_dim, cfg.head_dim
+        if w.mla is not None:
+            return 1, length, cfg.kv_lora_rank, cfg.head_dim
+        return cfg.num_key_value_heads // self.kv_part[1], length, cfg.head_dim, cfg.head_dim
 
     def prefill(self, x: np.ndarray, slots: np.ndarray, lengths: np.ndarray, start: int = 0) -> np.ndarray:
         """Positions start..start+T-1 of each row, filling the cache; a row's whole prompt is
