@@ -320,7 +320,10 @@ class Arch:
         tokens = batch * seq
         inner = self.intermediate_size * (self.experts_per_token if self.num_experts else 1)
         inner = max(inner + self.shared_intermediate_size, self.dense_intermediate_size)  # dense layers too
+        held = self.layer_params()
         if self.kv_lora_rank:
+            held += self.num_attention_heads * (self.qk_nope_head_dim + self.v_head_dim) * self.kv_lora_rank  # kv_b's
+            # halves again, float32 for the absorbed decode (priced as weights: low for a bf16 rank by 0.15 %)
             kv_bytes = tokens * self.latent_dim * 4  # float32 cache
             kv_heads = 1
             replicated = h * self.latent_dim + self.kv_lora_rank + (h * self.q_lora_rank + self.q_lora_rank)
@@ -335,7 +338,7 @@ class Arch:
             heads_dim = self.head_dim
         return ModelCost(
             n_layers=self.num_hidden_layers,
-            layer_bytes=self.layer_params() * weight_bytes,
+            layer_bytes=held * weight_bytes,
             layer_flops_per_token=2.0 * self.layer_params(active=True) + attn_flops,
             layer_flops_all_experts=2.0 * self.layer_params() + attn_flops if self.num_experts else 0.0,
             embed_bytes=embed,

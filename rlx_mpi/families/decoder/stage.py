@@ -130,7 +130,9 @@ class DecoderStage(Stage):
                        q_a_norm=self._norm(source, p + "q_a_norm") if cfg.q_lora_rank else None)
         dn = cfg.qk_nope_head_dim
         per_head = m.kv_b.to_f32().reshape(-1, dn + cfg.v_head_dim, cfg.kv_lora_rank)  # (nh, dn + dv, r)
-        m.uk, m.uv = per_head[:, :dn], per_head[:, dn:]  # views of kv_b itself when it is float32
+        # contiguous copies: the decode's per-head products read them every step (a strided view would be
+        # copied each time); DeepSeek-V3: 64 MiB a layer in float32, split over the TP ranks
+        m.uk, m.uv = np.ascontiguousarray(per_head[:, :dn]), np.ascontiguousarray(per_head[:, dn:])
         return m
 
     @property

@@ -216,9 +216,8 @@ class MlaWeights:
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.q, self.kv_a, self.kv_a_norm, self.kv_b, self.q_a, self.q_a_norm)
-        views = self.kv_b.precision == "f32"  # uk/uv view kv_b's own float32 memory then
-        return sum(a.nbytes for a in arrays if a is not None) + (0 if views else self.uk.nbytes + self.uv.nbytes)
+        arrays = (self.q, self.kv_a, self.kv_a_norm, self.kv_b, self.q_a, self.q_a_norm, self.uk, self.uv)
+        return sum(a.nbytes for a in arrays if a is not None)
 
 
 @dataclass
