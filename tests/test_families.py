@@ -909,3 +909,18 @@ def test_deepseek_fp8_checkpoint_converts_to_transformers_logits(tmp_path, caplo
     raw["quantization_config"]["weight_block_size"] = [64, 64]
     with pytest.raises(CheckpointError, match="quantization_config.weight_block_size"):
         family.arch_from_hf(raw, "config.json")
+
+
+def test_one_call_decode_layer_is_not_taken_for_latent_attention_sinks_or_o_bias(converted):
+    """`model.fused_decode_rows` (the one-call decode layer knows none of MLA, sinks, o_proj
+    biases): 0 rows for DeepSeek and GPT-OSS, and for a dense model with any one of them."""
+    from rlx_mpi.families.decoder import model
+
+    for case in ("deepseek_v3", "gpt_oss"):
+        assert model.fused_decode_rows(converted(case)[1], "f32", 1) == 0
+    dense = Arch(vocab_size=8, hidden_size=16, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=2)
+    assert model.fused_decode_rows(dense, "f32", 1) > 0
+    for change in ({"attention_sinks": True}, {"o_bias": True}, {"kv_lora_rank": 4, "qk_nope_head_dim": 4,
+                                                                 "v_head_dim": 4}):
+        assert model.fused_decode_rows(dataclasses.replace(dense, **change), "f32", 1) == 0, change
