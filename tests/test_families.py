@@ -815,11 +815,12 @@ def test_gpt_oss_mxfp4_checkpoint_converts_to_transformers_logits(tmp_path, capl
 HUB = TESTS / "fixtures" / "hub_configs"
 
 
-@pytest.mark.parametrize("name, total, active", [("deepseek_v3", 671e9, 37e9), ("gpt_oss_120b", 116.8e9, 5.1e9)])
+@pytest.mark.parametrize("name, total, active", [("deepseek_v3", 671e9, 37e9), ("gpt_oss_120b", 116.8e9, 5.1e9),
+                                                 ("gpt_oss_20b", 20.9e9, 3.6e9)])
 def test_parameter_counts_at_real_sizes(name, total, active):
     """Published counts (DeepSeek-V3: 671 B, 37 B activated, without its 14 B MTP module;
-    gpt-oss-120b: 116.8 B, 5.1 B active) from the Hub configs, within 0.5 % (total) and 3 %
-    (active, which both count without the input embedding: a lookup)."""
+    gpt-oss-120b: 116.8 B, 5.1 B active; gpt-oss-20b: 20.9 B, 3.6 B) from the Hub configs,
+    within 0.5 % (total) and 3 % (active, which both count without the input embedding: a lookup)."""
     raw = json.loads((HUB / f"{name}.json").read_text())
     cfg = family_for_model_type(raw["model_type"]).arch_from_hf(
         {k: v for k, v in raw.items() if k != "quantization_config"}, name).validate(name)
