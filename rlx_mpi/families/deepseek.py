@@ -71,9 +71,9 @@ def arch_from_hf(raw: dict, where: str) -> Arch:
     if rope["rope_type"] != "default":  # transformers' yarn_apply_mscale: the softmax temperature too
         params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         if params.get("mscale_all_dim"):
-            scale *= yarn_mscale(params["factor"], params["mscale_all_dim"]) ** 2
-    return Arch(**{**shape, "head_dim": dr, "num_key_value_heads": nh, "intermediate_size":
-                   _count(raw, where, "moe_intermediate_size", 2048 if v3 else 1407)}, **rope,
+            scale *= yarn_mscale(rope["rope_factor"], params["mscale_all_dim"]) ** 2
+    width = _count(raw, where, "moe_intermediate_size", 2048 if v3 else 1407)  # each routed expert's
+    return Arch(**{**shape, "head_dim": dr, "num_key_value_heads": nh, "intermediate_size": width}, **rope,
                 attention_scale=scale, kv_lora_rank=_count(raw, where, "kv_lora_rank", 512),
                 q_lora_rank=0 if "q_lora_rank" in raw and raw["q_lora_rank"] is None else  # V2-Lite: q_proj
                 _count(raw, where, "q_lora_rank", 1536),
@@ -82,8 +82,7 @@ def arch_from_hf(raw: dict, where: str) -> Arch:
                 router_bias=v3, n_group=n_group, topk_group=topk_group,
                 norm_topk_prob=bool(raw.get("norm_topk_prob", True)) if v3 else False,  # V2's router never renormalises
                 routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
-                shared_intermediate_size=_count(raw, where, "n_shared_experts", 1, zero=True) * _count(
-                    raw, where, "moe_intermediate_size", 2048 if v3 else 1407),
+                shared_intermediate_size=_count(raw, where, "n_shared_experts", 1, zero=True) * width,
                 dense_layers=tuple(range(min(_count(raw, where, "first_k_dense_replace", 0, zero=True),
                                              shape["num_hidden_layers"]))),
                 dense_intermediate_size=shape["intermediate_size"])
