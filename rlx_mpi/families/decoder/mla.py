@@ -119,11 +119,9 @@ def _decode(q, c, kr, m: MlaWeights, cfg: Arch, cos, sin, kv) -> np.ndarray:
 def attention(x: np.ndarray, w: LayerWeights, cfg: Arch, cos, sin, kv=None) -> np.ndarray:
     """x (B, T, C) -> the attention output before o_proj (B, T, nh*dv); ``kv`` as `model.attention`
     takes it (None: a plain forward; a `model.KvStep`; a `model.MixedKv` of decode rows and a chunk)."""
-    from .model import MixedKv  # (model imports this module)
-
     m = w.mla
     q, c, kr = _project(x, m, cfg)
-    if isinstance(kv, MixedKv):  # the decode rows first, then the chunk's rows x T
+    if hasattr(kv, "decode"):  # a MixedKv (not imported: model imports this module): decode rows, then the chunk
         nd, T = len(kv.decode.slots), kv.T
         yd = _decode(q[0, :nd, None], c[0, :nd, None], kr[0, :nd, None], m, cfg, kv.cos_d, kv.sin_d, kv.decode)
         n = (q.shape[1] - nd) // T
