@@ -516,7 +516,7 @@ def _check_tensors(cfg: Arch, names: dict[str, Source], entries: dict[str, _Entr
         if missing == ["lm_head.weight"]:
             fix = "if the model ties lm_head to embed_tokens, its config should say tie_word_embeddings: true"
         raise CheckpointError(str(where_dir), f"missing tensors {missing[:5]}{more}", fix)
-    fused: dict[str, int] = {}  # rows of a split tensor our parts cover
+    fused: dict[str, tuple[int, int]] = {}  # a split or stacked tensor: (values our parts cover, its values)
     out = {}
     for name, shape in want.items():
         src = names[name]
