@@ -147,6 +147,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--seq", type=int, help="tokens per sequence (default: the job's, else 2048)")
     pl.add_argument("--reserve-gb", type=float, help="RAM kept free per rank (default: the job's, else 1.0)")
     pl.add_argument("--preset", help="plan a random preset's shape (e.g. tiny, small, medium)")
+    pl.add_argument("--hf-config", metavar="CONFIG_JSON", help="plan a Hugging Face model from its config.json alone "
+                    "(before downloading the weights; any model type `convert` reads)")
     shape = pl.add_argument_group("model shape (instead of a checkpoint), e.g. Llama-3-70B: --layers 80 "
                                   "--hidden 8192 --heads 64 --kv-heads 8 --intermediate 28672 --vocab 128256 --dtype bfloat16")
     pl.add_argument("--family", default="llama", help="model family of the shape flags (default llama)")
@@ -327,6 +329,8 @@ def _plan_model(args, job):
         return family, family.config_from_shape({**given, "tied": args.tied}, "plan"), True
     if args.preset:
         return (*require_preset(args.preset, "plan --preset"), False)
+    if args.hf_config:
+        return (*_hf_config_model(args.hf_config), False)
     if job is not None:
         from .checkpoint import read_header
         from .families import load_plugins
@@ -344,6 +348,24 @@ def _plan_model(args, job):
                                   "import the package that registers it (rlx_mpi.register_family)")
         return family, family.load_config(config_json, str(ckpt)), False
     raise ConfigError("plan", "no model given", "pass a job file, --preset NAME, or the model shape flags")
+
+
+def _hf_config_model(path: str):
+    """(family, config) of a Hugging Face config.json; its quantization_config is left aside
+    (plan prices the precision it is given: a bf16 / int8 conversion of the model)."""
+    from pathlib import Path
+
+    from .errors import CheckpointError
+    from .families import family_for_model_type
+    from .families.hf import read_hf_config
+
+    raw = read_hf_config(Path(path))
+    family = family_for_model_type(raw.get("model_type")) if isinstance(raw.get("model_type"), str) else None
+    if family is None:
+        raise CheckpointError(f"{path}: model_type", f"{raw.get('model_type')!r} is not a supported model type",
+                              "give the config.json of a model `rlx-mpi convert` reads")
+    raw = {k: v for k, v in raw.items() if k != "quantization_config"}
+    return family, family.arch_from_hf(raw, path).validate(path)
 
 
 def cmd_plan(args) -> int:

@@ -62,11 +62,20 @@ class KvSpec:
 
 
 class LayerCache:
-    """K and V of one layer: ``(slots, nkv, L, hs)`` float32 each, allocated once."""
+    """One layer's cache: ``k`` (slots, heads, L, k_width) and ``v`` (slots, heads, L, v_width)
+    float32, allocated once. The entry width is the layer's own (`entry_floats`): K and V of its
+    kv heads (k_width = v_width = head_dim), or a latent-attention layer's one shared entry (the
+    latent in ``k``, the RoPE key in ``v``: `families.decoder.mla`); the ring, the chunked
+    prefill's reads and the slot bookkeeping do not depend on it."""
 
-    def __init__(self, slots: int, nkv: int, length: int, head_dim: int):
-        self.k = np.zeros((slots, nkv, length, head_dim), np.float32)
-        self.v = np.zeros_like(self.k)
+    def __init__(self, slots: int, heads: int, length: int, k_width: int, v_width: int | None = None):
+        self.k = np.zeros((slots, heads, length, k_width), np.float32)
+        self.v = np.zeros((slots, heads, length, k_width if v_width is None else v_width), np.float32)
+
+    @property
+    def entry_floats(self) -> int:
+        """Floats one position of one slot holds."""
+        return self.k.shape[1] * (self.k.shape[3] + self.v.shape[3])
 
     @property
     def nbytes(self) -> int:

@@ -8,6 +8,7 @@ Exact command line used (from the repo root)::
 
     /work/torchvenv/bin/python tests/make_family_fixtures.py            # every case
     /work/torchvenv/bin/python tests/make_family_fixtures.py llama3 qwen2  # only these
+    /work/torchvenv/bin/python tests/make_family_fixtures.py deepseek_v3 deepseek_v2 gpt_oss mxfp4 fp8
 
 Versions used for the committed fixtures: torch 2.13.0+cpu, transformers 5.24.0,
 safetensors 0.8.0, tokenizers 0.23.3, jinja2 3.1.6, Python 3.11 (recorded per case in
@@ -40,7 +41,8 @@ What it writes, for each case, in ``tests/fixtures/families/<case>/``:
     (so a float32 re-implementation cannot flip a choice). The prompt is drawn with
     ``torch.Generator().manual_seed(s)`` for the first s from 4321 up whose run has at least 6
     distinct new tokens (a random model that repeats one token cannot tell a broken KV cache
-    from a working one) and passes the margin check: 4321 for every case but gemma2 (4323).
+    from a working one) and passes the margin check: 4321 for every case but gemma2 (4323) and
+    deepseek_v2 (4322).
     P = 8 (so 8 + 12 positions pass the window 8 and the original 16 positions);
     ``phi3_longrope``: P = 20 (see below).
   - ``phi3_longrope`` only: ``input_ids_short`` [2, 12] and ``logits_short``: transformers
@@ -70,7 +72,8 @@ What it writes, for each case, in ``tests/fixtures/families/<case>/``:
 Weights: ``torch.manual_seed(0)`` before each model is built; ``initializer_range`` 0.2 (HF's
 0.02 leaves logits ~0 and attention uniform). Then every norm weight is perturbed away from 1
 (``normal_(1.0, 0.2)``; Gemma 2's (1 + w) norms: w ``normal_(0.0, 0.2)``) and every bias away
-from 0 (``normal_(0.0, 0.1)``), so a missing norm offset or bias shows in the logits. Gemma 2's
+from 0 (``normal_(0.0, 0.1)``; GPT-OSS's ``*_bias`` too, DeepSeek-V3's ``e_score_correction_bias``
+buffer likewise; GPT-OSS's ``sinks`` ``normal_(0.0, 1.0)``), so a missing norm offset or bias shows in the logits. Gemma 2's
 post-attention and post-feedforward norms get w ``normal_(2.0, 0.2)`` (a scale of about 3):
 with w around 0 the sqrt(hidden)-scaled embedding swamps the layers' normalised outputs and,
 through the tied head, a token often predicts itself (21% of positions), so greedy decoding
@@ -114,17 +117,36 @@ gemma3_mm      gemma3 (multimodal: Gemma3ForConditionalGeneration), a 1-layer Si
                Hub's layout (language_model.model.*, vision_tower.*, multi_modal_projector.*);
                logits of text-only input (image token id 1000, past the vocabulary); its greedy run
                needs only 4 distinct tokens (the gemma3 case tests the cache with 6)
+deepseek_v3    deepseek_v3, 3 layers (first_k_dense_replace 1, dense width 96), MLA: q_lora_rank
+               24, kv_lora_rank 16, rope/nope/v head dims 8/16/12, interleaved RoPE, yarn
+               (factor 4, original 16, mscale 0.8, mscale_all_dim 1.0); 8 experts of 32 in 4
+               groups, topk_group 2, top-2, 2 shared, routed_scaling_factor 2.5; saved per
+               expert (mlp.experts.N.gate_proj, mlp.gate.e_score_correction_bias)
+deepseek_v2    deepseek_v2, 2 layers, q_lora_rank null (q_proj), group_limited_greedy (4 groups,
+               topk_group 1), norm_topk_prob false, routed_scaling_factor 1.5, 1 shared, yarn
+gpt_oss        gpt_oss, 4 layers (sliding 8 / full alternating), head_dim 16, sinks, q/k/v/o
+               biases, yarn (factor 4, original 16, truncate false), 4 experts of 32 top-2 with
+               biases, swiglu_limit 1.0 (so the clamp acts); saved fused (mlp.experts.gate_up_proj
+               [E, C, 2I], gate/up interleaved; down_proj [E, I, C]; ``_bias``)
 ============== =========================================================================
 
 Prompt seeds (see above): gemma3 4335, qwen3_moe 4322, the other new cases 4321. Gemma 3's
 norms are perturbed as Gemma 2's (w around 0; post-norms around 2), q/k norms included.
+
+``mxfp4`` (a name beside the cases): ``tests/fixtures/mxfp4.npz`` (random MXFP4 blocks and scales
+with transformers' ``convert_moe_packed_tensors`` output) and ``families/gpt_oss_mxfp4/`` (the
+gpt_oss case with MXFP4 experts, saved as the Hub stores them; ``build_mxfp4``). ``fp8``:
+``families/deepseek_v3_fp8/`` (the deepseek_v3 case with FP8 block-scaled weights as the Hub's
+DeepSeek-V3 stores them; ``build_fp8``).
 
 Checks done here: the saved model reloads to the same logits exactly; taking away each
 feature a case must exercise (``FEATURES``: llama3/linear RoPE scaling, the sliding window,
 Qwen2's biases, Qwen3's q/k norms, each Gemma 2 soft-cap, its alternate-layer window and
 ``query_pre_attn_scalar``, Mixtral's top-2; Gemma 3's local base, global linear scaling,
 window, scalar and q/k norms; OLMo 2's q/k norm weights; each Granite multiplier; Qwen3-MoE's
-top-2, norm_topk_prob and q/k norms) moves the logits by more than 0.1, so the fixture
+top-2, norm_topk_prob and q/k norms; DeepSeek's grouped top-k, correction bias, scaling
+factor, shared experts, yarn and interleaved RoPE, V2's group-limited routing, GPT-OSS's sinks,
+window, clamp, expert biases and yarn) moves the logits by more than 0.1, so the fixture
 catches an implementation that ignores it; LongRoPE's short and long factors give different
 logits; the greedy checks above. Everything is printed.
 """
@@ -232,6 +254,36 @@ CASES = {
     "mixtral_fused": dict(model_type="mixtral", vocab_size=256, num_hidden_layers=2, intermediate_size=48,
                           num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
                           router_jitter_noise=0.0, rope_parameters=rope("default", 1000000.0), _fused=True),
+    # DeepSeek-V3: MLA with q_lora_rank, yarn (mscale != mscale_all_dim: both the cos/sin factor
+    # and the softmax temperature move), interleaved RoPE; 1 dense layer then 2 MoE layers of 8
+    # experts in 4 groups (top-2 groups), top-2, 2 shared experts, routed_scaling_factor 2.5
+    "deepseek_v3": dict(model_type="deepseek_v3", vocab_size=256, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
+                        n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2, n_group=4, topk_group=2,
+                        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                        rope_interleave=True,
+                        rope_parameters=rope("yarn", 10000.0, factor=4.0, original_max_position_embeddings=16,
+                                             mscale=0.8, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0)),
+    # DeepSeek-V2-Lite style: q_lora_rank null (one q_proj), softmax group_limited_greedy routing,
+    # never renormalised, routed_scaling_factor 1.5, 1 shared expert, yarn. topk_group 1: with a group
+    # scored by its best expert, top-2 within the best 2 groups is plain top-2 (no test)
+    "deepseek_v2": dict(model_type="deepseek_v2", vocab_size=256, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
+                        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=1,
+                        topk_method="group_limited_greedy", first_k_dense_replace=1, routed_scaling_factor=1.5,
+                        norm_topk_prob=False, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=12,
+                        rope_parameters=rope("yarn", 10000.0, factor=4.0, original_max_position_embeddings=16,
+                                             mscale=0.707, mscale_all_dim=0.707)),
+    # GPT-OSS: sinks, q/k/v/o biases, sliding (window 8) / full layers, yarn (truncate false),
+    # 4 experts top-2 with biases, swiglu_limit 1.0 (small, so the clamp acts)
+    "gpt_oss": dict(model_type="gpt_oss", vocab_size=256, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=32, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0, attention_bias=True,
+                    layer_types=["sliding_attention", "full_attention"] * 2,
+                    rope_parameters=rope("yarn", 150000.0, factor=4.0, original_max_position_embeddings=16,
+                                         beta_fast=32.0, beta_slow=1.0, truncate=False)),
 }
 FIRST = ("llama3", "mistral", "qwen2")
 
@@ -402,9 +454,14 @@ def make_model(case):
     assert model.config._attn_implementation == "eager"
     gemma = model_type in ("gemma2", "gemma3_text", "gemma3")
     with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: a buffer that steers the choice
+                b.normal_(0.0, 0.1)
         for name, p in model.named_parameters():
             leaf = name.rsplit(".", 2)[-2] if "." in name else name
-            if name.endswith(".bias"):
+            if name.endswith("sinks"):  # GPT-OSS: about the size of a score, so some mass goes there
+                p.normal_(0.0, 1.0)
+            elif name.endswith(".bias") or name.endswith("_bias"):
                 p.normal_(0.0, 0.1)
             elif gemma and leaf in ("post_attention_layernorm", "post_feedforward_layernorm"):
                 p.normal_(2.0, 0.2)  # see the module docstring
@@ -491,6 +548,19 @@ FEATURES = {
                   ("q/k norms", {}, ("_norm.", 1.0))],
     "qwen3_moe_fused": [("top-2 routing", {"num_experts_per_tok": 1}, None)],
     "mixtral_fused": [("top-2 routing", {"num_experts_per_tok": 1}, None)],
+    "deepseek_v3": [("yarn RoPE", {"rope_parameters": rope("default", 10000.0)}, None),
+                    ("grouped top-k", {"n_group": 1, "topk_group": 1}, None),
+                    ("e_score_correction_bias", {}, ("e_score_correction_bias", 0.0)),
+                    ("routed_scaling_factor", {"routed_scaling_factor": 1.0}, None),
+                    ("shared experts", {}, ("shared_experts.down_proj", 0.0)),
+                    ("rope_interleave", {"rope_interleave": False}, None)],
+    "deepseek_v2": [("group_limited_greedy", {"topk_method": "greedy"}, None),
+                    ("routed_scaling_factor", {"routed_scaling_factor": 1.0}, None)],
+    "gpt_oss": [("attention sinks", {}, ("sinks", -1e4)),
+                ("sliding window", {"sliding_window": 4096}, None),
+                ("swiglu_limit", {"swiglu_limit": 1e4}, None),
+                ("expert biases", {}, ("gate_up_proj_bias", 0.0)),
+                ("yarn RoPE", {"rope_parameters": rope("default", 150000.0)}, None)],
 }
 
 
@@ -588,14 +658,121 @@ def _dump(path, obj):
         f.write("\n")
 
 
+def build_mxfp4():
+    """GPT-OSS's MXFP4 experts, decoded by transformers' own ``convert_moe_packed_tensors``:
+
+    * ``tests/fixtures/mxfp4.npz``: random ``blocks`` uint8 [2, 6, 2, 16], ``scales`` uint8
+      [2, 6, 2] (120..131) and ``dequantized`` float32 [2, 64, 6] (transformers' output, (E, in, out)).
+    * ``families/gpt_oss_mxfp4/``: the ``gpt_oss`` case's model (same seed and perturbation) with
+      every expert's gate_up / down replaced by random MXFP4 (scales 121..124) that transformers
+      dequantizes; saved the Hub's way: ``mlp.experts.{gate_up,down}_proj_{blocks,scales}``, the
+      biases and everything else as float32, ``quantization_config`` {quant_method: mxfp4};
+      ``reference.npz``: ``input_ids`` [2, 40] (seed 1234) and transformers' ``logits``.
+    """
+    import torch
+    from safetensors.numpy import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(77)
+    blocks = torch.randint(0, 256, (2, 6, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(120, 132, (2, 6, 2), generator=g).to(torch.uint8)
+    deq = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    np.savez(os.path.join(HERE, "fixtures", "mxfp4.npz"), blocks=blocks.numpy(), scales=scales.numpy(),
+             dequantized=deq.numpy().astype(np.float32))
+    print("  mxfp4.npz:", tuple(deq.shape), "max", float(deq.abs().max()))
+
+    case = CASES["gpt_oss"]
+    model = make_model(case)
+    packed = {}
+    with torch.no_grad():
+        for n, layer in enumerate(model.model.layers):
+            ex = layer.mlp.experts
+            E, H, I2 = ex.gate_up_proj.shape
+            I = I2 // 2
+            for proj, rows, cols in (("gate_up_proj", I2, H), ("down_proj", H, I)):
+                b = torch.randint(0, 256, (E, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+                sc = torch.randint(121, 125, (E, rows, cols // 32), generator=g).to(torch.uint8)
+                getattr(ex, proj).copy_(convert_moe_packed_tensors(b, sc, dtype=torch.float32))
+                packed[f"model.layers.{n}.mlp.experts.{proj}_blocks"] = b.numpy()
+                packed[f"model.layers.{n}.mlp.experts.{proj}_scales"] = sc.numpy()
+    out = os.path.join(OUT, "gpt_oss_mxfp4")
+    os.makedirs(out, exist_ok=True)
+    for f in os.listdir(out):
+        os.unlink(os.path.join(out, f))
+    ids = torch.randint(0, model.config.vocab_size, (2, T_LONG), generator=torch.Generator().manual_seed(1234))
+    logits = forward(model, ids.numpy())
+    state = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()
+             if not k.endswith("experts.gate_up_proj") and not k.endswith("experts.down_proj")}
+    save_file({**state, **packed}, os.path.join(out, "model.safetensors"))
+    config = model.config.to_dict()
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    _dump(os.path.join(out, "config.json"), config)
+    np.savez(os.path.join(out, "reference.npz"), input_ids=ids.numpy().astype(np.int64), logits=logits)
+    print("  gpt_oss_mxfp4:", sorted(packed)[:2], "logits max |.| %.3f" % np.abs(logits).max())
+
+
+def build_fp8():
+    """``families/deepseek_v3_fp8/``: the ``deepseek_v3`` case's model (same seed and perturbation)
+    with every linear weight but the embedding, head and routers stored the way the Hub's
+    DeepSeek-V3 is: float8 e4m3fn with a float32 ``weight_scale_inv`` per 128 x 128 block
+    (the block's max |w| / 448), ``quantization_config`` {quant_method: fp8, fmt: e4m3,
+    weight_block_size: [128, 128]}. The model runs on the weights transformers'
+    ``finegrained_fp8._dequantize_fp8_weight`` gives back; ``reference.npz``: ``input_ids`` [2, 40]
+    (seed 1234) and its ``logits``."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    model = make_model(CASES["deepseek_v3"])
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)  # the Hub's per-expert names
+        dense = load_file(os.path.join(tmp, "model.safetensors"))
+        state = {}
+        for name, p in dense.items():
+            if p.ndim != 2 or "embed_tokens" in name or "lm_head" in name or name.endswith("mlp.gate.weight"):
+                state[name] = p
+                continue
+            rows, cols = p.shape
+            grid = (-(-rows // 128), -(-cols // 128))
+            pad = torch.zeros(grid[0] * 128, grid[1] * 128)
+            pad[:rows, :cols] = p
+            scale = (pad.abs().reshape(grid[0], 128, grid[1], 128).amax(dim=(1, 3)).clamp(min=1e-12) / 448.0).float()
+            q = (p / scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]).to(torch.float8_e4m3fn)
+            dense[name] = _dequantize_fp8_weight(q, scale, [128, 128], torch.float32)
+            state[name], state[name + "_scale_inv"] = q, scale
+        save_file(dense, os.path.join(tmp, "model.safetensors"))  # what transformers' dequantization gives
+        model = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager", dtype=torch.float32).eval()
+    out = os.path.join(OUT, "deepseek_v3_fp8")
+    os.makedirs(out, exist_ok=True)
+    for f in os.listdir(out):
+        os.unlink(os.path.join(out, f))
+    ids = torch.randint(0, model.config.vocab_size, (2, T_LONG), generator=torch.Generator().manual_seed(1234))
+    logits = forward(model, ids.numpy())
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, "model.safetensors"))
+    config = model.config.to_dict()
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": [128, 128]}
+    _dump(os.path.join(out, "config.json"), config)
+    np.savez(os.path.join(out, "reference.npz"), input_ids=ids.numpy().astype(np.int64), logits=logits)
+    fp8 = sorted(k for k, v in state.items() if v.dtype == torch.float8_e4m3fn)
+    print(f"  deepseek_v3_fp8: {len(fp8)} FP8 weights ({fp8[0]}, ...); logits max |.| %.3f" % np.abs(logits).max())
+
+
+EXTRA = {"mxfp4": build_mxfp4, "fp8": build_fp8}
+
+
 def main(argv):
-    names = argv or list(CASES)
-    unknown = [n for n in names if n not in CASES]
+    names = argv or [*CASES, *EXTRA]
+    unknown = [n for n in names if n not in CASES and n not in EXTRA]
     if unknown:
-        sys.exit(f"unknown case(s) {unknown}; cases: {list(CASES)}")
+        sys.exit(f"unknown case(s) {unknown}; cases: {[*CASES, *EXTRA]}")
     for name in names:
         print(f"=== {name}")
-        build(name)
+        EXTRA[name]() if name in EXTRA else build(name)
     print("OK")
     return 0
 

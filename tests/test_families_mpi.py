@@ -21,7 +21,8 @@ pytestmark = pytest.mark.mpi
 
 FAMILIES = TESTS / "fixtures" / "families"
 CASES = ["llama3", "llama_linear", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope", "gemma2", "mixtral",
-         "gemma3", "olmo2", "granite", "qwen3_moe"]  # OLMo 2 at TP 2: its q/k norm's sums all-reduced
+         "gemma3", "olmo2", "granite", "qwen3_moe",  # OLMo 2 at TP 2: its q/k norm's sums all-reduced
+         "deepseek_v3", "deepseek_v2", "gpt_oss"]
 LAYOUTS = [(1, 1), (2, 1), (2, 2)]  # (ranks, tp)
 
 

@@ -356,7 +356,7 @@ def test_attend_cache_against_naive(nh, nkv, hs, window, softcap):
     ys = [np.empty((4, nh, hs), np.float32) for _ in range(2)]
     for kernel, y in zip((attention._attend_cache, attention._attend_cache_par), ys):
         kernel(np.ascontiguousarray(q[:, :, 0]), ck, cv, slots, q_pos, window, np.float32(0.3 if softcap else hs ** -0.5),
-               np.float32(softcap), y)
+               np.float32(softcap), attention._NO_SINKS, y)
     np.testing.assert_array_equal(ys[0], ys[1])
     np.testing.assert_allclose(ys[0].reshape(got.shape), want, atol=3e-6)
     if not window and not softcap:  # and the same as `attend` over the gathered prefix views

@@ -33,6 +33,9 @@ _BUILTIN: dict[str, str] = {
     "olmo2": "rlx_mpi.families.olmo",
     "granite": "rlx_mpi.families.granite",
     "qwen3_moe": "rlx_mpi.families.qwen_moe",
+    "deepseek_v2": "rlx_mpi.families.deepseek:DEEPSEEK_V2",
+    "deepseek_v3": "rlx_mpi.families.deepseek:DEEPSEEK_V3",
+    "gpt_oss": "rlx_mpi.families.gpt_oss",
 }
 
 _FAMILIES: dict[str, Any] = {}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
@@ -34,7 +35,8 @@ from ..errors import CheckpointError, ConfigError
 from .decoder.arch import Arch, expected_shapes
 
 __all__ = ["copy_tokenizer", "convert", "read_hf_config", "standard_names", "fused_expert_names", "text_tower",
-           "TEXT_TOWERS", "Source", "TOKENIZER_FILES", "sizes", "rope_fields", "refuse_if", "sliding_windows"]
+           "TEXT_TOWERS", "Source", "TOKENIZER_FILES", "sizes", "rope_fields", "refuse_if", "sliding_windows",
+           "mxfp4_decode", "fp8_block_decode"]
 
 # safetensors dtype -> numpy dtype of the stored bytes (little-endian by the format's rule).
 # BF16 is stored as uint16 and widened to float32 on read.
@@ -49,12 +51,64 @@ _HARMLESS = re.compile(r"(^|\.)rotary_emb\.(inv_freq|original_inv_freq|long_inv_
 @dataclass(frozen=True)
 class Source:
     """Where one of our tensors comes from: a Hugging Face tensor, or rows [start, stop) of
-    one (a fused tensor split at convert time: Phi-3's qkv_proj and gate_up_proj); with
-    ``index``, of entry ``index`` of a stacked 3-D tensor (transformers 5's fused experts)."""
+    one (a fused tensor split at convert time: Phi-3's qkv_proj and gate_up_proj).
+
+    Per-expert 3-D tensors take ``index`` (the slab [index] of [E, ...]: transformers 5's fused
+    experts, `fused_expert_names`; GPT-OSS's), ``transposed`` (the slab is stored (in, out)),
+    ``step`` (every step-th row of ``rows``: gate and up interleaved) and, for MXFP4 weights,
+    ``scales``: ``name`` is then the packed blocks (uint8 [E, out, in/32, 16]) and ``scales``
+    their e8m0 exponents (uint8 [E, out, in/32]), dequantized at convert (`mxfp4_decode`). An
+    FP8 weight (DeepSeek-V3's e4m3 [out, in]) names its float32 ``weight_scale_inv`` (one per
+    128 x 128 block) as ``scales`` (`fp8_block_decode`)."""
 
     name: str
     rows: tuple[int, int] | None = None
     index: int | None = None
+    step: int = 1
+    transposed: bool = False
+    scales: str | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Rows of a whole 2-D tensor at most (the parts of it must cover it)."""
+        return self.index is None and self.step == 1 and not self.transposed and self.scales is None
+
+
+_FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def _e4m3_table() -> np.ndarray:
+    """float8 e4m3fn's 256 values: sign, 4 exponent bits (bias 7; 0: subnormal), 3 mantissa
+    bits; exponent 15 with mantissa 7 is NaN (no infinities)."""
+    b = np.arange(256)
+    e, m = (b >> 3) & 15, (b & 7).astype(np.float64)
+    mag = np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e - 7))
+    mag = np.where((e == 15) & (m == 7), np.nan, mag)
+    return np.where(b >> 7, -mag, mag).astype(np.float32)
+
+
+_E4M3 = _e4m3_table()
+FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size [128, 128]
+
+
+def fp8_block_decode(weight: np.ndarray, scale_inv: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray:
+    """DeepSeek-V3's FP8 weights as float32: e4m3fn bytes (rows, cols) times their block's
+    ``weight_scale_inv`` (ceil(rows / block), ceil(cols / block)), as transformers'
+    ``finegrained_fp8`` dequantizes them."""
+    rows, cols = weight.shape
+    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), block, axis=0), block, axis=1)[:rows, :cols]
+    return _E4M3[weight] * scale
+
+
+def mxfp4_decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 (OCP microscaling) as float32: blocks uint8 (..., G, 16), scales uint8 (..., G) ->
+    (..., G * 32). Each byte holds two e2m1 values, the low nibble first (sign bit, then the
+    value table 0, .5, 1, 1.5, 2, 3, 4, 6); each block of 32 is scaled by 2^(scale - 127)
+    (e8m0), as transformers' ``integrations/mxfp4.py`` decodes the Hub's GPT-OSS experts."""
+    out = np.empty((*blocks.shape, 2), np.float32)
+    out[..., 0], out[..., 1] = _FP4[blocks & 0x0F], _FP4[blocks >> 4]
+    out = np.ldexp(out, (scales.astype(np.int32) - 127)[..., None, None]).astype(np.float32)
+    return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1] * 2)
 
 
 _LAYER = {  # our per-layer name -> the Llama-style Hugging Face name under model.layers.{n}.
@@ -71,11 +125,14 @@ def fused_expert_names(cfg: Arch, names: dict[str, Source], entries) -> dict[str
     """``names`` with every MoE layer's router and experts read from transformers 5's fused
     layout when the checkpoint has it (``mlp.gate.weight``, ``mlp.experts.gate_up_proj`` [E, 2I, C]
     with gate rows first, ``mlp.experts.down_proj`` [E, C, I]: what ``save_pretrained(...,
-    save_original_format=False)`` writes for Mixtral and Qwen MoE); else ``names`` unchanged."""
+    save_original_format=False)`` writes for Mixtral, Qwen MoE and DeepSeek); else ``names``
+    unchanged. A family whose names already read that tensor (GPT-OSS: [E, C, 2I], gate and up
+    interleaved) knows its own layout and is left alone."""
     i, out = cfg.intermediate_size, dict(names)
+    read = {src.name for src in names.values()}
     for n in range(cfg.num_hidden_layers):
         fused = f"model.layers.{n}.mlp.experts."
-        if not cfg.moe(n) or fused + "gate_up_proj" not in entries:
+        if not cfg.moe(n) or fused + "gate_up_proj" not in entries or fused + "gate_up_proj" in read:
             continue
         out[f"layers/{n}/router"] = Source(f"model.layers.{n}.mlp.gate.weight")
         for e in range(cfg.num_experts):
@@ -360,7 +417,7 @@ def rope_fields(raw: dict, where: str, allowed: tuple[str, ...] = ("default", "l
     if kind == "llama3":
         out["rope_low_freq_factor"] = _positive(get("low_freq_factor"), f"{key}.low_freq_factor", where)
         out["rope_high_freq_factor"] = _positive(get("high_freq_factor"), f"{key}.high_freq_factor", where)
-    if kind in ("llama3", "longrope"):
+    if kind in ("llama3", "longrope", "yarn"):
         orig = get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
         if isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0:
             raise CheckpointError(f"{where}: original_max_position_embeddings", f"is {orig!r}",
@@ -374,7 +431,33 @@ def rope_fields(raw: dict, where: str, allowed: tuple[str, ...] = ("default", "l
         given = params.get("attention_factor")
         out["rope_attention_factor"] = float(given) if given is not None else attention_factor(
             params.get("factor"), raw.get("max_position_embeddings") or 2048, out["rope_original_max_positions"])
+    if kind == "yarn":
+        out.update(_yarn_fields(params, raw, where, key, out["rope_original_max_positions"]))
     return out
+
+
+def _yarn_fields(params: dict, raw: dict, where: str, key: str, original: int) -> dict:
+    """yarn's `Arch` fields as transformers' ``_compute_yarn_parameters`` reads them (GPT-OSS,
+    DeepSeek-V3): factor (else max_position_embeddings / original), the cos/sin attention factor
+    (given, else from mscale / mscale_all_dim), beta_fast / beta_slow, truncate."""
+    from .decoder.rope import yarn_mscale
+
+    factor = params.get("factor")
+    factor = _positive(factor if factor is not None else (raw.get("max_position_embeddings") or 2048) / original,
+                       f"{key}.factor", where)
+    given, mscale, mscale_all = params.get("attention_factor"), params.get("mscale"), params.get("mscale_all_dim")
+    if given is not None:
+        attention = _positive(given, f"{key}.attention_factor", where)
+    elif mscale and mscale_all:
+        attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+    else:
+        attention = yarn_mscale(factor)
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise CheckpointError(f"{where}: {key}.truncate", f"is {truncate!r}", "expected true or false")
+    return {"rope_factor": factor, "rope_attention_factor": float(attention), "rope_truncate": truncate,
+            "rope_beta_fast": _positive(params.get("beta_fast") or 32.0, f"{key}.beta_fast", where),
+            "rope_beta_slow": _positive(params.get("beta_slow") or 1.0, f"{key}.beta_slow", where)}
 
 
 def sliding_windows(raw: dict, where: str, layers: int, *, all_layers: bool = False) -> tuple:
@@ -405,14 +488,16 @@ def sliding_windows(raw: dict, where: str, layers: int, *, all_layers: bool = Fa
 
 
 def _check_tensors(cfg: Arch, names: dict[str, Source], entries: dict[str, _Entry], where_dir: Path,
-                   family: str, tower: str | None = None) -> dict[str, tuple[_Entry, Source]]:
-    """Our name -> (entry, source), after checking names, dtypes and shapes against ``cfg``;
-    with ``tower`` (`text_tower`) only the tensors under it must all be ours."""
+                   family: str, tower: str | None = None, ignore=None) -> dict[str, tuple[_Entry, Source, _Entry | None]]:
+    """Our name -> (entry, source, MXFP4 / FP8 scales entry or None), after checking names, dtypes
+    and shapes against ``cfg``; with ``tower`` (`text_tower`) only the tensors under it must all be
+    ours; ``ignore(name)``: a Hugging Face tensor the family leaves on purpose."""
     want = expected_shapes(cfg)
-    used = {src.name for src in names.values()}
+    names = {k: _mxfp4_instead(src, entries) for k, src in names.items()}
+    used = {src.name for src in names.values()} | {src.scales for src in names.values() if src.scales}
     unmapped = sorted(n for n in entries if n not in used and not _HARMLESS.search(n)
                       and not (cfg.tie_word_embeddings and n.endswith("lm_head.weight"))
-                      and (tower is None or n.startswith(tower)))
+                      and (tower is None or n.startswith(tower)) and not (ignore and ignore(n)))
     biases = [n for n in unmapped if n.endswith(".bias")]
     if biases:
         more = f" and {len(biases) - 3} more" if len(biases) > 3 else ""
@@ -431,49 +516,125 @@ def _check_tensors(cfg: Arch, names: dict[str, Source], entries: dict[str, _Entr
         if missing == ["lm_head.weight"]:
             fix = "if the model ties lm_head to embed_tokens, its config should say tie_word_embeddings: true"
         raise CheckpointError(str(where_dir), f"missing tensors {missing[:5]}{more}", fix)
-    fused: dict[str, int] = {}  # rows of a split tensor our parts cover
+    fused: dict[str, tuple[int, int]] = {}  # a split or stacked tensor: (values our parts cover, its values)
     out = {}
     for name, shape in want.items():
         src = names[name]
         entry = entries[src.name]
         where = f"{entry.path}: {src.name}"
-        if entry.dtype not in _DTYPES:
+        scales = _check_mxfp4(src, entry, entries, where) if src.scales else None
+        if entry.dtype not in _DTYPES and not scales:
             raise CheckpointError(where, f"dtype {entry.dtype} is not supported",
                                   f"only {sorted(_DTYPES)} are read; convert an unquantized model")
-        whole = entry.shape if src.index is None else entry.shape[1:]
-        got = whole if src.rows is None else (src.rows[1] - src.rows[0], *whole[1:])
-        if src.rows is not None or src.index is not None:
-            fused[src.name] = fused.get(src.name, 0) + math.prod(got)
-        if src.index is not None and not (len(entry.shape) == 3 and 0 <= src.index < entry.shape[0]):
+        matrix = _matrix_shape(src, entry)
+        got = matrix if src.rows is None else (len(range(*src.rows, src.step)), *matrix[1:])
+        if src.index is not None and not (len(entry.shape) >= 2 and 0 <= src.index < entry.shape[0]):
             raise CheckpointError(where, f"shape {entry.shape} has no expert {src.index}",
                                   "config.json and the tensors come from different models")
-        if got != tuple(shape) or (src.rows is not None and src.rows[1] > whole[0]):
+        if src.rows is not None or not src.plain:  # a part of a split or stacked tensor: all parts must cover it
+            whole = math.prod(matrix) * (entry.shape[0] if src.index is not None else 1)
+            covered, _ = fused.get(src.name, (0, whole))
+            fused[src.name] = (covered + math.prod(got), whole)
+        if got != tuple(shape) or (src.rows is not None and src.rows[1] > matrix[0]):
             implied = tuple(shape) if src.rows is None else f"{tuple(shape)} at rows {src.rows[0]}..{src.rows[1]}"
             raise CheckpointError(where, f"shape {entry.shape} disagrees with the config, which implies {implied}",
                                   "config.json and the tensors come from different models")
-        out[name] = (entry, src)
-    for hf, size in fused.items():
-        if size != math.prod(entries[hf].shape):
+        out[name] = (entry, src, scales)
+    for hf, (covered, whole) in fused.items():
+        if covered != whole:
             raise CheckpointError(f"{entries[hf].path}: {hf}", f"has shape {entries[hf].shape}, the config's "
-                                  f"parts cover {size} of its values",
+                                  f"parts cover {covered} of its {whole} values",
                                   "config.json and the tensors come from different models")
     return out
+
+
+def _mxfp4_instead(src: Source, entries: dict) -> Source:
+    """``src``, or where the checkpoint has no such tensor but MXFP4 ``<name>_blocks`` and
+    ``<name>_scales`` (the Hub's GPT-OSS experts), those: stored (out, in), so a source read
+    transposed from the dense (in, out) layout is read as it is from the blocks. An FP8 tensor
+    with its ``<name>_scale_inv`` (DeepSeek-V3) gets that as its scales."""
+    entry = entries.get(src.name)
+    if entry is not None and entry.dtype == "F8_E4M3" and f"{src.name}_scale_inv" in entries and not src.scales:
+        return dataclasses.replace(src, scales=f"{src.name}_scale_inv")
+    if src.name in entries or src.scales or f"{src.name}_blocks" not in entries:
+        return src
+    return dataclasses.replace(src, name=f"{src.name}_blocks", scales=f"{src.name}_scales",
+                               transposed=not src.transposed)
+
+
+def _matrix_shape(src: Source, entry: _Entry) -> tuple[int, ...]:
+    """The shape of the (out, in) matrix ``src`` reads from ``entry``, before its rows."""
+    shape = entry.shape[1:] if src.index is not None else entry.shape
+    if src.scales and entry.dtype == "U8":  # MXFP4 blocks (out, in/32, 16); FP8: as stored
+        shape = (shape[0], shape[1] * shape[2] * 2) if len(shape) == 3 else (-1,)
+    return tuple(reversed(shape)) if src.transposed else tuple(shape)
+
+
+def _check_mxfp4(src: Source, entry: _Entry, entries: dict, where: str) -> _Entry:
+    """The scales entry of MXFP4 blocks ``entry``, both checked (uint8, matching shapes, whole bytes);
+    or of an FP8 weight (e4m3 bytes, float32 scales of its 128 x 128 blocks)."""
+    scales = entries.get(src.scales)
+    if scales is None:
+        raise CheckpointError(where, f"MXFP4 blocks without their scales {src.scales!r}", "download the missing shards")
+    if entry.dtype == "F8_E4M3":
+        grid = tuple(-(-d // FP8_BLOCK) for d in entry.shape)
+        if len(entry.shape) != 2 or entry.stop - entry.start != math.prod(entry.shape) or scales.dtype != "F32" \
+                or scales.shape != grid:
+            raise CheckpointError(where, f"FP8 weight {entry.shape} with scales {scales.dtype} {scales.shape}",
+                                  f"expected float32 scales {grid}: one per {FP8_BLOCK} x {FP8_BLOCK} block")
+        return scales
+    for e in (entry, scales):
+        if e.dtype != "U8" or e.stop - e.start != math.prod(e.shape):
+            raise CheckpointError(f"{e.path}: {e.name}", f"dtype {e.dtype} shape {e.shape} is not MXFP4 "
+                                  "(uint8 blocks [..., 16] and scales)", "download the model again")
+    if entry.shape[:-1] != scales.shape or entry.shape[-1] != 16:
+        raise CheckpointError(where, f"blocks {entry.shape} do not fit scales {scales.shape}",
+                              "expected blocks [..., G, 16] with scales [..., G]")
+    return scales
+
+
+def _read_source(entry: _Entry, src: Source, scales: _Entry | None, handle) -> np.ndarray:
+    """The (out, in) matrix of a per-expert source (its slab alone) or of an FP8 weight, before its rows."""
+    def slab(e: _Entry, dtype) -> np.ndarray:  # the packed bytes (MXFP4 blocks / FP8) and their scales
+        shape = e.shape[1:] if src.index is not None else e.shape
+        count = math.prod(shape)
+        handle(e.path).seek(e.start + (src.index or 0) * count * np.dtype(dtype).itemsize)
+        data = np.fromfile(handle(e.path), dtype=dtype, count=count)
+        if data.size != count:
+            raise CheckpointError(f"{e.path}: {e.name}", f"short read ({data.size} of {count} values)",
+                                  "the file is truncated; download it again")
+        return data.reshape(shape)
+
+    if scales is not None and entry.dtype == "F8_E4M3":
+        m = fp8_block_decode(slab(entry, np.uint8), slab(scales, _DTYPES["F32"]))
+    elif scales is not None:
+        m = mxfp4_decode(slab(entry, np.uint8), slab(scales, np.uint8))
+    else:
+        m = _read_tensor(entry, handle(entry.path), src.index)
+    return m.T if src.transposed else m
 
 
 def _tensors(plan: dict, stack: contextlib.ExitStack) -> Iterator[tuple[str, np.ndarray]]:
     """(our name, array) in checkpoint order, one tensor (or one fused tensor) in memory at a time."""
     handles: dict[Path, BinaryIO] = {}
-    last: tuple[str, np.ndarray] | None = None  # a fused tensor is read once for its parts
-    for name, (entry, src) in plan.items():
-        rows = src.rows
-        if entry.path not in handles:
-            handles[entry.path] = stack.enter_context(open(entry.path, "rb"))
-        if src.index is not None:  # one expert of a stacked tensor: only its bytes
-            yield name, _read_tensor(entry, handles[entry.path], src.index, rows)
+
+    def handle(path: Path) -> BinaryIO:
+        if path not in handles:
+            handles[path] = stack.enter_context(open(path, "rb"))
+        return handles[path]
+
+    last: tuple[tuple, np.ndarray] | None = None  # a fused tensor (or expert slab) is read once for its parts
+    for name, (entry, src, scales) in plan.items():
+        if src.index is not None and src.step == 1 and not src.transposed and scales is None:
+            yield name, _read_tensor(entry, handle(entry.path), src.index, src.rows)  # one expert's rows: their bytes
             continue
-        if last is None or last[0] != entry.name:
-            last = (entry.name, _read_tensor(entry, handles[entry.path]))
-        yield name, (last[1] if rows is None else np.ascontiguousarray(last[1][rows[0]:rows[1]]))
+        key = (entry.name, src.index, src.transposed)
+        if last is None or last[0] != key:
+            matrix = _read_tensor(entry, handle(entry.path)) if src.plain else _read_source(entry, src, scales, handle)
+            last = (key, matrix)
+        rows = src.rows
+        yield name, (last[1] if rows is None and src.plain else
+                     np.ascontiguousarray(last[1][slice(*(rows or (None, None)), src.step)]))
 
 
 # -- entry point -------------------------------------------------------------------------------
@@ -507,7 +668,13 @@ def convert(family, hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, d
     entries = _index_tensors(_safetensors_files(hf_dir))
     names, tower = text_tower(family.hf_names(cfg), entries)
     names = fused_expert_names(cfg, names, entries) if cfg.num_experts else names
-    plan = _check_tensors(cfg, names, entries, hf_dir, family.name, tower)
+    hf_ignore = getattr(family, "hf_ignore", None)
+    plan = _check_tensors(cfg, names, entries, hf_dir, family.name, tower, hf_ignore(cfg) if hf_ignore else None)
+    for kind, stored in (("MXFP4", "U8"), ("FP8", "F8_E4M3")):
+        packed = sorted({s.name for e, s, _ in plan.values() if s.scales and e.dtype == stored})
+        if packed:  # until such weights are resident, say what the checkpoint holds instead
+            logging.getLogger(__name__).warning("%s: %d %s tensors (%s, ...) are dequantized to %s at convert",
+                                                hf_dir, len(packed), kind, packed[0], dtype)
     from .decoder.weights import q4_tensor
 
     with contextlib.ExitStack() as stack:

@@ -104,12 +104,16 @@ def _online_block(s, pos, j0, window, scale, m, l, acc):  # s (B, H, bq, bk) sco
 
 
 @numba.njit(cache=True, parallel=PARALLEL, error_model=ERR, nogil=True)
-def _finish(acc, l, y, t0, h0):  # acc (B, H, bq, hs) / l -> y[:, t0:t0+bq, h0:h0+H] of y (B, T, nh, hs)
+def _finish(acc, l, m, sinks, y, t0, h0):  # acc (B, H, bq, hv) / l -> y[:, t0:t0+bq, h0:h0+H] of y (B, T, nh, hv)
     B, H, bq, hs = acc.shape
+    sunk = sinks.shape[0] > 0  # GPT-OSS: head h0+h's sink logit joins each denominator (no value)
     for bh in numba.prange(B * H):
         b, h = bh // H, bh % H
         for i in range(bq):
-            inv = np.float32(1.0) / l[b, h, i] if l[b, h, i] > 0 else np.float32(0.0)
+            total = l[b, h, i]
+            if sunk and total > 0:  # l is relative to the running max m (scaled scores, as the sink)
+                total += np.exp(sinks[h0 + h] - m[b, h, i])
+            inv = np.float32(1.0) / total if total > 0 else np.float32(0.0)
             for d in range(hs):
                 y[b, t0 + i, h0 + h, d] = acc[b, h, i, d] * inv
 
@@ -125,9 +129,10 @@ def _finish(acc, l, y, t0, h0):  # acc (B, H, bq, hs) / l -> y[:, t0:t0+bq, h0:h
 
 
 @numba.njit(cache=True, error_model=ERR, fastmath=FAST)
-def _attend_group(q, keys, values, h0, lo, hi, scale, softcap, scores, y):
+def _attend_group(q, keys, values, h0, lo, hi, scale, softcap, sinks, scores, y):
     """One row's kv group: q (nh, hs) heads h0..h0+g-1 over keys/values (L, hs) columns lo..hi-1
-    into y (nh, hs); scores (g, >= hi - lo) is scratch."""
+    into y (nh, hs); scores (g, >= hi - lo) is scratch; sinks (nh,) or empty: each head's sink
+    logit in its denominator (GPT-OSS)."""
     g, hs = scores.shape[0], q.shape[1]
     for j in range(lo, hi):  # each key row once for the g query heads that read it
         for i in range(g):  # (2-D indexing, no row views: a view per key costs a refcount)
@@ -145,7 +150,10 @@ def _attend_group(q, keys, values, h0, lo, hi, scale, softcap, scores, y):
         if softcap > 0:  # cap * tanh(s / cap), the scale already applied (transformers' order)
             for j in range(row.shape[0]):
                 row[j] = softcap * np.tanh(row[j] / softcap)
-        total = _exp_row(row, np.float32(1.0), _row_max(row))
+        peak = _row_max(row)
+        total = _exp_row(row, np.float32(1.0), peak)
+        if sinks.shape[0] > 0:
+            total += np.exp(sinks[h] - peak)
         inv = np.float32(1.0) / total
         for j in range(lo, hi):
             pj = scores[i, j - lo] * inv
@@ -154,7 +162,7 @@ def _attend_group(q, keys, values, h0, lo, hi, scale, softcap, scores, y):
 
 
 @numba.njit(cache=True, error_model=ERR)
-def _attend_cache(q, ck, cv, slots, pos, window, scale, softcap, y):
+def _attend_cache(q, ck, cv, slots, pos, window, scale, softcap, sinks, y):
     """q (B, nh, hs) -> y (B, nh, hs) over ck, cv (slots, nkv, L, hs) rows ``slots``, keys
     0..pos[b] (window > 0: pos[b] - window + 1..pos[b]); on the calling thread."""
     B, nh, _ = q.shape
@@ -164,12 +172,12 @@ def _attend_cache(q, ck, cv, slots, pos, window, scale, softcap, y):
         b, kh = bk // nkv, bk % nkv
         lo = max(0, pos[b] - window + 1) if window > 0 else 0
         hi = min(ck.shape[2], pos[b] + 1)
-        _attend_group(q[b], ck[slots[b], kh], cv[slots[b], kh], kh * (nh // nkv), lo, hi, scale, softcap, scores,
-                      y[b])
+        _attend_group(q[b], ck[slots[b], kh], cv[slots[b], kh], kh * (nh // nkv), lo, hi, scale, softcap, sinks,
+                      scores, y[b])
 
 
 @numba.njit(cache=True, parallel=True, error_model=ERR)
-def _attend_cache_par(q, ck, cv, slots, pos, window, scale, softcap, y):  # as _attend_cache, (row, kv head)
+def _attend_cache_par(q, ck, cv, slots, pos, window, scale, softcap, sinks, y):  # as _attend_cache, (row, kv head)
     B, nh, _ = q.shape  # pairs split over the rank's numba threads
     nkv = ck.shape[1]
     for bk in numba.prange(B * nkv):
@@ -177,8 +185,8 @@ def _attend_cache_par(q, ck, cv, slots, pos, window, scale, softcap, y):  # as _
         lo = max(0, pos[b] - window + 1) if window > 0 else 0
         hi = min(ck.shape[2], pos[b] + 1)
         scores = np.empty((nh // nkv, max(hi - lo, 1)), np.float32)
-        _attend_group(q[b], ck[slots[b], kh], cv[slots[b], kh], kh * (nh // nkv), lo, hi, scale, softcap, scores,
-                      y[b])
+        _attend_group(q[b], ck[slots[b], kh], cv[slots[b], kh], kh * (nh // nkv), lo, hi, scale, softcap, sinks,
+                      scores, y[b])
 
 
 def _attend_kernel(rows: int, nkv: int):
@@ -245,7 +253,7 @@ def decode_attention(qkv: np.ndarray, q_dim: int, cos: np.ndarray, sin: np.ndarr
                      cache_v: np.ndarray, slots: np.ndarray, positions: np.ndarray, *,
                      q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None, eps: float = 1e-6,
                      scale: float | None = None, softcap: float = 0.0, rows_checked: bool = False,
-                     step_rows: int | None = None) -> np.ndarray:
+                     step_rows: int | None = None, sinks: np.ndarray | None = None) -> np.ndarray:
     """A decode step's attention from the fused q|k|v projection, in two numba passes.
 
     qkv (B, q_dim + 2 * kv_dim): one new token per row (bias already added); cos, sin (B, hs) at
@@ -258,7 +266,7 @@ def decode_attention(qkv: np.ndarray, q_dim: int, cos: np.ndarray, sin: np.ndarr
     slots and positions are what `check_cache_rows` returned (a step checks them once, not per
     layer: the reductions cost more than a small layer's attention). ``step_rows``: the token rows
     the step's projections took (default B; more in a MIXED step, whose prefill chunk rides
-    along), which picks the attention's threads (`_attend_kernel`).
+    along), which picks the attention's threads (`_attend_kernel`). ``sinks`` (nh,): as `attend`.
     """
     check_f32("decode_attention qkv", qkv)
     check_f32("decode_attention cache_k", cache_k)
@@ -279,13 +287,14 @@ def decode_attention(qkv: np.ndarray, q_dim: int, cos: np.ndarray, sin: np.ndarr
                 cache_k, cache_v, slots, positions, q)
     y = np.empty((B, nh, hs), np.float32)
     _attend_kernel(B if step_rows is None else step_rows, nkv)(q, cache_k, cache_v, slots, np.minimum(positions, L - 1), 0,
-                  np.float32(hs ** -0.5 if scale is None else scale), np.float32(softcap), y)
+                  np.float32(hs ** -0.5 if scale is None else scale), np.float32(softcap),
+                  _sinks(sinks, nh, "decode_attention"), y)
     return y.reshape(B, nh * hs)
 
 
 def attend_cache(q: np.ndarray, cache_k: np.ndarray, cache_v: np.ndarray, slots: np.ndarray,
                  q_pos: np.ndarray, window: int = 0, *, scale: float | None = None,
-                 softcap: float = 0.0) -> np.ndarray:
+                 softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
     """One decode step's attention, read in place from a KV cache (see the decode note).
 
     q (B, nh, 1, hs): one query per head of each row; cache_k, cache_v (slots, nkv, L, hs)
@@ -305,7 +314,7 @@ def attend_cache(q: np.ndarray, cache_k: np.ndarray, cache_v: np.ndarray, slots:
     kernel = _attend_kernel(B, cache_k.shape[1])
     kernel(np.ascontiguousarray(q, dtype=np.float32).reshape(B, nh, hs), cache_k, cache_v, slots, pos,
            int(max(window, 0)), np.float32(hs ** -0.5 if scale is None else scale), np.float32(softcap),
-           y.reshape(B, nh, hs))
+           _sinks(sinks, nh, "attend_cache"), y.reshape(B, nh, hs))
     return y
 
 
@@ -321,8 +330,22 @@ def _positions(q_pos, B: int, T: int, S: int) -> np.ndarray:
     return q_pos.astype(np.int64, copy=False)
 
 
+def _sinks(sinks, nh: int, where: str) -> np.ndarray:
+    """The sink logits as the kernels take them: (nh,) float32, or empty for none."""
+    if sinks is None:
+        return _NO_SINKS
+    sinks = np.ascontiguousarray(sinks, np.float32)
+    if sinks.shape != (nh,):
+        raise ValueError(f"{where}: sinks has shape {sinks.shape}, expected ({nh},): one logit per query head")
+    return sinks
+
+
+_NO_SINKS = np.empty(0, np.float32)
+
+
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray | None = None,
-           window: int = 0, *, scale: float | None = None, softcap: float = 0.0) -> np.ndarray:
+           window: int = 0, *, scale: float | None = None, softcap: float = 0.0,
+           sinks: np.ndarray | None = None) -> np.ndarray:
     """Scaled dot-product attention of ``q`` over the keys ``k``/values ``v`` (grouped-query).
 
     q (B, nh, T, hs); k, v (B, nkv, S, hs) with nh a multiple of nkv (query head h reads kv
@@ -334,34 +357,38 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray | None
     C-contiguous, so that ``y.reshape(B, T, nh * hs)`` feeds o_proj without a copy.
     Computed in blocks (see the note above): memory O(block^2) per head, not O(T * S).
     ``scale`` multiplies the scores (default hs ** -0.5); ``softcap > 0`` then maps each
-    scaled score s to softcap * tanh(s / softcap) (Gemma 2).
+    scaled score s to softcap * tanh(s / softcap) (Gemma 2). ``sinks`` (nh,): a logit per query
+    head that joins every softmax denominator of the head and carries no value (GPT-OSS's
+    attention sinks: softmax over [scores, sink], the sink's share dropped). v may be narrower or
+    wider than q and k (B, nkv, S, hv): y is then (B, T, nh, hv) (MLA's value heads).
     """
     B, nh, T, hs = q.shape
     nkv, S = k.shape[1], k.shape[2]
-    if k.shape != (B, nkv, S, hs) or v.shape != k.shape or nh % nkv:
+    if k.shape != (B, nkv, S, hs) or v.ndim != 4 or v.shape[:3] != k.shape[:3] or nh % nkv:
         raise ValueError(f"attend: q {q.shape}, k {k.shape}, v {v.shape} do not fit "
-                         "(B, nh, T, hs) / (B, nkv, S, hs) with nh a multiple of nkv")
+                         "(B, nh, T, hs) / (B, nkv, S, hs) / (B, nkv, S, hv) with nh a multiple of nkv")
     for name, a in (("q", q), ("k", k), ("v", v)):
         if a.dtype != np.float32:
             raise TypeError(f"attend: {name} is {a.dtype}; pass float32 (a.astype(np.float32))")
     pos = _positions(q_pos, B, T, S)
     window, scale = int(max(window, 0)), np.float32(hs ** -0.5 if scale is None else scale)
-    y = np.empty((B, T, nh, hs), np.float32)
+    y = np.empty((B, T, nh, v.shape[3]), np.float32)
+    sinks = _sinks(sinks, nh, "attend")
     g = nh // nkv
     n = team_size(nkv if T * S >= _TEAM_WORK else 1)  # kv heads over the rank's threads (the team note)
     cuts = [nkv * i // n for i in range(n + 1)]
-    run_parts(_heads, [(q[:, g * a:g * b], k[:, a:b], v[:, a:b], pos, window, scale, y, g * a, np.float32(softcap))
-                       for a, b in zip(cuts, cuts[1:])])
+    run_parts(_heads, [(q[:, g * a:g * b], k[:, a:b], v[:, a:b], pos, window, scale, y, g * a, np.float32(softcap),
+                        sinks) for a, b in zip(cuts, cuts[1:])])
     return y
 
 
-def _heads(q, k, v, pos, window, scale, y, h0, softcap) -> None:
+def _heads(q, k, v, pos, window, scale, y, h0, softcap, sinks) -> None:
     """The query blocks of some kv heads' groups: q (B, g * n, T, hs), k, v (B, n, S, hs) into
     y[:, :, h0:h0 + g * n]."""
     for t0 in range(0, q.shape[2], _Q_BLOCK):
         t1 = min(q.shape[2], t0 + _Q_BLOCK)
         _query_block(q[:, :, t0:t1], k, v, np.array(pos[:, t0:t1], order="C"), window, scale, y, t0, h0,
-                     softcap)  # (a copy:
+                     softcap, sinks)  # (a copy:
         # always writable, so numba sees one type; a read-only view made a second compile mid-forward)
 
 
@@ -372,7 +399,7 @@ def attend_workspace_bytes(batch: int, heads: int, seq: int, head_dim: int) -> i
     return batch * heads * bq * (bk + 2 * head_dim + 2) * 4
 
 
-def _query_block(q, k, v, pos, window, scale, y, t0, h0, softcap) -> None:
+def _query_block(q, k, v, pos, window, scale, y, t0, h0, softcap, sinks) -> None:
     """One block of queries (B, nh, bq, hs) over the key blocks it can see, into y[:, t0:, h0:]."""
     B, nh, bq, hs = q.shape
     nkv = k.shape[1]
@@ -382,8 +409,8 @@ def _query_block(q, k, v, pos, window, scale, y, t0, h0, softcap) -> None:
     qb = np.ascontiguousarray(q).reshape(B, nkv, g * bq, hs)  # g heads of a kv head: one GEMM
     m = np.full((B, nh, bq), -np.inf, np.float32)
     l = np.zeros((B, nh, bq), np.float32)
-    acc = np.zeros((B, nh, bq, hs), np.float32)
-    acc_g = acc.reshape(B, nkv, g * bq, hs)
+    acc = np.zeros((B, nh, bq, v.shape[3]), np.float32)
+    acc_g = acc.reshape(B, nkv, g * bq, v.shape[3])
     for j0 in range(lo - lo % _K_BLOCK, hi, _K_BLOCK):
         j1 = min(hi, j0 + _K_BLOCK)
         s = qb @ k[:, :, j0:j1].transpose(0, 1, 3, 2)  # (B, nkv, g*bq, bk)
@@ -394,7 +421,7 @@ def _query_block(q, k, v, pos, window, scale, y, t0, h0, softcap) -> None:
                       np.float32(1.0) if softcap > 0 else scale, m, l, acc)
         acc_g += s @ v[:, :, j0:j1]  # (B, nkv, g*bq, hs)
         del s  # before the next block's scores are allocated: one block alive at a time
-    _finish(acc, l, y, t0, h0)
+    _finish(acc, l, m, sinks, y, t0, h0)
 
 
 @numba.njit(cache=True, fastmath=False)

@@ -32,7 +32,7 @@ from numba.core import types
 from numba.extending import overload
 
 from ._common import ERR
-from .attention import _attend_cache, _attend_cache_par, _decode_qkv
+from .attention import _NO_SINKS, _attend_cache, _attend_cache_par, _decode_qkv
 from .elementwise import _rms_norm, _swiglu
 from .lowp import _matvec_int8
 from .matvec import _matvec_float
@@ -77,9 +77,9 @@ def _decode_layer(h, ln1, ln2, eps, wqkv, sqkv, bqkv, q_dim, cos, sin, q_norm, k
     y = np.empty((B, nh, hs), np.float32)
     last = np.minimum(pos, L - 1)
     if threads > 1 and B * nkv > 1:  # as attention._attend_kernel (rows here are few: the pool's side)
-        _attend_cache_par(q, ck, cv, slots, last, 0, scale, softcap, y)
+        _attend_cache_par(q, ck, cv, slots, last, 0, scale, softcap, _NO_SINKS, y)
     else:
-        _attend_cache(q, ck, cv, slots, last, 0, scale, softcap, y)
+        _attend_cache(q, ck, cv, slots, last, 0, scale, softcap, _NO_SINKS, y)
     a = np.empty((B, C), np.float32)
     _matvec(y.reshape(B, nh * hs), wo, so, a, min(C, 4 * threads))
     for b in range(B):  # a = h + o(...), as model._add_to

@@ -25,13 +25,15 @@ class DecoderFamily:
 
     def __init__(self, name: str, hf_model_types: tuple[str, ...], arch_from_hf: Callable[[dict, str], Arch],
                  hf_names: Callable[[Arch], dict], presets: Mapping[str, Arch] | None = None,
-                 shape_defaults: Mapping[str, Any] | None = None):
+                 shape_defaults: Mapping[str, Any] | None = None,
+                 hf_ignore: Callable[[Arch], Callable[[str], bool]] | None = None):
         self.name = name
         self.hf_model_types = hf_model_types
         self.arch_from_hf = arch_from_hf
         self.hf_names = hf_names
         self.presets = dict(presets or {})
         self._shape_defaults = dict(shape_defaults or {})
+        self.hf_ignore = hf_ignore  # Hugging Face tensors the converter may leave (DeepSeek's MTP layer)
 
     def __repr__(self) -> str:
         return f"<family {self.name}>"
@@ -45,7 +47,12 @@ class DecoderFamily:
 
     def describe(self, cfg: Arch) -> str:
         heads = f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} kv, head_dim {cfg.head_dim})"
+        if cfg.kv_lora_rank:  # MLA: one latent for all heads
+            heads = (f"{cfg.num_attention_heads} heads (latent attention: cache {cfg.kv_lora_rank} + {cfg.head_dim} "
+                     f"rope per token)")
         moe = f", {cfg.num_experts} experts (top {cfg.experts_per_token})" if cfg.num_experts else ""
+        if cfg.shared_intermediate_size:
+            moe = moe[:-1] + f", {cfg.shared_intermediate_size // cfg.intermediate_size} shared)"
         rope = f", rope {cfg.rope_type}" if cfg.rope_type != "default" else ""
         total, active = cfg.parameters(), cfg.parameters(active=True)
         size = f"{_count(total)} parameters"  # published sizes count the tied head once, as here
@@ -53,9 +60,12 @@ class DecoderFamily:
             lookup = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
             size += (f" ({_count(active)} active: {_flops(2 * (active - lookup))} of "
                      f"{_flops(2 * (total - lookup))} a token)")
-        kv = cfg.kv_bytes_per_token() * 1000
+        kv = f"KV cache {_bytes(cfg.kv_bytes_per_token() * 1000)} per 1k tokens"
+        sliding = [w for w in cfg.layer_windows if w]
+        if sliding:  # a sliding layer's ring stops growing at its window
+            kv += f" ({len(sliding)} of {cfg.num_hidden_layers} layers keep at most {max(sliding)})"
         return (f"{self.name}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {heads}, "
-                f"vocab {cfg.vocab_size}{moe}{rope}; {size}; KV cache {_bytes(kv)} per 1k tokens")
+                f"vocab {cfg.vocab_size}{moe}{rope}; {size}; {kv}")
 
     def config_from_shape(self, shape: Mapping[str, Any], where: str) -> Arch:
         s = {**self._shape_defaults, **{k: v for k, v in shape.items() if v is not None}}

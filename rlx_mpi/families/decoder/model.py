@@ -10,7 +10,9 @@ A layer (``block``):
     x = x + m * out_norm?(mlp_or_experts(norm?(x)))  m: Granite's residual_multiplier (else 1)
 attention: q/k/v (one fused product, +bias) -> q/k norm (per head, or OLMo 2's over the whole
 projection) -> RoPE (the layer's base: Gemma 3's local or global) -> KV cache -> scaled
-(soft-capped) causal attention over the layer's window -> o_proj.
+(soft-capped) causal attention over the layer's window (+ GPT-OSS's sinks) -> o_proj (+ bias).
+DeepSeek's latent attention (`decoder.mla`) takes the place of q/k/v and the K/V cache; the MLP
+is dense or experts (`decoder.moe`: the router kinds, shared experts).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 
 from ... import kernels
 from ...kv_cache import KvSpec, LayerCache, prefill_kv
-from . import moe, ops
+from . import mla, moe, ops
 from .arch import Arch
 from .weights import Experts, LayerWeights, Linear, Mlp
 
@@ -70,7 +72,7 @@ class KvStep:
                                                                   self.caches[0].k.shape[0], "decode step")
 
     def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, model_window: int, scale: float | None,
-               softcap: float) -> np.ndarray:
+               softcap: float, sinks: np.ndarray | None = None) -> np.ndarray:
         """A prefill chunk (or, without a cache, a whole prefix): store its k, v (B, nkv, T, hs)
         and attend q (B, nh, T, hs) over the chunk: (B, T, nh, hs)."""
         cache = self.caches[self.layer] if self.caches is not None else None
@@ -78,7 +80,7 @@ class KvStep:
                                               self.start)
         if model_window:  # the chunk attends to itself: the model's own window applies
             window = min(window, model_window) if window else model_window
-        return kernels.attend(q, keys, values, q_pos, window, scale=scale, softcap=softcap)
+        return kernels.attend(q, keys, values, q_pos, window, scale=scale, softcap=softcap, sinks=sinks)
 
     def attend_decode(self, qkv: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray,
                       step_rows: int | None = None) -> np.ndarray:
@@ -90,7 +92,8 @@ class KvStep:
         y = kernels.decode_attention(qkv.reshape(B, -1), w.q_dim, cos.reshape(B, -1), sin.reshape(B, -1), cache.k,
                                      cache.v, self.slots, self.positions, q_norm=w.q_norm, k_norm=w.k_norm,
                                      eps=cfg.rms_norm_eps, scale=cfg.attention_scale or None,
-                                     softcap=cfg.attn_logit_softcap, rows_checked=True, step_rows=step_rows)
+                                     softcap=cfg.attn_logit_softcap, rows_checked=True, step_rows=step_rows,
+                                     sinks=w.sinks)
         return y.reshape(B, 1, -1)
 
 
@@ -133,6 +136,8 @@ class MixedKv:
 
 def attention(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray,
               reduce: Reduce = _identity, kv: KvStep | MixedKv | None = None) -> np.ndarray:
+    if w.mla is not None:  # DeepSeek: latent attention (its cache holds the latent)
+        return _o_proj(mla.attention(x, w, cfg, cos, sin, kv), w, reduce)
     qkv = w.qkv(x)  # (B, T, nh*hs + 2*nkv*hs): q, k, v in one product (fused at load)
     if w.qkv_bias is not None:
         qkv += w.qkv_bias
@@ -144,7 +149,14 @@ def attention(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: n
         y = kv.attend_decode(qkv, w, cfg, cos, sin)
     else:
         y = _attend_chunk(qkv, w, cfg, cos, sin, kv)
-    return reduce(w.o_proj(y))  # row-parallel: partial sums over heads
+    return _o_proj(y, w, reduce)
+
+
+def _o_proj(y: np.ndarray, w: LayerWeights, reduce: Reduce) -> np.ndarray:
+    out = reduce(w.o_proj(y))  # row-parallel: partial sums over heads
+    if w.o_bias is not None:  # once, after the sum (every TP rank holds it whole)
+        out += w.o_bias
+    return out
 
 
 def projection_norm_(qkv: np.ndarray, w: LayerWeights, eps: float, reduce: Reduce = _identity) -> np.ndarray:
@@ -187,28 +199,38 @@ def _attend_chunk(qkv: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, 
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # cos (T, hs), or (B, 1, T, hs) at positions
     scale = cfg.attention_scale or None  # None: hs ** -0.5
     if kv is None:
-        y = kernels.attend(q, k, v, None, w.window, scale=scale, softcap=cfg.attn_logit_softcap)  # causal
+        y = kernels.attend(q, k, v, None, w.window, scale=scale, softcap=cfg.attn_logit_softcap,
+                           sinks=w.sinks)  # causal
     else:  # generation: store this step's K/V, attend over the cached prefix
-        y = kv.attend(q, k, v, w.window, scale, cfg.attn_logit_softcap)
+        y = kv.attend(q, k, v, w.window, scale, cfg.attn_logit_softcap, w.sinks)
     return y.reshape(B, T, nh * hs)
 
 
-def gated_mlp(x: np.ndarray, w: Mlp, activation: str) -> np.ndarray:
+def gated_mlp(x: np.ndarray, w: Mlp, cfg: Arch) -> np.ndarray:
     """down(act(gate(x)) * up(x)) without the reduction: one dense shard or one expert."""
     gu = w.gate_up(x)  # (..., 2I): [gate | up] in one product (fused at load)
-    if activation == "gelu_tanh":  # GeGLU, in place into a copy of the gate
-        I = gu.shape[-1] // 2
+    if w.gate_up_bias is not None:  # GPT-OSS's experts
+        gu += w.gate_up_bias
+    I = gu.shape[-1] // 2
+    if cfg.activation == "gelu_tanh":  # GeGLU, in place into a copy of the gate
         h = ops.gelu_tanh_mul_(np.ascontiguousarray(gu[..., :I]), gu[..., I:])
+    elif cfg.activation == "silu_clamped":  # GPT-OSS
+        h = ops.swiglu_clamped_(np.ascontiguousarray(gu[..., :I]), gu[..., I:], cfg.swiglu_limit, cfg.swiglu_alpha)
     else:
         h = kernels.swiglu(gu)  # silu(gate) * up, one pass, (..., I)
-    return w.down_proj(h)
+    y = w.down_proj(h)
+    if w.down_bias is not None:  # an expert's own (whole on its rank): no TP double count
+        y += w.down_bias
+    return y
 
 
 def mlp(x: np.ndarray, w: Mlp | Experts, cfg: Arch, reduce: Reduce = _identity) -> np.ndarray:
-    if isinstance(w, Experts):  # this rank's experts' share, summed over the TP group
-        return reduce(moe.experts_forward(x, w, cfg.experts_per_token,
-                                          lambda rows, e: gated_mlp(rows, e, cfg.activation), cfg.norm_topk_prob))
-    return reduce(gated_mlp(x, w, cfg.activation))  # row-parallel over I
+    if isinstance(w, Experts):  # this rank's experts' share (+ its slice of the shared experts), summed over TP
+        y = moe.experts_forward(x, w, cfg, lambda rows, e: gated_mlp(rows, e, cfg))
+        if w.shared is not None:
+            y += gated_mlp(x, w.shared, cfg)
+        return reduce(y)
+    return reduce(gated_mlp(x, w, cfg))  # row-parallel over I
 
 
 def block(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray,
@@ -234,7 +256,8 @@ def fused_decode_rows(cfg: Arch, precision: str, tp: int) -> int:
     TP partial sums; the rows are those for which a `Linear` takes the decode matvecs."""
     if (tp == 1 and precision in kernels.DECODE_LAYER_FORMATS and cfg.activation == "silu"
             and not cfg.num_experts and not cfg.sandwich_norms and cfg.residual_multiplier == 1.0
-            and not cfg.rope_local_theta and cfg.qk_norm_scope == "head" and cfg.pre_norms):
+            and not cfg.rope_local_theta and cfg.qk_norm_scope == "head" and cfg.pre_norms
+            and not cfg.kv_lora_rank and not cfg.attention_sinks and not cfg.o_bias):
         return kernels.F32_MATVEC_ROWS if precision == "f32" else kernels.matvec_rows(precision)
     return 0
 

@@ -1,11 +1,14 @@
-"""Rotary position embeddings: inverse frequencies and cos/sin tables for the four RoPE kinds.
+"""Rotary position embeddings: inverse frequencies and cos/sin tables for the five RoPE kinds.
 
 Computed in float32 exactly as transformers' ``modeling_rope_utils`` (5.x) does:
 ``default`` theta^(-2i/hs); ``linear`` divides them by ``factor``; ``llama3`` divides the low
 frequencies by ``factor``, keeps the high ones and blends between (Llama 3.1); ``longrope``
 divides by per-frequency ``short_factor`` or ``long_factor`` and scales cos/sin by the
-attention factor (Phi-3 128k). With ``rope_local_theta`` (Gemma 3) the sliding-window layers
-use a second, ``default`` table at that base (``local``), the full layers the scaled one.
+attention factor (Phi-3 128k); ``yarn`` blends ``default`` (high frequencies) and ``linear``
+(low ones) over a ramp between the dims that turn ``beta_fast`` and ``beta_slow`` times in the
+original context, and scales cos/sin by the attention factor (GPT-OSS, DeepSeek-V3). With
+``rope_local_theta`` (Gemma 3) the sliding-window layers use a second, ``default`` table at that
+base (``local``), the full layers the scaled one.
 
 Note: longrope's choice. transformers picks the long factors for a whole forward when its
 largest position + 1 exceeds ``original_max_position_embeddings``, and the short ones
@@ -25,7 +28,7 @@ import numpy as np
 
 from .arch import Arch
 
-__all__ = ["inv_freq", "Rope"]
+__all__ = ["inv_freq", "Rope", "yarn_mscale"]
 
 
 def _default(cfg: Arch) -> np.ndarray:
@@ -53,7 +56,34 @@ def inv_freq(cfg: Arch, long: bool = False) -> np.ndarray:
         ext = np.asarray(cfg.rope_long_factor if long else cfg.rope_short_factor, dtype=np.float32)
         shape = np.arange(0, hs, 2, dtype=np.int64).astype(np.float32) / hs
         return (1.0 / (ext * (cfg.rope_theta ** shape).astype(np.float32))).astype(np.float32)
+    if cfg.rope_type == "yarn":
+        return _yarn(cfg, base)
     return base
+
+
+def _yarn(cfg: Arch, extrapolation: np.ndarray) -> np.ndarray:
+    """transformers' ``_compute_yarn_parameters`` inverse frequencies (float32 as there)."""
+    dim, theta, old = cfg.head_dim, cfg.rope_theta, cfg.rope_original_max_positions
+
+    def correction_dim(rotations):
+        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (1 - ramp.astype(np.float32)).astype(np.float32)  # 1: extrapolate (high frequencies), 0: interpolate
+    pos_freqs = (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)).astype(np.float32)
+    interpolation = (1.0 / (np.float32(cfg.rope_factor) * pos_freqs)).astype(np.float32)
+    return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """yarn's attention-temperature term: 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 class Rope:
@@ -67,13 +97,15 @@ class Rope:
         self.local = self.short
         if cfg.rope_local_theta:  # validate() refuses it with longrope
             local = dataclasses.replace(cfg, rope_type="default", rope_theta=cfg.rope_local_theta)
-            self.local = self._table(inv_freq(local), max_seq)
+            self.local = self._table(inv_freq(local), max_seq, scaled=False)
 
-    def _table(self, freq: np.ndarray, seq: int) -> tuple[np.ndarray, np.ndarray]:
+    def _table(self, freq: np.ndarray, seq: int, scaled: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin (T, hs); ``scaled``: times the attention factor of longrope / yarn (not the
+        local layers' default table)."""
         freqs = np.arange(seq, dtype=np.float32)[:, None] * freq[None, :]  # (T, hs/2)
         angles = np.concatenate([freqs, freqs], axis=-1)  # (T, hs), rotate-half layout
         cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-        if self.cfg.rope_type == "longrope" and self.cfg.rope_attention_factor != 1.0:
+        if scaled and self.cfg.rope_type in ("longrope", "yarn") and self.cfg.rope_attention_factor != 1.0:
             a = np.float32(self.cfg.rope_attention_factor)
             cos, sin = cos * a, sin * a
         return cos, sin

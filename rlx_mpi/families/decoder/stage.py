@@ -27,7 +27,7 @@ from ...stage import ParamSource, Stage, TensorParallel
 from . import model, ops
 from .arch import Arch
 from .rope import Rope
-from .weights import PRECISIONS, Experts, LayerWeights, Mlp, read_linear
+from .weights import PRECISIONS, Experts, LayerWeights, MlaWeights, Mlp, read_linear
 
 __all__ = ["DecoderStage", "warm_up"]
 
@@ -87,8 +87,14 @@ class DecoderStage(Stage):
 
     def _layer(self, source: ParamSource, n: int, shard) -> LayerWeights:
         cfg, tp, p = self.cfg, self.tp, f"layers/{n}/"
-        w = {"q_proj": shard(p + "q_proj", 0), "o_proj": shard(p + "o_proj", 1)}
-        w.update({k: shard(p + k, 0, self.kv_part) for k in ("k_proj", "v_proj")})
+        w = {"o_proj": shard(p + "o_proj", 1)}
+        if not cfg.kv_lora_rank:
+            w["q_proj"] = shard(p + "q_proj", 0)
+            w.update({k: shard(p + k, 0, self.kv_part) for k in ("k_proj", "v_proj")})
+        if cfg.o_bias:
+            w["o_bias"] = source.read(p + "o_bias")
+        if cfg.attention_sinks:  # this rank's query heads' sinks
+            w["sinks"] = source.read(p + "sinks", axis=0, part=tp.rank, parts=tp.size)
         for k in ("input_layernorm", "post_attention_layernorm"):
             w[k] = self._norm(source, p + k) if cfg.pre_norms else None
         if cfg.qkv_bias:
@@ -103,18 +109,41 @@ class DecoderStage(Stage):
             w["attn_out_norm"], w["mlp_out_norm"] = self._norm(source, p + "attn_out_norm"), self._norm(source, p + "mlp_out_norm")
         if cfg.moe(n):  # expert parallelism: this rank's experts whole
             a, b = part_bounds(cfg.num_experts, tp.rank, tp.size)
-            experts = [Mlp.of(*(read_linear(source, f"{p}experts/{e}/{k}", self.precision) for k in _MLP))
-                       for e in range(a, b)]
-            w["mlp"] = Experts(source.read(p + "router"), a, experts)
+            biases = ("gate_bias", "up_bias", "down_bias") if cfg.expert_bias else ()
+            experts = [Mlp.of(*(read_linear(source, f"{p}experts/{e}/{k}", self.precision) for k in _MLP),
+                              *(source.read(f"{p}experts/{e}/{k}") for k in biases)) for e in range(a, b)]
+            shared = Mlp.of(*(shard(f"{p}shared_{k}", axis) for k, axis in _MLP.items())) \
+                if cfg.shared_intermediate_size else None  # sliced as a dense MLP
+            w["mlp"] = Experts(source.read(p + "router"), a, experts,
+                               source.read(p + "router_bias") if cfg.router_bias else None, shared)
         else:
             w["mlp"] = Mlp.of(*(shard(p + k, axis) for k, axis in _MLP.items()))
-        return LayerWeights.of(**w, window=cfg.window(n), local_rope=cfg.local_rope(n),
-                               norm_group=tp.size)  # q/k/v and gate/up fused after sharding
+        kind = dict(window=cfg.window(n), local_rope=cfg.local_rope(n), norm_group=tp.size)
+        if cfg.kv_lora_rank:
+            return LayerWeights.latent(self._mla(source, p, shard), **w, **kind)
+        return LayerWeights.of(**w, **kind)  # q/k/v and gate/up fused after sharding
 
     @property
     def _rope_kinds(self) -> set[bool]:
         """Which RoPE tables this stage's layers read (local: Gemma 3's sliding layers)."""
         return {w.local_rope for w in self.blocks}
+
+    def _mla(self, source: ParamSource, p: str, shard) -> MlaWeights:
+        """This rank's heads of a latent-attention layer (q and kv_b by head rows); the latent's
+        down-projection and norms replicated; kv_b's halves per head as float32 (absorbed at decode)."""
+        cfg = self.cfg
+        whole = (0, 1)  # every TP rank reads these whole
+        q_a = shard(p + "q_a_proj", 0, whole) if cfg.q_lora_rank else None
+        m = MlaWeights(q=shard(p + ("q_b_proj" if cfg.q_lora_rank else "q_proj"), 0),
+                       kv_a=shard(p + "kv_a_proj", 0, whole), kv_a_norm=self._norm(source, p + "kv_a_norm"),
+                       kv_b=shard(p + "kv_b_proj", 0), uk=None, uv=None, q_a=q_a,
+                       q_a_norm=self._norm(source, p + "q_a_norm") if cfg.q_lora_rank else None)
+        dn = cfg.qk_nope_head_dim
+        per_head = m.kv_b.to_f32().reshape(-1, dn + cfg.v_head_dim, cfg.kv_lora_rank)  # (nh, dn + dv, r)
+        # contiguous copies: the decode's per-head products read them every step (a strided view would be
+        # copied each time); DeepSeek-V3: 64 MiB a layer in float32, split over the TP ranks
+        m.uk, m.uv = np.ascontiguousarray(per_head[:, :dn]), np.ascontiguousarray(per_head[:, dn:])
+        return m
 
     @property
     def weight_bytes(self) -> int:
@@ -154,13 +183,22 @@ class DecoderStage(Stage):
             kernels.warm_up_decode_layer(self.precision)
             for kinds in {tuple(x.kind for x in (b.qkv, b.o_proj, b.mlp.gate_up, b.mlp.down_proj)) for b in self.blocks}:
                 kernels.warm_up_decode_layer(self.precision, kinds)  # a file's mixed storage (weights.Linear.kind)
-        nkv = cfg.num_key_value_heads // self.kv_part[1]  # this rank's kv heads
         self.specs = [_layer_spec(kv, w.window) for w in self.blocks]
         self.caches = None
         if not kv.recompute:
-            self.caches = [LayerCache(slots, nkv, s.cache_len(max_seq), cfg.head_dim) for s in self.specs]
+            self.caches = [LayerCache(slots, *self._entry(w, s.cache_len(max_seq))) for w, s in zip(self.blocks, self.specs)]
         self.rope = Rope(cfg, max_seq)
         return sum(c.nbytes for c in self.caches) if self.caches else 0
+
+    def _entry(self, w: LayerWeights, length: int) -> tuple[int, int, int, int]:
+        """Layer ``w``'s cache shape on this rank, (heads, positions, k width, v width): K and V of
+        this rank's kv heads, or for a latent-attention layer one shared "head" holding the
+        latent (kv_lora_rank, in ``k``) and the RoPE key (head_dim, in ``v``), the same on every
+        TP rank (`decoder.mla`). The entry width is the layer's own (`LayerCache.entry_floats`)."""
+        cfg = self.cfg
+        if w.mla is not None:
+            return 1, length, cfg.kv_lora_rank, cfg.head_dim
+        return cfg.num_key_value_heads // self.kv_part[1], length, cfg.head_dim, cfg.head_dim
 
     def prefill(self, x: np.ndarray, slots: np.ndarray, lengths: np.ndarray, start: int = 0) -> np.ndarray:
         """Positions start..start+T-1 of each row, filling the cache; a row's whole prompt is

@@ -26,7 +26,8 @@ import numpy as np
 
 from ... import kernels
 
-__all__ = ["PRECISIONS", "Linear", "make_linear", "read_linear", "fuse", "Mlp", "Experts", "LayerWeights", "q4_tensor"]
+__all__ = ["PRECISIONS", "Linear", "make_linear", "read_linear", "fuse", "Mlp", "Experts", "LayerWeights", "MlaWeights",
+           "q4_tensor"]
 
 PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")
 # Note: few rows. For a handful of activation rows (decode: one per sequence) OpenBLAS runs
@@ -201,10 +202,14 @@ class Mlp:
 
     gate_up: Linear  # (2I, C)
     down_proj: Linear  # (C, I)
+    gate_up_bias: np.ndarray | None = None  # (2I,) GPT-OSS's experts
+    down_bias: np.ndarray | None = None  # (C,)
 
     @classmethod
-    def of(cls, gate_proj: Linear, up_proj: Linear, down_proj: Linear) -> "Mlp":
-        return cls(fuse([gate_proj, up_proj]), down_proj)
+    def of(cls, gate_proj: Linear, up_proj: Linear, down_proj: Linear, gate_bias=None, up_bias=None,
+           down_bias=None) -> "Mlp":
+        bias = None if gate_bias is None else np.concatenate([gate_bias, up_bias]).astype(np.float32)
+        return cls(fuse([gate_proj, up_proj]), down_proj, bias, down_bias)
 
     @property
     def width(self) -> int:
@@ -220,7 +225,8 @@ class Mlp:
 
     @property
     def nbytes(self) -> int:
-        return self.gate_up.nbytes + self.down_proj.nbytes
+        return self.gate_up.nbytes + self.down_proj.nbytes + sum(
+            b.nbytes for b in (self.gate_up_bias, self.down_bias) if b is not None)
 
 
 @dataclass
@@ -231,10 +237,38 @@ class Experts:
     router: np.ndarray  # (E, C) float32
     first: int
     experts: list[Mlp]
+    router_bias: np.ndarray | None = None  # (E,): GPT-OSS's logit bias, DeepSeek-V3's choice-only bias
+    shared: Mlp | None = None  # DeepSeek's always-on experts, this rank's slice (sharded as a dense MLP)
 
     @property
     def nbytes(self) -> int:
-        return self.router.nbytes + sum(e.nbytes for e in self.experts)
+        extra = sum(a.nbytes for a in (self.router_bias, self.shared) if a is not None)
+        return self.router.nbytes + sum(e.nbytes for e in self.experts) + extra
+
+
+@dataclass
+class MlaWeights:
+    """Multi-head latent attention's projections (DeepSeek-V2/V3), this rank's heads.
+
+    q: ``q_a`` -> ``q_a_norm`` -> ``q_b`` (or one ``q``): (nh * (dn + dr), .) per head [nope | rope].
+    ``kv_a`` (r + dr, C) makes the latent c (r, then ``kv_a_norm``) and the shared RoPE key (dr),
+    replicated on every TP rank; ``kv_b`` (nh * (dn + dv), r) expands c to each head's [k_nope | v].
+    ``uk`` (nh, dn, r) and ``uv`` (nh, dv, r) are kv_b's two halves per head as float32, the
+    up-projections a decode step absorbs into q and o (`decoder.mla`)."""
+
+    q: Linear  # q_proj (nh*(dn+dr), C) or q_b_proj (nh*(dn+dr), rq)
+    kv_a: Linear  # (r + dr, C)
+    kv_a_norm: np.ndarray  # (r,)
+    kv_b: Linear  # (nh*(dn+dv), r)
+    uk: np.ndarray  # (nh, dn, r) float32
+    uv: np.ndarray  # (nh, dv, r) float32
+    q_a: Linear | None = None  # (rq, C)
+    q_a_norm: np.ndarray | None = None  # (rq,)
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.q, self.kv_a, self.kv_a_norm, self.kv_b, self.q_a, self.q_a_norm, self.uk, self.uv)
+        return sum(a.nbytes for a in arrays if a is not None)
 
 
 @dataclass
@@ -243,11 +277,14 @@ class LayerWeights:
     projections as `Linear`; optional parts are None when the `Arch` has no such part."""
 
     input_layernorm: np.ndarray | None  # (C,), norm_offset already added; None without pre-norms (OLMo 2)
-    qkv: Linear  # (nh*hs + 2*nkv*hs, C): q, k, v rows fused (`fuse`)
+    qkv: Linear | None  # (nh*hs + 2*nkv*hs, C): q, k, v rows fused (`fuse`); None with MLA
     q_dim: int  # nh*hs: qkv's first q_dim rows are q, then k and v of (rows - q_dim) / 2 each
     o_proj: Linear  # (C, nh*hs)
     post_attention_layernorm: np.ndarray | None  # (C,) before the MLP
     mlp: Mlp | Experts
+    mla: MlaWeights | None = None  # DeepSeek's latent attention instead of qkv
+    o_bias: np.ndarray | None = None  # (C,) GPT-OSS, added after the TP sum
+    sinks: np.ndarray | None = None  # (nh,) this rank's heads' sink logits (GPT-OSS)
     qkv_bias: np.ndarray | None = None  # (nh*hs + 2*nkv*hs,) q, k, v biases fused like the rows
     q_norm: np.ndarray | None = None  # (hs,)
     k_norm: np.ndarray | None = None
@@ -281,6 +318,11 @@ class LayerWeights:
     @property
     def v_proj(self) -> Linear:
         return self.qkv.rows(self.q_dim + self.kv_dim, self.qkv.shape[0])
+
+    @classmethod
+    def latent(cls, mla: MlaWeights, **rest) -> "LayerWeights":
+        """A layer with multi-head latent attention (no fused q/k/v)."""
+        return cls(qkv=None, q_dim=0, mla=mla, **rest)
 
     @property
     def nbytes(self) -> int:
