@@ -64,8 +64,11 @@ def _all() -> list[Any]:
 
 
 def family_for_model_type(model_type: str) -> Any | None:
-    """The family that converts Hugging Face checkpoints of ``model_type``; None if none does."""
-    for family in _all():
+    """The family that converts Hugging Face checkpoints of ``model_type``; None if none does. A
+    built-in family first: a plug-in that also lists the type (a wrapper such as the tests'
+    ``faulty_llama``, which sorts before ``llama``) does not take over conversion."""
+    builtin = [f for f in _all() if f.name in _BUILTIN]
+    for family in builtin + [f for f in _all() if f not in builtin]:
         if model_type in getattr(family, "hf_model_types", ()):
             return family
     return None

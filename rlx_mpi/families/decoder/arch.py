@@ -295,8 +295,19 @@ class Arch:
         shared) of each MoE layer, the embeddings included (the published "activated" count:
         Qwen3-235B-A22B's 22 B)."""
         h, v = self.hidden_size, self.vocab_size
-        layers = sum(self.layer_params(active, n) for n in range(self.num_hidden_layers))
-        return layers + (1 if self.tie_word_embeddings else 2) * v * h + h  # embedding, head, final norm
+        return self._stack_params(active) + (1 if self.tie_word_embeddings else 2) * v * h + h  # embedding, head, final norm
+
+    def _stack_params(self, active: bool) -> int:
+        """Every layer's parameters, by kind (dense or MoE: the only per-layer difference in
+        size), not layer by layer: an absurd layer count is refused by the planner, not summed."""
+        L = self.num_hidden_layers
+        dense = {d for d in self.dense_layers if 0 <= d < L} if self.num_experts else set(range(min(L, 1)))
+        n_dense = len(dense) if self.num_experts else L
+        total = n_dense * self.layer_params(active, next(iter(dense))) if n_dense else 0
+        if n_dense < L:  # the MoE layers: the first index not among the dense ones
+            first_moe = next(n for n in range(L) if n not in dense)
+            total += (L - n_dense) * self.layer_params(active, first_moe)
+        return total
 
     def kv_bytes_per_token(self, cache_bytes: int = 4) -> int:
         """Cache bytes one token of context adds over every layer (float32 caches): K and V, or
@@ -325,7 +336,7 @@ class Arch:
         n_layers x it is the whole stack); with ``active`` only the experts a token uses (top-k,
         plus the shared experts)."""
         if layer is None:
-            return -(-sum(self.layer_params(active, n) for n in range(self.num_hidden_layers)) // self.num_hidden_layers)
+            return -(-self._stack_params(active) // self.num_hidden_layers)
         h = self.hidden_size
         norms = ((4 if self.sandwich_norms else 2) - (0 if self.pre_norms else 2)) * h
         attn = self.attention_params()
@@ -364,7 +375,8 @@ class Arch:
             attn_flops = 2.0 * seq * self.num_attention_heads * (self.qk_head_dim + self.v_head_dim)
             heads_dim = self.qk_head_dim
         else:  # a sliding-window layer keeps its window: the average layer's cache
-            kept = sum(min(self.window(n) or seq, seq) for n in range(self.num_hidden_layers))
+            kept = (sum(min(w or seq, seq) for w in self.layer_windows) if self.layer_windows
+                    else self.num_hidden_layers * seq)
             kv_bytes = 2 * batch * kept * self.kv_dim * 4 // self.num_hidden_layers
             kv_heads = self.num_key_value_heads
             replicated = 2 * self.kv_dim * (h + (1 if self.qkv_bias else 0))
