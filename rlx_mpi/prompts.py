@@ -25,6 +25,7 @@ transformers' ``generate`` stops at; only when it names none, the tokenizer conf
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InputError
+from .sampling import RowSettings
 
 __all__ = ["Prompt", "Tokenizer", "ChatTemplate", "read_prompts", "load_tokenizer", "eos_ids_beside",
            "MAX_PROMPT_FILE_BYTES"]
@@ -57,6 +59,23 @@ class Prompt:
     tokens: tuple[int, ...]  # the prompt's token ids (encoded from "text" or the rendered "messages")
     text: str | None  # the line's "text", or its "messages" as rendered by the chat template;
     # None when it gave "tokens"
+    settings: RowSettings | None = None  # the line's own sampling settings (`batch_io`); None: the job's
+    request: dict | None = None  # an OpenAI batch line: its custom_id, url, model and line (`batch_io`)
+    error: dict | None = None  # a line that cannot be run: its OpenAI error object (no tokens)
+
+    @property
+    def digest(self) -> str:
+        """What the journal records of this prompt: its tokens' digest, with its own settings
+        (and a failed line's error) when it has them, so a resume checks those too."""
+        from .journal import prompt_digest
+
+        d = prompt_digest(self.tokens)
+        extra = {k: v for k, v in (("settings", self.settings and self.settings.to_json()), ("error", self.error))
+                 if v}
+        if not extra:
+            return d
+        blob = json.dumps([d, extra], sort_keys=True, separators=(",", ":")).encode("utf-8")
+        return hashlib.sha256(blob).hexdigest()[:16]
 
 
 class Tokenizer:
@@ -87,6 +106,10 @@ class Tokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens included (how OpenAI's log-probs name a token)."""
+        return self._tok.decode([int(token_id)], skip_special_tokens=False)
 
     def chat(self, messages: list[dict]) -> tuple[str, list[int]]:
         """``messages`` rendered with ``add_generation_prompt=True``, and its token ids.
