@@ -94,6 +94,10 @@ def read_requests(path, *, vocab_size: int, max_positions: int, max_new_tokens: 
                                  "give every request a unique custom_id: results are matched to requests by it")
             seen[cid] = lineno
         prompts.append(p)
+    for p in prompts:  # a line without a custom_id is written under a placeholder id: not one of theirs
+        if p.request["custom_id"] is None and p.id in seen:
+            raise InputError(f"{path}:{p.request['line']}", f"this line has no custom_id, and its output's id "
+                             f"{p.id!r} is the custom_id of line {seen[p.id]}", "give the line a custom_id")
     return prompts
 
 
@@ -183,7 +187,7 @@ def _request(line: str, lineno: int, index: int, vocab_size: int, max_positions:
     except _LineError as e:
         error = {"code": e.code, "message": f"line {lineno}: {e.message}", "param": e.param, "line": lineno}
         request = {"custom_id": cid, "url": url, "model": model, "line": lineno, "max_new_tokens": 0}
-        pid = cid if cid is not None else f"line-{lineno}"
+        pid = cid if cid is not None else f"rlx-line-{lineno}"
         return Prompt(index, pid, (), None, request=request, error=error)
 
 
