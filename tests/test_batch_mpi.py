@@ -72,9 +72,9 @@ def write_lines(path, lines):
     return path
 
 
-def generate(tmp_path, ckpt, ranks, prompts, out, *flags, name="job.toml"):
+def generate(tmp_path, ckpt, ranks, prompts, out, *flags, name="job.toml", replicas=1):
     job = write_job(tmp_path, name, model={"checkpoint": str(ckpt)}, run={"timeout_s": 30.0},
-                    placement={"reserve_ram_gb": 0.0})
+                    placement={"reserve_ram_gb": 0.0, "replicas": replicas})
     return run_cli(["generate", job, "--prompts", prompts, "--out", out, *flags], ranks=ranks, timeout=120)
 
 
@@ -171,12 +171,17 @@ def test_a_run_batch_file_on_two_ranks(batch_run):
     assert by["short"]["response"]["body"]["usage"]["completion_tokens"] == 2
 
 
-def test_sampled_rows_are_the_same_on_one_rank_with_batch_one(batch_run, ckpt):
+def test_sampled_rows_are_the_same_on_one_rank_with_batch_one_and_on_two_replicas(batch_run, ckpt):
+    """Whatever the batch, and when a request's two samples run on two replicas (rank 0 joins them)."""
     d, prompts, out, _ = batch_run
-    one = d / "one.jsonl"
+    one, two = d / "one.jsonl", d / "replicas.jsonl"
     proc = generate(d, ckpt, 1, prompts, one, "--batch", "1", name="one.toml")
     assert proc.returncode == EXIT_SOME_FAILED, proc.stderr
     assert_same_rows(lines_of(one), lines_of(out))
+    proc = generate(d, ckpt, 2, prompts, two, "--batch", "1", name="replicas.toml", replicas=2)
+    assert proc.returncode == EXIT_SOME_FAILED, proc.stderr
+    assert "replica" in proc.stdout, proc.stdout
+    assert_same_rows(lines_of(two), lines_of(out))
 
 
 def test_resume_completes_a_cut_file_and_refuses_changed_settings(batch_run, ckpt):
