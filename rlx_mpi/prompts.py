@@ -13,7 +13,9 @@ chat, for instruct models) also needs the checkpoint's chat template (``chat_tem
 ``tokenizer_config.json``, or ``chat_template.jinja``) and ``jinja2`` (also in the ``text``
 extra): it is rendered with ``add_generation_prompt=True`` exactly as transformers'
 ``apply_chat_template`` renders it, then tokenized without adding special tokens again.
-Blank lines are skipped and a UTF-8 byte order mark is accepted. Every error is one
+A line may carry its own ``max_tokens``, ``temperature``, ``top_p``, ``seed`` and ``stop`` (up
+to 4 strings; needs the tokenizer), checked as an OpenAI request's (`batch_io`); the job's
+settings are the defaults. Blank lines are skipped and a UTF-8 byte order mark is accepted. Every error is one
 `InputError` naming ``FILE:LINE``, the key and value, and the fix; the whole file is checked
 before any compute.
 
@@ -41,7 +43,8 @@ __all__ = ["Prompt", "Tokenizer", "ChatTemplate", "read_prompts", "load_tokenize
 log = logging.getLogger(__name__)
 
 MAX_PROMPT_FILE_BYTES = 1 << 30  # 1 GiB: millions of prompts; past that it is the wrong file
-_KEYS = ("id", "tokens", "text", "messages")
+_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "stop")  # a row's own (`sampling.RowSettings`)
+_KEYS = ("id", "tokens", "text", "messages", *_SETTINGS)
 _SOURCES = ("tokens", "text", "messages")  # a line gives exactly one of them
 _BOM = b"\xef\xbb\xbf"
 # First bytes of files people hand us by mistake: what they are, to say so in the error.
@@ -157,12 +160,15 @@ def read_prompts(path, *, vocab_size: int, max_positions: int, max_new_tokens: i
                              "give every prompt a unique id")
         first_line[pid] = lineno
         tokens, text_of = _tokens_of(obj, where, vocab_size, tokenizer)
-        if len(tokens) + max_new_tokens > max_positions:
+        settings = _settings_of(obj, where, tokenizer)
+        limit = settings.max_tokens if settings and settings.max_tokens else max_new_tokens
+        if len(tokens) + limit > max_positions:
             raise InputError(where, f"prompt {pid!r} has {len(tokens)} tokens, and with "
-                             f"max_new_tokens {max_new_tokens} needs {len(tokens) + max_new_tokens}"
+                             f"max_new_tokens {limit} needs {len(tokens) + limit}"
                              f" positions but the model has {max_positions}",
-                             "shorten the prompt or lower --max-new-tokens")
-        prompts.append(Prompt(len(prompts), pid, tokens, text_of))
+                             "shorten the prompt or lower " + ('its "max_tokens"' if limit != max_new_tokens
+                                                                else "--max-new-tokens"))
+        prompts.append(Prompt(len(prompts), pid, tokens, text_of, settings=settings))
     if not prompts:
         raise InputError(str(path), "the prompt file has no prompts",
                          'give one JSON object per line: {"id": "...", "tokens": [...]}')
@@ -306,6 +312,23 @@ def _tokens_of(obj: dict, where: str, vocab_size: int, tokenizer) -> tuple[tuple
             raise InputError(where, f"{what} token {t} at position {i}, outside [0, {vocab_size})",
                              "use ids of this model's vocabulary (tokenize with its tokenizer)")
     return tuple(tokens), text
+
+
+def _settings_of(obj: dict, where: str, tokenizer) -> RowSettings | None:
+    """A line's own max_tokens, temperature, top_p, seed and stop (as an OpenAI request's body
+    gives them, `batch_io`), or None when it gives none: the job's then."""
+    if not any(k in obj for k in _SETTINGS):
+        return None
+    from .batch_io import COMPLETIONS_URL, _LineError, _settings
+
+    try:
+        settings = _settings({k: obj[k] for k in _SETTINGS if k in obj}, COMPLETIONS_URL)
+    except _LineError as e:
+        what, _, fix = e.message.partition("; ")
+        raise InputError(where, what, fix or None) from None
+    if settings.stop and tokenizer is None:
+        _need_tokenizer(tokenizer, where, '"stop"')
+    return settings
 
 
 def _need_tokenizer(tokenizer, where: str, key: str) -> None:

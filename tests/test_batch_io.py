@@ -162,6 +162,24 @@ def test_a_batch_file_needs_the_tokenizer_and_our_format_reads_as_before(tmp_pat
     assert read_requests(path, tokenizer=tok, **LIMITS) == read_prompts(path, tokenizer=tok, **LIMITS)
 
 
+def test_our_prompt_lines_take_settings_of_their_own(tmp_path, tok):
+    path = write(tmp_path / "ours.jsonl", {"id": "a", "tokens": [1], "max_tokens": 3, "temperature": 0.5, "seed": 2},
+                 {"id": "b", "text": "w1", "stop": "w2", "top_p": 0.5}, {"id": "c", "tokens": [1]})
+    a, b, c = read_requests(path, tokenizer=tok, **LIMITS)
+    assert a.settings == RowSettings(max_tokens=3, temperature=0.5, seed=2) and a.request is None
+    assert b.settings == RowSettings(stop=("w2",), top_p=0.5) and c.settings is None
+    assert a.digest != prompt_digest(a.tokens) and c.digest == prompt_digest(c.tokens)
+    # a long max_tokens of its own must fit the model, and bad values are the file's error (our format is strict)
+    for line, where, words in [({"id": "a", "tokens": [1], "max_tokens": 64}, "ours.jsonl:1", 'its "max_tokens"'),
+                               ({"id": "a", "tokens": [1], "temperature": -1}, "ours.jsonl:1", "temperature is -1"),
+                               ({"id": "a", "tokens": [1], "n": 2}, "ours.jsonl:1", "unknown key 'n'")]:
+        with pytest.raises(InputError) as e:
+            read_requests(write(tmp_path / "ours.jsonl", line), tokenizer=tok, **LIMITS)
+        assert e.value.where.endswith(where) and words in e.value.line(), e.value.line()
+    with pytest.raises(InputError, match="no tokenizer"):
+        read_requests(write(tmp_path / "ours.jsonl", {"id": "a", "tokens": [1], "stop": "w1"}), **LIMITS)
+
+
 def test_digests_cover_a_rows_settings_and_stay_as_before_without(tmp_path, tok):
     plain = Prompt(0, "a", (1, 2), None)
     assert plain.digest == prompt_digest((1, 2))  # files written before resume unchanged

@@ -206,15 +206,23 @@ def test_resume_completes_a_cut_file_and_refuses_changed_settings(batch_run, ckp
     assert out.read_bytes() == before
 
 
-def test_ignore_eos_runs_every_row_to_its_max_tokens(tmp_path, ckpt):
+def test_ignore_eos_and_our_prompt_lines_with_their_own_settings(tmp_path, ckpt):
+    """--ignore-eos runs a row past its end-of-sequence id; our own prompt lines take
+    max_tokens and stop per row too (the stop string cut from "text", as OpenAI does)."""
     eos = REF["tokens"][0][2]
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"id": "a", "tokens": REF["prompts"][0]}) + "\n")
+    prompts = write_lines(tmp_path / "p.jsonl", [
+        {"id": "a", "tokens": REF["prompts"][0]},
+        {"id": "b", "text": words(REF["prompts"][1]), "stop": [f"w{REF['tokens'][1][1]}"]},
+        {"id": "c", "tokens": REF["prompts"][0], "max_tokens": 2}])
     out, free = tmp_path / "eos.jsonl", tmp_path / "free.jsonl"
     n = str(REF["max_new_tokens"])
     proc = generate(tmp_path, ckpt, 2, prompts, out, "--eos-id", eos, "--max-new-tokens", n)
     assert proc.returncode == 0, proc.stderr
-    assert lines_of(out)[0]["tokens"] == REF["tokens"][0][:3] and lines_of(out)[0]["finish_reason"] == "stop"
+    a, b, c = lines_of(out)
+    assert a["tokens"] == REF["tokens"][0][:3] and a["finish_reason"] == "stop"
+    assert b["tokens"] == REF["tokens"][1][:2] and b["finish_reason"] == "stop"
+    assert b["text"] == words(REF["tokens"][1][:1]) + " "
+    assert c["tokens"] == REF["tokens"][0][:2] and c["finish_reason"] == "length"
     proc = generate(tmp_path, ckpt, 2, prompts, free, "--eos-id", eos, "--max-new-tokens", n, "--ignore-eos")
     assert proc.returncode == 0, proc.stderr
     assert lines_of(free)[0]["tokens"] == REF["tokens"][0] and lines_of(free)[0]["finish_reason"] == "length"

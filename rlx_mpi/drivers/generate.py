@@ -48,7 +48,7 @@ from .. import rules, transport
 from ..errors import ConfigError
 from ..executor import Executor, wire_codec
 from ..faults import check_finite
-from ..batch_io import format_result, is_batch
+from ..batch_io import format_result, is_batch, stop_text
 from ..sampling import (SamplingParams, logprob_entries, logprobs, pack_sampled, prompt_key, sample_id, sample_rows,
                         unpack_sampled)
 from ..schedule import Action, decode_drain_actions, decode_step_actions
@@ -499,7 +499,10 @@ class GenerateDriver(JournalDriver):
                 row = format_result(p, [got[j] for j in range(p.settings.n)], tokenizer)
                 del samples[index]
             elif tokenizer is not None and texts.get(index) is not None:
-                row = {"id": row["id"], "tokens": row["tokens"], "text": tokenizer.decode(row["tokens"]),
+                text = tokenizer.decode(row["tokens"])
+                if p.settings and p.settings.stop and row["finish_reason"] == "stop":
+                    text = stop_text(text, p.settings.stop)  # (as OpenAI: the stop string is not in it)
+                row = {"id": row["id"], "tokens": row["tokens"], "text": text,
                        **{k: v for k, v in row.items() if k not in ("id", "tokens")}}
             journal.complete(index, row)
             counts["done"] += 1
