@@ -34,17 +34,20 @@ stopped batch job carries on and its file equals an uninterrupted run's line for
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from .errors import InputError
+from .journal import prompt_digest
 from .prompts import (MAX_PROMPT_FILE_BYTES, ChatError, Prompt, _check_messages, _clip, _DECODER, _json_type,
                       _read_text, _Refused, read_prompts)
 from .sampling import RowSettings
 
-__all__ = ["read_requests", "format_result", "is_batch", "stop_at", "stop_text", "CHAT_URL", "COMPLETIONS_URL", "MAX_N", "MAX_STOP",
-           "EXIT_SOME_FAILED"]
+__all__ = ["read_requests", "format_result", "is_batch", "stop_at", "stop_text", "CHAT_URL", "COMPLETIONS_URL",
+           "MAX_N", "MAX_STOP", "EXIT_SOME_FAILED"]
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 MAX_N = 16  # samples per request at most: each is a row of its own (sharing the prefill is #33's)
@@ -55,6 +58,7 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API (and rules
 EXIT_SOME_FAILED = 6
 
 _TOP_KEYS = ("custom_id", "method", "url", "body")
+OUR_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "stop")  # what our prompt lines may carry
 _OURS = ("id", "tokens", "text", "messages")
 # Fields that ask for nothing we do not do at the value given: accepted, and otherwise refused
 # per line (a request we would answer differently from OpenAI must say so, not be ignored).
@@ -76,8 +80,13 @@ def read_requests(path, *, vocab_size: int, max_positions: int, max_new_tokens: 
     lines = [(n, line) for n, line in enumerate(text.split("\n"), start=1) if line.strip()]
     kind = _format_of(path, lines)
     if kind == "ours":
-        return read_prompts(path, vocab_size=vocab_size, max_positions=max_positions, max_new_tokens=max_new_tokens,
-                            tokenizer=tokenizer, max_bytes=max_bytes)
+        def settings_of(obj: dict, where: str) -> RowSettings | None:
+            return _our_settings(obj, where, tokenizer)
+
+        prompts = read_prompts(path, vocab_size=vocab_size, max_positions=max_positions,
+                               max_new_tokens=max_new_tokens, tokenizer=tokenizer, max_bytes=max_bytes,
+                               settings=(OUR_SETTINGS, settings_of))
+        return [with_digest(p) for p in prompts]
     if tokenizer is None:
         raise InputError(f"{path}:{lines[0][0]}", "an OpenAI batch file but the checkpoint has no tokenizer",
                          "put the model's tokenizer.json (and tokenizer_config.json) next to the checkpoint "
@@ -93,12 +102,38 @@ def read_requests(path, *, vocab_size: int, max_positions: int, max_new_tokens: 
                 raise InputError(where, f"custom_id {cid!r} is already used on line {seen[cid]}",
                                  "give every request a unique custom_id: results are matched to requests by it")
             seen[cid] = lineno
-        prompts.append(p)
+        prompts.append(with_digest(p))
     for p in prompts:  # a line without a custom_id is written under a placeholder id: not one of theirs
         if p.request["custom_id"] is None and p.id in seen:
             raise InputError(f"{path}:{p.request['line']}", f"this line has no custom_id, and its output's id "
                              f"{p.id!r} is the custom_id of line {seen[p.id]}", "give the line a custom_id")
     return prompts
+
+
+def with_digest(p: Prompt) -> Prompt:
+    """``p`` with the digest the journal records when it has settings of its own or an error:
+    its tokens' digest and those, so a resume refuses a line whose settings changed."""
+    extra = {k: v for k, v in (("settings", p.settings and p.settings.to_json()), ("error", p.error)) if v}
+    if not extra:
+        return p  # (the journal takes its tokens' digest: files written before resume unchanged)
+    blob = json.dumps([prompt_digest(p.tokens), extra], sort_keys=True, separators=(",", ":")).encode("utf-8")
+    return replace(p, digest=hashlib.sha256(blob).hexdigest()[:16])
+
+
+def _our_settings(obj: dict, where: str, tokenizer) -> RowSettings | None:
+    """Our line's own settings (`OUR_SETTINGS`, checked as an OpenAI body's), or None when it
+    gives none; a bad one is the file's `InputError` (our format is strict)."""
+    if not any(k in obj for k in OUR_SETTINGS):
+        return None
+    try:
+        settings = _settings({k: obj[k] for k in OUR_SETTINGS if k in obj}, COMPLETIONS_URL)
+    except _LineError as e:
+        what, _, fix = e.message.partition("; ")
+        raise InputError(where, what, fix or None) from None
+    if settings.stop and tokenizer is None:
+        raise InputError(where, 'a "stop" but the checkpoint has no tokenizer',
+                         "put the model's tokenizer.json next to the checkpoint: stop strings are matched on text")
+    return settings
 
 
 def _format_of(path: Path, lines: list[tuple[int, str]]) -> str:
@@ -306,7 +341,7 @@ def format_result(prompt: Prompt, samples: list[dict], tokenizer, created: int |
     ``custom_id`` there). ``samples`` are its n rows in sample order, each as the generate
     driver keeps a row: tokens, finish_reason, and with log-probs `sampling.logprob_entries`."""
     req = prompt.request
-    rid = prompt.digest
+    rid = prompt.digest or prompt_digest(prompt.tokens)
     if prompt.error is not None:
         err = prompt.error
         body = {"error": {"message": err["message"], "type": "invalid_request_error", "param": err["param"],

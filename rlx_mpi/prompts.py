@@ -27,12 +27,11 @@ transformers' ``generate`` stops at; only when it names none, the tokenizer conf
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import InputError
 from .sampling import RowSettings
@@ -43,8 +42,7 @@ __all__ = ["Prompt", "Tokenizer", "ChatTemplate", "read_prompts", "load_tokenize
 log = logging.getLogger(__name__)
 
 MAX_PROMPT_FILE_BYTES = 1 << 30  # 1 GiB: millions of prompts; past that it is the wrong file
-_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "stop")  # a row's own (`sampling.RowSettings`)
-_KEYS = ("id", "tokens", "text", "messages", *_SETTINGS)
+_KEYS = ("id", "tokens", "text", "messages")
 _SOURCES = ("tokens", "text", "messages")  # a line gives exactly one of them
 _BOM = b"\xef\xbb\xbf"
 # First bytes of files people hand us by mistake: what they are, to say so in the error.
@@ -65,20 +63,8 @@ class Prompt:
     settings: RowSettings | None = None  # the line's own sampling settings (`batch_io`); None: the job's
     request: dict | None = None  # an OpenAI batch line: its custom_id, url, model and line (`batch_io`)
     error: dict | None = None  # a line that cannot be run: its OpenAI error object (no tokens)
-
-    @property
-    def digest(self) -> str:
-        """What the journal records of this prompt: its tokens' digest, with its own settings
-        (and a failed line's error) when it has them, so a resume checks those too."""
-        from .journal import prompt_digest
-
-        d = prompt_digest(self.tokens)
-        extra = {k: v for k, v in (("settings", self.settings and self.settings.to_json()), ("error", self.error))
-                 if v}
-        if not extra:
-            return d
-        blob = json.dumps([d, extra], sort_keys=True, separators=(",", ":")).encode("utf-8")
-        return hashlib.sha256(blob).hexdigest()[:16]
+    digest: str | None = None  # what the journal records of it when not its tokens' digest (`batch_io`:
+    # the tokens with the line's own settings or error, so that a resume checks those too)
 
 
 class Tokenizer:
@@ -138,8 +124,14 @@ class Tokenizer:
 
 def read_prompts(path, *, vocab_size: int, max_positions: int, max_new_tokens: int,
                  tokenizer: Tokenizer | None = None,
-                 max_bytes: int = MAX_PROMPT_FILE_BYTES) -> list[Prompt]:
-    """Read and check a whole JSON-lines prompt file; every problem is an `InputError`."""
+                 max_bytes: int = MAX_PROMPT_FILE_BYTES,
+                 settings: tuple[tuple[str, ...], Callable[[dict, str], RowSettings | None]] | None = None
+                 ) -> list[Prompt]:
+    """Read and check a whole JSON-lines prompt file; every problem is an `InputError`.
+
+    ``settings``: (keys, reader) when a line may carry settings of its own (`batch_io`): those
+    keys are accepted, and ``reader(line, where)`` gives the line's `RowSettings` or None."""
+    keys, settings_of = (_KEYS + settings[0], settings[1]) if settings else (_KEYS, None)
     for name, value in (("vocab_size", vocab_size), ("max_positions", max_positions)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -153,22 +145,22 @@ def read_prompts(path, *, vocab_size: int, max_positions: int, max_new_tokens: i
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
-        obj = _parse_line(line, where)
+        obj = _parse_line(line, where, keys)
         pid = _check_id(obj, where)
         if pid in first_line:
             raise InputError(where, f'id {pid!r} is already used on line {first_line[pid]}',
                              "give every prompt a unique id")
         first_line[pid] = lineno
         tokens, text_of = _tokens_of(obj, where, vocab_size, tokenizer)
-        settings = _settings_of(obj, where, tokenizer)
-        limit = settings.max_tokens if settings and settings.max_tokens else max_new_tokens
+        own = settings_of(obj, where) if settings_of else None
+        limit = own.max_tokens if own and own.max_tokens else max_new_tokens
         if len(tokens) + limit > max_positions:
             raise InputError(where, f"prompt {pid!r} has {len(tokens)} tokens, and with "
                              f"max_new_tokens {limit} needs {len(tokens) + limit}"
                              f" positions but the model has {max_positions}",
                              "shorten the prompt or lower " + ('its "max_tokens"' if limit != max_new_tokens
                                                                 else "--max-new-tokens"))
-        prompts.append(Prompt(len(prompts), pid, tokens, text_of, settings=settings))
+        prompts.append(Prompt(len(prompts), pid, tokens, text_of, settings=own))
     if not prompts:
         raise InputError(str(path), "the prompt file has no prompts",
                          'give one JSON object per line: {"id": "...", "tokens": [...]}')
@@ -312,23 +304,6 @@ def _tokens_of(obj: dict, where: str, vocab_size: int, tokenizer) -> tuple[tuple
             raise InputError(where, f"{what} token {t} at position {i}, outside [0, {vocab_size})",
                              "use ids of this model's vocabulary (tokenize with its tokenizer)")
     return tuple(tokens), text
-
-
-def _settings_of(obj: dict, where: str, tokenizer) -> RowSettings | None:
-    """A line's own max_tokens, temperature, top_p, seed and stop (as an OpenAI request's body
-    gives them, `batch_io`), or None when it gives none: the job's then."""
-    if not any(k in obj for k in _SETTINGS):
-        return None
-    from .batch_io import COMPLETIONS_URL, _LineError, _settings
-
-    try:
-        settings = _settings({k: obj[k] for k in _SETTINGS if k in obj}, COMPLETIONS_URL)
-    except _LineError as e:
-        what, _, fix = e.message.partition("; ")
-        raise InputError(where, what, fix or None) from None
-    if settings.stop and tokenizer is None:
-        _need_tokenizer(tokenizer, where, '"stop"')
-    return settings
 
 
 def _need_tokenizer(tokenizer, where: str, key: str) -> None:

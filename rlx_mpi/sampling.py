@@ -36,8 +36,8 @@ import numpy as np
 
 from .errors import ConfigError
 
-__all__ = ["SamplingParams", "RowSettings", "prompt_key", "sample_id", "sample", "sample_rows", "log_softmax", "logprobs",
-           "logprob_entries", "pack_sampled", "unpack_sampled"]
+__all__ = ["SamplingParams", "RowSettings", "prompt_key", "sample_id", "sample", "sample_rows", "log_softmax",
+           "logprobs", "logprob_entries", "pack_sampled", "unpack_sampled"]
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,8 @@ class RowSettings:
 
     def to_json(self) -> dict:
         """The settings the line gave (defaults left out): what a row's digest covers."""
-        out = {k: getattr(self, k) for k in ("max_tokens", "temperature", "top_p", "seed") if getattr(self, k) is not None}
+        out = {k: getattr(self, k) for k in ("max_tokens", "temperature", "top_p", "seed")
+               if getattr(self, k) is not None}
         if self.stop:
             out["stop"] = list(self.stop)
         if self.n != 1:

@@ -609,8 +609,6 @@ class GenerateDriver(JournalDriver):
 
     def _write_failed(self, indices: list[int]) -> int:
         """Rank 0: the output lines of the requests that cannot run (`batch_io`'s per-line errors)."""
-        from ..batch_io import format_result
-
         prompts, journal = self.holder["prompts"], self.holder["journal"]
         for i in indices:
             journal.complete(i, format_result(prompts[i], [], self.holder["tokenizer"]))
