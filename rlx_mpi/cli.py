@@ -233,8 +233,8 @@ def _on_the_cluster(args, driver) -> int:
     from .cluster import Cluster
 
     cx = Cluster.start(args.job, driver, debug=args.debug, log_dir=args.log_dir)
-    if cx is None:
-        return 0
+    if cx is None:  # nothing left to do (a batch file's failed lines still give its exit code)
+        return driver.nothing_to_do() if hasattr(driver, "nothing_to_do") else 0
     return driver.report(cx, cx.run(driver))
 
 

@@ -206,6 +206,18 @@ def test_resume_completes_a_cut_file_and_refuses_changed_settings(batch_run, ckp
     assert out.read_bytes() == before
 
 
+def test_a_file_of_failed_lines_and_its_rerun_exit_6(tmp_path, ckpt):
+    """Nothing to compute: the error lines are written, and a rerun (all done) still says they failed."""
+    prompts = write_lines(tmp_path / "bad.jsonl", [LINES[4], LINES[6]])
+    out = tmp_path / "bad_out.jsonl"
+    for run in range(2):
+        proc = generate(tmp_path, ckpt, 2, prompts, out, name=f"bad{run}.toml")
+        assert proc.returncode == EXIT_SOME_FAILED, proc.stderr
+        assert "2 of 2 requests" in proc.stderr.strip().splitlines()[-1]
+        got = lines_of(out)
+        assert [x["custom_id"] for x in got] == [None, "too-many-logprobs"] and all(x["error"] for x in got)
+
+
 def test_ignore_eos_and_our_prompt_lines_with_their_own_settings(tmp_path, ckpt):
     """--ignore-eos runs a row past its end-of-sequence id; our own prompt lines take
     max_tokens and stop per row too (the stop string cut from "text", as OpenAI does)."""

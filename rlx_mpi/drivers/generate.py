@@ -472,8 +472,9 @@ class GenerateDriver(JournalDriver):
                  f"{opts.prompts.name})" for i, pid, _, own in doc["pending"]}
         per_key = {prompt_key(own["key"]): SamplingParams(*own["params"]) for _, _, _, own in doc["pending"]
                    if "params" in own}
-        ring = DecodeRing(cx, opts.sampling, sched.header_size, k_logprobs=max(opts.logprobs, doc["top_logprobs"]),
-                          names=names, per_key=per_key, with_logprobs=doc["logprobs"])
+        k = min(max(opts.logprobs, doc["top_logprobs"]), cx.dims.vocab_size)  # (a request's top_logprobs too)
+        ring = DecodeRing(cx, opts.sampling, sched.header_size, k_logprobs=k, names=names, per_key=per_key,
+                          with_logprobs=doc["logprobs"])
         journal, tokenizer = holder.get("journal"), holder.get("tokenizer")
         prompt_of = {p.index: p for p in holder.get("prompts", [])}
         texts = {i: p.text for i, p in prompt_of.items()}
@@ -623,7 +624,7 @@ class GenerateDriver(JournalDriver):
         from ..outputs import write_output
 
         if result is None:
-            return self._failed_exit(cx)
+            return self._failed_exit(cx.is_root)
         if cx.is_root:
             print(result.table())
             sys.stdout.flush()
@@ -635,9 +636,13 @@ class GenerateDriver(JournalDriver):
                       f"{result.done_before + result.done_now} of {result.total} prompts are in {self.opts.out}; "
                       f"run the same command again to resume (exit code {REQUEUE_EXIT})", file=sys.stderr)
             return REQUEUE_EXIT
-        return self._failed_exit(cx)
+        return self._failed_exit(cx.is_root)
 
-    def _failed_exit(self, cx: Any) -> int:
+    def nothing_to_do(self) -> int:
+        """The exit code when every prompt was already done (`load` returned None)."""
+        return self._failed_exit("journal" in self.holder)  # (rank 0 holds the journal)
+
+    def _failed_exit(self, is_root: bool) -> int:
         """`batch_io.EXIT_SOME_FAILED` (every rank) when some requests of the file failed: the
         last line says how many and where their errors are; 0 otherwise."""
         import sys
@@ -647,7 +652,7 @@ class GenerateDriver(JournalDriver):
         failed = self.doc.get("failed", 0)
         if not failed:
             return 0
-        if cx.is_root:
+        if is_root:
             print(f"rlx-mpi: {failed} of {self.doc['total']} requests of {self.opts.prompts} failed; each has its "
                   f"error in its line of {self.opts.out} (\"error\" is not null); the others are complete "
                   f"(exit code {EXIT_SOME_FAILED})", file=sys.stderr)
