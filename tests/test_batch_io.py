@@ -296,3 +296,27 @@ def test_a_rows_settings_override_the_jobs():
     assert RowSettings().params(job) == job
     assert RowSettings(temperature=0.5, seed=3).params(job) == SamplingParams(0.5, 40, 0.95, 3)
     assert RowSettings(top_p=0.5).to_json() == {"top_p": 0.5} and RowSettings().to_json() == {}
+
+
+def test_stop_strings_across_byte_level_bpe_tokens(tmp_path):
+    """A real byte-level BPE tokenizer (Qwen2's fixture): a stop string spanning several tokens,
+    with a space in it, ends the row at the token that completes it; the text is cut before it
+    and log-probs name the tokens as text (a leading space included)."""
+    import shutil
+    from pathlib import Path
+
+    src = Path(__file__).parent / "fixtures" / "families" / "qwen2"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / name, tmp_path / f"m.{name}")
+    qwen = load_tokenizer(tmp_path / "m.h5")
+    reply = qwen.encode("Hello world, this is a test.", add_special_tokens=False)
+    (p,) = read(tmp_path, qwen, cmpl("q", prompt="Say", stop=[", this is"], logprobs=0), vocab_size=qwen.vocab_size)
+    own = {"stop": list(p.settings.stop), "max_new_tokens": len(reply)}
+    done = run_scheduler([(0, "q", p.tokens, own)], lambda r: reply[len(r.new)], decode=qwen.decode)
+    row = done[(0, 0)]
+    assert row.finish_reason == "stop" and qwen.decode(row.new).endswith(", this is")
+    assert ", this is" not in qwen.decode(row.new[:-1])  # the first token that completed it
+    entries = [{"id": t, "logprob": -1.0, "top": []} for t in row.new]
+    body = format_result(p, [{"tokens": row.new, "finish_reason": "stop", "logprobs": entries}], qwen)["response"]["body"]
+    assert body["choices"][0]["text"] == "Hello world"
+    assert "".join(body["choices"][0]["logprobs"]["tokens"]) == qwen.decode(row.new)
