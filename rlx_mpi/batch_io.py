@@ -303,9 +303,13 @@ def _chat_tokens(body: dict, tokenizer) -> tuple[str, list[int]]:
     except InputError as e:
         raise _LineError(f"{e.what}; {e.fix}", "messages") from None
     for i, m in enumerate(messages):
-        if not isinstance(m.get("content", ""), str):  # (parts: images, audio: a text model has no use for them)
-            raise _LineError(f'"messages"[{i}]["content"] is a {_json_type(m["content"])}; give a string',
-                             "messages")
+        content = m.get("content", "")
+        if isinstance(content, list) and content and all(isinstance(c, dict) and c.get("type") == "text"
+                                                         and isinstance(c.get("text"), str) for c in content):
+            m["content"] = "\n".join(c["text"] for c in content)  # text parts joined, as vLLM does for string templates
+        elif not isinstance(content, str):  # (image or audio parts: a text model has no use for them)
+            raise _LineError(f'"messages"[{i}]["content"] is a {_json_type(content)} that is not only text parts; '
+                             'give a string, or a list of {"type": "text", "text": ...}', "messages")
     try:
         return tokenizer.chat(messages)
     except ChatError as e:

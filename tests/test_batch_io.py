@@ -86,6 +86,8 @@ def test_max_tokens_aliases_seed_and_single_prompt_lists(tmp_path, tok):
     assert a.settings.max_tokens == 3
     assert b.tokens == (4, 5) and b.settings.seed == (1 << 64) - 1  # numpy seeds are >= 0: stably mapped
     assert c.tokens == (9,)
+    parts = chat("p", content=[{"type": "text", "text": "w7"}, {"type": "text", "text": "w8"}])
+    assert read(tmp_path, tok, parts)[0].tokens == read(tmp_path, tok, chat("p", content="w7\nw8"))[0].tokens
     # fields that ask for nothing at their default value are accepted
     (d,) = read(tmp_path, tok, chat("d", stream=False, frequency_penalty=0, presence_penalty=0.0, user="me"))
     assert d.error is None
@@ -117,7 +119,7 @@ def test_max_tokens_aliases_seed_and_single_prompt_lists(tmp_path, tok):
     (cmpl("a", prompt=["w1", "w2"]), "prompt", "one prompt per line"),
     (cmpl("a", prompt=[1, 99999]), "prompt", "outside the vocabulary"),
     (cmpl("a", prompt=[]), "prompt", "a string or a list of token ids"),
-    (chat("a", content=[{"type": "text", "text": "w1"}]), "messages", "give a string"),
+    (chat("a", content=[{"type": "image_url", "image_url": {"url": "x"}}]), "messages", "not only text parts"),
     ({"custom_id": "a", "method": "POST", "url": CHAT_URL, "body": {"model": "m"}}, "messages", "without"),
     (cmpl("a", max_tokens=10, prompt=list(range(1, 60))), "max_tokens", "64"),
 ])
