@@ -65,7 +65,8 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class RowSettings:
-    """One request's own settings (an OpenAI batch line's body); None: the job's value.
+    """One prompt line's own settings (an OpenAI request's body, or our line's keys: `batch_io`);
+    None: the job's value.
 
     ``n`` samples of the request are rows of their own (sample j > 0 draws with the key of
     `sample_id`); ``stop`` strings end a row on its decoded text (`scheduler.Scheduler`).

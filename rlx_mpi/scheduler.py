@@ -39,7 +39,7 @@ decoding row waited 1.2 s against a median of 0.1 s (bench_join, one rank, chunk
 ending at their EOS; 0.56 s with the budget, at 0.95x the tokens/s).
 
 Note: per-row limits and stop strings. A queued item may carry a fourth element, the row's own
-``{"key", "max_new_tokens", "stop", "sample"}`` (an OpenAI batch request's, `batch_io`): ``key``
+``{"key", "max_new_tokens", "stop", "sample"}`` (a line's own settings, `batch_io`): ``key``
 the id its draws are keyed by (`sampling.sample_id`: the n samples of one request draw apart),
 ``max_new_tokens`` its limit, ``stop`` strings that end it (finish_reason "stop") as soon as its
 decoded text holds one. The text is decoded on stage 0 by ``decode`` (every rank of the first

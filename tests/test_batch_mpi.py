@@ -72,9 +72,9 @@ def write_lines(path, lines):
     return path
 
 
-def generate(tmp_path, ckpt, ranks, prompts, out, *flags, name="job.toml", replicas=1):
+def generate(tmp_path, ckpt, ranks, prompts, out, *flags, name="job.toml", replicas=1, tp=1):
     job = write_job(tmp_path, name, model={"checkpoint": str(ckpt)}, run={"timeout_s": 30.0},
-                    placement={"reserve_ram_gb": 0.0, "replicas": replicas})
+                    placement={"reserve_ram_gb": 0.0, "replicas": replicas, "tp": tp})
     return run_cli(["generate", job, "--prompts", prompts, "--out", out, *flags], ranks=ranks, timeout=120)
 
 
@@ -171,10 +171,11 @@ def test_a_run_batch_file_on_two_ranks(batch_run):
     assert by["short"]["response"]["body"]["usage"]["completion_tokens"] == 2
 
 
-def test_sampled_rows_are_the_same_on_one_rank_with_batch_one_and_on_two_replicas(batch_run, ckpt):
-    """Whatever the batch, and when a request's two samples run on two replicas (rank 0 joins them)."""
+def test_sampled_rows_are_the_same_on_one_rank_with_batch_one_on_two_replicas_and_under_tp(batch_run, ckpt):
+    """Whatever the batch; when a request's two samples run on two replicas (rank 0 joins them);
+    and under tensor parallelism, where both ranks of stage 0 decide when a stop string ends a row."""
     d, prompts, out, _ = batch_run
-    one, two = d / "one.jsonl", d / "replicas.jsonl"
+    one, two, tp = d / "one.jsonl", d / "replicas.jsonl", d / "tp.jsonl"
     proc = generate(d, ckpt, 1, prompts, one, "--batch", "1", name="one.toml")
     assert proc.returncode == EXIT_SOME_FAILED, proc.stderr
     assert_same_rows(lines_of(one), lines_of(out))
@@ -182,6 +183,9 @@ def test_sampled_rows_are_the_same_on_one_rank_with_batch_one_and_on_two_replica
     assert proc.returncode == EXIT_SOME_FAILED, proc.stderr
     assert "replica" in proc.stdout, proc.stdout
     assert_same_rows(lines_of(two), lines_of(out))
+    proc = generate(d, ckpt, 2, prompts, tp, "--batch", "3", name="tp.toml", tp=2)
+    assert proc.returncode == EXIT_SOME_FAILED, proc.stderr
+    assert_same_rows(lines_of(tp), lines_of(out))
 
 
 def test_resume_completes_a_cut_file_and_refuses_changed_settings(batch_run, ckpt):
