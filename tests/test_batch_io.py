@@ -322,3 +322,19 @@ def test_stop_strings_across_byte_level_bpe_tokens(tmp_path):
     body = format_result(p, [{"tokens": row.new, "finish_reason": "stop", "logprobs": entries}], qwen)["response"]["body"]
     assert body["choices"][0]["text"] == "Hello world"
     assert "".join(body["choices"][0]["logprobs"]["tokens"]) == qwen.decode(row.new)
+
+
+def test_the_example_file_of_the_docs_reads_without_errors(tmp_path):
+    """jobs/openai_batch.jsonl (docs/batch-files.md's worked example), with a real chat template."""
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    src = root / "tests" / "fixtures" / "families" / "qwen2"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / name, tmp_path / f"m.{name}")
+    qwen = load_tokenizer(tmp_path / "m.h5")
+    ps = read_requests(root / "jobs" / "openai_batch.jsonl", tokenizer=qwen, vocab_size=qwen.vocab_size,
+                       max_positions=512, max_new_tokens=16)
+    assert [p.id for p in ps] == ["capital", "haiku", "list"] and all(p.error is None for p in ps)
+    assert ps[1].settings.n == 2 and ps[2].settings.stop == ("\n4.", "\n\n") and ps[2].settings.top_logprobs == 2
