@@ -316,7 +316,9 @@ def _items(p: Any, opts: GenerateOptions) -> list:
         return [[p.index, p.id, list(p.tokens), {}]]
     limit = p.request["max_new_tokens"] if p.request else (s.max_tokens or opts.max_new_tokens)
     q = s.params(opts.sampling)
-    own = {"max_new_tokens": limit, "stop": list(s.stop), "params": [q.temperature, q.top_k, q.top_p, q.seed]}
+    own: dict = {"max_new_tokens": limit, "stop": list(s.stop)}
+    if q != opts.sampling:  # (rows that sample as the job does keep the batched path: `sampling.sample_rows`)
+        own["params"] = [q.temperature, q.top_k, q.top_p, q.seed]
     return [[p.index, p.id, list(p.tokens), {**own, "key": sample_id(p.id, j), "sample": j}] for j in range(s.n)]
 
 
