@@ -83,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
                        "jobs/tiny.toml --prompts p.jsonl --out c.jsonl",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     g.add_argument("job", help="job TOML file (see jobs/)")
-    g.add_argument("--prompts", metavar="PROMPTS.jsonl", help="prompt file (default: [generate] prompts)")
+    g.add_argument("--prompts", metavar="PROMPTS.jsonl", help="prompt file, ours or an OpenAI batch file (default: "
+                   "[generate] prompts)")
     g.add_argument("--out", metavar="COMPLETIONS.jsonl", help="output, appended to and resumed (default: [generate] out)")
     g.add_argument("--max-new-tokens", type=int, metavar="N", help="new tokens per prompt at most")
     g.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default); else sample")
@@ -94,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
                    "names in generation_config.json, else the tokenizer's)")
     g.add_argument("--logprobs", type=int, metavar="K", help="add each new token's log-prob and the top K alternatives "
                    "to every row (1..20; 0 = none, the default)")
+    g.add_argument("--ignore-eos", action="store_true", default=None, help="run every row to its max tokens, past "
+                   "end-of-sequence ids (fixed-length benchmarks, as llama.cpp's and vLLM's; default: [generate] "
+                   "ignore_eos)")
     g.add_argument("--batch", type=int, metavar="B", help="sequences per group")
     g.add_argument("--groups", type=int, metavar="G", help="groups in flight (0 = one per stage)")
     g.add_argument("--prefill-chunk", type=int, metavar="N", help="prefill positions per step: a new group's prompts "
@@ -236,8 +240,8 @@ def _on_the_cluster(args, driver) -> int:
     from .cluster import Cluster
 
     cx = Cluster.start(args.job, driver, debug=args.debug, log_dir=args.log_dir)
-    if cx is None:
-        return 0
+    if cx is None:  # nothing left to do (a batch file's failed lines still give its exit code)
+        return driver.nothing_to_do() if hasattr(driver, "nothing_to_do") else 0
     return driver.report(cx, cx.run(driver))
 
 

@@ -164,6 +164,8 @@ class GenerateSection:
     step that also decodes carries at most this many prefill positions in all."""
     sync_s: float = 2.0
     """Completed rows are fsynced to the output at least this often."""
+    ignore_eos: bool = False
+    """Run every row to its max tokens, past end-of-sequence ids (fixed-length benchmarks)."""
 
 
 @dataclass(frozen=True)

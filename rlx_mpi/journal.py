@@ -145,11 +145,13 @@ class RunIdentity:
 
     @classmethod
     def for_generate(cls, checkpoint, sampling: Any, max_new_tokens: int, eos_ids: Iterable[int] = (),
-                     logprobs: int = 0) -> "RunIdentity":
+                     logprobs: int = 0, sampled: bool = False) -> "RunIdentity":
         """``sampling`` is a `SamplingParams`; at temperature 0 (greedy) its top_k, top_p and
-        seed change nothing, so they are not recorded (a greedy rerun with another seed resumes)."""
+        seed change nothing, so they are not recorded (a greedy rerun with another seed resumes)
+        unless ``sampled``: some row samples with its own temperature and the job's other
+        settings (a row's own settings are in its prompt digest, `prompts.Prompt.digest`)."""
         settings: dict = {"temperature": float(sampling.temperature)}
-        if not sampling.greedy:
+        if not sampling.greedy or sampled:
             settings.update(top_k=int(sampling.top_k), top_p=float(sampling.top_p), seed=int(sampling.seed))
         settings.update(max_new_tokens=int(max_new_tokens), eos_ids=sorted({int(e) for e in eos_ids}),
                         logprobs=int(logprobs))

@@ -13,7 +13,9 @@ chat, for instruct models) also needs the checkpoint's chat template (``chat_tem
 ``tokenizer_config.json``, or ``chat_template.jinja``) and ``jinja2`` (also in the ``text``
 extra): it is rendered with ``add_generation_prompt=True`` exactly as transformers'
 ``apply_chat_template`` renders it, then tokenized without adding special tokens again.
-Blank lines are skipped and a UTF-8 byte order mark is accepted. Every error is one
+A line may carry its own ``max_tokens``, ``temperature``, ``top_p``, ``seed`` and ``stop`` (up
+to 4 strings; needs the tokenizer), checked as an OpenAI request's (`batch_io`); the job's
+settings are the defaults. Blank lines are skipped and a UTF-8 byte order mark is accepted. Every error is one
 `InputError` naming ``FILE:LINE``, the key and value, and the fix; the whole file is checked
 before any compute.
 
@@ -29,9 +31,10 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import InputError
+from .sampling import RowSettings
 
 __all__ = ["Prompt", "Tokenizer", "ChatTemplate", "read_prompts", "load_tokenizer", "eos_ids_beside",
            "MAX_PROMPT_FILE_BYTES"]
@@ -57,6 +60,11 @@ class Prompt:
     tokens: tuple[int, ...]  # the prompt's token ids (encoded from "text" or the rendered "messages")
     text: str | None  # the line's "text", or its "messages" as rendered by the chat template;
     # None when it gave "tokens"
+    settings: RowSettings | None = None  # the line's own sampling settings (`batch_io`); None: the job's
+    request: dict | None = None  # an OpenAI batch line: its custom_id, url, model and line (`batch_io`)
+    error: dict | None = None  # a line that cannot be run: its OpenAI error object (no tokens)
+    digest: str | None = None  # what the journal records of it when not its tokens' digest (`batch_io`:
+    # the tokens with the line's own settings or error, so that a resume checks those too)
 
 
 class Tokenizer:
@@ -88,6 +96,10 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens included (how OpenAI's log-probs name a token)."""
+        return self._tok.decode([int(token_id)], skip_special_tokens=False)
+
     def chat(self, messages: list[dict]) -> tuple[str, list[int]]:
         """``messages`` rendered with ``add_generation_prompt=True``, and its token ids.
 
@@ -112,8 +124,14 @@ class Tokenizer:
 
 def read_prompts(path, *, vocab_size: int, max_positions: int, max_new_tokens: int,
                  tokenizer: Tokenizer | None = None,
-                 max_bytes: int = MAX_PROMPT_FILE_BYTES) -> list[Prompt]:
-    """Read and check a whole JSON-lines prompt file; every problem is an `InputError`."""
+                 max_bytes: int = MAX_PROMPT_FILE_BYTES,
+                 settings: tuple[tuple[str, ...], Callable[[dict, str], RowSettings | None]] | None = None
+                 ) -> list[Prompt]:
+    """Read and check a whole JSON-lines prompt file; every problem is an `InputError`.
+
+    ``settings``: (keys, reader) when a line may carry settings of its own (`batch_io`): those
+    keys are accepted, and ``reader(line, where)`` gives the line's `RowSettings` or None."""
+    keys, settings_of = (_KEYS + settings[0], settings[1]) if settings else (_KEYS, None)
     for name, value in (("vocab_size", vocab_size), ("max_positions", max_positions)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -127,19 +145,22 @@ def read_prompts(path, *, vocab_size: int, max_positions: int, max_new_tokens: i
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
-        obj = _parse_line(line, where)
+        obj = _parse_line(line, where, keys)
         pid = _check_id(obj, where)
         if pid in first_line:
             raise InputError(where, f'id {pid!r} is already used on line {first_line[pid]}',
                              "give every prompt a unique id")
         first_line[pid] = lineno
         tokens, text_of = _tokens_of(obj, where, vocab_size, tokenizer)
-        if len(tokens) + max_new_tokens > max_positions:
+        own = settings_of(obj, where) if settings_of else None
+        limit = own.max_tokens if own and own.max_tokens else max_new_tokens
+        if len(tokens) + limit > max_positions:
             raise InputError(where, f"prompt {pid!r} has {len(tokens)} tokens, and with "
-                             f"max_new_tokens {max_new_tokens} needs {len(tokens) + max_new_tokens}"
+                             f"max_new_tokens {limit} needs {len(tokens) + limit}"
                              f" positions but the model has {max_positions}",
-                             "shorten the prompt or lower --max-new-tokens")
-        prompts.append(Prompt(len(prompts), pid, tokens, text_of))
+                             "shorten the prompt or lower " + ('its "max_tokens"' if limit != max_new_tokens
+                                                                else "--max-new-tokens"))
+        prompts.append(Prompt(len(prompts), pid, tokens, text_of, settings=own))
     if not prompts:
         raise InputError(str(path), "the prompt file has no prompts",
                          'give one JSON object per line: {"id": "...", "tokens": [...]}')

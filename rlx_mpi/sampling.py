@@ -36,8 +36,8 @@ import numpy as np
 
 from .errors import ConfigError
 
-__all__ = ["SamplingParams", "prompt_key", "sample", "log_softmax", "logprobs", "logprob_entries", "pack_sampled",
-           "unpack_sampled"]
+__all__ = ["SamplingParams", "RowSettings", "prompt_key", "sample_id", "sample", "sample_rows", "log_softmax",
+           "logprobs", "logprob_entries", "pack_sampled", "unpack_sampled"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,49 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@dataclass(frozen=True)
+class RowSettings:
+    """One prompt line's own settings (an OpenAI request's body, or our line's keys: `batch_io`);
+    None: the job's value.
+
+    ``n`` samples of the request are rows of their own (sample j > 0 draws with the key of
+    `sample_id`); ``stop`` strings end a row on its decoded text (`scheduler.Scheduler`).
+    """
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    logprobs: bool = False  # the chosen tokens' log-probs in the output
+    top_logprobs: int = 0  # and this many alternatives each
+
+    def params(self, job: SamplingParams) -> SamplingParams:
+        """The job's sampling under this row's own temperature, top_p and seed."""
+        pick = lambda mine, theirs: theirs if mine is None else mine  # noqa: E731
+        return SamplingParams(pick(self.temperature, job.temperature), job.top_k, pick(self.top_p, job.top_p),
+                              pick(self.seed, job.seed))
+
+    def to_json(self) -> dict:
+        """The settings the line gave (defaults left out): what a row's digest covers."""
+        out = {k: getattr(self, k) for k in ("max_tokens", "temperature", "top_p", "seed")
+               if getattr(self, k) is not None}
+        if self.stop:
+            out["stop"] = list(self.stop)
+        if self.n != 1:
+            out["n"] = self.n
+        if self.logprobs:
+            out.update(logprobs=True, top_logprobs=self.top_logprobs)
+        return out
+
+
+def sample_id(prompt_id: str, j: int) -> str:
+    """What keys the draws of sample ``j`` of a prompt: its id for the first (so a request of
+    n = 1 draws as a plain prompt does), the id and j for the others (each its own draws)."""
+    return prompt_id if j == 0 else f"{prompt_id}\x1fsample{j}"
+
+
 def prompt_key(prompt_id: str) -> int:
     """A stable 63-bit integer for a prompt id (Python's hash() differs between processes)."""
     return int.from_bytes(hashlib.sha256(prompt_id.encode("utf-8")).digest()[:8], "little") >> 1
@@ -75,6 +118,22 @@ def sample(logits: np.ndarray, keys: np.ndarray, steps: np.ndarray, params: Samp
     out = np.empty(len(logits), np.int64)
     for b, row in enumerate(logits):
         out[b] = _draw(row, int(keys[b]), int(steps[b]), params)
+    return out
+
+
+def sample_rows(logits: np.ndarray, keys: np.ndarray, steps: np.ndarray, params: SamplingParams,
+                per_key: dict[int, SamplingParams] | None = None) -> np.ndarray:
+    """`sample` where a row whose key is in ``per_key`` samples with its own settings.
+
+    A row's token depends only on its own logits, key, step and settings: a greedy row is its
+    argmax as in a greedy batch, a sampled row its `_draw`, whatever the rows beside it.
+    """
+    if not per_key:
+        return sample(logits, keys, steps, params)
+    out = np.empty(len(logits), np.int64)
+    for b, row in enumerate(logits):
+        p = per_key.get(int(keys[b]), params)
+        out[b] = row.argmax() if p.greedy else _draw(row, int(keys[b]), int(steps[b]), p)
     return out
 
 

@@ -38,6 +38,14 @@ brought a chunk of its own: 7 rows joining a group of 8 made a step of 7 x 64 po
 decoding row waited 1.2 s against a median of 0.1 s (bench_join, one rank, chunk 64, rows
 ending at their EOS; 0.56 s with the budget, at 0.95x the tokens/s).
 
+Note: per-row limits and stop strings. A queued item may carry a fourth element, the row's own
+``{"key", "max_new_tokens", "stop", "sample"}`` (a line's own settings, `batch_io`): ``key``
+the id its draws are keyed by (`sampling.sample_id`: the n samples of one request draw apart),
+``max_new_tokens`` its limit, ``stop`` strings that end it (finish_reason "stop") as soon as its
+decoded text holds one. The text is decoded on stage 0 by ``decode`` (every rank of the first
+stage decodes the same tokens the same way, so they agree on when a row ends); only the row's
+last tokens are decoded each step (`Scheduler._stopped`).
+
 Note: riding. A group whose rows are all new (all of them ended together, or at start-up) has no
 decoding rows of its own to mix with: while at least ``stages`` other groups decode, it issues no
 step (parked) and its chunks ride in their decode steps instead, one chunk in flight at a time
@@ -53,7 +61,7 @@ import time
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -83,6 +91,9 @@ class Seq:
     start: float = 0.0  # perf_counter when it took the slot
     last: float = 0.0  # perf_counter when its latest token came back
     finish_reason: str | None = None
+    max_new_tokens: int = 0  # its own limit (a batch request's max_tokens); 0: the scheduler's
+    stop: tuple[str, ...] = ()  # strings that end it when its decoded text holds one (the stop note)
+    sample: int = 0  # which of its request's n samples it is
 
     @property
     def length(self) -> int:
@@ -176,7 +187,9 @@ class Scheduler:
 
     def __init__(self, prompts: list[tuple[int, str, tuple[int, ...]]], groups: int, batch: int,
                  max_new_tokens: int, eos_ids: frozenset[int], recompute: bool, prefill_chunk: int = 0,
-                 mixed: bool = False, stages: int = 1, feed: Any = None):
+                 mixed: bool = False, stages: int = 1, feed: Any = None,
+                 decode: Callable[[list[int]], str] | None = None):
+        self.decode = decode  # token ids -> text, for rows with stop strings (the stop note)
         self.chunk = 0 if recompute else prefill_chunk
         self.mixed = mixed and bool(self.chunk)
         self.stages = stages
@@ -211,9 +224,12 @@ class Scheduler:
                 if not self.queue:
                     self.feed = None
             if r is None and self.queue:
-                index, pid, tokens = self.queue.popleft()
-                rows[i] = Seq(index, pid, tuple(tokens), g * self.batch + i, prompt_key(pid),
-                              start=time.perf_counter(), cohort=self.turns)
+                index, pid, tokens, *extra = self.queue.popleft()
+                own = extra[0] if extra else {}  # a row's own limits (`GenerateDriver`: batch requests)
+                rows[i] = Seq(index, pid, tuple(tokens), g * self.batch + i, prompt_key(own.get("key", pid)),
+                              start=time.perf_counter(), cohort=self.turns,
+                              max_new_tokens=own.get("max_new_tokens", 0), stop=tuple(own.get("stop", ())),
+                              sample=own.get("sample", 0))
         live = [r for r in rows if r is not None]
         fresh = [r for r in live if not r.prefilled]
         if self.recompute and live:
@@ -301,14 +317,22 @@ class Scheduler:
             if logprobs is not None:
                 r.logprobs.append(tuple(a[b] for a in logprobs))
             r.prefilled = True
-            if t in self.eos_ids:
+            if t in self.eos_ids or (r.stop and self._stopped(r)):
                 r.finish_reason = "stop"
-            elif len(r.new) >= self.max_new_tokens:
+            elif len(r.new) >= (r.max_new_tokens or self.max_new_tokens):
                 r.finish_reason = "length"
             if r.finish_reason:
                 self.rows[g][r.slot - g * self.batch] = None
                 done.append(r)
         return done
+
+    def _stopped(self, r: Seq) -> bool:
+        """Does the row's text now hold one of its stop strings? Only the tail is decoded: a stop
+        string of L characters lies within the last 4L tokens (a character is at most 4 byte
+        tokens), and the row ended at the first token that completed one."""
+        tail = r.new[-(4 * max(map(len, r.stop)) + 8):]
+        text = self.decode(tail)
+        return any(s in text for s in r.stop)
 
     def token_gaps_ms(self) -> dict | None:
         """Median, 99th percentile and largest time between a row's consecutive decode tokens

@@ -48,7 +48,8 @@ from .. import rules, transport
 from ..errors import ConfigError
 from ..executor import Executor, wire_codec
 from ..faults import check_finite
-from ..sampling import (SamplingParams, logprob_entries, logprobs, pack_sampled, prompt_key, sample,
+from ..batch_io import format_result, is_batch, stop_text
+from ..sampling import (SamplingParams, logprob_entries, logprobs, pack_sampled, prompt_key, sample_id, sample_rows,
                         unpack_sampled)
 from ..schedule import Action, decode_drain_actions, decode_step_actions
 from ..scheduler import DECODE, MIXED, STOP, Scheduler, Seq, Step, chunk_start, decode_rows, make_header, read_header
@@ -75,9 +76,13 @@ class DecodeRing:
     """One rank's part of the decode: stage 0 drives (`drive`), the other stages relay (`relay`)."""
 
     def __init__(self, cx: Any, params: SamplingParams, header_size: int, *, k_logprobs: int = 0,
-                 names: dict[int, str] | None = None):
+                 names: dict[int, str] | None = None, per_key: dict[int, SamplingParams] | None = None,
+                 with_logprobs: bool = False):
         self.cx, self.params, self.header_size = cx, params, header_size
-        self.k = k_logprobs  # 0: tokens alone travel back; K: `pack_sampled` rows of 2 + 2K
+        self.per_key = per_key or {}  # prompt key -> a row's own sampling (batch requests' settings)
+        self.k = k_logprobs  # top alternatives per token
+        # False: tokens alone travel back; True: `pack_sampled` rows of 2 + 2K (K may be 0)
+        self.lp = with_logprobs or k_logprobs > 0
         self.names = names or {}  # prompt key -> how an error names the prompt
         topo, job = cx.topology, cx.job
         self.topo, self.stage, self.ctx = topo, cx.stage, cx.ctx
@@ -126,8 +131,8 @@ class DecodeRing:
         if not self.stage.last:
             return out
         self._check_logits(out, rows)
-        tokens = sample(out, rows[:, 2], rows[:, 3], self.params)
-        if self.k:
+        tokens = sample_rows(out, rows[:, 2], rows[:, 3], self.params, self.per_key)
+        if self.lp:
             tokens = pack_sampled(tokens, *logprobs(out, tokens, self.k))
         st.sample_s += time.perf_counter() - t1
         return tokens
@@ -190,7 +195,7 @@ class DecodeRing:
             self.ex.run(self._step_actions(g), compute, lambda a: None, tag_base=_TAG_HIDDEN, keep_sends=True)
             if self.n_stages > 1:  # post the receive of its tokens now: the last stage's send
                 # then never depends on MPI buffering it (no cycle in the ring under rendezvous)
-                shape = (len(step.rows), 2 + 2 * self.k) if self.k else (len(step.rows),)
+                shape = (len(step.rows), 2 + 2 * self.k) if self.lp else (len(step.rows),)
                 step.pending = self.ring.irecv(np.empty(shape, np.int64), self.topo.grid[-1][self.topo.tp_rank],
                                                _TAG_HIDDEN + g, f"the sampled tokens of group {g}")
             in_flight.append(step)
@@ -203,7 +208,7 @@ class DecodeRing:
                 self.ctx.microbatch = step.group
                 step.pending.wait()
                 step.tokens = step.pending.buf
-            if self.k:
+            if self.lp:
                 tokens, *lps = unpack_sampled(step.tokens)
                 on_done(sched.complete(step, tokens, tuple(lps)))
             else:
@@ -269,6 +274,7 @@ class GenerateOptions:
     logprobs: int = 0  # top alternatives per token in each row's "logprobs"; 0: no "logprobs"
     eos_where: str = "generate --eos-id"  # where eos_id came from, for its error
     shard: tuple[int, int] | None = None  # --shard K/N: this job's part of the prompt file (`shards.py`)
+    ignore_eos: bool = False  # --ignore-eos: every row runs to its max tokens (fixed-length benchmarks)
 
     @classmethod
     def resolve(cls, flags: Any, job: Any) -> "GenerateOptions":
@@ -298,7 +304,22 @@ class GenerateOptions:
                    groups=pick(flags.groups, sec.groups), sync_s=sec.sync_s,
                    prefill_chunk=pick(flags.prefill_chunk, sec.prefill_chunk),
                    logprobs=pick(flags.logprobs, sec.logprobs), shard=shard,
+                   ignore_eos=bool(getattr(flags, "ignore_eos", None) or sec.ignore_eos),
                    eos_where="generate --eos-id" if flags.eos_id is not None else f"{job.path}: [generate] eos_id")
+
+
+def _items(p: Any, opts: GenerateOptions) -> list:
+    """A pending prompt's scheduler items, one per sample: [index, id, tokens, its own limits]
+    (the scheduler's per-row note); a prompt without settings of its own has none."""
+    s = p.settings
+    if s is None:
+        return [[p.index, p.id, list(p.tokens), {}]]
+    limit = p.request["max_new_tokens"] if p.request else (s.max_tokens or opts.max_new_tokens)
+    q = s.params(opts.sampling)
+    own: dict = {"max_new_tokens": limit, "stop": list(s.stop)}
+    if q != opts.sampling:  # (rows that sample as the job does keep the batched path: `sampling.sample_rows`)
+        own["params"] = [q.temperature, q.top_k, q.top_p, q.seed]
+    return [[p.index, p.id, list(p.tokens), {**own, "key": sample_id(p.id, j), "sample": j}] for j in range(s.n)]
 
 
 class GenerateDriver(JournalDriver):
@@ -325,8 +346,9 @@ class GenerateDriver(JournalDriver):
 
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; (cache slots, longest sequence), None when all are done."""
+        from ..batch_io import read_requests
         from ..journal import Journal, RunIdentity
-        from ..prompts import eos_ids_beside, load_tokenizer, read_prompts
+        from ..prompts import eos_ids_beside, load_tokenizer
 
         cx.prepare()
         dims, job, opts = cx.dims, cx.job, self.opts
@@ -338,29 +360,39 @@ class GenerateDriver(JournalDriver):
                                  "or leave it unset to stop at the checkpoint's own (generation_config.json)")
             rules.at_most(opts.logprobs, dims.vocab_size, "generate --logprobs")
             eos = sorted({opts.eos_id} if opts.eos_id is not None else set(eos_ids_beside(job.model.checkpoint)))
+            if opts.ignore_eos:
+                eos = []
             tokenizer = load_tokenizer(job.model.checkpoint)
             from ..shards import select
 
-            prompts = read_prompts(opts.prompts, vocab_size=dims.vocab_size, max_positions=dims.max_positions,
-                                   max_new_tokens=opts.max_new_tokens, tokenizer=tokenizer)
+            prompts = read_requests(opts.prompts, vocab_size=dims.vocab_size, max_positions=dims.max_positions,
+                                    max_new_tokens=opts.max_new_tokens, tokenizer=tokenizer)
             prompts, shard = select(prompts, opts.shard, str(opts.prompts))
+            sampled = any(p.settings and not p.settings.params(opts.sampling).greedy for p in prompts)
             identity = RunIdentity.for_generate(job.model.checkpoint, opts.sampling, opts.max_new_tokens,
-                                                eos_ids=eos, logprobs=opts.logprobs)
+                                                eos_ids=eos, logprobs=opts.logprobs, sampled=sampled)
             journal = Journal(opts.out, prompts, inputs=(opts.prompts, job.path, job.model.checkpoint,
                                                          *self.argv_inputs), sync_s=opts.sync_s, identity=identity,
                               shard=shard)
             self.holder.update(journal=journal, tokenizer=tokenizer, prompts=prompts)
-            pending = [[p.index, p.id, list(p.tokens)] for p in journal.pending]
-            longest = max((len(p[2]) for p in pending), default=1)
-            return {"pending": pending, "total": len(prompts), "eos": eos, "max_seq": longest + opts.max_new_tokens,
-                    "first": shard["lines"][0] if shard else 0}  # (a shard's prompts are renumbered from 0)
+            pending = [item for p in journal.pending if p.error is None for item in _items(p, opts)]
+            longest = max((len(p[2]) + p[3].get("max_new_tokens", opts.max_new_tokens) for p in pending), default=1)
+            failed = [p.index for p in journal.pending if p.error is not None]
+            return {"pending": pending, "total": len(prompts), "eos": eos, "max_seq": longest,
+                    "first": shard["lines"][0] if shard else 0,  # (a shard's prompts are renumbered from 0)
+                    "failed_now": failed, "failed": sum(p.error is not None for p in prompts),
+                    "logprobs": any(p.settings and p.settings.logprobs for p in journal.pending),
+                    "top_logprobs": max((p.settings.top_logprobs for p in journal.pending if p.settings), default=0),
+                    "stops": any(p.settings and p.settings.stop for p in journal.pending)}
 
         doc = cx.agree(load, "reading the prompts")
         self.doc = doc = transport.bcast_json(cx.world, doc, 0, job.run.startup_timeout_s, cx.ctx, "the prompts")
         if not doc["pending"]:
             if cx.is_root:
+                failed = self._write_failed(doc["failed_now"])  # (only failed requests were left)
                 self.holder["journal"].close()
-                log.info("all %d prompts of %s are already in %s", doc["total"], opts.prompts, opts.out)
+                if not failed:
+                    log.info("all %d prompts of %s are already in %s", doc["total"], opts.prompts, opts.out)
             return None
         replicas = job.placement.replicas
         n_stages = cx.world.size // job.placement.tp // (replicas if replicas != "auto" else 1)
@@ -423,21 +455,34 @@ class GenerateDriver(JournalDriver):
         # a family's Stage written before chunked prefill (no ``start``) prefills whole prompts, and
         # one without ``mixed`` (not a `Stage` subclass) never gets a MIXED step
         chunk = opts.prefill_chunk if "start" in inspect.signature(cx.stage.prefill).parameters else 0
-        items = [(i, pid, tuple(t)) for i, pid, t in doc["pending"]]
+        items = [(i, pid, tuple(t), own) for i, pid, t, own in doc["pending"]]
         shared = topo.n_replicas > 1
         wait(cx.world.Ibarrier(), timeout, cx.ctx, lambda: "every rank to start generating", "some rank")
         counter = SharedCounter(cx.world, cx.ctx, timeout) if shared else None
         feed = (ReplicaFeed(counter, items, opts.batch, leader=topo.tp_rank == 0, tp_comm=topo.tp_comm, tp=topo.tp,
                             ctx=cx.ctx, timeout_s=timeout) if shared and topo.stage == 0 else None)
+        decode = None
+        if doc["stops"] and topo.stage == 0:  # stop strings end rows on stage 0, which decodes them
+            from ..prompts import load_tokenizer
+
+            decode = (holder.get("tokenizer") or load_tokenizer(job.model.checkpoint)).decode
         sched = Scheduler([] if feed else items, self.groups, opts.batch,
                           opts.max_new_tokens, frozenset(doc["eos"]), recompute, prefill_chunk=chunk,
-                          mixed=callable(getattr(cx.stage, "mixed", None)), stages=topo.n_stages, feed=feed)
-        names = {prompt_key(pid): f"{pid!r} (prompt {doc.get('first', 0) + i + 1} of {opts.prompts.name})"
-                 for i, pid, _ in doc["pending"]}
-        ring = DecodeRing(cx, opts.sampling, sched.header_size, k_logprobs=opts.logprobs, names=names)
+                          mixed=callable(getattr(cx.stage, "mixed", None)), stages=topo.n_stages, feed=feed,
+                          decode=decode)
+        names = {prompt_key(own.get("key", pid)): f"{pid!r} (prompt {doc.get('first', 0) + i + 1} of "
+                 f"{opts.prompts.name})" for i, pid, _, own in doc["pending"]}
+        per_key = {prompt_key(own["key"]): SamplingParams(*own["params"]) for _, _, _, own in doc["pending"]
+                   if "params" in own}
+        k = min(max(opts.logprobs, doc["top_logprobs"]), cx.dims.vocab_size)  # (a request's top_logprobs too)
+        ring = DecodeRing(cx, opts.sampling, sched.header_size, k_logprobs=k, names=names, per_key=per_key,
+                          with_logprobs=doc["logprobs"])
         journal, tokenizer = holder.get("journal"), holder.get("tokenizer")
-        texts = {p.index: p.text for p in holder.get("prompts", [])}
-        done_before = doc["total"] - len(doc["pending"])
+        prompt_of = {p.index: p for p in holder.get("prompts", [])}
+        texts = {i: p.text for i, p in prompt_of.items()}
+        samples: dict[int, dict[int, dict]] = {}  # rank 0: a batch request's finished samples, until all n are
+        # (requests, not rows: a request of n > 1 is n rows; its failed lines are written below)
+        done_before = doc["total"] - len({i for i, *_ in doc["pending"]}) - len(doc["failed_now"])
         progress = Progress(doc["total"], done_before, interval_s=opts.progress_s) if cx.is_root else None
         counts = {"done": 0, "tokens": 0}
         per_replica = {r: {"rows": 0, "tokens": 0} for r in range(topo.n_replicas)}
@@ -446,14 +491,26 @@ class GenerateDriver(JournalDriver):
         post = RowPost(cx.world, cx.ctx, timeout) if shared and not cx.is_root else None
 
         def write(index: int, row: dict) -> None:
-            """Rank 0: one finished row into the journal (its text decoded here: the tokenizer is rank 0's)."""
-            if tokenizer is not None and texts.get(index) is not None:
-                row = {"id": row["id"], "tokens": row["tokens"], "text": tokenizer.decode(row["tokens"]),
+            """Rank 0: one finished row into the journal (its text decoded here: the tokenizer is rank 0's);
+            a batch request's once all its samples are in, as one OpenAI output line."""
+            p = prompt_of[index]
+            if is_batch(p):
+                got = samples.setdefault(index, {})
+                got[row.pop("sample", 0)] = row
+                if len(got) < p.settings.n:
+                    return
+                row = format_result(p, [got[j] for j in range(p.settings.n)], tokenizer)
+                del samples[index]
+            elif tokenizer is not None and texts.get(index) is not None:
+                text = tokenizer.decode(row["tokens"])
+                if p.settings and p.settings.stop and row["finish_reason"] == "stop":
+                    text = stop_text(text, p.settings.stop)  # (as OpenAI: the stop string is not in it)
+                row = {"id": row["id"], "tokens": row["tokens"], "text": text,
                        **{k: v for k, v in row.items() if k not in ("id", "tokens")}}
             journal.complete(index, row)
+            counts["done"] += 1
 
         def taken(replica: int, rows: list, new: int) -> None:
-            counts["done"] += len(rows)
             counts["tokens"] += new
             per_replica[replica]["rows"] += len(rows)
             per_replica[replica]["tokens"] += new
@@ -467,8 +524,10 @@ class GenerateDriver(JournalDriver):
             for r in rows if journal is not None or (post is not None and driving) else ():  # (rows only where kept)
                 row = {"id": r.id, "tokens": r.new, "finish_reason": r.finish_reason, "prompt_tokens": len(r.prompt),
                        "new_tokens": len(r.new), "ms": round((now - r.start) * 1e3, 1)}
-                if opts.logprobs:
+                if ring.lp:
                     row["logprobs"] = logprob_entries(r.new, *zip(*r.logprobs))
+                if r.sample:  # (a batch request's sample j > 0; 0 is implied)
+                    row["sample"] = r.sample
                 out.append((r.index, row))
             if journal is not None:
                 for index, row in out:
@@ -499,6 +558,8 @@ class GenerateDriver(JournalDriver):
                 all_reduce(flag, ReduceKind.MAX, comm=topo.tp_comm, timeout_s=timeout, ctx=cx.ctx)
             return bool(flag[0])
 
+        if cx.is_root:  # requests that cannot run: their error lines, in order with the others
+            counts["done"] += self._write_failed(doc["failed_now"])
         t0 = time.perf_counter()
         stopped = ring.drive(sched, on_done, stop_now) if topo.stage == 0 else ring.relay()
         mine_wall = time.perf_counter() - t0
@@ -549,6 +610,13 @@ class GenerateDriver(JournalDriver):
                               new_tokens=counts["tokens"], wall_s=wall, stopped_by=stopped_by,
                               prefill_steps=sched.prefill_steps, token_gap_ms=sched.token_gaps_ms(), replicas=replicas)
 
+    def _write_failed(self, indices: list[int]) -> int:
+        """Rank 0: the output lines of the requests that cannot run (`batch_io`'s per-line errors)."""
+        prompts, journal = self.holder["prompts"], self.holder["journal"]
+        for i in indices:
+            journal.complete(i, format_result(prompts[i], [], self.holder["tokenizer"]))
+        return len(indices)
+
     def report(self, cx: Any, result: GenerateResult | None) -> int:
         """Rank 0 prints the table and writes --json; 75 (requeue) when stopped by a signal."""
         import json
@@ -558,7 +626,7 @@ class GenerateDriver(JournalDriver):
         from ..outputs import write_output
 
         if result is None:
-            return 0
+            return self._failed_exit(cx.is_root)
         if cx.is_root:
             print(result.table())
             sys.stdout.flush()
@@ -570,4 +638,24 @@ class GenerateDriver(JournalDriver):
                       f"{result.done_before + result.done_now} of {result.total} prompts are in {self.opts.out}; "
                       f"run the same command again to resume (exit code {REQUEUE_EXIT})", file=sys.stderr)
             return REQUEUE_EXIT
-        return 0
+        return self._failed_exit(cx.is_root)
+
+    def nothing_to_do(self) -> int:
+        """The exit code when every prompt was already done (`load` returned None)."""
+        return self._failed_exit("journal" in self.holder)  # (rank 0 holds the journal)
+
+    def _failed_exit(self, is_root: bool) -> int:
+        """`batch_io.EXIT_SOME_FAILED` (every rank) when some requests of the file failed: the
+        last line says how many and where their errors are; 0 otherwise."""
+        import sys
+
+        from ..batch_io import EXIT_SOME_FAILED
+
+        failed = self.doc.get("failed", 0)
+        if not failed:
+            return 0
+        if is_root:
+            print(f"rlx-mpi: {failed} of {self.doc['total']} requests of {self.opts.prompts} failed; each has its "
+                  f"error in its line of {self.opts.out} (\"error\" is not null); the others are complete "
+                  f"(exit code {EXIT_SOME_FAILED})", file=sys.stderr)
+        return EXIT_SOME_FAILED
