@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import resource
@@ -423,16 +424,81 @@ def test_a_changed_prompt_under_a_done_id_is_refused_a_pending_one_is_not(tmp_pa
     assert out.read_bytes() == before
 
 
-def test_rows_without_their_record_are_refused(tmp_path, tiny_ckpt):
+def test_rows_alone_resume_when_their_identity_is_this_runs(tmp_path, tiny_ckpt):
+    """The record lost (the .jsonl copied alone): every row's identity digest decides."""
     ps, out = prompts(3), tmp_path / "C.jsonl"
     half_done(out, ps, ident(tiny_ckpt))
+    meta = meta_path(out).read_bytes()
     meta_path(out).unlink()
-    with pytest.raises(InputError, match=r"has 2 rows but no record of how they were made \(.*C.jsonl.meta.json is "
-                                         r"missing\); to start afresh remove"):
+    with Journal(out, ps, identity=ident(tiny_ckpt), sync_s=0) as j:
+        assert [p.id for p in j.pending] == ["p2"]
+        j.complete(2, {"tokens": [3]})
+    assert [r["id"] for r in rows_of(out)] == ["p0", "p1", "p2"] and meta_path(out).exists()
+
+
+def test_rows_alone_made_another_way_are_refused_and_the_advice_works(tmp_path, tiny_ckpt):
+    ps, out = prompts(3), tmp_path / "C.jsonl"
+    before = half_done(out, ps, ident(tiny_ckpt))
+    meta = meta_path(out).read_bytes()
+    meta_path(out).unlink()
+    with pytest.raises(InputError) as e:
+        Journal(out, ps, identity=ident(tiny_ckpt, max_new_tokens=16))
+    line = e.value.line()
+    assert "row 1 ('p0') was made with other settings" in line and f"put its record {meta_path(out)} back" in line
+    assert out.read_bytes() == before
+    meta_path(out).write_bytes(meta)  # as the advice says: the record names the setting
+    with pytest.raises(InputError, match="max_new_tokens 8, this run has max_new_tokens 16; to resume, rerun with "
+                                         "max_new_tokens 8"):
+        Journal(out, ps, identity=ident(tiny_ckpt, max_new_tokens=16))
+    meta_path(out).unlink()  # ... or rerun with the settings the rows were made with
+    Journal(out, ps, identity=ident(tiny_ckpt)).close()
+    assert out.read_bytes() == before
+
+
+def test_an_older_file_without_identity_is_adopted_only_when_asked(tmp_path, tiny_ckpt):
+    ps, out = prompts(3), tmp_path / "C.jsonl"
+    half_done(out, ps, ident(tiny_ckpt))
+    old = b"".join(json.dumps({k: v for k, v in r.items() if k != "identity"}, separators=(",", ":")).encode() + b"\n"
+                   for r in rows_of(out))
+    out.write_bytes(old)
+    meta_path(out).unlink()
+    with pytest.raises(InputError) as e:
         Journal(out, ps, identity=ident(tiny_ckpt))
+    line = e.value.line()
+    assert "row 1 ('p0') carries no identity" in line and "add --adopt-output" in line, line
+    with Journal(out, ps, identity=ident(tiny_ckpt), sync_s=0, adopt=True) as j:  # as the advice says
+        j.complete(2, {"tokens": [3]})
+    assert json.loads(meta_path(out).read_text())["adopted"] == 2
+    Journal(out, ps, identity=ident(tiny_ckpt)).close()  # the record remembers the adoption
+    with pytest.raises(InputError, match="max_new_tokens 8, this run has max_new_tokens 16"):
+        Journal(out, ps, identity=ident(tiny_ckpt, max_new_tokens=16), adopt=True)  # adopting is not mixing
+
+
+def test_a_record_that_is_not_ours_is_refused_and_moving_it_aside_resumes(tmp_path, tiny_ckpt):
+    ps, out = prompts(3), tmp_path / "C.jsonl"
+    half_done(out, ps, ident(tiny_ckpt))
     meta_path(out).write_text("[1, 2]\n")
-    with pytest.raises(InputError, match="is not a record rlx-mpi wrote"):
+    with pytest.raises(InputError, match="is not a record rlx-mpi wrote.*move it aside to resume from the rows"):
         Journal(out, ps, identity=ident(tiny_ckpt))
+    meta_path(out).rename(tmp_path / "aside.json")
+    Journal(out, ps, identity=ident(tiny_ckpt)).close()
+
+
+def test_a_settled_journal_decides_and_writes_only_after_settle(tmp_path, tiny_ckpt, caplog):
+    ps, out = prompts(3), tmp_path / "C.jsonl"
+    half_done(out, ps, ident(tiny_ckpt).with_settings(precision="f32"))
+    with caplog.at_level(logging.INFO, logger="rlx_mpi.journal"):
+        j = Journal(out, ps, identity=ident(tiny_ckpt), settle=True)
+        assert "resuming" not in caplog.text  # nothing said before the decision
+        with pytest.raises(ValueError, match="not settled"):
+            j.complete(2, {"tokens": [3]})
+        with pytest.raises(InputError, match='precision "f32", this run has precision "int8"'):
+            j.settle(precision="int8")
+        j.close()
+        j = Journal(out, ps, identity=ident(tiny_ckpt), settle=True)
+        j.settle(precision="f32")
+        assert "2 of 3 prompts already done; resuming" in caplog.text
+        j.close()
 
 
 def test_the_record_is_a_sidecar_and_the_output_stays_one_row_per_line(tmp_path, tiny_ckpt):

@@ -61,3 +61,16 @@ class JournalDriver(Driver):
         inputs = {"the job file": cx.job.path, "the checkpoint": cx.job.model.checkpoint,
                   "the prompt file": o.prompts, "the output file": o.out}
         return [("--json", self.flags.json)], inputs
+
+    def settle(self, cx: Any) -> None:
+        """Once placed, rank 0's journal learns the settings stated per rank or acting at the stage
+        cuts (`journal.layout_settings`) and decides on the rows already there (agreed), before
+        any compute: a resume made another way is refused naming the setting."""
+        from ..journal import layout_settings
+
+        def settle() -> None:
+            journal = self.holder.get("journal")
+            if journal is not None:
+                journal.settle(**layout_settings(cx.job, cx.plan_, self.command))
+
+        cx.agree(settle, "checking the rows already in the output")

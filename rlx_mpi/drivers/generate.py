@@ -325,7 +325,7 @@ class GenerateDriver(JournalDriver):
 
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; (cache slots, longest sequence), None when all are done."""
-        from ..journal import Journal, RunIdentity
+        from ..journal import Journal, RunIdentity, beside_settings
         from ..prompts import eos_ids_beside, load_tokenizer, read_prompts
 
         cx.prepare()
@@ -346,9 +346,10 @@ class GenerateDriver(JournalDriver):
             prompts, shard = select(prompts, opts.shard, str(opts.prompts))
             identity = RunIdentity.for_generate(job.model.checkpoint, opts.sampling, opts.max_new_tokens,
                                                 eos_ids=eos, logprobs=opts.logprobs)
+            identity = identity.with_settings(**beside_settings(tokenizer))  # (+ the layout's: `settle`)
             journal = Journal(opts.out, prompts, inputs=(opts.prompts, job.path, job.model.checkpoint,
                                                          *self.argv_inputs), sync_s=opts.sync_s, identity=identity,
-                              shard=shard)
+                              shard=shard, settle=True, adopt=bool(getattr(self.flags, "adopt_output", False)))
             self.holder.update(journal=journal, tokenizer=tokenizer, prompts=prompts)
             pending = [[p.index, p.id, list(p.tokens)] for p in journal.pending]
             longest = max((len(p[2]) for p in pending), default=1)
@@ -390,6 +391,7 @@ class GenerateDriver(JournalDriver):
                                       "give every rank of a tensor-parallel stage the same kv_cache")
 
         cx.agree(same_kv, "checking the kv_cache settings")
+        self.settle(cx)
 
     def ready(self, cx: Any) -> None:
         """Allocate every stage's KV cache (agreed: a family without generation is one line)."""

@@ -163,7 +163,7 @@ class ScoreDriver(JournalDriver):
 
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; the rounds on every rank; None when all are done."""
-        from ..journal import Journal, RunIdentity
+        from ..journal import Journal, RunIdentity, beside_settings
         from ..prompts import load_tokenizer
         from ..scoring import read_score_prompts
 
@@ -181,7 +181,9 @@ class ScoreDriver(JournalDriver):
             prompts, shard = select(prompts, opts.shard, str(opts.prompts))
             journal = Journal(opts.out, prompts, inputs=(opts.prompts, job.path, job.model.checkpoint,
                                                          *self.argv_inputs), sync_s=opts.sync_s,
-                              identity=RunIdentity.for_score(job.model.checkpoint), shard=shard)
+                              identity=RunIdentity.for_score(job.model.checkpoint).with_settings(
+                                  **beside_settings(tokenizer)), shard=shard, settle=True,
+                              adopt=bool(getattr(self.flags, "adopt_output", False)))
             self.holder.update(journal=journal, prompts=prompts)
             pending = [[p.index, p.id, list(p.tokens), p.start] for p in journal.pending]
             return {"pending": pending, "total": len(prompts), "first": shard["lines"][0] if shard else 0}
@@ -207,6 +209,7 @@ class ScoreDriver(JournalDriver):
     def check_plan(self, cx: Any) -> None:
         if cx.job.placement.replicas == "auto":
             self.rounds = self._rounds(cx, cx.topology.n_stages)
+        self.settle(cx)
 
     def drive(self, cx: Any) -> ScoreResult | None:
         """Every round's forward on every rank; the `ScoreResult` on rank 0 (None elsewhere)."""
