@@ -114,7 +114,7 @@ def test_nan_in_one_prompt_keeps_the_rows_before_it_and_resume_refuses_again(tmp
     proc = generate(tmp_path, ckpt, 2, prompts, out, *flags)
     assert proc.returncode == 4, proc.stderr
     error = one_error(proc)
-    assert "stage 1" in error and "'m2'" in error and "'m0'" not in error, error
+    assert "stage 0's hidden state" in error and "'m2'" in error and "'m0'" not in error, error  # (made there)
     proc = generate(tmp_path, tiny_ckpt, 1, write_prompts(tmp_path / "p2.jsonl", PROMPTS[:2]), clean, *flags)
     assert proc.returncode == 0, proc.stderr
     assert without_ms(rows_of(out)) == without_ms(rows_of(clean))  # m0, m1; no m2
@@ -139,7 +139,7 @@ def test_nan_at_a_decode_step_is_caught_there(tmp_path, tiny_ckpt, full_run):
     proc = generate(tmp_path, ckpt, 2, prompts, out, *FLAGS, "--groups", 1)
     assert proc.returncode == 4, proc.stderr
     error = one_error(proc)
-    assert "stage 1" in error and "new token 2 of prompt 'm0'" in error, error
+    assert "stage 0's hidden state for new token 2 of prompt 'm0'" in error, error  # the embedding's stage
     assert not out.exists() and not meta_path(out).exists()
     nothing_left(tmp_path)
 

@@ -29,7 +29,28 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Driver", "JournalDriver"]
+__all__ = ["Driver", "JournalDriver", "forward_window"]
+
+
+def forward_window(cx: Any, command: str) -> int:
+    """The ``kv_cache = "window:W"`` of this rank as a window for ``stage.forward(x, window=W)``
+    (0: full attention), so that ``run`` and ``score`` compute the model ``generate`` does under
+    the same job file; a family whose forward takes no window is refused (agreed), never ignored."""
+    kv = cx.job.kv_for(cx.world.rank)
+    window = kv.window if kv.policy == "window" else 0
+
+    def check() -> None:
+        import inspect
+
+        from ..errors import ConfigError
+
+        if window and "window" not in inspect.signature(cx.stage.forward).parameters:
+            raise ConfigError(f"{cx.job.path}: [run] kv_cache", f"{kv} is a sliding-window model, and family "
+                              f"{cx.family.name!r} cannot apply a window in its forward ({command} would "
+                              "compute another model than generate)", 'use kv_cache = "full" for this family')
+
+    cx.agree(check, "checking the kv_cache window")
+    return window
 
 
 class Driver:

@@ -40,12 +40,12 @@ from typing import Any
 
 import numpy as np
 
-from . import JournalDriver
+from . import JournalDriver, forward_window
 from .. import rules, transport
 from ..config import ScoreSection
 from ..errors import ConfigError, RankFault
 from ..executor import Executor, wire_codec
-from ..faults import wait
+from ..faults import check_output, wait
 from ..schedule import Action, forward_schedule
 from ..stats import ClusterRun, StageTiming, peak_rss_bytes
 
@@ -218,6 +218,7 @@ class ScoreDriver(JournalDriver):
 
         job, topo, stage, a, stop = cx.job, cx.topology, cx.stage, cx.assignment, cx.stop
         timeout = job.run.timeout_s
+        window = forward_window(cx, "score")  # [run] kv_cache = "window:W": the model generate runs
         doc, pending = self.doc, self.doc["pending"]
         journal, prompts = self.holder.get("journal"), self.holder.get("prompts")
         done_before = doc["total"] - len(pending)
@@ -239,16 +240,10 @@ class ScoreDriver(JournalDriver):
             return f"line {pid!r} (line {doc.get('first', 0) + index + 1} of the prompt file)"
 
         def check(out: np.ndarray, mb: Microbatch, m: int, what: str) -> None:
-            if np.isfinite(out).all():
-                return
-            for b, k in enumerate(mb.lines):
-                part = out[b, :len(pending[k][2])]
-                if not np.isfinite(part).all():
-                    bad = int(part.size - np.count_nonzero(np.isfinite(part)))
-                    raise RankFault(cx.ctx.describe(), f"{what} of stage {a.stage} for {line_name(k)} has {bad} "
-                                    f"non-finite values (NaN or Inf); no row of this round is written",
-                                    "the weights or the model config are broken (rms_norm_eps, rope_theta); set "
-                                    "[model] check_finite = true to find a bad tensor, or re-convert the model")
+            """`faults.check_output` of a microbatch: each line's real tokens (not its padding)."""
+            check_output(out, a.stage, cx.ctx, lambda: ((line_name(k), out[b, :len(pending[k][2])])
+                                                        for b, k in enumerate(mb.lines)),
+                         what, "; no row of this round is written")
 
         def ids_of(mb: Microbatch) -> np.ndarray:
             ids = np.zeros((len(mb.lines), mb.length), np.int64)  # right-padded with id 0
@@ -272,14 +267,15 @@ class ScoreDriver(JournalDriver):
             def compute(m: int, x: np.ndarray | None) -> np.ndarray | None:
                 mb = mbs[m]
                 ids = ids_of(mb) if a.first or keeps else None
-                out = stage.forward(ids if a.first else x)
+                x = ids if a.first else x
+                out = stage.forward(x, window=window) if window else stage.forward(x)
                 want = (len(mb.lines), mb.length) + ((cx.dims.vocab_size,) if a.last else (H,))
                 if out.shape != want or out.dtype != np.float32:
                     raise RankFault(cx.ctx.describe(), f"the stage returned {out.dtype} {out.shape} for microbatch "
                                     f"{m}, expected float32 {want}", "the model family's forward disagrees with "
                                     "its dims: fix the plug-in")
                 if checks and not a.last:
-                    check(out, mb, m, "the hidden state")
+                    check(out, mb, m, "hidden state")
                 if not a.last:
                     return out
                 if keeps:
@@ -287,7 +283,7 @@ class ScoreDriver(JournalDriver):
                         s, ln = pending[k][3], len(pending[k][2])
                         view = out[b, s - 1:ln - 1]  # position t-1 predicts token t: a view, no copy
                         if not np.isfinite(view).all():
-                            check(out[b:b + 1, s - 1:ln - 1], Microbatch((k,), ln), m, "the logits")
+                            check(out[b:b + 1, s - 1:ln - 1], Microbatch((k,), ln), m, "logits")
                         lo, hi = where[k]
                         lps[lo:hi] = gather_logprobs(view, ids[b, s:ln])
                 return None

@@ -130,12 +130,19 @@ class DecoderStage(Stage):
     def _embed(self, x: np.ndarray) -> np.ndarray:
         return model.embed(x, self.embed_tokens, self.cfg.embedding_multiplier) if self.first else x
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
+    def forward(self, x: np.ndarray, window: int = 0) -> np.ndarray:
+        """``window`` > 0: the job's ``kv_cache = "window:W"`` (a query sees the last W keys; a
+        layer's own narrower window stays), the model ``generate`` runs under the same job."""
         cfg = self.cfg
         h = self._embed(x)  # (B, T, C)
         rope, T = Rope(cfg, h.shape[1]), h.shape[1]
         tables = {local: rope.prefix(T, local) for local in self._rope_kinds}
-        for w in self.blocks:
+        blocks = self.blocks
+        if window:  # (a shallow copy of each layer's record: the weights are shared)
+            import dataclasses
+
+            blocks = [dataclasses.replace(w, window=min(w.window, window) if w.window else window) for w in blocks]
+        for w in blocks:
             h = model.block(h, w, cfg, *tables[w.local_rope], self._reduce)
         if not self.last:
             return h
