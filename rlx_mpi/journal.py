@@ -22,8 +22,26 @@ digest of every prompt's tokens. A sidecar, not a leading record, so that every 
 completions file stays one completion for readers (``pandas.read_json(lines=True)``, ``jq``).
 Opening a file that already holds rows compares: the first setting that differs is refused in
 one line naming both values and how to start afresh. The layout (ranks, tensor parallelism,
-batch, groups) is not part of it: rows are the same on any layout, so a resume may run on
-another allocation. The model is identified without hashing a 100 GB file: its family, a
+replicas, batch, groups, threads) is not part of it: rows are the same on any layout, so a
+resume may run on another allocation.
+
+Note: settings stated per rank, said per layer. ``precision`` and ``kv_cache`` may differ by
+rank (``[[rank]]``), and which layers a rank holds is the layout's choice; what the rows
+depend on is each *layer's* precision and cache policy, so `layout_settings` records those
+(once the job is placed: `Journal.settle`, before any compute), and a resume on another
+layout that gives every layer the same is accepted. The wire codec rounds the hidden state
+only where stages are cut: ``f32`` is lossless and a single stage sends nothing, so both are
+recorded as ``"f32"``; a lossy codec is recorded with its cut layers (``"bf16 before layers
+4"``), as moving a cut moves the rounding. The tokenizer and chat template (digests of the
+files beside the checkpoint) fix a text prompt's tokens and a row's text.
+
+Note: the file alone resumes. Every row ends with `ROW_IDENTITY`: 64 bits of the digest of
+the whole identity and the row's prompt digest (`RunIdentity.row_digest`). A key, not a header
+line, so that the file stays one plain row per prompt for every reader. The sidecar stays
+the fast check that can *name* the setting that differs; without it (a ``.jsonl`` copied
+alone) each row's digest says whether this run makes it, and a file with no digests at all
+(an older rlx-mpi's) is resumed only when adopted (``--adopt-output``: recorded as
+``"adopted"`` rows in the new sidecar). Every refusal's advice works as written (tests follow it). The model is identified without hashing a 100 GB file: its family, a
 digest of its config, its size in bytes, and a digest of every tensor's name, shape, dtype
 and first and last 1024 values (`model_identity`); a copy of the file is the same model, a
 fine-tune (or a single edited weight in a tensor's first or last row) is another.

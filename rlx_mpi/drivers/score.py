@@ -23,9 +23,12 @@ so the pipeline's fill-drain bubble is at most (p-1)/(3p-1). Between rounds ever
 agrees on a stop request (an all-reduce): SIGTERM/SIGINT/SIGUSR1 finish the round, write its
 rows and exit 75; a rerun resumes after the last whole row.
 
-Note: non-finite values. Each stage's first TP rank checks its output of every microbatch;
-a NaN or Inf ends the job with exit 4 naming the stage and the first line affected, before
-any row of that round is written (earlier rounds' rows are finite and stay).
+Note: non-finite values. Each stage's first TP rank checks its output of every microbatch
+before sending it (`faults.check_output`, the rule ``run`` and ``generate`` share); a NaN or
+Inf ends the job with exit 4 naming the stage that made it and the lines affected, before any
+row of that round is written (earlier rounds' rows are finite and stay). Under ``kv_cache =
+"window:W"`` the forward attends through the window (`drivers.forward_window`): the model
+``generate`` runs.
 """
 
 from __future__ import annotations
