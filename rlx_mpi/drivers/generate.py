@@ -242,10 +242,11 @@ class DecodeRing:
                 self.ctx.microbatch = step.group
                 step.pending.wait()
                 step.tokens = step.pending.buf
-            if self._diverge is not None and self.stats.steps == self._diverge:  # a test's forced mismatch
-                step.tokens, self._diverge = step.tokens.copy(), None
-                step.tokens.flat[0] ^= 1
-            self.lockstep = lockstep_fold(self.lockstep, step.header, step.tokens)
+            if self.topo.tp > 1:  # the TP lockstep digest (one scheduler alone has nothing to agree with)
+                if self._diverge is not None and self.stats.steps >= self._diverge:  # a test's forced mismatch
+                    step.tokens, self._diverge = step.tokens.copy(), None
+                    step.tokens.flat[0] ^= 1
+                self.lockstep = lockstep_fold(self.lockstep, step.header, step.tokens)
             if self.k:
                 tokens, *lps = unpack_sampled(step.tokens)
                 on_done(sched.complete(step, tokens, tuple(lps)))
@@ -309,15 +310,14 @@ def _lockstep_broken(cx: Any, ring: DecodeRing, when: str) -> None:
     from ..faults import wait
 
     topo = cx.topology
-    mine = np.array([ring.lockstep], np.int64)
-    every = np.empty(topo.tp, np.int64)
+    mine = np.array([cx.world.rank, ring.lockstep], np.int64)
+    every = np.empty((topo.tp, 2), np.int64)
     wait(topo.tp_comm.Iallgather(mine, every), cx.job.run.timeout_s, cx.ctx,
          lambda: "the step digests of the first stage's tensor-parallel ranks", "a tensor-parallel rank")
     if topo.tp_rank != 0:
         return
-    ranks = topo.grid[0]
     groups: dict[int, list[int]] = {}
-    for r, d in zip(ranks, every.tolist()):
+    for r, d in every.tolist():
         groups.setdefault(d, []).append(r)
     said = "; ".join(f"world rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} {d:016x}"
                      for d, rs in groups.items())
