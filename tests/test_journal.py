@@ -592,3 +592,55 @@ def test_the_sidecar_never_replaces_an_input(tmp_path):
     with pytest.raises(InputError, match=r"its record \S*C.jsonl.meta.json: is the input file"):
         Journal(tmp_path / "C.jsonl", prompts(1), inputs=[prompts_file])
     assert prompts_file.read_text() == "{}\n"
+
+
+# -- settings stated per rank, said per layer (issue 36) ----------------------------------------------
+
+from rlx_mpi.config import parse_job  # noqa: E402
+from rlx_mpi.journal import layout_settings  # noqa: E402
+from rlx_mpi.placement import Assignment  # noqa: E402
+
+
+def _plan(*stages, replicas=1):
+    """Assignments of ``stages`` [(ranks, layers range)] per replica (ranks shifted per replica)."""
+    out, width = [], sum(len(r) for r, _ in stages)
+    for rep in range(replicas):
+        for s, (ranks, layers) in enumerate(stages):
+            out.append(Assignment(s, tuple(r + rep * width for r in ranks), ("h",) * len(ranks), layers, "cpu", 0,
+                                  s == 0, s == len(stages) - 1, replica=rep))
+    return out
+
+
+def _job(tmp_path, run=None, ranks=()):
+    raw = {"model": {"checkpoint": "m.h5"}, "run": run or {}}
+    if ranks:
+        raw["rank"] = list(ranks)
+    return parse_job(raw, tmp_path / "job.toml")
+
+
+def test_precision_and_kv_are_said_per_layer_whatever_the_layout(tmp_path):
+    job = _job(tmp_path, {"precision": "int8"}, [{"rank": 1, "precision": "f32"}])
+    two = layout_settings(job, _plan(([0], range(0, 4)), ([1], range(4, 8))))
+    assert two["precision"] == "0:4 int8, 4:8 f32" and two["kv_cache"] == "full" and two["wire"] == "f32"
+    other = layout_settings(job, _plan(([0], range(0, 6)), ([1], range(6, 8))))  # the cut moved: other layers f32
+    assert other["precision"] == "0:6 int8, 6:8 f32"
+    same = _job(tmp_path, {"precision": "f32"}, [{"rank": 0, "precision": "int8"}, {"rank": 1, "precision": "int8"}])
+    assert layout_settings(same, _plan(([0, 1], range(0, 4)), ([2], range(4, 8))))["precision"] == two["precision"]
+    uniform = _job(tmp_path, {"precision": "bf16"})
+    assert layout_settings(uniform, _plan(([0], range(0, 8)), replicas=3))["precision"] == "bf16"
+
+
+def test_the_wire_counts_only_where_it_rounds(tmp_path):
+    bf16 = _job(tmp_path, {"wire": "bf16"})
+    assert layout_settings(bf16, _plan(([0], range(0, 8))))["wire"] == "f32"  # one stage sends nothing
+    assert layout_settings(_job(tmp_path), _plan(([0], range(0, 4)), ([1], range(4, 8))))["wire"] == "f32"
+    assert layout_settings(bf16, _plan(([0], range(0, 4)), ([1], range(4, 8))))["wire"] == "bf16 before layers 4"
+    assert layout_settings(bf16, _plan(([0, 1], range(0, 4)), ([2, 3], range(4, 8)), replicas=2))["wire"] == \
+        "bf16 before layers 4"  # TP and replicas change nothing
+
+
+def test_score_keeps_no_cache_so_only_a_window_is_another_model(tmp_path):
+    plan = _plan(([0], range(0, 8)))
+    assert layout_settings(_job(tmp_path, {"kv_cache": "none"}), plan, "score")["kv_cache"] == "full"
+    assert layout_settings(_job(tmp_path, {"kv_cache": "none"}), plan, "generate")["kv_cache"] == "none"
+    assert layout_settings(_job(tmp_path, {"kv_cache": "window:8"}), plan, "score")["kv_cache"] == "window:8"
