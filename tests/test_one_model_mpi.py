@@ -73,3 +73,23 @@ def test_run_applies_the_window_as_generate_does(tmp_path, tiny_ckpt, generated)
         logp[kv] = [lsm[len(PROMPT) - 1 + i, t] for i, t in enumerate(tokens)]
     np.testing.assert_allclose(logp[f"window:{W}"], want, rtol=0, atol=2e-4)
     assert np.max(np.abs(np.subtract(logp["full"], want))) > 1e-2
+
+
+def test_a_score_resume_under_another_window_is_refused_and_the_rows_stay(tmp_path, tiny_ckpt):
+    lines = tmp_path / "s.jsonl"
+    lines.write_text("".join(json.dumps({"id": i, "tokens": PROMPT}) + "\n" for i in "ab"))
+    out = tmp_path / "o.jsonl"
+    proc = run_cli(["score", job(tmp_path, tiny_ckpt, f"window:{W}"), "--prompts", lines, "--out", out], ranks=1,
+                   timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out.write_bytes(out.read_bytes().split(b"\n")[0] + b"\n")  # as a stopped job leaves it
+    before = out.read_bytes()
+    proc = run_cli(["score", job(tmp_path, tiny_ckpt, "full"), "--prompts", lines, "--out", out], ranks=2,
+                   timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f'kv_cache "window:{W}", this run has kv_cache "full"' in proc.stderr, proc.stderr
+    assert out.read_bytes() == before
+    proc = run_cli(["score", job(tmp_path, tiny_ckpt, f"window:{W}"), "--prompts", lines, "--out", out], ranks=2,
+                   timeout=120)  # another layout, the same model: resumed
+    assert proc.returncode == 0, proc.stderr
+    assert [r["id"] for r in rows_of(out)] == ["a", "b"]
