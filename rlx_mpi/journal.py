@@ -76,7 +76,7 @@ from .errors import InputError, RankFault
 from .prompts import Prompt
 
 __all__ = ["Journal", "RunIdentity", "model_identity", "prompt_digest", "meta_path", "meta_bytes", "REQUEUE_EXIT",
-           "MAX_ROW_BYTES", "META_FORMAT", "ROW_IDENTITY", "layout_settings", "beside_settings"]
+           "MAX_ROW_BYTES", "META_FORMAT", "ROW_IDENTITY", "layout_settings", "unplaced_settings", "beside_settings"]
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +251,19 @@ def layout_settings(job: Any, plan: Sequence[Any], command: str = "generate") ->
     return {"precision": _by_layer(prec), "kv_cache": _by_layer(kv), "wire": " / ".join(wires)}
 
 
+def unplaced_settings(job: Any, command: str = "generate") -> dict:
+    """Those of `layout_settings` known without a plan: precision and kv_cache when no ``[[rank]]``
+    overrides them (every layer has the job's), the wire when it is lossless ("f32")."""
+    out = {}
+    if not any(o.precision for o in job.ranks):
+        out["precision"] = job.run.precision.value
+    if not any(o.kv_cache for o in job.ranks):
+        out["kv_cache"] = _kv_name(job.run.kv_cache, command)
+    if job.run.wire == "f32":
+        out["wire"] = "f32"
+    return out
+
+
 def _kv_name(spec: Any, command: str) -> str:
     if command == "score" and spec.policy != "window":
         return "full"
@@ -419,6 +432,30 @@ class Journal:
             self.identity = self.identity.with_settings(**settings)
         self._unsettled = False
         self._decide(len(self.done))
+
+    def check_done(self, **settings: Any) -> None:
+        """A file whose every prompt is done: nothing will be written, but saying "all done" to a
+        run made another way would pass its rows off as this run's. Compare what is known without
+        a plan (``settings``: `unplaced_settings`) with the record; without a record, nothing to say."""
+        if not self._unsettled or self.identity is None or self.pending:
+            raise ValueError(f"journal {self.path}: check_done is for an unsettled journal with every prompt done")
+        where = f"output {self.path}"
+        meta = self._read_meta(where, "choose another --out")
+        if meta is None:
+            return
+        for p in self._prompts:
+            if meta["prompts"].get(p.id) != _digest_of(p):
+                raise InputError(where, f"holds every prompt's row already, but prompt {p.id!r} (prompt {p.index + 1} of "
+                                 "the prompt file) has other tokens than when its row was written",
+                                 f"choose another --out (or remove {self.path} and {self.meta})")
+        theirs = RunIdentity.from_json(meta).fields()
+        mine = self.identity.with_settings(**settings).fields()
+        for name, b in mine.items():
+            a = theirs.get(name, b)  # (an older record's missing setting: not a difference here)
+            if a != b:
+                raise InputError(where, f"holds every prompt's row already, made with {name} {_show(a)}; this run has "
+                                 f"{name} {_show(b)}", "to make the rows again this way, choose another --out (or "
+                                 f"remove {self.path} and {self.meta})")
 
     def _decide(self, k: int) -> None:
         """May this run append to the ``k`` rows in the file? Said (resuming) only once decided."""

@@ -416,3 +416,19 @@ def test_sampled_logprobs_change_no_draw_and_reproduce_across_layouts(tmp_path, 
             best = e["top"][0][1]
             assert len(e["top"]) == 3 and e["logprob"] <= best + 1e-7
             assert all(v == e["logprob"] for i, v in e["top"] if i == e["id"])  # one value per token
+
+
+def test_a_finished_file_is_not_called_done_under_another_precision(tmp_path, tiny_ckpt, full_run):
+    """Every prompt done: nothing to compute, but a rerun under int8 is told the rows are f32's."""
+    full, _ = full_run
+    out = tmp_path / "c.jsonl"
+    shutil.copyfile(full, out)
+    shutil.copyfile(meta_path(full), meta_path(out))
+    before = out.read_bytes()
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    proc = generate(tmp_path, tiny_ckpt, 1, prompts, out, *FLAGS, run={"precision": "int8"})
+    assert proc.returncode == 2, proc.stderr
+    assert 'made with precision "f32"; this run has precision "int8"' in one_error(proc)
+    proc = generate(tmp_path, tiny_ckpt, 1, prompts, out, *FLAGS)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes() == before

@@ -644,3 +644,18 @@ def test_score_keeps_no_cache_so_only_a_window_is_another_model(tmp_path):
     assert layout_settings(_job(tmp_path, {"kv_cache": "none"}), plan, "score")["kv_cache"] == "full"
     assert layout_settings(_job(tmp_path, {"kv_cache": "none"}), plan, "generate")["kv_cache"] == "none"
     assert layout_settings(_job(tmp_path, {"kv_cache": "window:8"}), plan, "score")["kv_cache"] == "window:8"
+
+
+def test_a_finished_file_made_another_way_is_not_called_done(tmp_path, tiny_ckpt):
+    ps, out = prompts(2), tmp_path / "C.jsonl"
+    half_done(out, ps, ident(tiny_ckpt).with_settings(precision="int8", kv_cache="full", wire="f32"))
+    j = Journal(out, ps, identity=ident(tiny_ckpt), settle=True)
+    j.check_done(precision="int8", wire="f32")  # the same (kv_cache unknown without a plan: not compared)
+    with pytest.raises(InputError, match='made with precision "int8"; this run has precision "f32"'):
+        j.check_done(precision="f32")
+    j.close()
+    changed = [ps[0], Prompt(1, "p1", (5, 6), None)]
+    j = Journal(out, changed, identity=ident(tiny_ckpt), settle=True)
+    with pytest.raises(InputError, match="prompt 'p1' .* has other tokens"):
+        j.check_done()
+    j.close()

@@ -402,7 +402,7 @@ class GenerateDriver(JournalDriver):
 
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; (cache slots, longest sequence), None when all are done."""
-        from ..journal import Journal, RunIdentity, beside_settings
+        from ..journal import Journal, RunIdentity, beside_settings, unplaced_settings
         from ..prompts import eos_ids_beside, load_tokenizer, read_prompts
 
         cx.prepare()
@@ -428,6 +428,8 @@ class GenerateDriver(JournalDriver):
                                                          *self.argv_inputs), sync_s=opts.sync_s, identity=identity,
                               shard=shard, settle=True, adopt=bool(getattr(self.flags, "adopt_output", False)))
             self.holder.update(journal=journal, tokenizer=tokenizer, prompts=prompts)
+            if not journal.pending:  # nothing to place or compute: check what can be known without a plan
+                journal.check_done(**unplaced_settings(job, "generate"))
             pending = [[p.index, p.id, list(p.tokens)] for p in journal.pending]
             longest = max((len(p[2]) for p in pending), default=1)
             return {"pending": pending, "total": len(prompts), "eos": eos, "max_seq": longest + opts.max_new_tokens,

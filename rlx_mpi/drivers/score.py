@@ -166,7 +166,7 @@ class ScoreDriver(JournalDriver):
 
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; the rounds on every rank; None when all are done."""
-        from ..journal import Journal, RunIdentity, beside_settings
+        from ..journal import Journal, RunIdentity, beside_settings, unplaced_settings
         from ..prompts import load_tokenizer
         from ..scoring import read_score_prompts
 
@@ -188,6 +188,8 @@ class ScoreDriver(JournalDriver):
                                   **beside_settings(tokenizer)), shard=shard, settle=True,
                               adopt=bool(getattr(self.flags, "adopt_output", False)))
             self.holder.update(journal=journal, prompts=prompts)
+            if not journal.pending:  # nothing to place or compute: check what can be known without a plan
+                journal.check_done(**unplaced_settings(job, "score"))
             pending = [[p.index, p.id, list(p.tokens), p.start] for p in journal.pending]
             return {"pending": pending, "total": len(prompts), "first": shard["lines"][0] if shard else 0}
 
