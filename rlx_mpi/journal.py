@@ -23,7 +23,10 @@ completions file stays one completion for readers (``pandas.read_json(lines=True
 Opening a file that already holds rows compares: the first setting that differs is refused in
 one line naming both values and how to start afresh. The layout (ranks, tensor parallelism,
 replicas, batch, groups, threads) is not part of it: rows are the same on any layout, so a
-resume may run on another allocation.
+resume may run on another allocation. The model is identified without hashing a 100 GB file: its
+family, a digest of its config, its size in bytes, and a digest of every tensor's name, shape,
+dtype and first and last 1024 values (`model_identity`); a copy of the file is the same model,
+a fine-tune (or a single edited weight in a tensor's first or last row) is another.
 
 Note: settings stated per rank, said per layer. ``precision`` and ``kv_cache`` may differ by
 rank (``[[rank]]``), and which layers a rank holds is the layout's choice; what the rows
@@ -41,10 +44,7 @@ line, so that the file stays one plain row per prompt for every reader. The side
 the fast check that can *name* the setting that differs; without it (a ``.jsonl`` copied
 alone) each row's digest says whether this run makes it, and a file with no digests at all
 (an older rlx-mpi's) is resumed only when adopted (``--adopt-output``: recorded as
-``"adopted"`` rows in the new sidecar). Every refusal's advice works as written (tests follow it). The model is identified without hashing a 100 GB file: its family, a
-digest of its config, its size in bytes, and a digest of every tensor's name, shape, dtype
-and first and last 1024 values (`model_identity`); a copy of the file is the same model, a
-fine-tune (or a single edited weight in a tensor's first or last row) is another.
+``"adopted"`` rows in the new sidecar). Every refusal's advice works as written (tests follow it).
 
 Note: no leftovers, no torn lines. A new output file is created at the first row (with its
 sidecar just before), so a job that fails before it (a plan that does not fit, a bad flag)
@@ -445,8 +445,8 @@ class Journal:
             return
         for p in self._prompts:
             if meta["prompts"].get(p.id) != _digest_of(p):
-                raise InputError(where, f"holds every prompt's row already, but prompt {p.id!r} (prompt {p.index + 1} of "
-                                 "the prompt file) has other tokens than when its row was written",
+                raise InputError(where, f"holds every prompt's row already, but prompt {p.id!r} (prompt "
+                                 f"{p.index + 1} of the prompt file) has other tokens than when its row was written",
                                  f"choose another --out (or remove {self.path} and {self.meta})")
         theirs = RunIdentity.from_json(meta).fields()
         mine = self.identity.with_settings(**settings).fields()
