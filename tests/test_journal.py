@@ -659,3 +659,20 @@ def test_a_finished_file_made_another_way_is_not_called_done(tmp_path, tiny_ckpt
     with pytest.raises(InputError, match="prompt 'p1' .* has other tokens"):
         j.check_done()
     j.close()
+
+
+def test_the_tokenizer_and_chat_template_are_part_of_the_identity(tmp_path, tiny_ckpt):
+    from types import SimpleNamespace
+
+    from rlx_mpi.journal import beside_settings
+
+    assert beside_settings(None) == {"tokenizer": "none", "chat template": "none"}
+    f = tmp_path / "tokenizer.json"
+    f.write_text('{"model": 1}')
+    a = beside_settings(SimpleNamespace(path=f, chat_template=SimpleNamespace(source="{{ messages }}")))
+    b = beside_settings(SimpleNamespace(path=f, chat_template=SimpleNamespace(source="{{ messages }}!")))
+    assert a["tokenizer"] == b["tokenizer"] != "none" and a["chat template"] != b["chat template"]
+    ps, out = prompts(3), tmp_path / "C.jsonl"
+    half_done(out, ps, ident(tiny_ckpt).with_settings(**a))
+    with pytest.raises(InputError, match=f'chat template "{a["chat template"]}", this run has chat template'):
+        Journal(out, ps, identity=ident(tiny_ckpt).with_settings(**b))
