@@ -62,6 +62,7 @@ prompt order: rows complete but held back behind a slower earlier prompt are los
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -187,6 +188,10 @@ class RunIdentity:
 
     def digest(self) -> str:
         """64 bits (hex) of the sha256 of the canonical JSON of the whole identity."""
+        return self._digest
+
+    @functools.cached_property
+    def _digest(self) -> str:  # once per identity, not once per row (a frozen record: it cannot change)
         text = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(text.encode("ascii")).hexdigest()[:16]
 
