@@ -107,6 +107,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--json", metavar="STATS.json", help="write the run's per-rank stats and totals as JSON")
     g.add_argument("--shard", metavar="K/N", help="this job's part of the prompt file: shard K of N contiguous parts (1 <= K <= N), e.g. "
                    "$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT; join the outputs with rlx-mpi merge")
+    g.add_argument("--adopt-output", action="store_true", help="resume into an output whose rows carry no "
+                    "identity (written by an older rlx-mpi, its record lost): take them as made with this run's settings")
     g.add_argument("--log-dir", metavar="DIR", help="one log per rank, DIR/rank-0003.log (lines prefixed with rank "
                    "and host); only rank 0 logs to the terminal")
 
@@ -126,6 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--json", metavar="STATS.json", help="write the run's per-rank stats, totals and summary as JSON")
     sc.add_argument("--shard", metavar="K/N", help="this job's part of the prompt file: shard K of N contiguous parts (1 <= K <= N), e.g. "
                    "$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT; join the outputs with rlx-mpi merge")
+    sc.add_argument("--adopt-output", action="store_true", help="resume into an output whose rows carry no "
+                    "identity (written by an older rlx-mpi, its record lost): take them as made with this run's settings")
     sc.add_argument("--log-dir", metavar="DIR", help="one log per rank, DIR/rank-0003.log (lines prefixed with rank "
                     "and host); only rank 0 logs to the terminal")
 

@@ -28,8 +28,8 @@ from . import supervisor
 from .errors import EXIT_FAULT, DeadlineExpired, RankFault, RlxError
 from .supervisor import supervise  # noqa: F401  (moved to supervisor.py; kept importable here)
 
-__all__ = ["RankContext", "AgreedFailure", "wait", "agree", "bounded", "check_finite", "report_and_abort",
-           "supervise", "STARTUP_SETTING"]
+__all__ = ["RankContext", "AgreedFailure", "wait", "agree", "bounded", "check_finite", "check_output",
+           "report_and_abort", "supervise", "STARTUP_SETTING"]
 
 STARTUP_SETTING = "[run] startup_timeout_s"
 _AGREE_TAG = 32_001  # point-to-point tag of agree's flags (below MPI's guaranteed TAG_UB of 32767)
@@ -233,6 +233,34 @@ def check_finite(array: np.ndarray, what: str, ctx: RankContext) -> None:
     raise RankFault(ctx.describe(), f"{what} has {bad} non-finite values (NaN or Inf) of {array.size}",
                     "the weights or the model config are broken (rms_norm_eps, rope_theta); set [model] "
                     "check_finite = true to find a bad tensor, or re-convert the model")
+
+
+def check_output(out: Any, stage: int, ctx: RankContext, parts: Callable[[], Any], what: str = "output",
+                 after: str = "") -> None:
+    """The one non-finite rule: every stage checks its output before sending it (run, score,
+    generate), so a NaN or Inf ends the job (exit 4) naming the stage that made it, not the
+    last one it reached, and the rows it belongs to.
+
+    ``parts()`` gives ``(name, view)`` per row (a prompt, a line, a batch row): the real tokens
+    only, so that padding past a row's end is never blamed; it is called only when ``out`` holds
+    a non-finite value (the common case costs one ``isfinite`` pass). ``after`` ends the message
+    (e.g. what was not written).
+    """
+    import numpy as np  # here, not at the top: the failure path runs without numpy
+    if np.isfinite(out).all():
+        return
+    bad = []
+    for name, view in parts():
+        n = int(view.size - np.count_nonzero(np.isfinite(view)))
+        if n:
+            bad.append((name, n))
+    if not bad:  # only padding past the rows' real tokens
+        return
+    names = [name for name, _ in bad]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    raise RankFault(ctx.describe(), f"stage {stage}'s {what} for {shown} has {sum(n for _, n in bad)} non-finite "
+                    f"values (NaN or Inf){after}", "the weights or the model config are broken (rms_norm_eps, "
+                    "rope_theta); set [model] check_finite = true to find a bad tensor, or re-convert the model")
 
 
 def report_and_abort(comm: Any, ctx: RankContext, exc_info: Any, exit_code: int = EXIT_FAULT) -> None:

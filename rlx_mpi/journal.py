@@ -22,11 +22,29 @@ digest of every prompt's tokens. A sidecar, not a leading record, so that every 
 completions file stays one completion for readers (``pandas.read_json(lines=True)``, ``jq``).
 Opening a file that already holds rows compares: the first setting that differs is refused in
 one line naming both values and how to start afresh. The layout (ranks, tensor parallelism,
-batch, groups) is not part of it: rows are the same on any layout, so a resume may run on
-another allocation. The model is identified without hashing a 100 GB file: its family, a
-digest of its config, its size in bytes, and a digest of every tensor's name, shape, dtype
-and first and last 1024 values (`model_identity`); a copy of the file is the same model, a
-fine-tune (or a single edited weight in a tensor's first or last row) is another.
+replicas, batch, groups, threads) is not part of it: rows are the same on any layout, so a
+resume may run on another allocation. The model is identified without hashing a 100 GB file: its
+family, a digest of its config, its size in bytes, and a digest of every tensor's name, shape,
+dtype and first and last 1024 values (`model_identity`); a copy of the file is the same model,
+a fine-tune (or a single edited weight in a tensor's first or last row) is another.
+
+Note: settings stated per rank, said per layer. ``precision`` and ``kv_cache`` may differ by
+rank (``[[rank]]``), and which layers a rank holds is the layout's choice; what the rows
+depend on is each *layer's* precision and cache policy, so `layout_settings` records those
+(once the job is placed: `Journal.settle`, before any compute), and a resume on another
+layout that gives every layer the same is accepted. The wire codec rounds the hidden state
+only where stages are cut: ``f32`` is lossless and a single stage sends nothing, so both are
+recorded as ``"f32"``; a lossy codec is recorded with its cut layers (``"bf16 before layers
+4"``), as moving a cut moves the rounding. The tokenizer and chat template (digests of the
+files beside the checkpoint) fix a text prompt's tokens and a row's text.
+
+Note: the file alone resumes. Every row ends with `ROW_IDENTITY`: 64 bits of the digest of
+the whole identity and the row's prompt digest (`RunIdentity.row_digest`). A key, not a header
+line, so that the file stays one plain row per prompt for every reader. The sidecar stays
+the fast check that can *name* the setting that differs; without it (a ``.jsonl`` copied
+alone) each row's digest says whether this run makes it, and a file with no digests at all
+(an older rlx-mpi's) is resumed only when adopted (``--adopt-output``: recorded as
+``"adopted"`` rows in the new sidecar). Every refusal's advice works as written (tests follow it).
 
 Note: no leftovers, no torn lines. A new output file is created at the first row (with its
 sidecar just before), so a job that fails before it (a plan that does not fit, a bad flag)
@@ -44,6 +62,7 @@ prompt order: rows complete but held back behind a slower earlier prompt are los
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -58,7 +77,7 @@ from .errors import InputError, RankFault
 from .prompts import Prompt
 
 __all__ = ["Journal", "RunIdentity", "model_identity", "prompt_digest", "meta_path", "meta_bytes", "REQUEUE_EXIT",
-           "MAX_ROW_BYTES", "META_FORMAT"]
+           "MAX_ROW_BYTES", "META_FORMAT", "ROW_IDENTITY", "layout_settings", "unplaced_settings", "beside_settings"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +89,7 @@ MAX_ROW_BYTES = 1 << 26  # 64 MiB: a longer line in an output file is not one of
 _ROW_START = b'{"id":"'  # every row begins so (id first, compact JSON): a torn one too
 META_FORMAT = "rlx_mpi.journal"  # the sidecar's "format"; "version" 1
 _SAMPLE = 1024  # values read from each end of every tensor for the model's identity
+ROW_IDENTITY = "identity"  # the key of each row's digest of (run identity, its prompt): the file alone resumes
 
 
 def meta_path(out) -> Path:
@@ -87,12 +107,15 @@ def prompt_digest(tokens: Sequence[int], *extra: int) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def meta_bytes(identity: "RunIdentity", digests: dict, shard: dict | None = None) -> bytes:
+def meta_bytes(identity: "RunIdentity", digests: dict, shard: dict | None = None, adopted: int = 0) -> bytes:
     """The sidecar's bytes: the run identity, every prompt's digest (in prompt order) and, for a
-    ``--shard`` output, which part of the prompt file it holds (`shards.py`)."""
+    ``--shard`` output, which part of the prompt file it holds (`shards.py`); ``adopted``: the
+    first rows carry no identity digest and were taken as this run's (``--adopt-output``)."""
     doc = {"format": META_FORMAT, "version": 1, **identity.to_json(), "prompts": digests}
     if shard is not None:
         doc["shard"] = shard
+    if adopted:
+        doc["adopted"] = adopted
     return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n"
 
 
@@ -161,6 +184,23 @@ class RunIdentity:
     def for_score(cls, checkpoint) -> "RunIdentity":
         return cls("score", model_identity(checkpoint), {})
 
+    def with_settings(self, **settings: Any) -> "RunIdentity":
+        """This identity with more settings (names with spaces go through a dict: ``**{"chat template": d}``)."""
+        return RunIdentity(self.command, self.model, {**self.settings, **settings})
+
+    def digest(self) -> str:
+        """64 bits (hex) of the sha256 of the canonical JSON of the whole identity."""
+        return self._digest
+
+    @functools.cached_property
+    def _digest(self) -> str:  # once per identity, not once per row (a frozen record: it cannot change)
+        text = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return hashlib.sha256(text.encode("ascii")).hexdigest()[:16]
+
+    def row_digest(self, prompt: str) -> str:
+        """What a row made by this run from a prompt of digest ``prompt`` carries as its `ROW_IDENTITY`."""
+        return hashlib.sha256(f"{self.digest()}:{prompt}".encode("ascii")).hexdigest()[:16]
+
     def fields(self) -> dict:
         """Flat name -> value, in the order a mismatch is looked for (and named)."""
         out = {"command": self.command}
@@ -179,15 +219,91 @@ class RunIdentity:
         return cls(obj["command"], obj["model"], obj["settings"])
 
 
+def beside_settings(tokenizer: Any) -> dict:
+    """``{"tokenizer", "chat template"}``: digests of the tokenizer file and chat template found
+    beside the checkpoint (`prompts.load_tokenizer`'s), "none" where there is none. A text or
+    chat prompt's tokens and a row's text depend on them."""
+    tok = tmpl = "none"
+    if tokenizer is not None:
+        tok = hashlib.sha256(Path(tokenizer.path).read_bytes()).hexdigest()[:16]
+        if getattr(tokenizer, "chat_template", None) is not None:
+            tmpl = hashlib.sha256(tokenizer.chat_template.source.encode("utf-8")).hexdigest()[:16]
+    return {"tokenizer": tok, "chat template": tmpl}
+
+
+def layout_settings(job: Any, plan: Sequence[Any], command: str = "generate") -> dict:
+    """The settings that change rows but are stated per rank or act where the stages are cut,
+    said per layer so that they do not depend on the layout (see the module's note).
+
+    ``plan`` is the placement's assignments (every replica's). Returns ``{"precision",
+    "kv_cache", "wire"}``: each layer's weight precision and cache policy (one value when
+    every layer has the same, else ``"0:12 int8, 12:24 f32"``), and the wire codec where it
+    rounds: ``"f32"`` when it is lossless or no stage is cut, else ``"bf16 before layers 12"``.
+    ``score`` keeps no cache, so only a window is a different model there (none = full).
+    """
+    prec: dict[int, set] = {}
+    kv: dict[int, set] = {}
+    replicas: dict[int, list] = {}
+    for a in plan:
+        p = {job.precision_for(r).value for r in a.ranks}
+        k = {_kv_name(job.kv_for(r), command) for r in a.ranks}
+        for layer in a.layers:
+            prec.setdefault(layer, set()).update(p)
+            kv.setdefault(layer, set()).update(k)
+        replicas.setdefault(a.replica, []).append(a)
+    cuts = sorted({tuple(sorted(a.layers.start for a in rep if a.stage > 0)) for rep in replicas.values()})
+    wire = job.run.wire
+    wires = sorted({"f32" if wire == "f32" or not c else f"{wire} before layers {', '.join(map(str, c))}"
+                    for c in cuts}) or ["f32"]
+    return {"precision": _by_layer(prec), "kv_cache": _by_layer(kv), "wire": " / ".join(wires)}
+
+
+def unplaced_settings(job: Any, command: str = "generate") -> dict:
+    """Those of `layout_settings` known without a plan: precision and kv_cache when no ``[[rank]]``
+    overrides them (every layer has the job's), the wire when it is lossless ("f32")."""
+    out = {}
+    if not any(o.precision for o in job.ranks):
+        out["precision"] = job.run.precision.value
+    if not any(o.kv_cache for o in job.ranks):
+        out["kv_cache"] = _kv_name(job.run.kv_cache, command)
+    if job.run.wire == "f32":
+        out["wire"] = "f32"
+    return out
+
+
+def _kv_name(spec: Any, command: str) -> str:
+    if command == "score" and spec.policy != "window":
+        return "full"
+    return str(spec)
+
+
+def _by_layer(values: dict[int, set]) -> str:
+    """Per-layer values as one value, or ``"a:b v, b:c w"`` runs (a layer held by ranks that
+    differ, e.g. replicas at other precisions, is ``"f32/int8"``)."""
+    names = ["/".join(sorted(values[i])) for i in sorted(values)]
+    if len(set(names)) <= 1:
+        return names[0] if names else "none"
+    runs, start = [], 0
+    for i in range(1, len(names) + 1):
+        if i == len(names) or names[i] != names[start]:
+            runs.append(f"{start}:{i} {names[start]}")
+            start = i
+    return ", ".join(runs)
+
+
 class Journal:
     """The output file of a generation job, opened for appending rows in prompt order.
 
     ``pending`` is the prompts still to do when the journal was opened, in order; ``done`` the
-    ids whose rows are in the file (it grows as rows are written).
+    ids whose rows are in the file (it grows as rows are written). ``settle``: the identity's
+    settings known only once the job is placed (`layout_settings`) are given to `settle`, which
+    then decides whether the rows already there may be resumed; nothing is written before it.
+    ``adopt``: rows with no identity at all (an older rlx-mpi's file) are taken as this run's.
     """
 
     def __init__(self, path, prompts: Sequence[Prompt], *, inputs: Iterable = (), sync_s: float = 2.0,
-                 identity: RunIdentity | None = None, shard: dict | None = None):
+                 identity: RunIdentity | None = None, shard: dict | None = None, settle: bool = False,
+                 adopt: bool = False):
         if sync_s < 0:
             raise ValueError(f"sync_s must be >= 0, got {sync_s}")
         self.path = Path(path)
@@ -203,12 +319,15 @@ class Journal:
         self._closed, self._created = False, False
         # A new file is created at the first row (no empty leftover when the job fails before it)
         self._fd: int | None = self._open() if self.path.exists() else None
+        self.adopt, self._adopted = adopt, 0
+        self._row_ids: list[str | None] = []  # the identity digest of each row already there (None: none)
         try:
             if self._fd is not None and identity is not None:
                 self._check_shard()
             k = self._recover() if self._fd is not None else 0
-            if identity is not None and k:
-                self._check_identity(k)
+            self._unsettled = settle
+            if not settle:
+                self._decide(k)
         except BaseException:
             if self._fd is not None:
                 os.close(self._fd)
@@ -289,11 +408,12 @@ class Journal:
         k, offset, lineno = 0, 0, 0  # good rows, byte offset after them, their last line
         with open(self.path, "rb") as f:
             for line in _lines(f):
-                rid = _row_id(line)
+                rid, made_by = _row_fields(line)
                 if rid is None:
                     break
                 lineno += 1
                 self._check_row(rid, k, index, f"{self.path}:{lineno}")
+                self._row_ids.append(made_by)
                 k, offset = k + 1, offset + len(line)
             size = os.fstat(f.fileno()).st_size
             f.seek(offset)
@@ -308,41 +428,121 @@ class Journal:
                         "stopped (line %d); it is written again", self.path, size - offset, lineno + 1)
             os.ftruncate(self._fd, offset)
             os.fsync(self._fd)
-        if k:
-            log.info("%s: %d of %d prompts already done; resuming", self.path, k, len(self._prompts))
         return k
 
-    def _check_identity(self, k: int) -> None:
-        """The ``k`` rows in the file were made as this run makes them, or one line says what differs."""
+    def settle(self, **settings: Any) -> None:
+        """Add the settings known once the job is placed to the identity (`layout_settings`), then
+        decide on the rows already there (`Journal` with ``settle=True``); rank 0, before any compute."""
+        if not self._unsettled:
+            raise ValueError(f"journal {self.path} was not opened with settle=True, or is settled already")
+        if self.identity is not None:
+            self.identity = self.identity.with_settings(**settings)
+        self._unsettled = False
+        self._decide(len(self.done))
+
+    def check_done(self, **settings: Any) -> None:
+        """A file whose every prompt is done: nothing will be written, but saying "all done" to a
+        run made another way would pass its rows off as this run's. Compare what is known without
+        a plan (``settings``: `unplaced_settings`) with the record; without a record, nothing to say."""
+        if not self._unsettled or self.identity is None or self.pending:
+            raise ValueError(f"journal {self.path}: check_done is for an unsettled journal with every prompt done")
         where = f"output {self.path}"
-        fresh = (f"to start afresh remove {self.path} and {self.meta}, or choose another --out; "
-                 "to resume, rerun with the settings the rows were made with")
-        try:
-            with open(self.meta, "rb") as f:
-                meta = json.loads(f.read(1 << 30))
-            if meta.get("format") != META_FORMAT or meta.get("version") != 1:
-                raise ValueError("not our sidecar")
-            old = RunIdentity.from_json(meta)
-            digests = meta["prompts"]
-            if not isinstance(digests, dict):
-                raise ValueError("no prompt digests")
-        except FileNotFoundError:
-            raise InputError(where, f"has {k} rows but no record of how they were made ({self.meta} is missing)",
-                             fresh) from None
-        except (OSError, ValueError, KeyError, AttributeError) as e:
-            raise InputError(where, f"{self.meta} is not a record rlx-mpi wrote ({e})", fresh) from None
+        meta = self._read_meta(where, "choose another --out")
+        if meta is None:
+            return
+        for p in self._prompts:
+            if meta["prompts"].get(p.id) != _digest_of(p):
+                raise InputError(where, f"holds every prompt's row already, but prompt {p.id!r} (prompt "
+                                 f"{p.index + 1} of the prompt file) has other tokens than when its row was written",
+                                 f"choose another --out (or remove {self.path} and {self.meta})")
+        theirs = RunIdentity.from_json(meta).fields()
+        mine = self.identity.with_settings(**settings).fields()
+        for name, b in mine.items():
+            a = theirs.get(name, b)  # (an older record's missing setting: not a difference here)
+            if a != b:
+                raise InputError(where, f"holds every prompt's row already, made with {name} {_show(a)}; this run has "
+                                 f"{name} {_show(b)}", "to make the rows again this way, choose another --out (or "
+                                 f"remove {self.path} and {self.meta})")
+
+    def _decide(self, k: int) -> None:
+        """May this run append to the ``k`` rows in the file? Said (resuming) only once decided."""
+        if self.identity is not None and k:
+            self._check_identity(k)
+        if k:
+            log.info("%s: %d of %d prompts already done; resuming", self.path, k, len(self._prompts))
+
+    def _check_identity(self, k: int) -> None:
+        """The ``k`` rows in the file were made as this run makes them, or one line says what differs.
+
+        The record (``<out>.meta.json``) names the setting that differs; without it, each row's
+        own identity digest says whether this run makes it, and rows with none (an older
+        rlx-mpi's) are resumed only when adopted (``--adopt-output``)."""
+        where = f"output {self.path}"
+        fresh = f"to start afresh remove {self.path} and {self.meta}, or choose another --out"
+        meta = self._read_meta(where, fresh)
+        if meta is None:  # the file alone: every row says what made it
+            self._check_rows(k, 0, where, f"put its record {self.meta} back beside it (it names the setting that "
+                             f"differs), or rerun with the settings the rows were made with; {fresh}")
+            return
+        old = RunIdentity.from_json(meta)
+        digests = meta["prompts"]
         mine, theirs = self.identity.fields(), old.fields()
         for name in [*mine, *(n for n in theirs if n not in mine)]:
             a, b = theirs.get(name, "(not set)"), mine.get(name, "(not set)")
-            if a != b:
-                raise InputError(where, f"its {k} rows were made with {name} {_show(a)}, this run has {name} "
-                                 f"{_show(b)}", fresh)
+            if a == b:
+                continue
+            if name not in theirs and self.adopt:  # an older record, without this setting: adopted
+                continue
+            if name not in theirs:
+                raise InputError(where, f"its record {self.meta} (an older rlx-mpi's) does not say which {name} its "
+                                 f"{k} rows were made with; this run has {name} {_show(b)}",
+                                 "add --adopt-output to take the rows as made with this run's settings; " + fresh)
+            how = "the checkpoint they were made with" if name.startswith("checkpoint ") else f"{name} {_show(a)}"
+            raise InputError(where, f"its {k} rows were made with {name} {_show(a)}, this run has {name} "
+                             f"{_show(b)}", f"to resume, rerun with {how}; {fresh}")
         for p in self._prompts[:k]:
             was, now = digests.get(p.id), _digest_of(p)
             if was != now:
                 raise InputError(where, f"prompt {p.id!r} (prompt {p.index + 1} of the prompt file) has "
                                  f"other tokens than when its row was written (digest {was} then, {now} now)",
                                  fresh)
+        adopted = meta.get("adopted", 0)
+        self._check_rows(k, adopted if isinstance(adopted, int) else 0, where, fresh)
+
+    def _read_meta(self, where: str, fresh: str) -> dict | None:
+        """The record beside the output, or None when there is none."""
+        try:
+            with open(self.meta, "rb") as f:
+                meta = json.loads(f.read(1 << 30))
+            if not isinstance(meta, dict) or meta.get("format") != META_FORMAT or meta.get("version") != 1:
+                raise ValueError("not our sidecar")
+            RunIdentity.from_json(meta)
+            if not isinstance(meta.get("prompts"), dict):
+                raise ValueError("no prompt digests")
+            return meta
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise InputError(where, f"{self.meta} is not a record rlx-mpi wrote ({e})", f"move it aside to resume "
+                             f"from the rows alone (each says what made it); {fresh}") from None
+
+    def _check_rows(self, k: int, adopted: int, where: str, fix: str) -> None:
+        """Each of the first ``k`` rows carries this run's digest of its prompt, or none at all
+        (the first ``adopted`` rows, or any with ``--adopt-output``); refused naming the first that does not."""
+        bare = 0
+        for i, (p, got) in enumerate(zip(self._prompts[:k], self._row_ids)):
+            if got is None:
+                if i >= adopted and not self.adopt:
+                    raise InputError(where, f"has {k} rows but no record of how they were made ({self.meta} is "
+                                     f"missing) and row {i + 1} ({p.id!r}) carries no identity (an older rlx-mpi's "
+                                     "file)", "add --adopt-output to take its rows as made with this run's "
+                                     f"settings; to start afresh move {self.path} aside, or choose another --out")
+                bare = i + 1
+                continue
+            if got != self.identity.row_digest(_digest_of(p)):
+                raise InputError(where, f"row {i + 1} ({p.id!r}) was made with other settings, model or prompt than "
+                                 f"this run's (its identity {got})", fix)
+        self._adopted = max(bare, adopted)
 
     def _check_shard(self) -> None:
         """A ``--shard`` output resumes only as the same shard (and an unsharded one unsharded):
@@ -360,7 +560,7 @@ class Journal:
 
     def _write_meta(self) -> None:
         """Replace the sidecar (atomically): this run's identity and every prompt's digest."""
-        data = meta_bytes(self.identity, {p.id: _digest_of(p) for p in self._prompts}, self.shard)
+        data = meta_bytes(self.identity, {p.id: _digest_of(p) for p in self._prompts}, self.shard, self._adopted)
         try:
             with open(self.meta, "rb") as f:
                 if f.read(len(data) + 1) == data:
@@ -414,6 +614,10 @@ class Journal:
         pid = self._prompts[index].id
         if row.get("id", pid) != pid:
             raise ValueError(f"row id {row['id']!r} is not prompt {index}'s id {pid!r}")
+        if self._unsettled:
+            raise ValueError(f"journal {self.path} is not settled: call settle before writing rows")
+        if self.identity is not None:  # last: what made the row, so that the file alone can resume
+            row = {**row, ROW_IDENTITY: self.identity.row_digest(_digest_of(self._prompts[index]))}
         # allow_nan=False: a NaN in a row is a bug upstream, never something to write down
         line = json.dumps({"id": pid, **row}, ensure_ascii=False, allow_nan=False,
                           separators=(",", ":"), default=_plain).encode("utf-8") + b"\n"
@@ -533,14 +737,23 @@ def _lines(f) -> Iterable[bytes]:
 
 def _row_id(line: bytes) -> str | None:
     """The id of a whole row line, or None for a torn or foreign line."""
+    return _row_fields(line)[0]
+
+
+def _row_fields(line: bytes) -> tuple[str | None, str | None]:
+    """(id, `ROW_IDENTITY` digest) of a whole row line; (None, None) for a torn or foreign line,
+    a None digest for a row of an older rlx-mpi."""
     if not line.endswith(b"\n") or len(line) >= MAX_ROW_BYTES:
-        return None
+        return None, None
     try:
         obj = json.loads(line)
     except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
-        return None
+        return None, None
     rid = obj.get("id") if isinstance(obj, dict) else None
-    return rid if isinstance(rid, str) else None
+    if not isinstance(rid, str):
+        return None, None
+    made_by = obj.get(ROW_IDENTITY)
+    return rid, made_by if isinstance(made_by, str) else None
 
 
 def _torn(tail: bytes, size: int) -> bool:

@@ -4,7 +4,7 @@ Import it through a job file (``[model] plugins = ["faulty_family"]`` with ``tes
 PYTHONPATH); it registers "faulty_llama", which is the Llama family except that the stage's
 forward on one rank and microbatch does what the environment asks:
 
-    RLX_TEST_FAULT             raise | kill | stop | hang | segv | exit0 | oom   (unset: no fault)
+    RLX_TEST_FAULT             raise | kill | stop | hang | segv | exit0 | oom | nan   (unset: no fault)
     RLX_TEST_FAULT_RANK        world rank that misbehaves (default 1)
     RLX_TEST_FAULT_MICROBATCH  microbatch it misbehaves on (default 0)
     RLX_TEST_FAULT_STAMP       file to write time.time() to just before the fault (optional)
@@ -12,7 +12,8 @@ forward on one rank and microbatch does what the environment asks:
 ``raise`` raises RuntimeError, ``kill`` sends itself SIGKILL, ``stop`` SIGSTOP, ``segv``
 SIGSEGV (a crash in native code), ``hang`` sleeps for ever inside the compute, ``exit0``
 ends the process with status 0 (a library calling exit), and ``oom`` takes memory until the
-OOM killer ends it (use it under a memory limit only).
+OOM killer ends it (use it under a memory limit only), ``nan`` makes the stage's output all NaN
+(a stage that produces a non-finite value: the one the non-finite rule must blame).
 `write_checkpoint` writes a tiny checkpoint of the family.
 """
 
@@ -76,14 +77,24 @@ class FaultyStage(Stage):
         return self.inner.weight_bytes
 
     def forward(self, x):
-        self._maybe_fault()
-        return self.inner.forward(x)
+        return self._poison(self._maybe_fault(), self.inner.forward(x))
 
-    def _maybe_fault(self) -> None:
+    def _maybe_fault(self) -> bool:
+        """Do the fault here, on the chosen rank and microbatch; True: poison the output (``nan``)."""
         rank = int(os.environ.get("RLX_TEST_FAULT_RANK", "1"))
         mb = int(os.environ.get("RLX_TEST_FAULT_MICROBATCH", "0"))
         if self.ctx is not None and self.ctx.rank == rank and self.ctx.microbatch == mb:
+            if os.environ.get("RLX_TEST_FAULT") == "nan":
+                return True
             _fault()
+        return False
+
+    @staticmethod
+    def _poison(poison: bool, out):
+        if poison:
+            out = out.copy()
+            out[...] = float("nan")
+        return out
 
     # generation: the same faults in a step of group RLX_TEST_FAULT_MICROBATCH (a decode step
     # when RLX_TEST_FAULT_DECODE is set); RLX_TEST_NO_GENERATE=1 makes the family lack it
@@ -94,13 +105,11 @@ class FaultyStage(Stage):
         return self.inner.reset(slots, max_seq, kv)
 
     def prefill(self, x, slots, lengths):
-        if not os.environ.get("RLX_TEST_FAULT_DECODE"):
-            self._maybe_fault()
-        return self.inner.prefill(x, slots, lengths)
+        poison = not os.environ.get("RLX_TEST_FAULT_DECODE") and self._maybe_fault()
+        return self._poison(poison, self.inner.prefill(x, slots, lengths))
 
     def decode(self, x, slots, positions):
-        self._maybe_fault()
-        return self.inner.decode(x, slots, positions)
+        return self._poison(self._maybe_fault(), self.inner.decode(x, slots, positions))
 
 
 class FaultyFamily:

@@ -46,8 +46,8 @@ def without_ms(rows):
     return [{k: v for k, v in r.items() if k != "ms"} for r in rows]
 
 
-def generate(d, ckpt, ranks, prompts, out, *flags, placement=None, generate_section=None, timeout=120):
-    sections = {"model": {"checkpoint": str(ckpt)}, "run": {"timeout_s": 30.0},
+def generate(d, ckpt, ranks, prompts, out, *flags, placement=None, generate_section=None, timeout=120, run=None):
+    sections = {"model": {"checkpoint": str(ckpt)}, "run": {"timeout_s": 30.0, **(run or {})},
                 "placement": {"reserve_ram_gb": 0.0, **(placement or {})}}
     if generate_section:
         sections["generate"] = generate_section
@@ -114,7 +114,7 @@ def test_nan_in_one_prompt_keeps_the_rows_before_it_and_resume_refuses_again(tmp
     proc = generate(tmp_path, ckpt, 2, prompts, out, *flags)
     assert proc.returncode == 4, proc.stderr
     error = one_error(proc)
-    assert "stage 1" in error and "'m2'" in error and "'m0'" not in error, error
+    assert "stage 0's hidden state" in error and "'m2'" in error and "'m0'" not in error, error  # (made there)
     proc = generate(tmp_path, tiny_ckpt, 1, write_prompts(tmp_path / "p2.jsonl", PROMPTS[:2]), clean, *flags)
     assert proc.returncode == 0, proc.stderr
     assert without_ms(rows_of(out)) == without_ms(rows_of(clean))  # m0, m1; no m2
@@ -139,7 +139,7 @@ def test_nan_at_a_decode_step_is_caught_there(tmp_path, tiny_ckpt, full_run):
     proc = generate(tmp_path, ckpt, 2, prompts, out, *FLAGS, "--groups", 1)
     assert proc.returncode == 4, proc.stderr
     error = one_error(proc)
-    assert "stage 1" in error and "new token 2 of prompt 'm0'" in error, error
+    assert "stage 0's hidden state for new token 2 of prompt 'm0'" in error, error  # the embedding's stage
     assert not out.exists() and not meta_path(out).exists()
     nothing_left(tmp_path)
 
@@ -173,14 +173,26 @@ def half_done(full, d) -> Path:
     ("temperature", "temperature 0.0, this run has temperature 0.7"),
     ("checkpoint", "checkpoint tensors_sha256"),
     ("prompt", "prompt 'm0'"),
+    ("precision", 'precision "f32", this run has precision "int8"'),
+    ("window", 'kv_cache "full", this run has kv_cache "window:4"'),
+    ("wire", 'wire "f32", this run has wire "bf16 before layers '),
 ])
 def test_resume_with_other_settings_is_refused(tmp_path, tiny_ckpt, full_run, case, needle):
+    """Issue 36: precision, the KV-cache window and a lossy wire (it rounds only where stages are
+    cut: 2 ranks) make other rows, so a resume under them is refused and the file is untouched."""
     full, _ = full_run
     out = half_done(full, tmp_path)
     prompts = list(PROMPTS)
     flags = list(FLAGS)
     ckpt = tiny_ckpt
-    if case == "max_new_tokens":
+    run, ranks = {}, 1
+    if case == "precision":
+        run = {"precision": "int8"}
+    elif case == "window":
+        run = {"kv_cache": "window:4"}
+    elif case == "wire":
+        run, ranks = {"wire": "bf16"}, 2
+    elif case == "max_new_tokens":
         flags[1] = 6
     elif case == "temperature":
         flags += ["--temperature", 0.7]
@@ -191,7 +203,7 @@ def test_resume_with_other_settings_is_refused(tmp_path, tiny_ckpt, full_run, ca
         prompts[0] = ("m0", [*PROMPTS[0][1], 7])
     prompts = write_prompts(tmp_path / "p.jsonl", prompts)
     before = out.read_bytes()
-    proc = generate(tmp_path, ckpt, 1, prompts, out, *flags)
+    proc = generate(tmp_path, ckpt, ranks, prompts, out, *flags, run=run)
     assert proc.returncode == 2, proc.stderr
     meta = meta_path(full).read_bytes()
     error = one_error(proc)
@@ -212,7 +224,70 @@ def test_resume_on_another_layout_equals_the_uninterrupted_run(tmp_path, tiny_ck
     assert proc.returncode == 0, proc.stderr
     assert without_ms(rows_of(out)) == without_ms(want)
     assert all("logprobs" not in r for r in want)  # no --logprobs: rows as they always were
-    assert list(want[0]) == ["id", "tokens", "finish_reason", "prompt_tokens", "new_tokens", "ms"]
+    assert list(want[0]) == ["id", "tokens", "finish_reason", "prompt_tokens", "new_tokens", "ms", "identity"]
+
+
+def test_a_lossless_wire_or_one_stage_is_no_difference(tmp_path, tiny_ckpt, full_run):
+    """wire = "bf16" on one stage never rounds anything: the rows of a f32 run resume under it."""
+    full, want = full_run
+    out = half_done(full, tmp_path)
+    proc = generate(tmp_path, tiny_ckpt, 1, write_prompts(tmp_path / "p.jsonl", PROMPTS), out, *FLAGS,
+                    run={"wire": "bf16"})
+    assert proc.returncode == 0, proc.stderr
+    assert without_ms(rows_of(out)) == without_ms(want)
+
+
+# -- issue 34 part 2: the file alone resumes ------------------------------------------------------
+
+
+def test_the_file_alone_resumes_without_its_record(tmp_path, tiny_ckpt, full_run):
+    """out.jsonl copied without out.jsonl.meta.json: each row's identity says what made it."""
+    full, want = full_run
+    out = half_done(full, tmp_path)
+    meta_path(out).unlink()
+    proc = generate(tmp_path, tiny_ckpt, 2, write_prompts(tmp_path / "p.jsonl", PROMPTS), out, *FLAGS)
+    assert proc.returncode == 0, proc.stderr
+    assert without_ms(rows_of(out)) == without_ms(want) and meta_path(out).exists()
+
+
+def test_the_file_alone_made_another_way_is_refused_before_resuming(tmp_path, tiny_ckpt, full_run):
+    """Refused (nothing said about resuming first), and the advice, followed as written, works."""
+    full, want = full_run
+    out = half_done(full, tmp_path)
+    record = meta_path(out).read_bytes()
+    meta_path(out).unlink()
+    before = out.read_bytes()
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    proc = generate(tmp_path, tiny_ckpt, 1, prompts, out, *FLAGS, run={"precision": "int8"})
+    assert proc.returncode == 2, proc.stderr
+    error = one_error(proc)
+    assert "row 1 ('m0') was made with other settings" in error and "put its record" in error, error
+    assert "resuming" not in proc.stderr and out.read_bytes() == before and not meta_path(out).exists()
+    meta_path(out).write_bytes(record)  # "put its record back": now the setting is named
+    proc = generate(tmp_path, tiny_ckpt, 1, prompts, out, *FLAGS, run={"precision": "int8"})
+    assert proc.returncode == 2, proc.stderr
+    error = one_error(proc)
+    assert 'to resume, rerun with precision "f32"' in error, error
+    proc = generate(tmp_path, tiny_ckpt, 1, prompts, out, *FLAGS, run={"precision": "f32"})  # as it says
+    assert proc.returncode == 0, proc.stderr
+    assert without_ms(rows_of(out)) == without_ms(want)
+
+
+def test_an_older_file_is_adopted_only_with_the_flag(tmp_path, tiny_ckpt, full_run):
+    """Rows with no identity and no record (an older rlx-mpi's): refused with advice naming
+    --adopt-output; with it the job resumes into the file."""
+    full, want = full_run
+    out = tmp_path / "c.jsonl"
+    first = {k: v for k, v in want[0].items() if k != "identity"}
+    out.write_text(json.dumps(first, separators=(",", ":")) + "\n")
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    proc = generate(tmp_path, tiny_ckpt, 1, prompts, out, *FLAGS)
+    assert proc.returncode == 2, proc.stderr
+    error = one_error(proc)
+    assert "carries no identity" in error and "add --adopt-output" in error, error
+    proc = generate(tmp_path, tiny_ckpt, 1, prompts, out, *FLAGS, "--adopt-output")
+    assert proc.returncode == 0, proc.stderr
+    assert without_ms(rows_of(out))[1:] == without_ms(want)[1:]
 
 
 # -- finding 3 and eos ids --------------------------------------------------------------------
@@ -341,3 +416,19 @@ def test_sampled_logprobs_change_no_draw_and_reproduce_across_layouts(tmp_path, 
             best = e["top"][0][1]
             assert len(e["top"]) == 3 and e["logprob"] <= best + 1e-7
             assert all(v == e["logprob"] for i, v in e["top"] if i == e["id"])  # one value per token
+
+
+def test_a_finished_file_is_not_called_done_under_another_precision(tmp_path, tiny_ckpt, full_run):
+    """Every prompt done: nothing to compute, but a rerun under int8 is told the rows are f32's."""
+    full, _ = full_run
+    out = tmp_path / "c.jsonl"
+    shutil.copyfile(full, out)
+    shutil.copyfile(meta_path(full), meta_path(out))
+    before = out.read_bytes()
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    proc = generate(tmp_path, tiny_ckpt, 1, prompts, out, *FLAGS, run={"precision": "int8"})
+    assert proc.returncode == 2, proc.stderr
+    assert 'made with precision "f32"; this run has precision "int8"' in one_error(proc)
+    proc = generate(tmp_path, tiny_ckpt, 1, prompts, out, *FLAGS)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes() == before

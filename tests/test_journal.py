@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import resource
@@ -423,16 +424,81 @@ def test_a_changed_prompt_under_a_done_id_is_refused_a_pending_one_is_not(tmp_pa
     assert out.read_bytes() == before
 
 
-def test_rows_without_their_record_are_refused(tmp_path, tiny_ckpt):
+def test_rows_alone_resume_when_their_identity_is_this_runs(tmp_path, tiny_ckpt):
+    """The record lost (the .jsonl copied alone): every row's identity digest decides."""
     ps, out = prompts(3), tmp_path / "C.jsonl"
     half_done(out, ps, ident(tiny_ckpt))
+    meta = meta_path(out).read_bytes()
     meta_path(out).unlink()
-    with pytest.raises(InputError, match=r"has 2 rows but no record of how they were made \(.*C.jsonl.meta.json is "
-                                         r"missing\); to start afresh remove"):
+    with Journal(out, ps, identity=ident(tiny_ckpt), sync_s=0) as j:
+        assert [p.id for p in j.pending] == ["p2"]
+        j.complete(2, {"tokens": [3]})
+    assert [r["id"] for r in rows_of(out)] == ["p0", "p1", "p2"] and meta_path(out).exists()
+
+
+def test_rows_alone_made_another_way_are_refused_and_the_advice_works(tmp_path, tiny_ckpt):
+    ps, out = prompts(3), tmp_path / "C.jsonl"
+    before = half_done(out, ps, ident(tiny_ckpt))
+    meta = meta_path(out).read_bytes()
+    meta_path(out).unlink()
+    with pytest.raises(InputError) as e:
+        Journal(out, ps, identity=ident(tiny_ckpt, max_new_tokens=16))
+    line = e.value.line()
+    assert "row 1 ('p0') was made with other settings" in line and f"put its record {meta_path(out)} back" in line
+    assert out.read_bytes() == before
+    meta_path(out).write_bytes(meta)  # as the advice says: the record names the setting
+    with pytest.raises(InputError, match="max_new_tokens 8, this run has max_new_tokens 16; to resume, rerun with "
+                                         "max_new_tokens 8"):
+        Journal(out, ps, identity=ident(tiny_ckpt, max_new_tokens=16))
+    meta_path(out).unlink()  # ... or rerun with the settings the rows were made with
+    Journal(out, ps, identity=ident(tiny_ckpt)).close()
+    assert out.read_bytes() == before
+
+
+def test_an_older_file_without_identity_is_adopted_only_when_asked(tmp_path, tiny_ckpt):
+    ps, out = prompts(3), tmp_path / "C.jsonl"
+    half_done(out, ps, ident(tiny_ckpt))
+    old = b"".join(json.dumps({k: v for k, v in r.items() if k != "identity"}, separators=(",", ":")).encode() + b"\n"
+                   for r in rows_of(out))
+    out.write_bytes(old)
+    meta_path(out).unlink()
+    with pytest.raises(InputError) as e:
         Journal(out, ps, identity=ident(tiny_ckpt))
+    line = e.value.line()
+    assert "row 1 ('p0') carries no identity" in line and "add --adopt-output" in line, line
+    with Journal(out, ps, identity=ident(tiny_ckpt), sync_s=0, adopt=True) as j:  # as the advice says
+        j.complete(2, {"tokens": [3]})
+    assert json.loads(meta_path(out).read_text())["adopted"] == 2
+    Journal(out, ps, identity=ident(tiny_ckpt)).close()  # the record remembers the adoption
+    with pytest.raises(InputError, match="max_new_tokens 8, this run has max_new_tokens 16"):
+        Journal(out, ps, identity=ident(tiny_ckpt, max_new_tokens=16), adopt=True)  # adopting is not mixing
+
+
+def test_a_record_that_is_not_ours_is_refused_and_moving_it_aside_resumes(tmp_path, tiny_ckpt):
+    ps, out = prompts(3), tmp_path / "C.jsonl"
+    half_done(out, ps, ident(tiny_ckpt))
     meta_path(out).write_text("[1, 2]\n")
-    with pytest.raises(InputError, match="is not a record rlx-mpi wrote"):
+    with pytest.raises(InputError, match="is not a record rlx-mpi wrote.*move it aside to resume from the rows"):
         Journal(out, ps, identity=ident(tiny_ckpt))
+    meta_path(out).rename(tmp_path / "aside.json")
+    Journal(out, ps, identity=ident(tiny_ckpt)).close()
+
+
+def test_a_settled_journal_decides_and_writes_only_after_settle(tmp_path, tiny_ckpt, caplog):
+    ps, out = prompts(3), tmp_path / "C.jsonl"
+    half_done(out, ps, ident(tiny_ckpt).with_settings(precision="f32"))
+    with caplog.at_level(logging.INFO, logger="rlx_mpi.journal"):
+        j = Journal(out, ps, identity=ident(tiny_ckpt), settle=True)
+        assert "resuming" not in caplog.text  # nothing said before the decision
+        with pytest.raises(ValueError, match="not settled"):
+            j.complete(2, {"tokens": [3]})
+        with pytest.raises(InputError, match='precision "f32", this run has precision "int8"'):
+            j.settle(precision="int8")
+        j.close()
+        j = Journal(out, ps, identity=ident(tiny_ckpt), settle=True)
+        j.settle(precision="f32")
+        assert "2 of 3 prompts already done; resuming" in caplog.text
+        j.close()
 
 
 def test_the_record_is_a_sidecar_and_the_output_stays_one_row_per_line(tmp_path, tiny_ckpt):
@@ -526,3 +592,87 @@ def test_the_sidecar_never_replaces_an_input(tmp_path):
     with pytest.raises(InputError, match=r"its record \S*C.jsonl.meta.json: is the input file"):
         Journal(tmp_path / "C.jsonl", prompts(1), inputs=[prompts_file])
     assert prompts_file.read_text() == "{}\n"
+
+
+# -- settings stated per rank, said per layer (issue 36) ----------------------------------------------
+
+from rlx_mpi.config import parse_job  # noqa: E402
+from rlx_mpi.journal import layout_settings  # noqa: E402
+from rlx_mpi.placement import Assignment  # noqa: E402
+
+
+def _plan(*stages, replicas=1):
+    """Assignments of ``stages`` [(ranks, layers range)] per replica (ranks shifted per replica)."""
+    out, width = [], sum(len(r) for r, _ in stages)
+    for rep in range(replicas):
+        for s, (ranks, layers) in enumerate(stages):
+            out.append(Assignment(s, tuple(r + rep * width for r in ranks), ("h",) * len(ranks), layers, "cpu", 0,
+                                  s == 0, s == len(stages) - 1, replica=rep))
+    return out
+
+
+def _job(tmp_path, run=None, ranks=()):
+    raw = {"model": {"checkpoint": "m.h5"}, "run": run or {}}
+    if ranks:
+        raw["rank"] = list(ranks)
+    return parse_job(raw, tmp_path / "job.toml")
+
+
+def test_precision_and_kv_are_said_per_layer_whatever_the_layout(tmp_path):
+    job = _job(tmp_path, {"precision": "int8"}, [{"rank": 1, "precision": "f32"}])
+    two = layout_settings(job, _plan(([0], range(0, 4)), ([1], range(4, 8))))
+    assert two["precision"] == "0:4 int8, 4:8 f32" and two["kv_cache"] == "full" and two["wire"] == "f32"
+    other = layout_settings(job, _plan(([0], range(0, 6)), ([1], range(6, 8))))  # the cut moved: other layers f32
+    assert other["precision"] == "0:6 int8, 6:8 f32"
+    same = _job(tmp_path, {"precision": "f32"}, [{"rank": 0, "precision": "int8"}, {"rank": 1, "precision": "int8"}])
+    assert layout_settings(same, _plan(([0, 1], range(0, 4)), ([2], range(4, 8))))["precision"] == two["precision"]
+    uniform = _job(tmp_path, {"precision": "bf16"})
+    assert layout_settings(uniform, _plan(([0], range(0, 8)), replicas=3))["precision"] == "bf16"
+
+
+def test_the_wire_counts_only_where_it_rounds(tmp_path):
+    bf16 = _job(tmp_path, {"wire": "bf16"})
+    assert layout_settings(bf16, _plan(([0], range(0, 8))))["wire"] == "f32"  # one stage sends nothing
+    assert layout_settings(_job(tmp_path), _plan(([0], range(0, 4)), ([1], range(4, 8))))["wire"] == "f32"
+    assert layout_settings(bf16, _plan(([0], range(0, 4)), ([1], range(4, 8))))["wire"] == "bf16 before layers 4"
+    assert layout_settings(bf16, _plan(([0, 1], range(0, 4)), ([2, 3], range(4, 8)), replicas=2))["wire"] == \
+        "bf16 before layers 4"  # TP and replicas change nothing
+
+
+def test_score_keeps_no_cache_so_only_a_window_is_another_model(tmp_path):
+    plan = _plan(([0], range(0, 8)))
+    assert layout_settings(_job(tmp_path, {"kv_cache": "none"}), plan, "score")["kv_cache"] == "full"
+    assert layout_settings(_job(tmp_path, {"kv_cache": "none"}), plan, "generate")["kv_cache"] == "none"
+    assert layout_settings(_job(tmp_path, {"kv_cache": "window:8"}), plan, "score")["kv_cache"] == "window:8"
+
+
+def test_a_finished_file_made_another_way_is_not_called_done(tmp_path, tiny_ckpt):
+    ps, out = prompts(2), tmp_path / "C.jsonl"
+    half_done(out, ps, ident(tiny_ckpt).with_settings(precision="int8", kv_cache="full", wire="f32"))
+    j = Journal(out, ps, identity=ident(tiny_ckpt), settle=True)
+    j.check_done(precision="int8", wire="f32")  # the same (kv_cache unknown without a plan: not compared)
+    with pytest.raises(InputError, match='made with precision "int8"; this run has precision "f32"'):
+        j.check_done(precision="f32")
+    j.close()
+    changed = [ps[0], Prompt(1, "p1", (5, 6), None)]
+    j = Journal(out, changed, identity=ident(tiny_ckpt), settle=True)
+    with pytest.raises(InputError, match="prompt 'p1' .* has other tokens"):
+        j.check_done()
+    j.close()
+
+
+def test_the_tokenizer_and_chat_template_are_part_of_the_identity(tmp_path, tiny_ckpt):
+    from types import SimpleNamespace
+
+    from rlx_mpi.journal import beside_settings
+
+    assert beside_settings(None) == {"tokenizer": "none", "chat template": "none"}
+    f = tmp_path / "tokenizer.json"
+    f.write_text('{"model": 1}')
+    a = beside_settings(SimpleNamespace(path=f, chat_template=SimpleNamespace(source="{{ messages }}")))
+    b = beside_settings(SimpleNamespace(path=f, chat_template=SimpleNamespace(source="{{ messages }}!")))
+    assert a["tokenizer"] == b["tokenizer"] != "none" and a["chat template"] != b["chat template"]
+    ps, out = prompts(3), tmp_path / "C.jsonl"
+    half_done(out, ps, ident(tiny_ckpt).with_settings(**a))
+    with pytest.raises(InputError, match=f'chat template "{a["chat template"]}", this run has chat template'):
+        Journal(out, ps, identity=ident(tiny_ckpt).with_settings(**b))

@@ -267,7 +267,7 @@ CASES = [
     Case("rank-exits-0-mid-run", faulty("exit0"), (FAULT, LAUNCHER_KILL), f"rank 1 ({HOST}, stage 1, layers 4:8, microbatch 0): "
          "ended with exit status 0"),
     Case("nan-weights", lambda d, c: run_job(d, copy_ckpt(d, c, lambda f: f["layers/5/down_proj"].__setitem__(
-        (0, 0), np.nan)), "--out", d / "out.h5"), FAULT, "the output of stage 1 (microbatch 0) has"),
+        (0, 0), np.nan)), "--out", d / "out.h5"), FAULT, "stage 1's logits for row 0 of the batch (microbatch 0) has"),
     Case("negative-eps", lambda d, c: run_job(d, copy_ckpt(d, c, set_config(rms_norm_eps=-1e-6))), BAD_INPUT,
          "rms_norm_eps = -1e-06 must be a finite number > 0"),
     Case("negative-theta", lambda d, c: run_job(d, copy_ckpt(d, c, set_config(rope_theta=-5.0))), BAD_INPUT,

@@ -80,8 +80,9 @@ def test_generate_sampled_rows_equal_one_replica_and_json_names_replicas(tmp_pat
                                          "--json", tmp_path / "three.json", prompts=src))
     assert one.returncode == 0 and three.returncode == 0, one.stderr + three.stderr
     ref = without_ms(rows_of(tmp_path / "one.jsonl"))
-    assert [list(r) for r in ref][:2] == [["id", "tokens", "finish_reason", "prompt_tokens", "new_tokens"],
-                                          ["id", "tokens", "text", "finish_reason", "prompt_tokens", "new_tokens"]]
+    assert [list(r) for r in ref][:2] == [["id", "tokens", "finish_reason", "prompt_tokens", "new_tokens", "identity"],
+                                          ["id", "tokens", "text", "finish_reason", "prompt_tokens", "new_tokens",
+                                           "identity"]]
     assert [list(r) for r in without_ms(rows_of(tmp_path / "three.jsonl"))] == [list(r) for r in ref]
     assert without_ms(rows_of(tmp_path / "three.jsonl")) == ref
     doc = json.loads((tmp_path / "three.json").read_text())

@@ -29,7 +29,28 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Driver", "JournalDriver"]
+__all__ = ["Driver", "JournalDriver", "forward_window"]
+
+
+def forward_window(cx: Any, command: str) -> int:
+    """The ``kv_cache = "window:W"`` of this rank as a window for ``stage.forward(x, window=W)``
+    (0: full attention), so that ``run`` and ``score`` compute the model ``generate`` does under
+    the same job file; a family whose forward takes no window is refused (agreed), never ignored."""
+    kv = cx.job.kv_for(cx.world.rank)
+    window = kv.window if kv.policy == "window" else 0
+
+    def check() -> None:
+        import inspect
+
+        from ..errors import ConfigError
+
+        if window and "window" not in inspect.signature(cx.stage.forward).parameters:
+            raise ConfigError(f"{cx.job.path}: [run] kv_cache", f"{kv} is a sliding-window model, and family "
+                              f"{cx.family.name!r} cannot apply a window in its forward ({command} would "
+                              "compute another model than generate)", 'use kv_cache = "full" for this family')
+
+    cx.agree(check, "checking the kv_cache window")
+    return window
 
 
 class Driver:
@@ -61,3 +82,16 @@ class JournalDriver(Driver):
         inputs = {"the job file": cx.job.path, "the checkpoint": cx.job.model.checkpoint,
                   "the prompt file": o.prompts, "the output file": o.out}
         return [("--json", self.flags.json)], inputs
+
+    def settle(self, cx: Any) -> None:
+        """Once placed, rank 0's journal learns the settings stated per rank or acting at the stage
+        cuts (`journal.layout_settings`) and decides on the rows already there (agreed), before
+        any compute: a resume made another way is refused naming the setting."""
+        from ..journal import layout_settings
+
+        def settle() -> None:
+            journal = self.holder.get("journal")
+            if journal is not None:
+                journal.settle(**layout_settings(cx.job, cx.plan_, self.command))
+
+        cx.agree(settle, "checking the rows already in the output")

@@ -47,7 +47,7 @@ from . import JournalDriver
 from .. import rules, transport
 from ..errors import ConfigError
 from ..executor import Executor, wire_codec
-from ..faults import check_finite
+from ..faults import check_output
 from ..batch_io import format_result, is_batch, stop_text
 from ..sampling import (SamplingParams, logprob_entries, logprobs, pack_sampled, prompt_key, sample_id, sample_rows,
                         unpack_sampled)
@@ -55,11 +55,30 @@ from ..schedule import Action, decode_drain_actions, decode_step_actions
 from ..scheduler import DECODE, MIXED, STOP, Scheduler, Seq, Step, chunk_start, decode_rows, make_header, read_header
 from ..stats import GenerateResult, StageTiming, peak_rss_bytes
 
-__all__ = ["GenerateDriver", "GenerateOptions", "DecodeRing", "GenStats", "GenerateResult"]
+__all__ = ["GenerateDriver", "GenerateOptions", "DecodeRing", "GenStats", "GenerateResult", "lockstep_fold"]
 
 log = logging.getLogger("rlx_mpi")
 
 _TAG_HEADER, _TAG_HIDDEN = 7, 1000  # tokens return on the hidden tag, in the other direction
+_LOCKSTEP_MASK = (1 << 62) - 1  # a digest and its negation both fit an int64 (one MAX all-reduce gives both ends)
+
+
+def lockstep_fold(digest: int, header: np.ndarray, tokens: np.ndarray) -> int:
+    """The running digest of stage 0's steps: the previous digest, a step's header and its sampled
+    tokens (62 bits of blake2b). Equal on the first stage's TP ranks while their schedulers agree.
+
+    Note: TP lockstep. Each TP rank of stage 0 runs its own `Scheduler` and trusts the others to
+    make the same steps from the same tokens. The check rides on the all-reduce the ranks already
+    make every step to agree on a stop (``stop_now``): [stop, digest, -digest] under MAX gives
+    the largest and the smallest digest at once, so a mismatch costs no extra message; the fold
+    is one hash of ~100 bytes a step (``bench/bench_lockstep.py`` measures it against a step).
+    """
+    import hashlib
+
+    h = hashlib.blake2b(digest.to_bytes(8, "little"), digest_size=8)
+    h.update(np.ascontiguousarray(header).tobytes())
+    h.update(np.ascontiguousarray(tokens).tobytes())
+    return int.from_bytes(h.digest(), "little") & _LOCKSTEP_MASK
 
 @dataclass
 class GenStats:
@@ -102,6 +121,8 @@ class DecodeRing:
         self.ex = Executor(self.link, cx.ctx, rank_of=rank_of, codec=codec, what=what, record=False)
         self.hidden = cx.dims.hidden_size
         self.stats = GenStats()
+        self.lockstep = 0  # stage 0: `lockstep_fold` of every completed step
+        self._diverge = _diverge_hook(cx.world.rank)
 
     @property
     def n_stages(self) -> int:
@@ -129,6 +150,7 @@ class DecodeRing:
         else:  # (a MIXED step is counted as prefill: its chunk is most of its work)
             st.prefill_s += t1 - t0
         if not self.stage.last:
+            self._check_hidden(out, header)
             return out
         self._check_logits(out, rows)
         tokens = sample_rows(out, rows[:, 2], rows[:, 3], self.params, self.per_key)
@@ -137,21 +159,38 @@ class DecodeRing:
         st.sample_s += time.perf_counter() - t1
         return tokens
 
+    def _row_name(self, row: np.ndarray) -> str:
+        return f"new token {int(row[3])} of prompt {self.names.get(int(row[2]), f'key {int(row[2])}')}"
+
     def _check_logits(self, logits: np.ndarray, rows: np.ndarray) -> None:
         """Nothing is sampled from a non-finite logit: the job ends (exit 4) naming the prompts.
 
         Every TP rank of the last stage holds the same logits; the first reports (the others'
         tokens go to ranks that write nothing, and the abort ends them).
         """
-        finite = np.isfinite(logits).all(axis=1)
-        if finite.all() or self.topo.tp_rank != 0:
+        if self.topo.tp_rank == 0:
+            check_output(logits, self.topo.stage, self.ctx,
+                         lambda: ((self._row_name(r), logits[b]) for b, r in enumerate(rows)), "logits")
+
+    def _check_hidden(self, out: np.ndarray, header: np.ndarray) -> None:
+        """A stage before the last checks its hidden state before sending it (`faults.check_output`):
+        each row's real tokens, by the step's layout (the scheduler's header)."""
+        if self.topo.tp_rank != 0:
             return
-        bad = np.flatnonzero(~finite)
-        names = [self.names.get(int(rows[b, 2]), f"key {int(rows[b, 2])}") for b in bad]
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        which = sorted({int(rows[b, 3]) for b in bad})
-        check_finite(logits[bad], f"the last stage's output for new token {', '.join(map(str, which))} of "
-                     f"{'prompt' if len(bad) == 1 else 'prompts'} {shown}", self.ctx)
+        kind, _, n, T, rows = read_header(header)
+
+        def parts():
+            if kind == DECODE:  # (n, 1, C)
+                return ((self._row_name(r), out[b]) for b, r in enumerate(rows))
+            start = chunk_start(header)
+            if kind == MIXED:  # (1, nd + rows x T, C): the decode rows' tokens, then each chunk
+                nd = decode_rows(header)
+                views = [out[0, b] for b in range(nd)]
+                views += [out[0, nd + j * T:nd + j * T + min(T, int(rows[nd + j, 1]) - start)] for j in range(n - nd)]
+                return zip((self._row_name(r) for r in rows), views)
+            return ((self._row_name(r), out[b, :min(T, int(r[1]) - start)]) for b, r in enumerate(rows))
+
+        check_output(out, self.topo.stage, self.ctx, parts, "hidden state")
 
     def _recv_spec(self, header: np.ndarray) -> Callable[[Action], tuple]:
         kind, _, n, T, _ = read_header(header)
@@ -208,6 +247,11 @@ class DecodeRing:
                 self.ctx.microbatch = step.group
                 step.pending.wait()
                 step.tokens = step.pending.buf
+            if self.topo.tp > 1:  # the TP lockstep digest (one scheduler alone has nothing to agree with)
+                if self._diverge is not None and self.stats.steps >= self._diverge:  # a test's forced mismatch
+                    step.tokens, self._diverge = step.tokens.copy(), None
+                    step.tokens.flat[0] ^= 1
+                self.lockstep = lockstep_fold(self.lockstep, step.header, step.tokens)
             if self.lp:
                 tokens, *lps = unpack_sampled(step.tokens)
                 on_done(sched.complete(step, tokens, tuple(lps)))
@@ -252,6 +296,39 @@ class DecodeRing:
             # the last stage's send is the int64 tokens back to stage 0: the executor sends
             # non-float32 payloads raw (no codec)
             self.ex.run(self._step_actions(g), compute, self._recv_spec(hdr), tag_base=_TAG_HIDDEN, keep_sends=True)
+
+
+def _diverge_hook(rank: int) -> int | None:
+    """``RLX_MPI_TEST_TP_DIVERGE=RANK:STEP``: world rank RANK flips a bit of the first token of its
+    STEP-th step (counted from 1), as a scheduler gone out of lockstep would (tests only)."""
+    import os
+
+    spec = os.environ.get("RLX_MPI_TEST_TP_DIVERGE", "")
+    who, _, step = spec.partition(":")
+    return int(step or 1) if who.strip().isdigit() and int(who) == rank else None
+
+
+def _lockstep_broken(cx: Any, ring: DecodeRing, when: str) -> None:
+    """The first stage's TP ranks made different steps: name which rank has which digest and end
+    the job (exit 4) from the stage's first TP rank (the others are ended by its abort)."""
+    from ..errors import RankFault
+    from ..faults import wait
+
+    topo = cx.topology
+    mine = np.array([cx.world.rank, ring.lockstep], np.int64)
+    every = np.empty((topo.tp, 2), np.int64)
+    wait(topo.tp_comm.Iallgather(mine, every), cx.job.run.timeout_s, cx.ctx,
+         lambda: "the step digests of the first stage's tensor-parallel ranks", "a tensor-parallel rank")
+    if topo.tp_rank != 0:
+        return
+    groups: dict[int, list[int]] = {}
+    for r, d in every.tolist():
+        groups.setdefault(d, []).append(r)
+    said = "; ".join(f"world rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} {d:016x}"
+                     for d, rs in groups.items())
+    raise RankFault(cx.ctx.describe(), f"the tensor-parallel ranks of stage 0 left lockstep {when} (their digests "
+                    f"of the steps and sampled tokens differ: {said})", "their schedulers made different steps: a "
+                    "broken node or a bug (please report it); rerun the same command to resume from the rows written")
 
 
 # -- the command ---------------------------------------------------------------------------------
@@ -347,7 +424,7 @@ class GenerateDriver(JournalDriver):
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; (cache slots, longest sequence), None when all are done."""
         from ..batch_io import read_requests
-        from ..journal import Journal, RunIdentity
+        from ..journal import Journal, RunIdentity, beside_settings, unplaced_settings
         from ..prompts import eos_ids_beside, load_tokenizer
 
         cx.prepare()
@@ -371,10 +448,13 @@ class GenerateDriver(JournalDriver):
             sampled = any(p.settings and not p.settings.params(opts.sampling).greedy for p in prompts)
             identity = RunIdentity.for_generate(job.model.checkpoint, opts.sampling, opts.max_new_tokens,
                                                 eos_ids=eos, logprobs=opts.logprobs, sampled=sampled)
+            identity = identity.with_settings(**beside_settings(tokenizer))  # (+ the layout's: `settle`)
             journal = Journal(opts.out, prompts, inputs=(opts.prompts, job.path, job.model.checkpoint,
                                                          *self.argv_inputs), sync_s=opts.sync_s, identity=identity,
-                              shard=shard)
+                              shard=shard, settle=True, adopt=bool(getattr(self.flags, "adopt_output", False)))
             self.holder.update(journal=journal, tokenizer=tokenizer, prompts=prompts)
+            if not journal.pending:  # nothing to place or compute: check what can be known without a plan
+                journal.check_done(**unplaced_settings(job, "generate"))
             pending = [item for p in journal.pending if p.error is None for item in _items(p, opts)]
             longest = max((len(p[2]) + p[3].get("max_new_tokens", opts.max_new_tokens) for p in pending), default=1)
             failed = [p.index for p in journal.pending if p.error is not None]
@@ -422,6 +502,7 @@ class GenerateDriver(JournalDriver):
                                       "give every rank of a tensor-parallel stage the same kv_cache")
 
         cx.agree(same_kv, "checking the kv_cache settings")
+        self.settle(cx)
 
     def ready(self, cx: Any) -> None:
         """Allocate every stage's KV cache (agreed: a family without generation is one line)."""
@@ -546,22 +627,26 @@ class GenerateDriver(JournalDriver):
                                                            for rep in topo.replicas[1:]}, on_rows)
                      if shared and cx.is_root else None)
 
-        def stop_now() -> bool:
+        def stop_now(final: bool = False) -> bool:
             if collector is not None:
                 collector.poll()
             elif post is not None and driving:
                 post.beat()
-            flag = np.array([1 if stop.requested else 0], np.int32)
-            if topo.tp > 1:  # the first stage's ranks must stop after the same step
+            flag = np.array([1 if stop.requested else 0, ring.lockstep, -ring.lockstep], np.int64)
+            if topo.tp > 1:  # the first stage's ranks must stop after the same step, in lockstep
                 from ..collectives import ReduceKind, all_reduce
 
                 all_reduce(flag, ReduceKind.MAX, comm=topo.tp_comm, timeout_s=timeout, ctx=cx.ctx)
+                if flag[1] != -flag[2]:
+                    _lockstep_broken(cx, ring, "after the last step" if final else f"at step {ring.stats.steps}")
             return bool(flag[0])
 
         if cx.is_root:  # requests that cannot run: their error lines, in order with the others
             counts["done"] += self._write_failed(doc["failed_now"])
         t0 = time.perf_counter()
         stopped = ring.drive(sched, on_done, stop_now) if topo.stage == 0 else ring.relay()
+        if topo.stage == 0 and topo.tp > 1:  # the steps drained after the last check
+            stop_now(final=True)
         mine_wall = time.perf_counter() - t0
         if shared:
             if feed is not None:

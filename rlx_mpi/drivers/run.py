@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from . import Driver
+from . import Driver, forward_window
 from .. import transport
 from ..errors import RankFault
 from ..executor import Executor, wire_codec
-from ..faults import RankContext, check_finite, wait
+from ..faults import RankContext, check_output, wait
 from ..schedule import Action, forward_schedule
 from ..stats import ClusterRun, StageTiming, peak_rss_bytes
 
@@ -136,6 +136,7 @@ def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
     if cx.is_root and ids is None:
         ids = cx.random_ids(cx.batch, cx.seq)
     ids = transport.bcast_array(cx.world, ids, 0, timeout, cx.ctx, "the input ids")
+    window = forward_window(cx, "run")  # [run] kv_cache = "window:W": the model generate runs
     whole, seq = ids.shape
     # replicas split the batch: replica r forwards rows parts[r] (near-equal, contiguous) and its
     # last stage sends their logits to rank 0, which puts the batch back together
@@ -173,14 +174,16 @@ def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
 
     def compute(m: int, x: np.ndarray | None) -> np.ndarray:
         lo, hi = bounds[m]
-        out = stage.forward(ids[lo:hi] if a.first else x)
+        x = ids[lo:hi] if a.first else x
+        out = stage.forward(x, window=window) if window else stage.forward(x)
         want = (hi - lo,) + tuple((logits_shape if a.last else hidden_shape)[1:])
         if out.shape != want or out.dtype != np.float32:
             raise RankFault(cx.ctx.describe(), f"the stage returned {out.dtype} {out.shape} for microbatch {m}, expected "
                             f"float32 {want} from {type(cx.family).__name__}.output_spec",
                             "the model family's forward and output_spec disagree: fix the plug-in")
-        if topo.tp_rank == 0:  # the first stage with NaN/Inf names itself (exit 4)
-            check_finite(out, f"the output of stage {a.stage} (microbatch {m})", cx.ctx)
+        if topo.tp_rank == 0:  # the first stage with NaN/Inf names itself and the rows (exit 4)
+            check_output(out, a.stage, cx.ctx, lambda: ((f"row {lo_r + lo + b} of the batch (microbatch {m})", out[b])
+                                                        for b in range(hi - lo)), "logits" if a.last else "output")
         if logits is not None:
             logits[lo:hi] = out
         return out

@@ -23,9 +23,12 @@ so the pipeline's fill-drain bubble is at most (p-1)/(3p-1). Between rounds ever
 agrees on a stop request (an all-reduce): SIGTERM/SIGINT/SIGUSR1 finish the round, write its
 rows and exit 75; a rerun resumes after the last whole row.
 
-Note: non-finite values. Each stage's first TP rank checks its output of every microbatch;
-a NaN or Inf ends the job with exit 4 naming the stage and the first line affected, before
-any row of that round is written (earlier rounds' rows are finite and stay).
+Note: non-finite values. Each stage's first TP rank checks its output of every microbatch
+before sending it (`faults.check_output`, the rule ``run`` and ``generate`` share); a NaN or
+Inf ends the job with exit 4 naming the stage that made it and the lines affected, before any
+row of that round is written (earlier rounds' rows are finite and stay). Under ``kv_cache =
+"window:W"`` the forward attends through the window (`drivers.forward_window`): the model
+``generate`` runs.
 """
 
 from __future__ import annotations
@@ -40,12 +43,12 @@ from typing import Any
 
 import numpy as np
 
-from . import JournalDriver
+from . import JournalDriver, forward_window
 from .. import rules, transport
 from ..config import ScoreSection
 from ..errors import ConfigError, RankFault
 from ..executor import Executor, wire_codec
-from ..faults import wait
+from ..faults import check_output, wait
 from ..schedule import Action, forward_schedule
 from ..stats import ClusterRun, StageTiming, peak_rss_bytes
 
@@ -163,7 +166,7 @@ class ScoreDriver(JournalDriver):
 
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; the rounds on every rank; None when all are done."""
-        from ..journal import Journal, RunIdentity
+        from ..journal import Journal, RunIdentity, beside_settings, unplaced_settings
         from ..prompts import load_tokenizer
         from ..scoring import read_score_prompts
 
@@ -181,8 +184,12 @@ class ScoreDriver(JournalDriver):
             prompts, shard = select(prompts, opts.shard, str(opts.prompts))
             journal = Journal(opts.out, prompts, inputs=(opts.prompts, job.path, job.model.checkpoint,
                                                          *self.argv_inputs), sync_s=opts.sync_s,
-                              identity=RunIdentity.for_score(job.model.checkpoint), shard=shard)
+                              identity=RunIdentity.for_score(job.model.checkpoint).with_settings(
+                                  **beside_settings(tokenizer)), shard=shard, settle=True,
+                              adopt=bool(getattr(self.flags, "adopt_output", False)))
             self.holder.update(journal=journal, prompts=prompts)
+            if not journal.pending:  # nothing to place or compute: check what can be known without a plan
+                journal.check_done(**unplaced_settings(job, "score"))
             pending = [[p.index, p.id, list(p.tokens), p.start] for p in journal.pending]
             return {"pending": pending, "total": len(prompts), "first": shard["lines"][0] if shard else 0}
 
@@ -207,6 +214,7 @@ class ScoreDriver(JournalDriver):
     def check_plan(self, cx: Any) -> None:
         if cx.job.placement.replicas == "auto":
             self.rounds = self._rounds(cx, cx.topology.n_stages)
+        self.settle(cx)
 
     def drive(self, cx: Any) -> ScoreResult | None:
         """Every round's forward on every rank; the `ScoreResult` on rank 0 (None elsewhere)."""
@@ -215,6 +223,7 @@ class ScoreDriver(JournalDriver):
 
         job, topo, stage, a, stop = cx.job, cx.topology, cx.stage, cx.assignment, cx.stop
         timeout = job.run.timeout_s
+        window = forward_window(cx, "score")  # [run] kv_cache = "window:W": the model generate runs
         doc, pending = self.doc, self.doc["pending"]
         journal, prompts = self.holder.get("journal"), self.holder.get("prompts")
         done_before = doc["total"] - len(pending)
@@ -236,16 +245,10 @@ class ScoreDriver(JournalDriver):
             return f"line {pid!r} (line {doc.get('first', 0) + index + 1} of the prompt file)"
 
         def check(out: np.ndarray, mb: Microbatch, m: int, what: str) -> None:
-            if np.isfinite(out).all():
-                return
-            for b, k in enumerate(mb.lines):
-                part = out[b, :len(pending[k][2])]
-                if not np.isfinite(part).all():
-                    bad = int(part.size - np.count_nonzero(np.isfinite(part)))
-                    raise RankFault(cx.ctx.describe(), f"{what} of stage {a.stage} for {line_name(k)} has {bad} "
-                                    f"non-finite values (NaN or Inf); no row of this round is written",
-                                    "the weights or the model config are broken (rms_norm_eps, rope_theta); set "
-                                    "[model] check_finite = true to find a bad tensor, or re-convert the model")
+            """`faults.check_output` of a microbatch: each line's real tokens (not its padding)."""
+            check_output(out, a.stage, cx.ctx, lambda: ((line_name(k), out[b, :len(pending[k][2])])
+                                                        for b, k in enumerate(mb.lines)),
+                         what, "; no row of this round is written")
 
         def ids_of(mb: Microbatch) -> np.ndarray:
             ids = np.zeros((len(mb.lines), mb.length), np.int64)  # right-padded with id 0
@@ -269,14 +272,15 @@ class ScoreDriver(JournalDriver):
             def compute(m: int, x: np.ndarray | None) -> np.ndarray | None:
                 mb = mbs[m]
                 ids = ids_of(mb) if a.first or keeps else None
-                out = stage.forward(ids if a.first else x)
+                x = ids if a.first else x
+                out = stage.forward(x, window=window) if window else stage.forward(x)
                 want = (len(mb.lines), mb.length) + ((cx.dims.vocab_size,) if a.last else (H,))
                 if out.shape != want or out.dtype != np.float32:
                     raise RankFault(cx.ctx.describe(), f"the stage returned {out.dtype} {out.shape} for microbatch "
                                     f"{m}, expected float32 {want}", "the model family's forward disagrees with "
                                     "its dims: fix the plug-in")
                 if checks and not a.last:
-                    check(out, mb, m, "the hidden state")
+                    check(out, mb, m, "hidden state")
                 if not a.last:
                     return out
                 if keeps:
@@ -284,7 +288,7 @@ class ScoreDriver(JournalDriver):
                         s, ln = pending[k][3], len(pending[k][2])
                         view = out[b, s - 1:ln - 1]  # position t-1 predicts token t: a view, no copy
                         if not np.isfinite(view).all():
-                            check(out[b:b + 1, s - 1:ln - 1], Microbatch((k,), ln), m, "the logits")
+                            check(out[b:b + 1, s - 1:ln - 1], Microbatch((k,), ln), m, "logits")
                         lo, hi = where[k]
                         lps[lo:hi] = gather_logprobs(view, ids[b, s:ln])
                 return None

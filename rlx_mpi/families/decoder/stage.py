@@ -159,13 +159,22 @@ class DecoderStage(Stage):
     def _embed(self, x: np.ndarray) -> np.ndarray:
         return model.embed(x, self.embed_tokens, self.cfg.embedding_multiplier) if self.first else x
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
+    def forward(self, x: np.ndarray, window: int = 0) -> np.ndarray:
+        """``window`` > 0: the job's ``kv_cache = "window:W"`` (a query sees the last W keys; a
+        layer's own narrower window stays), the model ``generate`` runs under the same job: the
+        attention of generate's prefill without a cache (``kv_cache = "none"``'s), so every
+        kind of layer applies the window as generate does."""
         cfg = self.cfg
         h = self._embed(x)  # (B, T, C)
         rope, T = Rope(cfg, h.shape[1]), h.shape[1]
         tables = {local: rope.prefix(T, local) for local in self._rope_kinds}
-        for w in self.blocks:
-            h = model.block(h, w, cfg, *tables[w.local_rope], self._reduce)
+        B = h.shape[0]
+        step = model.KvStep([_layer_spec(KvSpec("window", window), w.window) for w in self.blocks], np.arange(B),
+                            True, lengths=np.full(B, T), caches=None) if window else None
+        for i, w in enumerate(self.blocks):
+            if step is not None:
+                step.layer = i
+            h = model.block(h, w, cfg, *tables[w.local_rope], self._reduce, step)
         if not self.last:
             return h
         logits = model.lm_head(h, self.norm, self.head, cfg)  # (B, T, V/tp)
