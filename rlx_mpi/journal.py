@@ -451,9 +451,11 @@ class Journal:
         if meta is None:
             return
         for p in self._prompts:
-            if meta["prompts"].get(p.id) != _digest_of(p):
+            was, now = meta["prompts"].get(p.id), _digest_of(p)
+            if was != now:
                 raise InputError(where, f"holds every prompt's row already, but prompt {p.id!r} (prompt "
-                                 f"{p.index + 1} of the prompt file) has other tokens than when its row was written",
+                                 f"{p.index + 1} of the prompt file) has other tokens or settings than when its row "
+                                 f"was written (digest {was} then, {now} now)",
                                  f"choose another --out (or remove {self.path} and {self.meta})")
         theirs = RunIdentity.from_json(meta).fields()
         mine = self.identity.with_settings(**settings).fields()
@@ -504,7 +506,7 @@ class Journal:
             was, now = digests.get(p.id), _digest_of(p)
             if was != now:
                 raise InputError(where, f"prompt {p.id!r} (prompt {p.index + 1} of the prompt file) has "
-                                 f"other tokens than when its row was written (digest {was} then, {now} now)",
+                                 f"other tokens or settings than when its row was written (digest {was} then, {now} now)",
                                  fresh)
         adopted = meta.get("adopted", 0)
         self._check_rows(k, adopted if isinstance(adopted, int) else 0, where, fresh)

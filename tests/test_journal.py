@@ -420,7 +420,7 @@ def test_a_changed_prompt_under_a_done_id_is_refused_a_pending_one_is_not(tmp_pa
     changed = [ps[0], Prompt(1, "p1", (5, 6), None), *ps[2:]]
     with pytest.raises(InputError) as e:
         Journal(out, changed, identity=ident(tiny_ckpt))
-    assert "prompt 'p1' (prompt 2 of the prompt file) has other tokens than when its row was written" in e.value.line()
+    assert "prompt 'p1' (prompt 2 of the prompt file) has other tokens or settings than when its row was written" in e.value.line()
     assert out.read_bytes() == before
 
 

@@ -469,7 +469,10 @@ class GenerateDriver(JournalDriver):
         self.doc = doc = transport.bcast_json(cx.world, doc, 0, job.run.startup_timeout_s, cx.ctx, "the prompts")
         if not doc["pending"]:
             if cx.is_root:
-                failed = self._write_failed(doc["failed_now"])  # (only failed requests were left)
+                journal = self.holder["journal"]
+                if doc["failed_now"]:  # only failed requests were left: no plan, so what is known without one
+                    journal.settle(**unplaced_settings(job, "generate"))
+                failed = self._write_failed(doc["failed_now"])
                 self.holder["journal"].close()
                 if not failed:
                     log.info("all %d prompts of %s are already in %s", doc["total"], opts.prompts, opts.out)
