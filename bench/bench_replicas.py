@@ -116,7 +116,9 @@ def main() -> None:
         prompts = _prompts(tmp / "p.jsonl", args.prompts, vocab, args.seed, score=False)
         lines = _prompts(tmp / "s.jsonl", args.prompts, vocab, args.seed + 1, score=True)
         one, two = _job(tmp, "one", ckpt, args.preset, 1), _job(tmp, "two", ckpt, args.preset, 2)
-        today = _job(tmp, "today", ckpt, args.preset, None)
+        # the code before replicas reads only the Arch keys it knew: its own copy of the same preset
+        # (the same init seed), made by that code on first use
+        today = _job(tmp, "today", tmp / f"today-{args.preset}.h5", args.preset, None)
         gen = ["--max-new-tokens", str(args.max_new_tokens), "--batch", str(args.batch)]
 
         def go(name: str, tree: str | None, cores: list[int], job: Path, command: str, src: Path, *extra: str):

@@ -1253,3 +1253,19 @@ def test_one_call_decode_layer_is_not_taken_for_latent_attention_sinks_or_o_bias
     for change in ({"attention_sinks": True}, {"o_bias": True}, {"kv_lora_rank": 4, "qk_nope_head_dim": 4,
                                                                  "v_head_dim": 4}):
         assert model.fused_decode_rows(dataclasses.replace(dense, **change), "f32", 1) == 0, change
+
+
+def test_a_header_names_only_what_differs_from_the_defaults():
+    # an older rlx_mpi knows fewer Arch keys: a plain Llama's header must hold none it lacks, and a
+    # model that needs a new feature names it (the old reader's "unknown keys" error)
+    from rlx_mpi.families import find_preset
+    from rlx_mpi.families.decoder.arch import Arch
+
+    llama = find_preset("tiny")[1]
+    keys = set(json.loads(llama.to_json()))
+    legacy = {f.name for f in dataclasses.fields(Arch)[:11]}
+    assert keys == legacy, keys - legacy
+    assert Arch.from_json(llama.to_json(), "x") == llama
+    olmo = dataclasses.replace(llama, pre_norms=False, sandwich_norms=True, qk_norm=True, qk_norm_scope="projection")
+    assert set(json.loads(olmo.to_json())) - legacy == {"pre_norms", "sandwich_norms", "qk_norm", "qk_norm_scope"}
+    assert Arch.from_json(olmo.to_json(), "x") == olmo

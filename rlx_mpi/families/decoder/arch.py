@@ -232,7 +232,17 @@ class Arch:
     # -- JSON ------------------------------------------------------------------------------------
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        """The header: the first eleven fields always, a later one only where it differs from its
+        default. An older rlx_mpi then reads any checkpoint that needs nothing it lacks, and refuses
+        one that does naming the key (its "unknown keys" error), instead of refusing them all."""
+        out = {}
+        for i, f in enumerate(dataclasses.fields(self)):
+            value = getattr(self, f.name)
+            default = f.default_factory() if f.default is dataclasses.MISSING and \
+                f.default_factory is not dataclasses.MISSING else f.default
+            if i < 11 or value != default:
+                out[f.name] = list(value) if isinstance(value, tuple) else value
+        return json.dumps(out, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, where: str) -> "Arch":
