@@ -620,18 +620,11 @@ def tokenizer_files(meta: dict, vocabulary: bool = True) -> dict[str, str]:
 
 def _write_beside(out_path: Path, files: dict[str, str]) -> list[Path]:
     """``<stem>.<name>`` beside the checkpoint, each through a temporary name (hf.copy_tokenizer's way)."""
-    written = []
-    for name, text in files.items():
-        dst = out_path.with_name(f"{out_path.stem}.{name}")
-        tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
-        try:
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, dst)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-        written.append(dst)
-    return written
+    from .hf import write_through
+
+    return [write_through(out_path.with_name(f"{out_path.stem}.{name}"),
+                          lambda tmp, text=text: tmp.write_text(text, encoding="utf-8"))
+            for name, text in files.items()]
 
 
 # -- convert ----------------------------------------------------------------------------------------

@@ -707,12 +707,17 @@ def copy_tokenizer(hf_dir: str | os.PathLike, out_path: str | os.PathLike) -> li
         src, dst = hf_dir / name, out_path.with_name(f"{out_path.stem}.{name}")
         if not src.is_file() or (dst.exists() and os.path.samefile(src, dst)):
             continue
-        tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
-        try:
-            shutil.copyfile(src, tmp)
-            os.replace(tmp, dst)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-        written.append(dst)
+        written.append(write_through(dst, lambda tmp, src=src: shutil.copyfile(src, tmp)))
     return written
+
+
+def write_through(dst: Path, write) -> Path:
+    """``write(tmp)`` to a temporary name beside ``dst``, then renamed to it (no torn file)."""
+    tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return dst
