@@ -171,7 +171,10 @@ def _long_run(d, tiny_ckpt):
 
 
 def start_and_wait_rows(job, prompts, out, rows: int, timeout: float = 60.0):
-    proc = start_cli(["generate", job, "--prompts", prompts, "--out", out, *LONG_FLAGS], ranks=2)
+    # a few ms a step: 40 prompts of 30 tokens last seconds on any host, so the signal or kill
+    # lands mid-run (a fast host finished them before the first row was seen)
+    proc = start_cli(["generate", job, "--prompts", prompts, "--out", out, *LONG_FLAGS], ranks=2,
+                     env={"RLX_MPI_TEST_STEP_DELAY_S": "0.005"})
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if out.exists() and out.read_bytes().count(b"\n") >= rows:

@@ -123,6 +123,7 @@ class DecodeRing:
         self.stats = GenStats()
         self.lockstep = 0  # stage 0: `lockstep_fold` of every completed step
         self._diverge = _diverge_hook(cx.world.rank)
+        self._step_delay = _step_delay_hook()
 
     @property
     def n_stages(self) -> int:
@@ -222,6 +223,8 @@ class DecodeRing:
             if step is None:
                 return
             self.ctx.microbatch = g
+            if self._step_delay:
+                time.sleep(self._step_delay)
 
             def compute(_m, _x):
                 out = self._compute(step.header, step.ids)
@@ -306,6 +309,14 @@ def _diverge_hook(rank: int) -> int | None:
     spec = os.environ.get("RLX_MPI_TEST_TP_DIVERGE", "")
     who, _, step = spec.partition(":")
     return int(step or 1) if who.strip().isdigit() and int(who) == rank else None
+
+
+def _step_delay_hook() -> float:
+    """``RLX_MPI_TEST_STEP_DELAY_S=SECONDS``: stage 0 sleeps before issuing each step, so a test's
+    signal lands mid-run however fast the host is (tests only)."""
+    import os
+
+    return float(os.environ.get("RLX_MPI_TEST_STEP_DELAY_S", "0") or 0)
 
 
 def _lockstep_broken(cx: Any, ring: DecodeRing, when: str) -> None:
