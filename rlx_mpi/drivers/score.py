@@ -68,6 +68,10 @@ class Microbatch:
     length: int
 
 
+MIN_ROUNDS = 8  # a file is cut into at least this many rounds where microbatches stay >= MIN_TOKENS
+MIN_TOKENS = 256
+
+
 def plan_rounds(lengths: list[int], budget: int, per_round: int) -> list[list[Microbatch]]:
     """Cut lines (their token counts, in file order) into rounds of microbatches.
 
@@ -75,13 +79,21 @@ def plan_rounds(lengths: list[int], budget: int, per_round: int) -> list[list[Mi
     least one line), sorts them longest first and packs each microbatch while rows x its
     first (longest) line's length stays within ``budget`` (and within the round's tokens /
     ``per_round``, so a short round still fills the pipeline). Pure: every rank computes the same.
+
+    Note: a file of a few budgets' tokens is still cut into `MIN_ROUNDS` rounds (microbatches
+    of at least `MIN_TOKENS`): replicas share a file round by round, and 64 lines of ~72
+    tokens made 2 rounds (55 and 9 lines) at the default budget, so 2 replicas ran 1.12x one.
+    The cut depends on the file alone, never on the replica count: a line's microbatch, and so
+    its log-probs' last bits, are the same however many replicas share the job.
     """
     if budget < 1 or per_round < 1:
         raise ValueError(f"budget and per_round must be >= 1, got {budget}, {per_round}")
     rounds, i, n = [], 0, len(lengths)
+    limit = per_round * budget
+    limit = min(limit, max(-(-sum(lengths) // MIN_ROUNDS), per_round * min(budget, MIN_TOKENS)))
     while i < n:
         j, total = i, 0
-        while j < n and (j == i or total + lengths[j] <= per_round * budget):
+        while j < n and (j == i or total + lengths[j] <= limit):
             total += lengths[j]
             j += 1
         order = sorted(range(i, j), key=lambda k: (-lengths[k], k))
