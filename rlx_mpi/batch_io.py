@@ -41,7 +41,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .errors import InputError
-from .journal import prompt_digest
+from .identity import prompt_digest
 from .prompts import (MAX_PROMPT_FILE_BYTES, ChatError, Prompt, _check_messages, _clip, _DECODER, _json_type,
                       _read_text, _Refused, read_prompts)
 from .sampling import RowSettings

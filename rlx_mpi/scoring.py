@@ -53,7 +53,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .errors import InputError
-from .journal import prompt_digest
+from .identity import prompt_digest
 from .prompts import MAX_PROMPT_FILE_BYTES, _check_id, _clip, _json_type, _parse_line, _read_text, _tokens_of
 from .sampling import _num, log_softmax
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from rlx_mpi.errors import InputError
-from rlx_mpi.journal import Journal, prompt_digest
+from rlx_mpi.identity import prompt_digest
+from rlx_mpi.journal import Journal
 from rlx_mpi.scoring import (ScorePrompt, gather_logprobs, read_score_prompts, read_summary, score_row, summarize,
                              targets, token_logprobs)
 

@@ -435,7 +435,8 @@ class GenerateDriver(JournalDriver):
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; (cache slots, longest sequence), None when all are done."""
         from ..batch_io import read_requests
-        from ..journal import Journal, RunIdentity, beside_settings, unplaced_settings
+        from ..identity import RunIdentity, beside_settings, unplaced_settings
+        from ..journal import Journal
         from ..prompts import eos_ids_beside, load_tokenizer
 
         cx.prepare()
