@@ -180,7 +180,7 @@ class RunIdentity:
 
 def beside_settings(tokenizer: Any) -> dict:
     """``{"tokenizer", "chat template"}``: digests of the tokenizer file and chat template found
-    beside the checkpoint (`prompts.load_tokenizer`'s), "none" where there is none. A text or
+    beside the checkpoint (`tokenizer.load_tokenizer`'s), "none" where there is none. A text or
     chat prompt's tokens and a row's text depend on them."""
     tok = tmpl = "none"
     if tokenizer is not None:

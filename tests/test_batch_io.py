@@ -13,7 +13,8 @@ from rlx_mpi.batch_io import (CHAT_URL, COMPLETIONS_URL, MAX_N, format_result, r
                               stop_text)
 from rlx_mpi.errors import InputError  # noqa: E402
 from rlx_mpi.identity import RunIdentity, digest_of, prompt_digest  # noqa: E402
-from rlx_mpi.prompts import Prompt, load_tokenizer, read_prompts  # noqa: E402
+from rlx_mpi.prompts import Prompt, read_prompts  # noqa: E402
+from rlx_mpi.tokenizer import load_tokenizer  # noqa: E402
 from rlx_mpi.sampling import RowSettings, SamplingParams, prompt_key, sample, sample_id, sample_rows  # noqa: E402
 from rlx_mpi.scheduler import Scheduler  # noqa: E402
 

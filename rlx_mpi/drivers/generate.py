@@ -353,7 +353,7 @@ class GenerateOptions:
     out: Any  # Path
     max_new_tokens: int
     sampling: SamplingParams
-    eos_id: int | None  # None: every one the checkpoint names (`prompts.eos_ids_beside`)
+    eos_id: int | None  # None: every one the checkpoint names (`tokenizer.eos_ids_beside`)
     batch: int
     groups: int  # 0: one per stage
     prefill_chunk: int  # positions per prefill step of a new group; 0: whole prompts
@@ -437,7 +437,7 @@ class GenerateDriver(JournalDriver):
         from ..batch_io import read_requests
         from ..identity import RunIdentity, beside_settings, unplaced_settings
         from ..journal import Journal
-        from ..prompts import eos_ids_beside, load_tokenizer
+        from ..tokenizer import eos_ids_beside, load_tokenizer
 
         cx.prepare()
         dims, job, opts = cx.dims, cx.job, self.opts
@@ -559,7 +559,7 @@ class GenerateDriver(JournalDriver):
                             ctx=cx.ctx, timeout_s=timeout) if shared and topo.stage == 0 else None)
         decode = None
         if doc["stops"] and topo.stage == 0:  # stop strings end rows on stage 0, which decodes them
-            from ..prompts import load_tokenizer
+            from ..tokenizer import load_tokenizer
 
             decode = (holder.get("tokenizer") or load_tokenizer(job.model.checkpoint)).decode
         sched = Scheduler([] if feed else items, self.groups, opts.batch,

@@ -168,7 +168,7 @@ class ScoreDriver(JournalDriver):
         """Prompts and journal on rank 0; the rounds on every rank; None when all are done."""
         from ..identity import RunIdentity, beside_settings, unplaced_settings
         from ..journal import Journal
-        from ..prompts import load_tokenizer
+        from ..tokenizer import load_tokenizer
         from ..scoring import read_score_prompts
 
         cx.prepare()
