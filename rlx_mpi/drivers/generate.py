@@ -37,7 +37,7 @@ import inspect
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,7 +52,8 @@ from ..batch_io import format_result, is_batch, stop_text
 from ..sampling import (SamplingParams, logprob_entries, logprobs, pack_sampled, prompt_key, sample_id, sample_rows,
                         unpack_sampled)
 from ..schedule import Action, decode_drain_actions, decode_step_actions
-from ..scheduler import DECODE, MIXED, STOP, Scheduler, Seq, Step, chunk_start, decode_rows, make_header, read_header
+from ..scheduler import (DECODE, MIXED, STOP, Scheduler, Seq, Step, chunk_start, decode_rows, make_header, read_header,
+                         split_batch)
 from ..stats import GenerateResult, StageTiming, peak_rss_bytes
 
 __all__ = ["GenerateDriver", "GenerateOptions", "DecodeRing", "GenStats", "GenerateResult", "lockstep_fold"]
@@ -507,6 +508,13 @@ class GenerateDriver(JournalDriver):
     def check_plan(self, cx: Any) -> None:
         job = cx.job
         self.groups = self.opts.groups or cx.topology.n_stages
+        # fewer rows than slots: spread them so that every stage has a group (`scheduler.split_batch`)
+        batch = split_batch(len(self.doc["pending"]), self.groups * cx.topology.n_replicas, self.opts.batch)
+        if batch != self.opts.batch:
+            if cx.is_root:
+                log.info("%d rows for %d groups of %d: %d per group, so that every stage has one",
+                         len(self.doc["pending"]), self.groups * cx.topology.n_replicas, self.opts.batch, batch)
+            self.opts = replace(self.opts, batch=batch)
 
         def same_kv() -> None:
             for a in cx.plan_:
