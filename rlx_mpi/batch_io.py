@@ -40,11 +40,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from .errors import InputError
-from .journal import prompt_digest
-from .prompts import (MAX_PROMPT_FILE_BYTES, ChatError, Prompt, _check_messages, _clip, _DECODER, _json_type,
-                      _read_text, _Refused, read_prompts)
+from .errors import InputError, clip, json_type
+from .identity import prompt_digest
+from .prompts import MAX_PROMPT_FILE_BYTES, Prompt, _check_messages, _DECODER, _read_text, _Refused, read_prompts
 from .sampling import RowSettings
+from .tokenizer import ChatError
 
 __all__ = ["read_requests", "format_result", "is_batch", "stop_at", "stop_text", "CHAT_URL", "COMPLETIONS_URL",
            "MAX_N", "MAX_STOP", "EXIT_SOME_FAILED"]
@@ -179,7 +179,7 @@ def _request(line: str, lineno: int, index: int, vocab_size: int, max_positions:
         except json.JSONDecodeError as e:
             raise _LineError(f"not valid JSON ({e.msg}, column {e.colno})") from None
         if not isinstance(obj, dict):
-            raise _LineError(f"a JSON {_json_type(obj)}, not a request object")
+            raise _LineError(f"a JSON {json_type(obj)}, not a request object")
         if isinstance(obj.get("custom_id"), str) and obj["custom_id"].strip():
             cid = obj["custom_id"]
         for k in obj:
@@ -190,16 +190,16 @@ def _request(line: str, lineno: int, index: int, vocab_size: int, max_positions:
         if len(cid) > 1000:
             raise _LineError("custom_id is longer than 1000 characters", "custom_id")
         if obj.get("method", "POST") != "POST":
-            raise _LineError(f'method {_clip(json.dumps(obj["method"]))} is not "POST"', "method")
+            raise _LineError(f'method {clip(json.dumps(obj["method"]))} is not "POST"', "method")
         url = obj.get("url")
         if url not in (CHAT_URL, COMPLETIONS_URL):
-            raise _LineError(f"url {_clip(json.dumps(url))} is not {CHAT_URL} or {COMPLETIONS_URL}", "url")
+            raise _LineError(f"url {clip(json.dumps(url))} is not {CHAT_URL} or {COMPLETIONS_URL}", "url")
         body = obj.get("body")
         if not isinstance(body, dict):
-            raise _LineError(f'"body" is a {_json_type(body)}, not an object', "body")
+            raise _LineError(f'"body" is a {json_type(body)}, not an object', "body")
         model = body.get("model")
         if model is not None and not isinstance(model, str):
-            raise _LineError(f'"model" is a {_json_type(model)}', "model")
+            raise _LineError(f'"model" is a {json_type(model)}', "model")
         settings = _settings(body, url)
         if url == CHAT_URL:
             text, tokens = _chat_tokens(body, tokenizer)
@@ -231,7 +231,7 @@ def _number(body: dict, key: str, low: float, high: float, low_open: bool = Fals
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not (low < v if low_open else low <= v) or v > high:
-        raise _LineError(f"{key} is {_clip(json.dumps(v))}; give a number in {'(' if low_open else '['}{low}, {high}]",
+        raise _LineError(f"{key} is {clip(json.dumps(v))}; give a number in {'(' if low_open else '['}{low}, {high}]",
                          key)
     return float(v)
 
@@ -242,7 +242,7 @@ def _integer(body: dict, key: str, low: int, high: int | None = None) -> int | N
         return None
     if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
         rng = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-        raise _LineError(f"{key} is {_clip(json.dumps(v))}; give {rng}", key)
+        raise _LineError(f"{key} is {clip(json.dumps(v))}; give {rng}", key)
     return v
 
 
@@ -258,7 +258,7 @@ def _settings(body: dict, url: str) -> RowSettings:
         if k in known or k in _NO_OP_ANY or (k in _NO_OP and v in (_NO_OP[k], None, {})):
             continue
         if k in _NO_OP:
-            raise _LineError(f"{k} {_clip(json.dumps(v))} is not supported (only {json.dumps(_NO_OP[k])})", k)
+            raise _LineError(f"{k} {clip(json.dumps(v))} is not supported (only {json.dumps(_NO_OP[k])})", k)
         raise _LineError(f"unsupported field {k!r} for {url} (supported: {', '.join(known)})", k)
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise _LineError("both max_tokens and max_completion_tokens; give one", "max_completion_tokens")
@@ -275,14 +275,14 @@ def _settings(body: dict, url: str) -> RowSettings:
     elif isinstance(stop, list):
         stops = tuple(stop)
     elif stop is not None:
-        raise _LineError(f"stop is a {_json_type(stop)}; give a string or a list of up to {MAX_STOP}", "stop")
+        raise _LineError(f"stop is a {json_type(stop)}; give a string or a list of up to {MAX_STOP}", "stop")
     if len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
         raise _LineError(f"stop has {len(stops)} entries; give up to {MAX_STOP} non-empty strings", "stop")
     logprobs, top = False, 0
     if url == CHAT_URL:
         lp = body.get("logprobs")
         if lp is not None and not isinstance(lp, bool):
-            raise _LineError(f"logprobs is {_clip(json.dumps(lp))}; give true or false", "logprobs")
+            raise _LineError(f"logprobs is {clip(json.dumps(lp))}; give true or false", "logprobs")
         logprobs = bool(lp)
         top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
         if top and not logprobs:
@@ -308,7 +308,7 @@ def _chat_tokens(body: dict, tokenizer) -> tuple[str, list[int]]:
                                                          and isinstance(c.get("text"), str) for c in content):
             m["content"] = "\n".join(c["text"] for c in content)  # text parts joined, as vLLM does for string templates
         elif not isinstance(content, str):  # (image or audio parts: a text model has no use for them)
-            raise _LineError(f'"messages"[{i}]["content"] is a {_json_type(content)} that is not only text parts; '
+            raise _LineError(f'"messages"[{i}]["content"] is a {json_type(content)} that is not only text parts; '
                              'give a string, or a list of {"type": "text", "text": ...}', "messages")
     try:
         return tokenizer.chat(messages)

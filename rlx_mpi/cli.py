@@ -20,13 +20,10 @@ one line ``rlx-mpi: error: <where>: <what>; <fix>`` and a documented exit code (
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 from pathlib import Path
 
-from . import rules
 from .errors import ConfigError
 
 __all__ = ["main"]
@@ -160,6 +157,8 @@ def _parser() -> argparse.ArgumentParser:
     shape = pl.add_argument_group("model shape (instead of a checkpoint), e.g. Llama-3-70B: --layers 80 "
                                   "--hidden 8192 --heads 64 --kv-heads 8 --intermediate 28672 --vocab 128256 --dtype bfloat16")
     pl.add_argument("--family", default="llama", help="model family of the shape flags (default llama)")
+    from .drivers.plan import SHAPE_FLAGS
+
     for flag in SHAPE_FLAGS:
         shape.add_argument(f"--{flag}", type=int)
     shape.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
@@ -251,10 +250,10 @@ def _on_the_cluster(args, driver) -> int:
 
 def cmd_trace(args) -> int:
     """Summarise a trace file and, with --png, draw it."""
-    from .trace import gantt_png, load_trace
+    from .trace import gantt_png, load_trace, summary
 
     doc = load_trace(args.trace)
-    print(_trace_summary(doc))
+    print(summary(doc))
     if args.png:
         from .outputs import check_output, write_output
 
@@ -269,273 +268,34 @@ def cmd_trace(args) -> int:
     return 0
 
 
-def _trace_summary(doc: dict) -> str:
-    """Per lane: milliseconds in each category; then the measured bubble beside the ideal."""
-    from .trace import bubble, spans_from_trace
-
-    names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("ph") == "M"
-             and e.get("name") == "process_name"}
-    spans = spans_from_trace(doc)
-    lines = []
-    for pid in sorted(names):
-        totals: dict[str, float] = {}
-        for sp in spans:
-            if sp.rank == pid:
-                totals[sp.cat] = totals.get(sp.cat, 0.0) + sp.dur_s * 1e3
-        lines.append(f"{names[pid]}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in totals.items()))
-    other = doc.get("otherData", {})
-    if isinstance(other.get("n_stages"), int) and isinstance(other.get("microbatches"), int):
-        b = bubble(spans, other["n_stages"], other["microbatches"])
-        lines.append(f"bubble {100 * b['measured_bubble']:.1f}% measured (busy = compute + pack + unpack), "
-                     f"{100 * b['ideal_bubble']:.1f}% ideal (p-1)/(M+p-1) for p = {b['n_stages']}, "
-                     f"M = {b['microbatches']}; window {b['window_s'] * 1e3:.1f} ms")
-    return "\n".join(lines)
-
-
 def cmd_probe(args) -> int:
-    from mpi4py import MPI
+    from .drivers.probe import probe
 
-    from . import transport
-    from .caps import NodeCaps, format_caps, gather_local_affinity, probe_local
-    from .faults import RankContext, agree
-
-    from .logdir import setup_logging
-
-    world = MPI.COMM_WORLD
-    setup_logging(world, args.debug, args.log_dir, args.command)
-    ctx = RankContext(rank=world.rank, size=world.size, debug=args.debug)
-    ckpt = None
-    if args.job:
-        from .config import load_job
-
-        ckpt = agree(world, ctx, 60.0, lambda: load_job(args.job)).model.checkpoint
-    local = world.Split_type(MPI.COMM_TYPE_SHARED)
-    affinity = gather_local_affinity(local, 120.0, ctx)
-    mine = agree(world, ctx, 120.0, lambda: probe_local(world.rank, local.rank, local.size, ckpt, args.gflops,
-                                                        affinity))
-    rows = transport.gather_json(world, mine.to_dict(), 0, 120.0, ctx, "the probe")
-    if rows is not None:
-        caps = [NodeCaps.from_dict(r) for r in rows]
-        print(json.dumps([c.to_dict() for c in caps], indent=2) if args.json else format_caps(caps))
-    return 0
-
-
-SHAPE_FLAGS = ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab", "head-dim", "experts", "top-k",
-               "max-positions")
-
-
-def _plan_model(args, job):
-    """(family, config, given) for ``plan``: shape flags (through ``--family``), a preset, or the job's checkpoint."""
-    from .families import family_names, get_family, require_preset
-
-    shape = {k.replace("-", "_"): getattr(args, k.replace("-", "_")) for k in SHAPE_FLAGS}
-    given = {k: v for k, v in shape.items() if v is not None}
-    if given or args.tied:
-        family = get_family(args.family)
-        if family is None:
-            raise ConfigError("plan --family", f"got {args.family!r}", f"expected one of {family_names()}")
-        return family, family.config_from_shape({**given, "tied": args.tied}, "plan"), True
-    if args.preset:
-        return (*require_preset(args.preset, "plan --preset"), False)
-    if args.hf_config:
-        return (*_hf_config_model(args.hf_config), False)
-    if job is not None:
-        from .checkpoint import read_header
-        from .families import load_plugins
-
-        load_plugins(job.model.plugins, f"{job.path}: [model] plugins")
-        ckpt = job.model.checkpoint
-        if not ckpt.exists() and job.model.preset:
-            return (*require_preset(job.model.preset, f"{job.path}: [model] preset"), False)
-        name, config_json = read_header(ckpt)
-        family = get_family(name)
-        if family is None:
-            from .errors import CheckpointError
-
-            raise CheckpointError(str(ckpt), f"model family {name!r} is not registered",
-                                  "import the package that registers it (rlx_mpi.register_family)")
-        return family, family.load_config(config_json, str(ckpt)), False
-    raise ConfigError("plan", "no model given", "pass a job file, --preset NAME, or the model shape flags")
-
-
-def _hf_config_model(path: str):
-    """(family, config) of a Hugging Face config.json; its quantization_config is left aside
-    (plan prices the precision it is given: a bf16 / int8 conversion of the model)."""
-    from pathlib import Path
-
-    from .errors import CheckpointError
-    from .families import family_for_model_type
-    from .families.hf import read_hf_config
-
-    raw = read_hf_config(Path(path))
-    family = family_for_model_type(raw.get("model_type")) if isinstance(raw.get("model_type"), str) else None
-    if family is None:
-        raise CheckpointError(f"{path}: model_type", f"{raw.get('model_type')!r} is not a supported model type",
-                              "give the config.json of a model `rlx-mpi convert` reads")
-    raw = {k: v for k, v in raw.items() if k != "quantization_config"}
-    return family, family.arch_from_hf(raw, path).validate(path)
+    return probe(args)
 
 
 def cmd_plan(args) -> int:
-    from .caps import NodeCaps
-    from .config import PlacementPolicy, load_job
-    from .placement import format_plan, plan_grid
+    from .drivers.plan import plan
 
-    _check_plan_flags(args)
-    job = load_job(args.job) if args.job else None
-    family, cfg, given = _plan_model(args, job)
-    dims = family.dims(cfg)
-    tp = args.tp if args.tp is not None else (job.placement.tp if job else 1)
-    family.check_tp(cfg, tp, "plan --tp")
-    rules.tp_divides_ranks(args.ranks, tp, "plan --ranks", launched=False)
-    replicas = (rules.replicas_value(args.replicas, "plan --replicas") if args.replicas is not None
-                else job.placement.replicas if job else "auto")
-    if replicas != "auto":
-        rules.replicas_divide(args.ranks, tp, replicas, "plan --replicas")
-        if job is not None:
-            job.check_layers(dims.n_layers, args.ranks // replicas, tp)
-        else:
-            rules.stages_fit_layers(args.ranks // replicas, tp, dims.n_layers, "plan --ranks")
-    batch = args.batch or (job.run.batch if job else 1)
-    seq = args.seq or (job.run.seq if job else (2048 if given else min(2048, dims.max_positions)))
-    if not given:  # what `run` would refuse (shape flags carry no limit)
-        rules.seq_fits(seq, dims.max_positions, "plan --seq" if args.seq or job is None else f"{job.path}: [run] seq", ConfigError)
-    precision = _plan_precision(args.precision or args.dtype, args.ranks, job)
-    from .kv_cache import KvSpec
-    from .placement import kv_cost
-
-    if args.kv_cache is not None:
-        kv_specs = [KvSpec.parse(args.kv_cache, "plan --kv-cache")]
-    else:
-        kv_specs = [job.kv_for(r) for r in range(args.ranks)] if job else [KvSpec("full")]
-    # priced in f32 (each rank's precision scales its weight bytes), the KV term cut to the policy
-    cost = kv_cost(family.cost(cfg, batch, seq), kv_specs, seq)
-    per_host = max(1, args.ranks_per_host or tp)
-    mem = None if args.mem_gb is None else int(args.mem_gb * 1e9)
-    caps = [NodeCaps(rank=r, host=f"host{r // per_host}", local_rank=r % per_host, local_size=per_host, cpus=None,
-                     ram_total_bytes=mem, ram_available_bytes=mem, gflops=args.gflops) for r in range(args.ranks)]
-    policy = PlacementPolicy(args.policy) if args.policy else (job.placement.policy if job else PlacementPolicy.BALANCED)
-    if policy is PlacementPolicy.COMPUTE and args.gflops is None:
-        policy = PlacementPolicy.UNIFORM
-    reserve = args.reserve_gb if args.reserve_gb is not None else (job.placement.reserve_ram_gb if job else 1.0)
-    manual = job.placement.manual if job and policy is PlacementPolicy.MANUAL else None
-    grid = plan_grid(cost, caps, policy, int(reserve * 1e9) if mem is not None else 0, tp=tp, replicas=replicas,
-                     manual=manual, precision=precision, where="plan --replicas")
-    held = ",".join(dict.fromkeys(precision)) if precision else "f32"
-    shape = ((f"{len(grid.replicas)} replicas x " if len(grid.replicas) > 1 else "") + f"{grid.n_stages} stage"
-             + ("s" if grid.n_stages != 1 else "") + f" x tp {tp}")
-    print(f"model: {family.describe(cfg)}; {held} weights; "
-          f"batch {batch} x seq {seq}; kv cache {_kv_text(kv_specs)}; policy {policy.value}; "
-          f"{args.ranks} ranks = {shape}")
-    print(format_plan(grid.flat, cost))
-    print(grid.why)
-    return 0
-
-
-def _kv_text(specs) -> str:
-    return ",".join(dict.fromkeys(str(s) for s in specs))
-
-
-def _plan_precision(flag: str | None, ranks: int, job) -> list[str] | None:
-    """Each rank's weight precision for ``plan``: --precision, else the job's, else None (--dtype)."""
-    from .config import Precision
-
-    if flag is None:
-        if job is None or not (job.run.precision is not Precision.F32 or any(o.precision for o in job.ranks)):
-            return None
-        return [job.precision_for(r).value for r in range(ranks)]
-    names = [rules.precision_name(p.strip(), "plan --precision") for p in flag.split(",")]
-    if len(names) == 1:
-        return names * ranks
-    if len(names) != ranks:
-        raise ConfigError("plan --precision", f"{len(names)} precisions for {ranks} ranks",
-                          "give one precision for all ranks or exactly one per rank")
-    return names
-
-
-def _check_plan_flags(args) -> None:
-    """Refuse flag values the planner would otherwise replace by a default or misuse."""
-    counts = {"--ranks": args.ranks, "--tp": args.tp, "--ranks-per-host": args.ranks_per_host,
-              "--batch": args.batch, "--seq": args.seq, "--layers": args.layers, "--hidden": args.hidden,
-              "--heads": args.heads, "--kv-heads": args.kv_heads, "--intermediate": args.intermediate,
-              "--vocab": args.vocab, "--head-dim": args.head_dim, "--max-positions": args.max_positions}
-    for flag, value in counts.items():
-        rules.int_at_least(value, 1, f"plan {flag}")
-    for flag, value in (("--experts", args.experts), ("--top-k", args.top_k)):  # 0: a dense model
-        rules.int_at_least(value, 0, f"plan {flag}")
-    for flag, value, low in (("--mem-gb", args.mem_gb, 0.0), ("--gflops", args.gflops, 0.0),
-                             ("--reserve-gb", args.reserve_gb, None)):
-        if value is not None and not (math.isfinite(value) and (value > low if low is not None else value >= 0)):
-            raise ConfigError(f"plan {flag}", f"got {value}",
-                              "give a finite number " + ("> 0" if low is not None else ">= 0"))
-    # Bounds far past any machine, so absurd values are refused instead of overflowing or
-    # building millions of hypothetical ranks.
-    limits = {"--ranks": (args.ranks, 1_000_000), "--ranks-per-host": (args.ranks_per_host, 1_000_000),
-              "--tp": (args.tp, 1_000_000), "--batch": (args.batch, 2**31), "--seq": (args.seq, 2**31),
-              "--hidden": (args.hidden, 2**31), "--heads": (args.heads, 2**31), "--kv-heads": (args.kv_heads, 2**31),
-              "--intermediate": (args.intermediate, 2**31), "--vocab": (args.vocab, 2**31),
-              "--head-dim": (args.head_dim, 2**31), "--max-positions": (args.max_positions, 2**31),
-              "--experts": (args.experts, 2**20), "--top-k": (args.top_k, 2**20),
-              "--mem-gb": (args.mem_gb, 1e9), "--gflops": (args.gflops, 1e12), "--reserve-gb": (args.reserve_gb, 1e6)}
-    for flag, (value, most) in limits.items():
-        rules.at_most(value, most, f"plan {flag}")
+    return plan(args)
 
 
 def cmd_convert(args) -> int:
-    from .families import convert_hf, hf_family
-    from .outputs import check_output
+    from .drivers.convert import convert
 
-    src = Path(args.hf_dir)
-    if src.suffix.lower() == ".gguf" and not src.is_dir():
-        return _convert_gguf(args, src)
-    if args.dequantize:
-        raise ConfigError("convert --dequantize", "applies to a .gguf source only", "drop the flag")
-    inputs = {f"the source file {p.name}": p for p in (sorted(src.iterdir()) if src.is_dir() else []) if p.is_file()}
-    check_output("convert OUT", args.out, inputs, stream_ok=False)
-    family, _ = hf_family(src)
-    cfg = convert_hf(src, args.out, dtype=args.dtype)
-    print(f"wrote {args.out}: {family.describe(cfg)}")
-    tok = Path(args.out).with_name(f"{Path(args.out).stem}.tokenizer.json")
-    if tok.is_file():  # copied by the family's converter: text prompts work with `generate`
-        print(f"wrote {tok}: the model's tokenizer")
-    return 0
-
-
-def _convert_gguf(args, src: Path) -> int:
-    from .families.gguf import convert_gguf
-    from .outputs import check_output
-
-    check_output("convert OUT", args.out, {f"the source file {src.name}": src}, stream_ok=False)
-    family, cfg, report = convert_gguf(src, args.out, dtype=args.dtype, dequantize=args.dequantize)
-    for line in report.lines():
-        print(f"  {line}")
-    print(f"wrote {args.out}: {family.describe(cfg)}")
-    for path in report.files:
-        print(f"wrote {path}")
-    return 0
+    return convert(args)
 
 
 def cmd_init_model(args) -> int:
-    from .families import require_preset
-    from .outputs import check_output
+    from .drivers.convert import init_model
 
-    family, cfg = require_preset(args.preset, "init-model --preset")
-    out = Path(args.out)
-    check_output("init-model OUT", out, stream_ok=False)
-    family.init_random(out, cfg, seed=args.seed, dtype=args.dtype)
-    print(f"wrote {out}: random {family.name} preset {args.preset!r}, seed {args.seed}")
-    return 0
+    return init_model(args)
 
 
 def cmd_compile_kernels(args) -> int:
-    from .precompile import cache_folders, compile_kernels, writable
+    from .precompile import compile_report
 
-    seconds = compile_kernels()
-    folders = cache_folders()
-    for folder in folders:
-        state = "written" if writable(folder) else "NOT writable: every job compiles again; set NUMBA_CACHE_DIR"
-        print(f"kernel cache: {folder} ({state})")
-    print(f"compiled or loaded every kernel in {seconds:.1f} s")
+    print("\n".join(compile_report()))
     return 0
 
 

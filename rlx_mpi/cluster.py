@@ -13,7 +13,8 @@ order; start-up steps are agreed (`agree`: a bad input on any rank becomes the s
 `AgreedFailure` on all). Drivers live in `rlx_mpi.drivers`; they read the cluster's public
 attributes (``job``, ``world``, ``ctx``, ``family``, ``model_config``, ``dims``, ``stage``,
 ``topology``, ``assignment``, ``plan_``, ``batch``, ``seq``, ``outputs``, ``stop``) and never
-assign them.
+assign them. The files every rank must read alike (the input ids, the checkpoint on every
+host) are checked by `inputs.py`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .checkpoint import H5ParamSource, read_header
 from .config import JobConfig, load_job
 from .errors import CheckpointError, ConfigError, FitError, InputError
 from .faults import STARTUP_SETTING, RankContext, agree, report_and_abort
+from .inputs import check_everywhere, digest, read_ids
 from .outputs import check_output
 from .supervisor import default_startup_timeout_s
 from .placement import Assignment, ModelCost, plan_grid
@@ -207,14 +209,14 @@ class Cluster:
                 created.append(True)
 
         self.agree(create, "creating the preset checkpoint")
-        self.agree(lambda: _check_everywhere(self.world, self.ctx, ckpt, self.job.run.startup_timeout_s,
+        self.agree(lambda: check_everywhere(self.world, self.ctx, ckpt, self.job.run.startup_timeout_s,
                                               bool(created)), "checking every rank sees the checkpoint")
 
         def header() -> None:
             load_plugins(self.job.model.plugins, f"{self.job.path}: [model] plugins")
             family_name, config_json = read_header(ckpt)
-            self._digests = {"job": _digest(Path(self.job.path).read_bytes()),
-                             "ckpt": _digest(f"{family_name}|{config_json}|{ckpt.stat().st_size}".encode())}
+            self._digests = {"job": digest(Path(self.job.path).read_bytes()),
+                             "ckpt": digest(f"{family_name}|{config_json}|{ckpt.stat().st_size}".encode())}
             family = get_family(family_name)
             if family is None:
                 raise CheckpointError(str(ckpt), f"model family {family_name!r} is not registered",
@@ -399,7 +401,7 @@ class Cluster:
                 self._check_seq(self.job.run.seq, f"{self.job.path}: [run] seq")
                 return None
             where = str(path)
-            ids = _read_ids(Path(path), where, lambda shape: self._check_seq(shape[1], where))
+            ids = read_ids(Path(path), where, lambda shape: self._check_seq(shape[1], where))
             self.family.check_inputs(self.model_config, ids, where)
             rules.microbatches_fit(self.job.run.microbatches, ids.shape[0], where, InputError)
             return ids.astype(np.int64)
@@ -438,99 +440,6 @@ class Cluster:
         if self.topology is not None and self.topology.replica_comm is not None:
             self.topology.replica_comm.Free()
         self.world.Free()
-
-
-def _ranges(ranks: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2,5"."""
-    out, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            out.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return ",".join(out)
-
-
-def _by_host(rows: list[dict], status: str) -> str:
-    hosts: dict[str, list[int]] = {}
-    for r in rows:
-        if r["status"] == status:
-            hosts.setdefault(r["host"], []).append(r["rank"])
-    return ", ".join(f"{h} (ranks {_ranges(sorted(rs))})" for h, rs in sorted(hosts.items()))
-
-
-def _check_everywhere(world: Any, ctx: RankContext, path: Path, timeout_s: float, created: bool) -> None:
-    """Every rank checks it sees the checkpoint; rank 0 names the ranks and hosts that do not.
-
-    Note: a checkpoint on a node-local disk exists for some ranks only, and a preset's is created
-    by rank 0 on its own disk: both must fail here, naming the hosts, not later as a bare "not
-    found" on some rank. The same on every rank is left to the header read, which says what is wrong.
-    """
-    status = "ok" if path.is_file() and os.access(path, os.R_OK) else ("unreadable" if path.exists() else "missing")
-    rows = transport.gather_json(world, {"rank": world.rank, "host": ctx.host, "status": status}, 0, timeout_s,
-                                 ctx, "whether the checkpoint is visible")
-    if rows is None or len({r["status"] for r in rows}) == 1:
-        return  # the same everywhere: the header read says what is wrong, if anything
-    parts = [f"exists on {_by_host(rows, 'ok')}"] if any(r["status"] == "ok" for r in rows) else []
-    if any(r["status"] == "missing" for r in rows):
-        parts.append(f"not on {_by_host(rows, 'missing')}")
-    if any(r["status"] == "unreadable" for r in rows):
-        parts.append(f"not readable on {_by_host(rows, 'unreadable')}")
-    what = ("created from the preset by rank 0 on its own disk: " if created else "") + ", ".join(parts)
-    raise CheckpointError(str(path), what, "put it on a filesystem every node mounts (the same path on every node)")
-
-
-def _digest(data: bytes) -> str:
-    import hashlib
-
-    return hashlib.sha256(data).hexdigest()[:16]
-
-
-def _read_ids(path: Path, where: str, check_shape) -> np.ndarray:
-    """Read an integer .npy of input ids, its header checked before any data is read.
-
-    ``check_shape(shape)`` refuses shapes the model cannot take; a forged header (a shape
-    larger than the file) or a file of another kind is refused without allocating.
-    """
-    fix = "save the ids with np.save(path, ids) as an integer array [batch, seq]"
-    if not path.exists():
-        raise InputError(where, "input ids file not found", "give an integer .npy of shape [batch, seq]")
-    if not path.is_file():
-        raise InputError(where, "is not a regular file (a folder, pipe or device)", fix)
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(8)
-            kinds = {b"PK\x03\x04": "a .npz archive (np.savez), not a .npy array",
-                     b"\x89HDF\r\n\x1a\n": "an HDF5 file, not a .npy array"}
-            for head, what in kinds.items():
-                if magic.startswith(head):
-                    raise InputError(where, what, fix)
-            if not magic.startswith(b"\x93NUMPY"):
-                raise InputError(where, "not a .npy file (no NUMPY header)", fix)
-            f.seek(0)
-            version = np.lib.format.read_magic(f)
-            read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-            if version not in read:
-                raise InputError(where, f".npy format version {version} is not supported", fix)
-            shape, fortran, dtype = read[version](f, max_header_size=100_000)
-            data_bytes = path.stat().st_size - f.tell()
-    except PermissionError:
-        raise InputError(where, "cannot open the input ids (permission denied)", "check the file's permissions") from None
-    except (ValueError, OSError, EOFError, SyntaxError) as e:
-        raise InputError(where, f"not a readable .npy header ({e})", fix) from None
-    if dtype.hasobject:
-        raise InputError(where, "holds Python objects (pickled data), not integers", fix)
-    rules.ids_array(dtype, shape, where)
-    check_shape(shape)
-    need = int(np.prod(shape, dtype=object)) * dtype.itemsize
-    if need != data_bytes:
-        raise InputError(where, f"the header says shape {shape} of {dtype} ({need} bytes) but the file holds "
-                         f"{data_bytes} bytes of data", "the file is truncated or not written by np.save; save it again")
-    try:
-        return np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise InputError(where, f"not a readable .npy array ({e})", fix) from None
 
 
 def _shared_type() -> int:

@@ -35,6 +35,8 @@ __all__ = [
     "EXIT_NO_FIT",
     "EXIT_FAULT",
     "EXIT_TIMEOUT",
+    "clip",
+    "json_type",
 ]
 
 EXIT_OK = 0
@@ -100,3 +102,16 @@ class WriteFailed(RlxError):
     """Writing a result failed after the work was done (a full disk, a quota, an I/O error)."""
 
     exit_code = EXIT_FAULT
+
+
+# How a bad value is shown inside a message (prompt, request and config files alike).
+
+def json_type(value) -> str:
+    """The JSON name of a parsed value's type ("integer", "list", "null", ...)."""
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "list",
+            dict: "object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def clip(text: str, n: int = 60) -> str:
+    """``text`` cut to ``n`` characters (a long line must not fill the one error line)."""
+    return text if len(text) <= n else text[:n] + "..."

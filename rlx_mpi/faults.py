@@ -27,6 +27,7 @@ from typing import Any, Callable, TypeVar
 from . import supervisor
 from .errors import EXIT_FAULT, DeadlineExpired, RankFault, RlxError
 from .supervisor import supervise  # noqa: F401  (moved to supervisor.py; kept importable here)
+from .watcher import drain
 
 __all__ = ["RankContext", "AgreedFailure", "wait", "agree", "bounded", "check_finite", "check_output",
            "report_and_abort", "supervise", "STARTUP_SETTING"]
@@ -280,7 +281,7 @@ def report_and_abort(comm: Any, ctx: RankContext, exc_info: Any, exit_code: int 
     sys.stderr.write("\n".join(lines) + "\n")
     sys.stderr.flush()
     sys.stdout.flush()
-    supervisor.drain(sys.stderr.fileno())
+    drain(sys.stderr.fileno())
     supervisor.done()  # reported: the supervisor must not report this end a second time
     from mpi4py import MPI
 

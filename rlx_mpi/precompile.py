@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["compile_kernels", "cache_folders"]
+__all__ = ["compile_kernels", "cache_folders", "compile_report"]
 
 
 def _dispatchers():
@@ -66,3 +66,14 @@ def writable(folder: Path) -> bool:
     while not p.exists() and p != p.parent:
         p = p.parent
     return os.access(p, os.W_OK)
+
+
+def compile_report() -> list[str]:
+    """Compile or load every kernel (`compile_kernels`); the lines ``rlx-mpi compile-kernels``
+    prints: each cache folder and whether it is written, then the time taken."""
+    seconds = compile_kernels()
+    lines = []
+    for folder in cache_folders():
+        state = "written" if writable(folder) else "NOT writable: every job compiles again; set NUMBA_CACHE_DIR"
+        lines.append(f"kernel cache: {folder} ({state})")
+    return lines + [f"compiled or loaded every kernel in {seconds:.1f} s"]

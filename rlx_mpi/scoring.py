@@ -52,9 +52,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .errors import InputError
-from .journal import prompt_digest
-from .prompts import MAX_PROMPT_FILE_BYTES, _check_id, _clip, _json_type, _parse_line, _read_text, _tokens_of
+from .errors import InputError, clip, json_type
+from .identity import prompt_digest
+from .prompts import MAX_PROMPT_FILE_BYTES, _check_id, _parse_line, _read_text, _tokens_of
 from .sampling import _num, log_softmax
 
 __all__ = ["ScorePrompt", "ScoreSummary", "read_score_prompts", "targets", "gather_logprobs", "token_logprobs",
@@ -168,7 +168,7 @@ def _part(value, where: str, vocab_size: int, tokenizer, specials: bool) -> tupl
         return _tokens_of({"text": value}, where, vocab_size, tok)[0]
     if isinstance(value, list):
         return _tokens_of({"tokens": value}, where, vocab_size, tokenizer)[0]
-    raise InputError(where, f"is {_clip(json.dumps(value))}, a {_json_type(value)}",
+    raise InputError(where, f"is {clip(json.dumps(value))}, a {json_type(value)}",
                      "give token ids (a list of integers) or text (a string)")
 
 

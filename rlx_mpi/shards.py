@@ -14,7 +14,7 @@ shard i mod N) balances a file sorted by length better, but its outputs are not 
 whole and every reader would need the merge. Shards differ by at most one prompt.
 
 Note: what merge refuses. Every shard's sidecar records the run identity (checkpoint, sampling,
-max new tokens: `journal.RunIdentity`) and which part it is (K, N, its line range, the file's
+max new tokens: `identity.RunIdentity`) and which part it is (K, N, its line range, the file's
 prompt count). Merge refuses, in one line naming the file: a file without that record (not a
 ``--shard`` output), shards whose identities differ (another model or sampling: the first
 differing setting is named), shards of different splits (N or prompt count), a shard missing
@@ -70,7 +70,7 @@ def select(prompts: Sequence, shard: tuple[int, int] | None, where: str) -> tupl
 
 
 def _read_meta(path: Path) -> dict:
-    from .journal import META_FORMAT, RunIdentity, meta_path
+    from .identity import META_FORMAT, RunIdentity, meta_path
 
     meta = meta_path(path)
     where = f"merge {path}"
@@ -123,7 +123,7 @@ def _rows(path: Path, ids: list[str]) -> bytes:
 def merge(out: str | os.PathLike, shards: Sequence[str | os.PathLike]) -> dict:
     """Join the complete outputs of shards 1..N of one run into ``out`` (and its sidecar): the
     file and record one unsharded job would have written. Returns a summary (rows, shards)."""
-    from .journal import meta_bytes, meta_path
+    from .identity import meta_bytes, meta_path
     from .outputs import check_output
 
     if not shards:

@@ -15,29 +15,8 @@ short lines the rank posts through a pipe:
     code <n>       the rank's exit code is decided (a failure every rank agreed on); it is ending
     done           the rank reached the normal end of the command (any exit code)
 
-The parent ends the job, naming the rank, when the child
-- dies of a signal nobody sent the parent too (the launcher's SIGTERM, a Ctrl-C are not faults;
-  after ``code <n>`` such a death keeps the rank's code: srun --kill-on-bad-exit
-  terminates the ranks still exiting once the first has exited 2, and the job must end with 2);
-- exits without posting ``done`` (``os._exit(0)`` in a plug-in, an import error, a broken MPI);
-- has not posted ``ready`` when the start-up deadline passes (a stopped rank, a hung mount).
-  A rank stopped, or stuck before it even reached MPI_Init, is reported at the deadline
-  (rank r ``STAGGER_S`` x r later, at most 10 steps); a rank inside MPI_Init is most likely
-  waiting for such a rank, so its parent waits a few seconds more (``GRACE_S``, staggered by
-  rank) before it reports that start-up did not finish.
-
-Note: one line when every rank stalls. A hung shared filesystem stalls every rank at once, and
-their deadlines then expire together: each parent reported, and 2 to 4 lines raced to the log
-before the launcher ended the job. So the deadline counts from the start of the launched process
-(not the fork, which a loaded node delays differently for each rank), the ranks' verdicts are
-staggered (the lowest rank speaks first, its death ends the job before the next one's turn), and
-on one host the parents of one launch agree that only the first reports: it holds an abstract
-socket named after the launcher's process (`_first_report`, nothing left on disk), the others end
-the job without a line.
-Launchers react to a death by signal, not reliably to an exit code, so after its report the
-parent cancels the Slurm step (under srun) and kills itself with SIGKILL (MPICH then ends the
-job with code 9, srun --kill-on-bad-exit likewise). A waiting rank's parent gives a stopped or dead rank's parent a few seconds' grace
-to report first, so the line names the rank at fault.
+What the parent makes of them, and how it ends the job naming the rank, is `watcher.py`. This
+module is the rank's side (posting those lines) and the fork.
 
 The supervisor must itself stay responsive: stopped (a SIGSTOP, a debugger) it would neither
 report nor end, and the launcher would wait for it for ever. So the rank watches it in turn (a
@@ -58,32 +37,22 @@ entry point, never from a library: the caller's process becomes the supervisor.
 from __future__ import annotations
 
 import os
-import select
 import signal
 import socket
 import sys
 import time
 
+from .watcher import Watcher, cancel_slurm_step, drain, launched_at, rank_from_env, state
+
 __all__ = ["supervise", "active", "post_context", "watch", "entering_mpi", "ready", "done", "default_startup_timeout_s",
-           "stopped_supervisor_s", "exiting", "DEFAULT_STARTUP_TIMEOUT_S", "DEFAULT_STOPPED_SUPERVISOR_S", "GRACE_S",
-           "STAGGER_S"]
+           "stopped_supervisor_s", "exiting", "DEFAULT_STARTUP_TIMEOUT_S", "DEFAULT_STOPPED_SUPERVISOR_S"]
 
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 DEFAULT_STOPPED_SUPERVISOR_S = 10.0  # RLX_MPI_SUPERVISOR_STOP_S: a stopped supervisor ends the job after this
-GRACE_S = 3.0  # a waiting rank's parent reports this much after a stopped rank's parent
-STAGGER_S = 0.25  # a stalled rank's parent reports this much x rank (at most 10) after the deadline (< GRACE_S)
 _EXIT_FAULT = 4  # errors.EXIT_FAULT, without importing the package's heavier modules here
 
 _post_fd: int | None = None  # in a supervised rank: the pipe to its supervisor
 _context = ""  # in a supervised rank: the last context posted (names the rank in its own report)
-# Signals the supervisor survives; it passes on those that end a process and that a sender may
-# have meant for the rank (launchers signal the whole process group, so the rank has the rest).
-_NOTED = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-# SIGUSR1 too: Slurm's `--signal=USR1@T` (or a user's `kill -USR1`) may reach only the launched
-# process, and `generate` treats it as "finish the step, write, exit for requeue".
-_PASSED_ON = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
-_CRASHES = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT)
-_RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 
 
 def default_startup_timeout_s() -> float:
@@ -149,7 +118,7 @@ def done() -> None:
     _post("done")
     if _post_fd is not None:
         parent = os.getppid()
-        while _state(parent) == "T":  # as _watch_supervisor reads it
+        while state(parent) == "T":  # as _watch_supervisor reads it
             time.sleep(0.1)
 
 
@@ -166,7 +135,7 @@ def supervise() -> None:
     read_fd, write_fd = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
-    parent, started = os.getpid(), _launched_at()
+    parent, started = os.getpid(), launched_at()
     child = os.fork()
     if child == 0:
         os.close(read_fd)
@@ -181,7 +150,7 @@ def supervise() -> None:
                          name="rlx-mpi-supervisor-watch", daemon=True).start()
         return
     os.close(write_fd)
-    code = _Watcher(child, read_fd, started).run()
+    code = Watcher(child, read_fd, started, default_startup_timeout_s()).run()
     os._exit(code)
 
 
@@ -207,7 +176,7 @@ def _watch_supervisor(parent: int, limit_s: float, poll_s: float = 0.5) -> None:
         last = now
         if os.getppid() != parent:  # the supervisor is gone: the parent-death signal ends us
             return
-        if _state(parent) != "T":
+        if state(parent) != "T":
             since = None
             continue
         since = now if since is None else since
@@ -218,7 +187,7 @@ def _watch_supervisor(parent: int, limit_s: float, poll_s: float = 0.5) -> None:
 
 def _supervisor_stopped(parent: int, seconds: float) -> None:
     """Report the stopped supervisor in one line, then end the job as its death would."""
-    who = _context or f"{_rank_from_env()} ({socket.gethostname()})"
+    who = _context or f"{rank_from_env()} ({socket.gethostname()})"
     line = (f"rlx-mpi: error: {who}: its supervisor (pid {parent}, the process the launcher started) has been "
             f"stopped (SIGSTOP or SIGTSTP) for {seconds:.0f} s, and a stopped process never lets the job end; "
             "find what stopped it (a debugger, a kill -STOP, the batch system) and run the job again "
@@ -228,49 +197,13 @@ def _supervisor_stopped(parent: int, seconds: float) -> None:
     except OSError:
         pass
     drain(2)
-    _cancel_slurm_step()
+    cancel_slurm_step()
     try:
         os.kill(parent, signal.SIGKILL)  # the launcher sees its process die of a signal, as for a dead rank
     except ProcessLookupError:
         pass
     time.sleep(1.0)  # the parent-death signal arrives first
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _cancel_slurm_step() -> None:
-    """Under srun: cancel this job step outright (srun ends a step on a signal only with
-    --kill-on-bad-exit). Nothing elsewhere."""
-    job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
-    if not (job and step):
-        return
-    import subprocess
-
-    try:
-        subprocess.run(["scancel", "--quiet", "--signal=KILL", f"{job}.{step}"], timeout=10,
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    except (OSError, subprocess.SubprocessError):
-        pass  # no scancel on this node: the signal still reaches srun --kill-on-bad-exit
-
-
-def drain(fd: int, limit_s: float = 1.0) -> None:
-    """Wait (briefly) until the reader of pipe ``fd`` has taken what we wrote.
-
-    The launcher forwards our stderr and our end by different routes; a report still sitting
-    in the pipe when the launcher ends the job would be lost.
-    """
-    import fcntl
-    import termios
-
-    deadline = time.monotonic() + limit_s
-    buf = bytearray(4)
-    while time.monotonic() < deadline:
-        try:
-            fcntl.ioctl(fd, termios.FIONREAD, buf)
-        except OSError:  # not a pipe (a file, a terminal): nothing to wait for
-            return
-        if int.from_bytes(buf, sys.byteorder) == 0:
-            return
-        time.sleep(0.002)
 
 
 def _die_with_parent(parent: int) -> None:
@@ -280,256 +213,3 @@ def _die_with_parent(parent: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the supervisor died before prctl took effect
         os._exit(_EXIT_FAULT)
-
-
-class _Watcher:
-    """Waits for the rank without burning a core; decides how the launched process ends."""
-
-    def __init__(self, child: int, fd: int, started: float):
-        self.child, self.fd, self.started = child, fd, started
-        self.limit_s, self.limit_by = default_startup_timeout_s(), "RLX_MPI_STARTUP_TIMEOUT_S"
-        self.grace_until: float | None = None
-        self.waited = False  # the in-MPI grace was given
-        self.claim: socket.socket | None = None  # held from the report to the end (`_first_report`)
-        self.context, self.in_mpi, self.is_ready, self.is_done = "", False, False, False
-        self.decided: int | None = None  # the exit code the rank posted with ``code``
-        self.noted: set[int] = set()
-        self.pending = b""
-
-    def run(self) -> int:
-        for sig in _NOTED:
-            signal.signal(sig, self._note)
-        try:
-            pidfd = os.pidfd_open(self.child)  # readable when the child ends (Linux >= 5.3)
-        except (AttributeError, OSError):
-            pidfd = None
-        watched = [self.fd]
-        while True:
-            timeout = None if self.is_ready else max(0.0, self._deadline() - time.monotonic())
-            if pidfd is None:
-                timeout = 0.2 if timeout is None else min(timeout, 0.2)
-            try:
-                ready_fds, _, _ = select.select(watched + ([pidfd] if pidfd is not None else []), [], [], timeout)
-            except InterruptedError:
-                ready_fds = []
-            if self.fd in ready_fds and not self._read():
-                watched = []  # the rank closed the pipe (or died): only wait for it now
-            ended, status = os.waitpid(self.child, os.WNOHANG)
-            if ended:
-                self._read_rest()
-                return self._ended(status)
-            if not self.is_ready and time.monotonic() >= self._deadline():
-                code = self._stalled()
-                if code is not None:
-                    return code
-
-    def _note(self, sig, _frame) -> None:
-        self.noted.add(sig)
-        if sig in _PASSED_ON:
-            try:
-                os.kill(self.child, sig)
-            except ProcessLookupError:
-                pass
-
-    def _deadline(self) -> float:
-        return self.grace_until if self.grace_until is not None else self.started + self.limit_s
-
-    def _read(self) -> bool:
-        try:
-            chunk = os.read(self.fd, 65536)
-        except BlockingIOError:
-            return True
-        self._parse(chunk)
-        return bool(chunk)
-
-    def _read_rest(self) -> None:
-        os.set_blocking(self.fd, False)
-        while True:
-            try:
-                chunk = os.read(self.fd, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            self._parse(chunk)
-        if self.pending:
-            self._parse(b"\n")
-
-    def _parse(self, chunk: bytes) -> None:
-        lines = (self.pending + chunk).split(b"\n")
-        self.pending = lines.pop()
-        for raw in lines:
-            kind, _, rest = raw.decode("utf-8", "replace").partition(" ")
-            if kind == "ctx":
-                self.context = rest
-            elif kind == "watch":
-                seconds, _, by = rest.partition(" ")
-                try:
-                    self.limit_s, self.limit_by = float(seconds), by or self.limit_by
-                except ValueError:
-                    pass
-            elif kind == "init":
-                self.in_mpi = True
-            elif kind == "ready":
-                self.is_ready = True
-            elif kind == "code":
-                if rest.strip().isdigit():
-                    self.decided = int(rest)
-            elif kind == "done":
-                self.is_done = True
-
-    # -- verdicts --------------------------------------------------------------------------------
-
-    def _who(self) -> str:
-        return self.context or f"{_rank_from_env()} ({socket.gethostname()})"
-
-    def _report(self, what: str, fix: str) -> None:
-        """One line naming the rank, unless another rank's parent on this host reported first."""
-        self.claim, first = _first_report()
-        if not first:  # its line is the job's; the launcher is ending every rank
-            return
-        sys.stderr.write(f"rlx-mpi: error: {self._who()}: {what}; {fix}\nrlx-mpi: ending the job\n")
-        sys.stderr.flush()
-        drain(sys.stderr.fileno())
-
-    def _end_job(self) -> int:
-        """Make the launcher end every rank: cancel the Slurm step, then die of SIGKILL.
-
-        Note: launchers react to a death by signal, not reliably to an exit code. MPICH's hydra
-        ignores a non-zero exit of a process that never initialised MPI (the others then spin in
-        MPI_Init for ever), and across hosts it did not end the job on an exit code after
-        MPI_Init either (5 of 5 trials ran on to the forward deadline); plain srun ends a step
-        neither on an exit code nor on a signal unless --kill-on-bad-exit is given, so under
-        Slurm the step is cancelled outright. The job's exit code is then the launcher's (9
-        under MPICH); the line above names the rank.
-        """
-        _cancel_slurm_step()
-        for sig in _NOTED:
-            signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGKILL)
-        return _EXIT_FAULT  # not reached
-
-    def _ended(self, status: int) -> int:
-        phase = "" if self.is_ready else " before MPI start-up finished"
-        if os.WIFSIGNALED(status):
-            sig = os.WTERMSIG(status)
-            if sig in self.noted:  # sent to us both (the launcher, a Ctrl-C): not this rank's fault
-                return self.decided if self.decided is not None else 128 + sig
-            try:
-                name = signal.Signals(sig).name
-            except ValueError:
-                name = f"signal {sig}"
-            if sig == signal.SIGKILL:
-                hint = ("killed from outside: by the kernel's OOM killer (check dmesg or the job's memory limit) "
-                        "or a kill -9")
-            elif sig in _CRASHES:
-                hint = "crashed in native code (numpy, h5py, MPI); its Python stack is above"
-            else:
-                hint = "killed by a signal from outside the program"
-            self._report(f"died of {name} (pid {self.child}){phase}", hint)
-            return self._end_job()
-        code = os.waitstatus_to_exitcode(status)
-        if self.is_done:
-            return code
-        if self.noted:  # the launcher is ending the job: the rank's early exit is its doing
-            return code or 128 + min(self.noted)
-        if not self.is_ready:
-            hint = ("its output above says why: a broken Python, MPI or package installation on that node, "
-                    "an import error, or a plug-in that exits")
-        else:
-            hint = ("a plug-in or library ended the process (exit(), os._exit()) before the job's end; "
-                    "every rank must reach the end for the result to be complete")
-        self._report(f"ended with exit status {code}{phase} (pid {self.child}), before the end of the job", hint)
-        return self._end_job()
-
-    def _stalled(self) -> int | None:
-        """The start-up deadline passed and MPI is not up: report a stopped rank now, a waiting one later."""
-        stopped = _state(self.child) in ("T", "t")
-        rank = _rank_from_env().rpartition(" ")[2]
-        steps = min(int(rank) if rank.isdigit() else 0, 10)
-        if not stopped and self.in_mpi and not self.waited:  # most likely waiting for a rank reported first
-            self.waited = True
-            self.grace_until = time.monotonic() + GRACE_S + 0.5 * steps
-            return None
-        if self.grace_until is None and steps:  # stalled here, maybe on every rank: the lowest speaks first
-            self.grace_until = time.monotonic() + STAGGER_S * steps
-            return None
-        setting = ("[run] startup_timeout_s" if self.limit_by == "startup_timeout_s"
-                   else f"{self.limit_by}, the start-up deadline before the job file is read")
-        if stopped:
-            what = f"stopped (SIGSTOP or SIGTSTP) during start-up and still stopped after {self.limit_s:g} s ({setting})"
-            fix = "find what stopped it (a debugger, a Ctrl-Z, the batch system) or resume it with kill -CONT"
-        elif not self.in_mpi:
-            what = (f"stuck for {self.limit_s:g} s ({setting}) before MPI start-up, while importing Python "
-                    "packages or reading the job file")
-            fix = ("check this node's filesystems (a hung NFS/Lustre mount, a FIFO given as a file) and its Python "
-                   "installation; if start-up is only slow, raise " + setting.split(",")[0])
-        else:
-            what = f"MPI start-up did not finish within {self.limit_s:g} s ({setting})"
-            fix = ("another rank is stuck or dead (see its line above), a filesystem is hanging, or the launcher "
-                   "could not start every rank; if start-up is only slow, raise " + setting.split(",")[0])
-        self._report(what, fix)
-        try:
-            os.kill(self.child, signal.SIGKILL)
-            os.waitpid(self.child, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-        return self._end_job()
-
-
-def _stat_fields(pid: int | str) -> list[str]:
-    """``/proc/<pid>/stat`` from field 3 (the state) on: field k is at index k - 3."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rpartition(")")[2].split()
-
-
-def _launched_at() -> float:
-    """When this process started, on the `time.monotonic` clock (now, if /proc cannot say).
-
-    Note: the fork of the supervisor comes after Python has imported the CLI, which a loaded node
-    makes take a different time on each rank; the launcher starts them all within milliseconds.
-    """
-    now = time.monotonic()
-    try:
-        ticks = int(_stat_fields("self")[19])  # field 22: start time in clock ticks after boot
-        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return now
-    return now - min(max(age, 0.0), 3600.0)
-
-
-def _first_report() -> tuple[socket.socket | None, bool]:
-    """Is this the first rank's parent on this host, in this launch, to report? (the claim, yes/no)
-
-    The claim is an abstract Unix socket named after the launcher's process here (MPICH's proxy,
-    slurmstepd, prted: the parent of every supervisor of the launch on this node) and its start
-    time; the kernel frees it when the holder dies, and it leaves no file behind.
-    """
-    import errno
-
-    launcher = os.getppid()
-    try:
-        name = f"\0rlx-mpi-report-{launcher}-{_stat_fields(launcher)[19]}"
-        claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    except (OSError, IndexError):
-        return None, True
-    try:
-        claim.bind(name)
-    except OSError as e:
-        claim.close()
-        return None, e.errno != errno.EADDRINUSE  # anything else: better two lines than none
-    return claim, True
-
-
-def _state(pid: int) -> str:
-    try:
-        return _stat_fields(pid)[0]
-    except (OSError, IndexError):
-        return "?"
-
-
-def _rank_from_env() -> str:
-    for var in _RANK_VARS:
-        if os.environ.get(var, "").isdigit():
-            return f"rank {os.environ[var]}"
-    return "a rank"

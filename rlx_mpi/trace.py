@@ -24,7 +24,7 @@ from pathlib import Path
 from .errors import ConfigError, InputError
 
 __all__ = ["CATEGORIES", "BUSY_CATEGORIES", "Span", "chrome_trace", "validate_trace", "save_trace",
-           "load_trace", "spans_from_trace", "gantt_png", "bubble"]
+           "load_trace", "spans_from_trace", "gantt_png", "bubble", "summary"]
 
 # the thread (tid) of each category inside a rank's process lane is its index here
 CATEGORIES = ("compute", "pack", "unpack", "send_wait", "recv_wait", "startup", "collective")
@@ -305,3 +305,25 @@ def gantt_png(doc: dict, png_path, title: str | None = None, startup: bool = Fal
                   bbox_to_anchor=(0.5, -0.18 - 0.3 / max(len(rows), 1)), ncol=len(used), fontsize=8, frameon=False)
     fig.tight_layout()
     _write_atomic(png_path, lambda tmp: fig.savefig(tmp, format="png"))
+
+
+def summary(doc: dict) -> str:
+    """Per lane: milliseconds in each category; then the measured bubble beside the ideal
+    (``rlx-mpi trace``)."""
+    names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("ph") == "M"
+             and e.get("name") == "process_name"}
+    spans = spans_from_trace(doc)
+    lines = []
+    for pid in sorted(names):
+        totals: dict[str, float] = {}
+        for sp in spans:
+            if sp.rank == pid:
+                totals[sp.cat] = totals.get(sp.cat, 0.0) + sp.dur_s * 1e3
+        lines.append(f"{names[pid]}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in totals.items()))
+    other = doc.get("otherData", {})
+    if isinstance(other.get("n_stages"), int) and isinstance(other.get("microbatches"), int):
+        b = bubble(spans, other["n_stages"], other["microbatches"])
+        lines.append(f"bubble {100 * b['measured_bubble']:.1f}% measured (busy = compute + pack + unpack), "
+                     f"{100 * b['ideal_bubble']:.1f}% ideal (p-1)/(M+p-1) for p = {b['n_stages']}, "
+                     f"M = {b['microbatches']}; window {b['window_s'] * 1e3:.1f} ms")
+    return "\n".join(lines)

@@ -12,8 +12,9 @@ pytest.importorskip("tokenizers", reason="the 'text' extra (tokenizers) is not i
 from rlx_mpi.batch_io import (CHAT_URL, COMPLETIONS_URL, MAX_N, format_result, read_requests,  # noqa: E402
                               stop_text)
 from rlx_mpi.errors import InputError  # noqa: E402
-from rlx_mpi.journal import RunIdentity, _digest_of, prompt_digest  # noqa: E402
-from rlx_mpi.prompts import Prompt, load_tokenizer, read_prompts  # noqa: E402
+from rlx_mpi.identity import RunIdentity, digest_of, prompt_digest  # noqa: E402
+from rlx_mpi.prompts import Prompt, read_prompts  # noqa: E402
+from rlx_mpi.tokenizer import load_tokenizer  # noqa: E402
 from rlx_mpi.sampling import RowSettings, SamplingParams, prompt_key, sample, sample_id, sample_rows  # noqa: E402
 from rlx_mpi.scheduler import Scheduler  # noqa: E402
 
@@ -170,7 +171,7 @@ def test_our_prompt_lines_take_settings_of_their_own(tmp_path, tok):
     a, b, c = read_requests(path, tokenizer=tok, **LIMITS)
     assert a.settings == RowSettings(max_tokens=3, temperature=0.5, seed=2) and a.request is None
     assert b.settings == RowSettings(stop=("w2",), top_p=0.5) and c.settings is None
-    assert _digest_of(a) != prompt_digest(a.tokens) and _digest_of(c) == prompt_digest(c.tokens)
+    assert digest_of(a) != prompt_digest(a.tokens) and digest_of(c) == prompt_digest(c.tokens)
     # a long max_tokens of its own must fit the model, and bad values are the file's error (our format is strict)
     for line, where, words in [({"id": "a", "tokens": [1], "max_tokens": 64}, "ours.jsonl:1", 'its "max_tokens"'),
                                ({"id": "a", "tokens": [1], "temperature": -1}, "ours.jsonl:1", "temperature is -1"),
@@ -184,18 +185,18 @@ def test_our_prompt_lines_take_settings_of_their_own(tmp_path, tok):
 
 def test_digests_cover_a_rows_settings_and_stay_as_before_without(tmp_path, tok):
     plain = Prompt(0, "a", (1, 2), None)
-    assert _digest_of(plain) == prompt_digest((1, 2))  # files written before resume unchanged
+    assert digest_of(plain) == prompt_digest((1, 2))  # files written before resume unchanged
     a, b, c, d, e = read(tmp_path, tok, cmpl("a"), cmpl("b", temperature=0.5), cmpl("c", temperature=0.6),
                          cmpl("d", stop="w1"), cmpl("e", n=0))
-    assert len({_digest_of(p) for p in (a, b, c, d, e)}) == 5
-    assert _digest_of(a) == prompt_digest(a.tokens)  # no settings of its own
-    assert _digest_of(e) != prompt_digest(())  # a failed line's error is in its digest
+    assert len({digest_of(p) for p in (a, b, c, d, e)}) == 5
+    assert digest_of(a) == prompt_digest(a.tokens)  # no settings of its own
+    assert digest_of(e) != prompt_digest(())  # a failed line's error is in its digest
 
 
 def test_the_jobs_seed_is_in_the_identity_once_a_row_samples(monkeypatch):
-    import rlx_mpi.journal as journal
+    import rlx_mpi.identity as identity
 
-    monkeypatch.setattr(journal, "model_identity", lambda checkpoint: {"family": "llama"})
+    monkeypatch.setattr(identity, "model_identity", lambda checkpoint: {"family": "llama"})
     greedy = SamplingParams(0.0, 0, 1.0, 7)
     assert "seed" not in RunIdentity.for_generate("m.h5", greedy, 8).settings
     assert RunIdentity.for_generate("m.h5", greedy, 8, sampled=True).settings["seed"] == 7

@@ -8,6 +8,7 @@
   scripts) must exist.
 - README's test command is the one ``.ci/run`` runs.
 - Every relative link in README and docs/ points at a file that exists.
+- Every command of the parser has its row in docs/commands.md, and the row names every flag.
 """
 
 from __future__ import annotations
@@ -147,6 +148,33 @@ def test_relative_links_point_at_files_that_exist():
             if not (page.parent / target).exists():
                 bad.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not bad, bad
+
+
+def _subcommands() -> dict:
+    """command name -> its argparse subparser."""
+    sub = next(a for a in cli._parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    return dict(sub.choices)
+
+
+def test_every_flag_of_the_parser_is_in_the_commands_page():
+    """A flag the page does not list is one a user cannot find (--shard, --adopt-output and
+    --ignore-eos were missing once): each command's row in the table names all of its flags."""
+    page = (ROOT / "docs" / "commands.md").read_text()
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `rlx-mpi ([a-z-]+)\b.*$", page, re.M)}
+    missing = []
+    for name, parser in _subcommands().items():
+        if name not in rows:
+            missing.append(f"the command {name} has no row")
+            continue
+        for action in parser._actions:
+            for flag in action.option_strings:
+                if flag.startswith("--") and flag != "--help" and not re.search(re.escape(flag) + r"(?![\w-])", rows[name]):
+                    missing.append(f"{name} {flag}")
+    for action in cli._parser()._actions:  # the flags before the command (--debug)
+        for flag in action.option_strings:
+            if flag.startswith("--") and flag != "--help" and f"`{flag}`" not in page:
+                missing.append(f"rlx-mpi {flag}")
+    assert not missing, f"docs/commands.md does not list: {', '.join(missing)}"
 
 
 def _update() -> None:

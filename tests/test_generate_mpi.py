@@ -348,3 +348,23 @@ def test_json_stats_are_written_and_checked_before_compute(tmp_path, tiny_ckpt):
     errors = [line for line in bad.stderr.splitlines() if line.startswith("rlx-mpi: error:")]
     assert bad.returncode == 2 and len(errors) == 1 and "is the prompt file" in errors[0], bad.stderr
     assert prompts.read_bytes() == before and not again.exists()
+
+
+def test_few_prompts_are_split_so_every_stage_has_a_group(tmp_path, tiny_ckpt):
+    """4 prompts, the default batch 4 and one group per stage: 2 ranks made one group of 4 and the
+    two stages took turns (issue #34); now two groups of 2 (two prefill steps), rows unchanged
+    against one rank, where one group of 4 holds them all."""
+    prompts = write_prompts(tmp_path / "p.jsonl", [(f"q{i}", np.random.default_rng(40 + i).integers(0, 512, 4 + i))
+                                                   for i in range(4)])
+
+    def launch(ranks):
+        return lambda: generate(tmp_path, tiny_ckpt, ranks, prompts, tmp_path / f"o{ranks}.jsonl", "--max-new-tokens",
+                                "6", "--json", tmp_path / f"s{ranks}.json", name=f"job{ranks}.toml")
+    one, two = in_pairs(launch(1), launch(2))
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    assert "4 rows for 2 groups of 4: 2 per group" in two.stderr, two.stderr
+    assert "rows for" not in one.stderr  # one group of 4 slots for 4 rows: as given
+    steps = {r: json.loads((tmp_path / f"s{r}.json").read_text())["prefill_steps"] for r in (1, 2)}
+    assert steps == {1: 1, 2: 2}, steps
+    rows = {r: without_ms(rows_of(tmp_path / f"o{r}.jsonl")) for r in (1, 2)}
+    assert len(rows[2]) == 4 and rows[1] == rows[2]

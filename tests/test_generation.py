@@ -531,3 +531,26 @@ def test_logprobs_flag_over_the_job_and_its_bounds(tmp_path):
         with pytest.raises(ConfigError, match=needle) as e:
             GenerateOptions.resolve(Namespace(**{**flags, "logprobs": bad}), job)
         assert e.value.where == "generate --logprobs"
+
+
+def test_split_batch_gives_every_group_rows_when_few_are_queued():
+    from rlx_mpi.scheduler import split_batch
+
+    assert split_batch(8, 2, 8) == 4  # the case: one group of 8 became two of 4
+    assert split_batch(9, 2, 8) == 5 and split_batch(4, 2, 4) == 2 and split_batch(1, 4, 8) == 1
+    assert split_batch(16, 2, 8) == 8 and split_batch(100, 2, 8) == 8  # enough rows: the batch as given
+    assert split_batch(8, 1, 8) == 8 and split_batch(3, 1, 8) == 3  # one group: never more slots than rows
+    assert split_batch(0, 2, 8) == 8  # nothing queued: unchanged
+    for rows in range(1, 40):
+        for groups in range(1, 5):
+            b = split_batch(rows, groups, 8)
+            assert 1 <= b <= 8 and (b == 8 or groups * b >= rows > groups * (b - 1))
+
+
+@pytest.mark.parametrize("batch", [4, 2])  # the job's batch, then what split_batch makes of 4 rows in 2 groups
+def test_every_group_gets_rows_at_its_first_turn_only_with_the_split_batch(batch):
+    prompts = [(i, f"p{i}", (1 + i, 2, 3)) for i in range(4)]
+    s = Scheduler(prompts, groups=2, batch=batch, max_new_tokens=2, eos_ids=frozenset(), recompute=False)
+    first = [s.next_step(g) for g in range(2)]
+    sizes = [0 if st is None else len(st.rows) for st in first]
+    assert sizes == ([4, 0] if batch == 4 else [2, 2])  # 4: the second stage idles until group 0 comes round

@@ -389,8 +389,8 @@ def test_cli_converts_and_logs_per_type(tmp_path, good_gguf):
     assert f"wrote {out}: llama, 2 layers" in r.stdout and f"wrote {tmp_path / 'm.tokenizer.json'}" in r.stdout
     with h5py.File(out, "r") as f:
         assert f["layers/0/up_proj/codes"].dtype == np.int8 and f["layers/0/q_proj"].attrs["dtype"] == "bfloat16"
-    # the tokenizer stored beside it reads back through prompts.load_tokenizer: one byte a token here
-    from rlx_mpi.prompts import load_tokenizer
+    # the tokenizer stored beside it reads back through tokenizer.load_tokenizer: one byte a token here
+    from rlx_mpi.tokenizer import load_tokenizer
 
     tok = load_tokenizer(out)
     assert tok.encode("A b") == [ord("A") - 32, ord(" ") - 32, ord("b") - 32] and tok.decode([33, 66]) == "Ab"

@@ -344,7 +344,7 @@ def test_a_pipe_is_refused_without_opening_it(tmp_path):
 
 # -- what made the rows (issue 17, finding 2) ------------------------------------------------------
 
-from rlx_mpi.journal import RunIdentity, meta_path, model_identity  # noqa: E402
+from rlx_mpi.identity import RunIdentity, meta_path, model_identity  # noqa: E402
 from rlx_mpi.sampling import SamplingParams  # noqa: E402
 
 
@@ -597,7 +597,7 @@ def test_the_sidecar_never_replaces_an_input(tmp_path):
 # -- settings stated per rank, said per layer (issue 36) ----------------------------------------------
 
 from rlx_mpi.config import parse_job  # noqa: E402
-from rlx_mpi.journal import layout_settings  # noqa: E402
+from rlx_mpi.identity import layout_settings  # noqa: E402
 from rlx_mpi.placement import Assignment  # noqa: E402
 
 
@@ -664,7 +664,7 @@ def test_a_finished_file_made_another_way_is_not_called_done(tmp_path, tiny_ckpt
 def test_the_tokenizer_and_chat_template_are_part_of_the_identity(tmp_path, tiny_ckpt):
     from types import SimpleNamespace
 
-    from rlx_mpi.journal import beside_settings
+    from rlx_mpi.identity import beside_settings
 
     assert beside_settings(None) == {"tokenizer": "none", "chat template": "none"}
     f = tmp_path / "tokenizer.json"

@@ -111,28 +111,28 @@ def test_every_rank_stalling_before_mpi_prints_one_line(tmp_path, tiny_ckpt, kin
 
 
 def test_the_first_report_claim_is_held_until_its_holder_lets_go():
-    """`_first_report`: the first caller on this host and launcher holds the claim; a second is
+    """`watcher.first_report`: the first caller on this host and launcher holds the claim; a second is
     told to stay quiet; once the holder is gone (its process dies) the claim is free again."""
-    from rlx_mpi import supervisor
+    from rlx_mpi import watcher
 
-    first, yes = supervisor._first_report()
+    first, yes = watcher.first_report()
     try:
         assert yes and first is not None
-        second, again = supervisor._first_report()
+        second, again = watcher.first_report()
         assert (second, again) == (None, False)
     finally:
         first.close()
-    third, yes = supervisor._first_report()
+    third, yes = watcher.first_report()
     assert yes and third is not None
     third.close()
 
 
 def test_the_start_up_deadline_counts_from_the_process_start():
-    """`_launched_at`: this process's start on the monotonic clock, before now and not after the
+    """`watcher.launched_at`: this process's start on the monotonic clock, before now and not after the
     test session began (a fork-time clock would be later than the session's start)."""
-    from rlx_mpi import supervisor
+    from rlx_mpi import watcher
 
-    started = supervisor._launched_at()
+    started = watcher.launched_at()
     assert started <= time.monotonic()
     assert started <= _SESSION_T0 + 0.05  # the clock tick is 10 ms
 

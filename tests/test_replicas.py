@@ -165,7 +165,8 @@ def test_shards_are_contiguous_near_equal_parts():
 
 
 def _journals(tmp_path, n_shards, rows=10, identity_settings=None, finish=True):
-    from rlx_mpi.journal import Journal, RunIdentity
+    from rlx_mpi.identity import RunIdentity
+    from rlx_mpi.journal import Journal
     from rlx_mpi.prompts import Prompt
     from rlx_mpi.shards import select
 
@@ -183,7 +184,7 @@ def _journals(tmp_path, n_shards, rows=10, identity_settings=None, finish=True):
 
 
 def test_merge_joins_shards_into_the_one_job_file(tmp_path):
-    from rlx_mpi.journal import meta_path
+    from rlx_mpi.identity import meta_path
     from rlx_mpi.shards import merge
 
     whole, = _journals(tmp_path, 1)
@@ -213,7 +214,8 @@ def test_merge_refuses_unfinished_foreign_and_unsharded_inputs(tmp_path):
 
 def test_a_shard_output_resumes_only_as_that_shard(tmp_path):
     from rlx_mpi.errors import InputError
-    from rlx_mpi.journal import Journal, RunIdentity
+    from rlx_mpi.identity import RunIdentity
+    from rlx_mpi.journal import Journal
     from rlx_mpi.prompts import Prompt
     from rlx_mpi.shards import select
 

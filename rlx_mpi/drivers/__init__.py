@@ -23,6 +23,10 @@ the order `Cluster.start` and `Cluster.run` call them on every rank:
 `run.py` is the GPipe forward of ``rlx-mpi run``; `generate.py` the decode ring of ``rlx-mpi
 generate``; `score.py` the teacher-forced forward of ``rlx-mpi score``. `Driver` gives the
 members most commands leave as they are.
+
+The other commands' bodies are one function each, beside them (`cli.py` only parses and
+dispatches): `probe.py` (``rlx-mpi probe``: MPI, but no shared start-up), `plan.py` (``rlx-mpi
+plan``, no MPI), `convert.py` (``rlx-mpi convert`` and ``init-model``, no MPI).
 """
 
 from __future__ import annotations
@@ -85,9 +89,9 @@ class JournalDriver(Driver):
 
     def settle(self, cx: Any) -> None:
         """Once placed, rank 0's journal learns the settings stated per rank or acting at the stage
-        cuts (`journal.layout_settings`) and decides on the rows already there (agreed), before
+        cuts (`identity.layout_settings`) and decides on the rows already there (agreed), before
         any compute: a resume made another way is refused naming the setting."""
-        from ..journal import layout_settings
+        from ..identity import layout_settings
 
         def settle() -> None:
             journal = self.holder.get("journal")

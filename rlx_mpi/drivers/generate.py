@@ -37,7 +37,7 @@ import inspect
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,7 +52,8 @@ from ..batch_io import format_result, is_batch, stop_text
 from ..sampling import (SamplingParams, logprob_entries, logprobs, pack_sampled, prompt_key, sample_id, sample_rows,
                         unpack_sampled)
 from ..schedule import Action, decode_drain_actions, decode_step_actions
-from ..scheduler import DECODE, MIXED, STOP, Scheduler, Seq, Step, chunk_start, decode_rows, make_header, read_header
+from ..scheduler import (DECODE, MIXED, STOP, Scheduler, Seq, Step, chunk_start, decode_rows, make_header, read_header,
+                         split_batch)
 from ..stats import GenerateResult, StageTiming, peak_rss_bytes
 
 __all__ = ["GenerateDriver", "GenerateOptions", "DecodeRing", "GenStats", "GenerateResult", "lockstep_fold"]
@@ -353,7 +354,7 @@ class GenerateOptions:
     out: Any  # Path
     max_new_tokens: int
     sampling: SamplingParams
-    eos_id: int | None  # None: every one the checkpoint names (`prompts.eos_ids_beside`)
+    eos_id: int | None  # None: every one the checkpoint names (`tokenizer.eos_ids_beside`)
     batch: int
     groups: int  # 0: one per stage
     prefill_chunk: int  # positions per prefill step of a new group; 0: whole prompts
@@ -435,8 +436,9 @@ class GenerateDriver(JournalDriver):
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; (cache slots, longest sequence), None when all are done."""
         from ..batch_io import read_requests
-        from ..journal import Journal, RunIdentity, beside_settings, unplaced_settings
-        from ..prompts import eos_ids_beside, load_tokenizer
+        from ..identity import RunIdentity, beside_settings, unplaced_settings
+        from ..journal import Journal
+        from ..tokenizer import eos_ids_beside, load_tokenizer
 
         cx.prepare()
         dims, job, opts = cx.dims, cx.job, self.opts
@@ -506,6 +508,13 @@ class GenerateDriver(JournalDriver):
     def check_plan(self, cx: Any) -> None:
         job = cx.job
         self.groups = self.opts.groups or cx.topology.n_stages
+        # fewer rows than slots: spread them so that every stage has a group (`scheduler.split_batch`)
+        batch = split_batch(len(self.doc["pending"]), self.groups * cx.topology.n_replicas, self.opts.batch)
+        if batch != self.opts.batch:
+            if cx.is_root:
+                log.info("%d rows for %d groups of %d: %d per group, so that every stage has one",
+                         len(self.doc["pending"]), self.groups * cx.topology.n_replicas, self.opts.batch, batch)
+            self.opts = replace(self.opts, batch=batch)
 
         def same_kv() -> None:
             for a in cx.plan_:
@@ -558,7 +567,7 @@ class GenerateDriver(JournalDriver):
                             ctx=cx.ctx, timeout_s=timeout) if shared and topo.stage == 0 else None)
         decode = None
         if doc["stops"] and topo.stage == 0:  # stop strings end rows on stage 0, which decodes them
-            from ..prompts import load_tokenizer
+            from ..tokenizer import load_tokenizer
 
             decode = (holder.get("tokenizer") or load_tokenizer(job.model.checkpoint)).decode
         sched = Scheduler([] if feed else items, self.groups, opts.batch,

@@ -178,8 +178,9 @@ class ScoreDriver(JournalDriver):
 
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; the rounds on every rank; None when all are done."""
-        from ..journal import Journal, RunIdentity, beside_settings, unplaced_settings
-        from ..prompts import load_tokenizer
+        from ..identity import RunIdentity, beside_settings, unplaced_settings
+        from ..journal import Journal
+        from ..tokenizer import load_tokenizer
         from ..scoring import read_score_prompts
 
         cx.prepare()

@@ -596,7 +596,7 @@ def _add_bos(meta: dict) -> bool:
 
 
 def tokenizer_files(meta: dict, vocabulary: bool = True) -> dict[str, str]:
-    """The files `prompts.load_tokenizer` reads, as text: ``tokenizer.json`` (when the metadata
+    """The files `tokenizer.load_tokenizer` reads, as text: ``tokenizer.json`` (when the metadata
     has a vocabulary and ``vocabulary``; it needs the tokenizers package), ``tokenizer_config.json``
     (special tokens, chat template) and ``generation_config.json`` (the end-of-sequence ids
     generate stops at)."""

@@ -685,7 +685,7 @@ def convert(family, hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, d
     return cfg
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what `prompts.load_tokenizer` reads
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what `tokenizer.load_tokenizer` reads
 # chat_template.jinja: transformers 5 saves the chat template there (it wins over the config's);
 # generation_config: the end-of-sequence ids, copied even without a tokenizer (ids-only prompts)
 _COPIED = (*TOKENIZER_FILES, "chat_template.jinja", "generation_config.json")
