@@ -231,6 +231,18 @@ class H5ParamSource:
         node = self._node(name)
         return node.shape if isinstance(node, _Quant) else tuple(node.shape)
 
+    def stored(self, name: str) -> tuple | None:
+        """How tensor ``name`` is stored, from its attributes alone (no data read): None for
+        floats, ("q4", group, bytes of a scale / minimum: 2 when both are float16, else 4) or
+        ("q8", group): what the planner prices a rank's resident bytes from (weights.held_bytes)."""
+        node = self._node(name)
+        if not isinstance(node, _Quant):
+            return None
+        if node.kind == "q8":
+            return ("q8", node.group)
+        half = node.g["scale"].dtype == np.float16 and node.g["minimum"].dtype == np.float16
+        return ("q4", node.group, 2 if half else 4)
+
     def read_q8(self, name: str, *, axis: int | None = None, part: int = 0,
                 parts: int = 1) -> tuple[np.ndarray, np.ndarray] | None:
         """A q8 group (or its slice) as an int8 rank holds it: (int8 codes, float32 scales, one
