@@ -356,7 +356,7 @@ def q4_trial(folder: Path, job: Path, m: dict, p32: dict, plong: dict, new: int,
             mine.setdefault(key, []).append(ours_ts)
             theirs.setdefault(key, []).append(llama_batched(bin_dir, m["gguf"][name], t, 32, 32, 8))
     if "prefill" not in skip:
-        for n in (128, 512):  # 128 / 512 rows a product: kernels/gemm_q4.py on AVX-512 VNNI
+        for n in (128, 512):  # 128 / 512 rows a product: kernels/q4gemm.py on AVX-512 VNNI
             key = f"prefill {n}, q4 vs Q4_0, {t} thread(s)"
             wait_quiet(args.quiet, args.quiet_wait)
             ours(folder, job, plong[n], 1, 1, t, args.mpiexec)

@@ -1,4 +1,4 @@
-"""q4 prefill products in one process: kernels/gemm_q4.py against the paths it replaced.
+"""q4 prefill products in one process: kernels/q4gemm.py against the paths it replaced.
 
     OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python bench/bench_q4_gemm.py --rows 16,32,64,128,512 --threads 1
     OMP_NUM_THREADS=2 NUMBA_NUM_THREADS=2 python bench/bench_q4_gemm.py --rows 128,512 --threads 2

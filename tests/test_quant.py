@@ -118,7 +118,7 @@ needs_vnni = pytest.mark.skipif(not kernels.Q4_GEMM, reason="the q4 GEMM needs A
 @pytest.mark.parametrize("pairs", ["f16", "f32"])
 @pytest.mark.parametrize("m, n, k", [(1, 16, 32), (13, 17, 96), (29, 45, 320), (130, 70, 64)])
 def test_q4_gemm_against_naive_numpy(m, n, k, pairs):
-    """Prefill's product (kernels/gemm_q4.py) is decode's arithmetic (x in int8 groups, integer
+    """Prefill's product (kernels/q4gemm.py) is decode's arithmetic (x in int8 groups, integer
     products, float64 here) within float32 rounding, and the float64 product of the dequantized
     weights within the activations' rounding; odd shapes: partial tiles of rows and of blocks."""
     rng = np.random.default_rng(m * n + k)

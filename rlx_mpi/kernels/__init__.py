@@ -11,7 +11,7 @@
 - ``bits``: float32 <-> bf16 / f16 bit patterns, shared with the wire codecs (rlx_mpi.wire)
 - ``rowdot``: the decode matvecs' dot products as LLVM vector IR (prefetch, 2-row tiles)
 - ``gemm``: prefill's float32 products of 65-192 rows on AVX-512, as LLVM vector IR (8 x 3 tiles)
-- ``gemm_q4``: prefill's q4 products (16 rows and more) on AVX-512 VNNI: int8 activations x 4-bit codes
+- ``q4gemm``: prefill's q4 products (16 rows and more) on AVX-512 VNNI: int8 activations x 4-bit codes
 - ``_fresh``: drops the numba caches when any kernel source changed (numba keys each on its own file)
 
 The ``_`` kernels are ``@numba.njit(cache=True)`` with no validation and no allocation; the
@@ -41,7 +41,7 @@ from .lowp import (INT8_BLOCK, INT8_GROUPS, int8_block, matvec_rows, WEIGHT_FORM
 from .matvec import F32_MATVEC_ROWS, _matvec_float, matvec_f32
 from .quant import GROUP as Q4_GROUP, VNNI, dequantize_q4, matvec_q4, pairs_f32, q4_nbytes, quantize_q4
 from .gemm import F32_GEMM, F32_GEMM_ROWS, gemm_f32
-from .gemm_q4 import Q4_GEMM, Q4_GEMM_ROWS, fused_gemm_q4, gemm_q4
+from .q4gemm import Q4_GEMM, Q4_GEMM_ROWS, fused_gemm_q4, gemm_q4
 from ._common import pool_threads
 from .decode_layer import FORMATS as DECODE_LAYER_FORMATS, decode_layer, warm_up as warm_up_decode_layer
 

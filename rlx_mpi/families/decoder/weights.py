@@ -90,7 +90,7 @@ class Linear:
             raise ValueError(f"Linear: input has {c} features, the weight {self.shape} takes {self.shape[1]}")
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, c)  # (B*T, in): one GEMM, not B
         rows = x2.shape[0]
-        if self.precision == "q4" and kernels.Q4_GEMM and rows >= kernels.Q4_GEMM_ROWS:  # prefill (kernels/gemm_q4.py)
+        if self.precision == "q4" and kernels.Q4_GEMM and rows >= kernels.Q4_GEMM_ROWS:  # prefill (kernels/q4gemm.py)
             y = kernels.fused_gemm_q4(x2, self.data, self.scale)
         elif self.precision != "f32" and rows <= kernels.matvec_rows(self.precision):  # decode
             y = kernels.fused_matvec(x2, self.data, self.precision, self.scale,
