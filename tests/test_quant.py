@@ -155,6 +155,27 @@ def test_q4_gemm_rows_do_not_depend_on_the_batch_or_threads():
         assert np.array_equal(kernels.gemm_q4(x[a:b].copy(), codes, sm), together[a:b], equal_nan=True)
 
 
+def test_q4_gemm_rounds_rows_as_decode_does():
+    """The GEMM's int8 rows: per group decode's scale and sum, the same bits
+    (quant._quantize_rows_q8), codes rint(x / d) in the GEMM's layout (each 8 columns: the 4 even,
+    then the 4 odd), padding rows zero; a NaN stays in its group's scale."""
+    from rlx_mpi.kernels import q4gemm
+
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((5, 96)) * np.exp(rng.standard_normal((5, 96)))).astype(np.float32)
+    x[2, 40] = np.nan
+    xq, xs = np.empty((7, 96), np.int8), np.empty((7, 6), np.float32)
+    q4gemm._quantize_rows(x, xq, xs)
+    dq, ds = np.empty((5, 96), np.int8), np.empty((5, 6), np.float32)
+    quant._quantize_rows_q8(x, dq, ds)
+    assert np.array_equal(xs[:5], ds, equal_nan=True) and not xq[5:].any() and not xs[5:].any()
+    d = np.repeat(xs[:5, 0::2], 32, axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        want = np.where(np.isfinite(d) & (d > 0), np.rint(x * (np.float32(1) / d)), 0)
+    order = np.arange(96).reshape(-1, 4, 2).transpose(0, 2, 1).reshape(-1)  # per 8 columns: even, then odd
+    assert np.array_equal(xq[:5], np.nan_to_num(want[:, order]).astype(np.int8))
+
+
 @needs_vnni
 def test_q4_gemm_checks_name_what_to_pass():
     codes, sm = kernels.quantize_q4(np.ones((4, 64), np.float32))

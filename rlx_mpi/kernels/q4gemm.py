@@ -136,28 +136,38 @@ def _tile(typingctx, wp, sdm, xq, xs, m0, tout):
 @numba.njit(cache=True, nogil=True, error_model=ERR)
 def _quantize_rows(x, xq, xs):
     """x (M, K) f32 -> xq (M', K) int8, xs (M', 2G) f32, rows past M zero. Per group of 32: d =
-    max|x| / 127 and the sum of x (quant._quantize_rows_q8's arithmetic, in the same order), codes
-    rint(x / d); in each 8 columns c .. c+7 of a group the even ones first, then the odd ones."""
+    max|x| / 127 and the sum of x (quant._quantize_rows_q8's arithmetic, each group's sum in column
+    order: the same bits; tested), codes rint(x / d); in each 8 columns c .. c+7 of a group the
+    even ones first, then the odd ones.
+
+    Note: the groups' sums are taken side by side (column j of every group, then column j+1), not
+    one group after the other: the same additions in the same order per group, but independent
+    chains for the CPU to overlap; 2.9x faster at 128 x 1024 and 128 x 2816 (1 thread, in process,
+    loaded host), where one chain of 32 dependent additions per group had made this 6 % of a
+    product at 5632 x 1024 and ~25 % at 1024 x 1024."""
     groups = xs.shape[1] // 2
+    total = np.empty(groups, np.float32)
+    peak = np.empty(groups, np.float32)
     for r in range(xq.shape[0]):
         if r >= x.shape[0]:
             xq[r, :] = 0
             xs[r, :] = 0
             continue
+        total[:] = 0.0
+        peak[:] = 0.0
+        for j in range(32):
+            for g in range(groups):
+                v = x[r, g * 32 + j]
+                total[g] += v
+                a = abs(v)
+                if a > peak[g] or a != a:  # a NaN must win and stay (as decode's rounding)
+                    peak[g] = a
         for g in range(groups):
-            lo = g * 32
-            peak = np.float32(0.0)
-            total = np.float32(0.0)
-            for k in range(lo, lo + 32):
-                a = abs(x[r, k])
-                total += x[r, k]
-                if a > peak or a != a:  # a NaN must win and stay (as decode's rounding)
-                    peak = a
-            d = peak / np.float32(127.0)
+            d = peak[g] / np.float32(127.0)
             xs[r, 2 * g] = d
-            xs[r, 2 * g + 1] = total
+            xs[r, 2 * g + 1] = total[g]
             inv = np.float32(1.0) / d if d > 0 and d < np.inf else np.float32(0.0)
-            for c in range(lo, lo + 32, 8):
+            for c in range(g * 32, g * 32 + 32, 8):
                 for t in range(4):
                     xq[r, c + t] = np.int8(np.rint(x[r, c + 2 * t] * inv))
                     xq[r, c + 4 + t] = np.int8(np.rint(x[r, c + 2 * t + 1] * inv))
