@@ -39,7 +39,7 @@ from .bits import f16_exact
 from .quant import GROUP, check_q4
 from .rowdot import _I32, _idx, _target_has
 
-__all__ = ["gemm_q4", "Q4_GEMM", "Q4_GEMM_ROWS", "TILE_M", "LANES"]
+__all__ = ["gemm_q4", "fused_gemm_q4", "Q4_GEMM", "Q4_GEMM_ROWS", "TILE_M", "LANES"]
 
 Q4_GEMM = _target_has("avx512vnni") and _target_has("avx512bw")  # 512-bit vpdpbusd
 LANES = 16  # weight rows per block: a zmm of int32 / float32 lanes
