@@ -41,7 +41,7 @@ cpus and pins T BLAS/numba threads; llama.cpp gets ``-t T``), trials interleaved
   per 32 weights, from ``rlx-mpi convert --dtype q4``) against llama.cpp's Q4_0 and Q4_K_M, both
   made from the same f32 GGUF by ``llama-quantize``: batch-1 decode (as above; one run of ours
   set against each of theirs), 8 prompts x 32 new whole time (as above, q4 against each), prefill
-  128 (as above, against Q4_0's pp128); the bandwidth fractions with each side's own bytes (ours:
+  128 and 512 (as above, against Q4_0's pp128 / pp512); the bandwidth fractions with each side's own bytes (ours:
   half a byte a weight and 4 bytes a group of 32; theirs: the GGUF's tensors bar the embedding, read
   with gguf's reader); our resident weight bytes over float32's (the stage's own count, target
   <= 0.16); and the accuracy below for q4, Q4_0 and Q4_K_M.
@@ -356,12 +356,13 @@ def q4_trial(folder: Path, job: Path, m: dict, p32: dict, plong: dict, new: int,
             mine.setdefault(key, []).append(ours_ts)
             theirs.setdefault(key, []).append(llama_batched(bin_dir, m["gguf"][name], t, 32, 32, 8))
     if "prefill" not in skip:
-        key = f"prefill 128, q4 vs Q4_0, {t} thread(s)"
-        wait_quiet(args.quiet, args.quiet_wait)
-        ours(folder, job, plong[128], 1, 1, t, args.mpiexec)
-        done = [json.loads(line) for line in (folder / "out.jsonl").read_text().splitlines()]
-        mine.setdefault(key, []).append(128 / (statistics.median(r["ms"] for r in done[1:]) / 1e3))
-        theirs.setdefault(key, []).append(llama_bench(bin_dir, m["gguf"]["q4_0"], t, 1, p=128, n=0))
+        for n in (128, 512):  # 128 / 512 rows a product: kernels/q4gemm.py on AVX-512 VNNI
+            key = f"prefill {n}, q4 vs Q4_0, {t} thread(s)"
+            wait_quiet(args.quiet, args.quiet_wait)
+            ours(folder, job, plong[n], 1, 1, t, args.mpiexec)
+            done = [json.loads(line) for line in (folder / "out.jsonl").read_text().splitlines()]
+            mine.setdefault(key, []).append(n / (statistics.median(r["ms"] for r in done[1:]) / 1e3))
+            theirs.setdefault(key, []).append(llama_bench(bin_dir, m["gguf"]["q4_0"], t, 1, p=n, n=0))
 
 
 def main() -> None:

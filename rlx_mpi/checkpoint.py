@@ -187,6 +187,7 @@ class H5ParamSource:
         self.check_finite = check_finite
         self._file = _open(self.path)
         self.bytes_read = 0
+        self._quantized = bool(self._file.attrs.get("quantized", False))  # any quantized group (module note)
 
     def close(self) -> None:
         self._file.close()
@@ -230,6 +231,20 @@ class H5ParamSource:
     def shape(self, name: str) -> tuple[int, ...]:
         node = self._node(name)
         return node.shape if isinstance(node, _Quant) else tuple(node.shape)
+
+    def stored(self, name: str) -> tuple | None:
+        """How tensor ``name`` is stored, from its attributes alone (no data read): None for
+        floats, ("q4", group, bytes of a scale / minimum: 2 when both are float16, else 4) or
+        ("q8", group): what the planner prices a rank's resident bytes from (weights.held_bytes)."""
+        if not self._quantized:  # a float file: no per-tensor lookups (tens of thousands for a large MoE)
+            return None
+        node = self._node(name)
+        if not isinstance(node, _Quant):
+            return None
+        if node.kind == "q8":
+            return ("q8", node.group)
+        half = node.g["scale"].dtype == np.float16 and node.g["minimum"].dtype == np.float16
+        return ("q4", node.group, 2 if half else 4)
 
     def read_q8(self, name: str, *, axis: int | None = None, part: int = 0,
                 parts: int = 1) -> tuple[np.ndarray, np.ndarray] | None:

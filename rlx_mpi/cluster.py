@@ -39,7 +39,7 @@ from .faults import STARTUP_SETTING, RankContext, agree, report_and_abort
 from .inputs import check_everywhere, digest, read_ids
 from .outputs import check_output
 from .supervisor import default_startup_timeout_s
-from .placement import Assignment, ModelCost, plan_grid
+from .placement import Assignment, ModelCost, plan_grid, with_held_scales
 from .families import get_family, load_plugins, require_preset
 from .stage import ModelDims, Stage, TensorParallel
 from .stats import ClusterRun
@@ -287,6 +287,19 @@ class Cluster:
         self.prepare()
         return self.family.cost(self.model_config, self.batch, self.seq)
 
+    def held_prices(self, cost: "ModelCost | Callable[[int], ModelCost]",
+                    precision: list[str]) -> "ModelCost | Callable[[int], ModelCost]":
+        """``cost`` with each precision's resident bytes measured from the checkpoint's storage
+        (`placement.with_held_scales`), where the family can (`held_bytes`) and the file exists."""
+        held = getattr(self.family, "held_bytes", None)
+        ckpt = self.job.model.checkpoint
+        if held is None or not Path(ckpt).is_file():
+            return cost
+        measured = {p: held(self.model_config, ckpt, p) for p in dict.fromkeys(precision)}
+        if callable(cost):
+            return lambda stages: with_held_scales(cost(stages), measured.__getitem__, precision)
+        return with_held_scales(cost, measured.__getitem__, precision)
+
     def plan(self, cost: "ModelCost | Callable[[int], ModelCost] | None" = None) -> list[Assignment]:
         """Rank 0 plans placement from the gathered caps and broadcasts it (agreed); ``cost`` may be
         a function of the stage count (`placement.plan_grid`). ``plan_`` holds every replica's stages."""
@@ -300,8 +313,9 @@ class Cluster:
                 return []
             devices = {o.device for o in (self.job.override_for(r) for r in range(len(self.caps)))}
             precision = [self.job.precision_for(r).value for r in range(len(self.caps))]
+            held = self.held_prices(cost, precision)
             try:
-                grid = plan_grid(cost, self.caps, p.policy, int(p.reserve_ram_gb * 1e9), tp=p.tp,
+                grid = plan_grid(held, self.caps, p.policy, int(p.reserve_ram_gb * 1e9), tp=p.tp,
                                  replicas=p.replicas, manual=p.manual or None, device=",".join(sorted(devices)),
                                  precision=precision, where=f"{self.job.path}: [placement] replicas")
                 if len(grid.replicas) > 1 or p.replicas == "auto":

@@ -19,7 +19,8 @@ from .caps import NodeCaps
 from .config import PlacementPolicy, Precision
 from .errors import ConfigError, FitError
 
-__all__ = ["ModelCost", "Assignment", "plan_placement", "format_plan", "kv_cost", "GridPlan", "plan_grid"]
+__all__ = ["ModelCost", "Assignment", "plan_placement", "format_plan", "kv_cost", "GridPlan", "plan_grid",
+           "with_held_scales"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class ModelCost:
     # that has both ends (tied embeddings on a one-stage plan)
     kv_heads: int = 0  # key/value heads (0: not told); under tp > kv_heads each TP rank holds one
     kv_weight_bytes: int = 0  # k and v projections (and biases) of one layer, within layer_bytes
+    held_scales: tuple[tuple[str, float], ...] = ()  # (precision, resident weight bytes / the float32
+    # bytes priced), measured from the checkpoint's storage (`with_held_scales`); a precision not
+    # listed is priced at Precision.bytes_per_param / 4
 
     def under_tp(self, tp: int) -> "ModelCost":
         """The whole stage's bytes when its ``tp`` ranks split the layers: every rank holds the
@@ -175,14 +179,31 @@ def _speeds(caps: Sequence[NodeCaps], stages: list[tuple[int, ...]]) -> list[flo
     return [float(sum(g)) for g in flops]
 
 
-def _weight_scales(precision: Sequence[str] | None, stages: list[tuple[int, ...]]) -> list[float]:
-    """Per stage, the mean over its ranks of (bytes per weight / 4): the cost is priced in
-    float32, and a stage's memory is the sum of its ranks' (each holds 1/tp of the weights)."""
+def _weight_scales(precision: Sequence[str] | None, stages: list[tuple[int, ...]],
+                   held: tuple[tuple[str, float], ...] = ()) -> list[float]:
+    """Per stage, the mean over its ranks of (bytes per weight / 4), or the checkpoint's measured
+    ratio (``held``, `ModelCost.held_scales`): the cost is priced in float32, and a stage's memory
+    is the sum of its ranks' (each holds 1/tp of the weights)."""
     if precision is None:
         return [1.0] * len(stages)
-    per_rank = [Precision(rules.precision_name(p, "placement precision")).bytes_per_param / 4.0 for p in precision]
+    measured = dict(held)
+    per_rank = [measured.get(Precision(rules.precision_name(p, "placement precision")).value,
+                             Precision(rules.precision_name(p, "placement precision")).bytes_per_param / 4.0)
+                for p in precision]
     return [sum(per_rank[r] for r in g) / len(g) for g in stages]
 
+
+
+def with_held_scales(cost: ModelCost, held_bytes: Callable[[str], int], precisions: Sequence[str]) -> ModelCost:
+    """``cost`` with the resident bytes of each of ``precisions`` measured (``held_bytes(p)``: the
+    whole model's weight bytes on one rank of precision p, from the checkpoint's storage), as
+    ratios to the float32 bytes priced: a Q4_K file's float32 pairs and Q6_K's int8 blocks of 16
+    are then counted as held, not at the precision's nominal bytes per weight."""
+    priced = cost.n_layers * cost.layer_bytes + cost.embed_bytes + cost.head_bytes - cost.shared_end_bytes
+    if priced <= 0:
+        return cost
+    names = dict.fromkeys(Precision(rules.precision_name(p, "placement precision")).value for p in precisions)
+    return dataclasses.replace(cost, held_scales=tuple((p, held_bytes(p) / priced) for p in names))
 
 
 def _stage_precision(precision: Sequence[str] | None, ranks: tuple[int, ...]) -> str:
@@ -342,7 +363,7 @@ def plan_placement(cost: ModelCost, caps: Sequence[NodeCaps], policy: PlacementP
                           "give one precision per world rank")
     capacities = _capacities(caps, stages, reserve_bytes)
     speeds = _speeds(caps, stages)
-    scales = _weight_scales(precision, stages)
+    scales = _weight_scales(precision, stages, cost.held_scales)
     max_layers = [_max_layers(cost, capacities[s], s == 0, s == S - 1, scales[s]) for s in range(S)]
     fits = all(m >= 1 for m in max_layers) and sum(max_layers) >= L
 

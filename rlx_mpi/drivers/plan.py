@@ -106,6 +106,11 @@ def plan(args) -> int:
         kv_specs = [job.kv_for(r) for r in range(args.ranks)] if job else [KvSpec("full")]
     # priced in f32 (each rank's precision scales its weight bytes), the KV term cut to the policy
     cost = kv_cost(family.cost(cfg, batch, seq), kv_specs, seq)
+    if (precision and job is not None and not (given or args.preset or args.hf_config) and hasattr(family, "held_bytes")
+            and job.model.checkpoint.is_file()):  # the checkpoint's own storage priced as held (a Q4_K file's pairs)
+        from ..placement import with_held_scales
+
+        cost = with_held_scales(cost, lambda p: family.held_bytes(cfg, job.model.checkpoint, p), precision)
     per_host = max(1, args.ranks_per_host or tp)
     mem = None if args.mem_gb is None else int(args.mem_gb * 1e9)
     caps = [NodeCaps(rank=r, host=f"host{r // per_host}", local_rank=r % per_host, local_size=per_host, cpus=None,

@@ -11,6 +11,7 @@
 - ``bits``: float32 <-> bf16 / f16 bit patterns, shared with the wire codecs (rlx_mpi.wire)
 - ``rowdot``: the decode matvecs' dot products as LLVM vector IR (prefetch, 2-row tiles)
 - ``gemm``: prefill's float32 products of 65-192 rows on AVX-512, as LLVM vector IR (8 x 3 tiles)
+- ``q4gemm``: prefill's q4 products (16 rows and more) on AVX-512 VNNI: int8 activations x 4-bit codes
 - ``_fresh``: drops the numba caches when any kernel source changed (numba keys each on its own file)
 
 The ``_`` kernels are ``@numba.njit(cache=True)`` with no validation and no allocation; the
@@ -40,6 +41,7 @@ from .lowp import (INT8_BLOCK, INT8_GROUPS, int8_block, matvec_rows, WEIGHT_FORM
 from .matvec import F32_MATVEC_ROWS, _matvec_float, matvec_f32
 from .quant import GROUP as Q4_GROUP, VNNI, dequantize_q4, matvec_q4, pairs_f32, q4_nbytes, quantize_q4
 from .gemm import F32_GEMM, F32_GEMM_ROWS, gemm_f32
+from .q4gemm import Q4_GEMM, Q4_GEMM_ROWS, fused_gemm_q4, gemm_q4
 from ._common import pool_threads
 from .decode_layer import FORMATS as DECODE_LAYER_FORMATS, decode_layer, warm_up as warm_up_decode_layer
 
@@ -47,7 +49,8 @@ __all__ = ["rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_cache", 
            "matvec_f32", "F32_MATVEC_ROWS", "gemm_f32", "F32_GEMM", "F32_GEMM_ROWS", "dequant_matmul", "fused_matvec", "kernel_weight", "check_weight", "dequantize", "to_bf16",
            "from_bf16", "quantize_int8", "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "matvec_rows", "set_threads", "pool_threads", "decode_layer", "DECODE_LAYER_FORMATS", "warm_up_decode_layer", "warm_up",
            "warm_up_lowp",
-           "INT8_GROUPS", "int8_block", "Q4_GROUP", "VNNI", "pairs_f32", "quantize_q4", "dequantize_q4", "matvec_q4", "q4_nbytes"]
+           "INT8_GROUPS", "int8_block", "Q4_GROUP", "VNNI", "pairs_f32", "quantize_q4", "dequantize_q4", "matvec_q4", "q4_nbytes",
+           "gemm_q4", "fused_gemm_q4", "Q4_GEMM", "Q4_GEMM_ROWS"]
 
 
 def warm_up() -> None:
@@ -82,4 +85,6 @@ def warm_up_lowp() -> None:
                             ("int8", x, q, s), ("q4", x32, c4, sm4), ("q4", x32, c4, np.zeros((2, 2), np.float32))):
         dequant_matmul(xx, ww, fmt, sc)  # the fused kernel (q4: f16 pairs, then float32 pairs as Q4_K's)
         dequant_matmul(xx, ww, fmt, sc, fused=False)  # the tiles
+        if fmt == "q4" and Q4_GEMM:
+            gemm_q4(xx, ww, sc)  # prefill's product (f16 pairs, then float32 ones)
 

@@ -109,6 +109,15 @@ class DecoderFamily:
     def cost(self, cfg: Arch, batch: int, seq: int) -> ModelCost:
         return cfg.cost(batch, seq)
 
+    def held_bytes(self, cfg: Arch, checkpoint, precision: str) -> int:
+        """The whole model's resident weight bytes on a rank of ``precision``, from the checkpoint's
+        storage (`weights.held_bytes`; only attributes are read): the planner's measured prices."""
+        from ...checkpoint import H5ParamSource
+        from .weights import held_bytes
+
+        with H5ParamSource(checkpoint, expected_shapes(cfg)) as src:
+            return held_bytes(cfg, src, precision)
+
     def check_tp(self, cfg: Arch, tp: int, where: str) -> None:
         nh, nkv, ne = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_experts
 

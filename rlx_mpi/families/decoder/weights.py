@@ -27,7 +27,7 @@ import numpy as np
 from ... import kernels
 
 __all__ = ["PRECISIONS", "Linear", "make_linear", "read_linear", "fuse", "Mlp", "Experts", "LayerWeights", "MlaWeights",
-           "q4_tensor"]
+           "q4_tensor", "held_bytes"]
 
 PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")
 # Note: few rows. For a handful of activation rows (decode: one per sequence) OpenBLAS runs
@@ -90,7 +90,9 @@ class Linear:
             raise ValueError(f"Linear: input has {c} features, the weight {self.shape} takes {self.shape[1]}")
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, c)  # (B*T, in): one GEMM, not B
         rows = x2.shape[0]
-        if self.precision != "f32" and rows <= kernels.matvec_rows(self.precision):  # decode
+        if self.precision == "q4" and kernels.Q4_GEMM and rows >= kernels.Q4_GEMM_ROWS:  # prefill (kernels/q4gemm.py)
+            y = kernels.fused_gemm_q4(x2, self.data, self.scale)
+        elif self.precision != "f32" and rows <= kernels.matvec_rows(self.precision):  # decode
             y = kernels.fused_matvec(x2, self.data, self.precision, self.scale,
                                      np.empty((rows, self.data.shape[0]), np.float32))
         elif self.precision != "f32":
@@ -162,6 +164,73 @@ def read_linear(source, name: str, precision: str, **slicing) -> Linear:
         if held is not None:
             return Linear("int8", *held)
     return make_linear(source.read(name, dtype=_READ_DTYPE[precision], **slicing), precision)
+
+
+def _held_form(precision: str, k: int, stored: tuple | None) -> tuple:
+    """How `read_linear` holds a weight of ``k`` input columns stored as ``stored`` (H5ParamSource.
+    stored): (format, scale / minimum bytes for q4 or block width for int8)."""
+    if precision in ("f32", "bf16", "f16"):
+        return (precision, 0)
+    if precision == "q4" and stored and stored[0] == "q4" and stored[1] == kernels.Q4_GROUP:
+        return ("q4", stored[2])
+    if stored and stored[0] == "q8" and stored[1] in kernels.INT8_GROUPS:
+        return ("int8", stored[1])
+    if precision == "q4" and k % kernels.Q4_GROUP == 0:
+        return ("q4", 2)  # quantized at load: float16 pairs
+    return ("int8", kernels.INT8_BLOCK)
+
+
+def _form_bytes(form: tuple, n: int, k: int) -> int:
+    fmt, extra = form
+    if fmt in ("f32", "bf16", "f16"):
+        return n * k * (4 if fmt == "f32" else 2)
+    if fmt == "q4":
+        return n * (k // 2) + n * (k // kernels.Q4_GROUP) * 2 * extra
+    return n * k + 4 * n * (kernels.int8_blocks(k) if extra == kernels.INT8_BLOCK else k // extra)
+
+
+def _fused_bytes(precision: str, parts: list[tuple[int, int, tuple | None]]) -> int:
+    """Resident bytes of ``parts`` ((n, k, stored) each) held as `fuse` holds them: mixed q4 /
+    int8 parts all q4 (the int8 ones quantized with float16 pairs), mixed pairs all float32,
+    mixed int8 block widths at the finest one."""
+    forms = [_held_form(precision, k, st) for _, k, st in parts]
+    fmts = {f for f, _ in forms}
+    if len(fmts) > 1 and fmts <= {"q4", "int8"}:
+        forms = [f if f[0] == "q4" else ("q4", 2) for f in forms]
+    if len({f for f in forms}) > 1:  # one format now: float32 pairs, or the finest block
+        widest = forms[0][0] == "q4"
+        forms = [(forms[0][0], 4 if widest else min(e for _, e in forms))] * len(forms)
+    return sum(_form_bytes(f, n, k) for f, (n, k, _) in zip(forms, parts))
+
+
+_FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def held_bytes(cfg, source, precision: str) -> int:
+    """Resident weight bytes of the whole model (one stage, no TP) on a rank of ``precision``,
+    from the checkpoint's storage (``source.stored``) without reading any data: what
+    `DecoderStage.weight_bytes` then counts (tested). Linear weights as `read_linear` and `fuse`
+    hold them, norms, biases and routers float32, tied embeddings once; latent attention adds
+    its float32 copies of kv_b's halves (`DecoderStage._mla`)."""
+    from .arch import expected_shapes
+
+    total, groups = 0, {}
+    for name, shape in expected_shapes(cfg).items():
+        last = name.rsplit("/", 1)[-1]
+        if len(shape) != 2 or last == "router":
+            total += 4 * int(np.prod(shape))
+            continue
+        n, k = shape
+        part = (n, k, source.stored(name))
+        base = last.removeprefix("shared_")  # a MoE layer's shared experts fuse like a dense MLP
+        key = _FUSED.get(base) if not (cfg.kv_lora_rank and base == "q_proj") else None
+        if key:
+            groups.setdefault((name[:-len(base)], key), []).append(part)
+        else:
+            total += _fused_bytes(precision, [part])
+        if last == "kv_b_proj":
+            total += 4 * n * k
+    return total + sum(_fused_bytes(precision, parts) for parts in groups.values())
 
 
 def fuse(parts: list[Linear]) -> Linear:

@@ -1,0 +1,325 @@
+"""Prefill's q4 product: ``x @ W.T`` for many float32 rows x and a q4 weight W (quant.py's
+format), as int8 x 4-bit products on AVX-512 VNNI (llama.cpp's way for Q4_0 x Q8_0).
+
+``gemm_q4(x, codes, sm)`` -> (M, N) float32. Each activation row is rounded to int8 per group of
+32 exactly as the decode kernel rounds it (scale max|x| / 127, the group's sum of x kept in
+float32: quant.py's activations note), so a group's product is an integer sum, taken by
+``vpdpbusd`` (64 unsigned codes x signed activations a step, summed by fours into 16 int32
+lanes), then ``out += (scale * d) * isum + minimum * sum_x`` in float32.
+
+Layout. The lanes of a vector are 16 weight rows (an output block); an activation row's four
+int8 values are broadcast to every lane from memory (an embedded broadcast, no shuffle), so
+one ``vpdpbusd`` is 16 rows x 4 columns of one activation row, and TILE_M activation rows share
+each weight vector. For that, a block's 16 weight rows are interleaved once per call into a
+scratch buffer (`_repack`: dword i of each row's group side by side, by 16 x 16 transposes in
+registers, `_transpose16`: 3.6x faster than copying dwords one by one, which took ~10 % of a
+5632 x 1024 product at 128 rows), and the activations are laid out per call to match (`_quantize_rows`: in each
+8 columns of a group the 4 even ones, then the 4 odd ones, for the low and the high nibbles of
+the same 4 bytes). Nothing is repacked at load: decode reads the weight as stored.
+
+Note: rounding and rows. Each output (m, n) is one lane of one accumulator; its sum is taken
+group after group in one order whatever the row count, the tile's position or the threads
+(``fma`` by intrinsic, no reassociation), so a row's result never depends on the rows beside
+it. The activations are rounded as decode's are (the same int8 values, scale and sum), but the
+float32 sums are taken in another order (decode: 16 or 8 lanes of partial sums, added at the end;
+here group by group), so prefill and decode of the same row differ by float32 rounding (~1e-6
+relative), not by the activations' rounding.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic, overload
+
+from ._common import ERR, check_f32, pool_threads, run_parts
+from .bits import f16_exact
+from .quant import GROUP, check_q4
+from .rowdot import _I32, _idx, _target_has
+
+__all__ = ["gemm_q4", "fused_gemm_q4", "Q4_GEMM", "Q4_GEMM_ROWS", "TILE_M", "LANES"]
+
+Q4_GEMM = _target_has("avx512vnni") and _target_has("avx512bw")  # 512-bit vpdpbusd
+LANES = 16  # weight rows per block: a zmm of int32 / float32 lanes
+TILE_M = 12  # activation rows per tile: 12 int32 and 12 float32 accumulators of AVX-512's 32 registers
+Q4_GEMM_ROWS = 16  # from this many rows a q4 product runs here (fewer: quant.py's decode kernel)
+
+
+@intrinsic
+def _tile(typingctx, wp, sdm, xq, xs, m0, tout):
+    """``tout[i, l] = sum over groups of W[n0 + l] . x[m0 + i]`` for i < TILE_M, l < LANES: wp
+    (4G, 16) uint32, one block's interleaved codes (`_repack`); sdm (2G, 16) float32, its scales
+    and minimums per group; xq (M', K) int8 in `_quantize_rows`' layout; xs (M', 2G) float32 per
+    group d and the sum of x; tout (TILE_M, 16) float32."""
+    if not (isinstance(wp, types.Array) and wp.ndim == 2 and wp.layout == "C" and wp.dtype == types.uint32
+            and isinstance(sdm, types.Array) and sdm.ndim == 2 and sdm.layout == "C" and sdm.dtype == types.float32
+            and isinstance(xq, types.Array) and xq.ndim == 2 and xq.layout == "C" and xq.dtype == types.int8
+            and isinstance(xs, types.Array) and xs.ndim == 2 and xs.layout == "C" and xs.dtype == types.float32
+            and isinstance(tout, types.Array) and tout.ndim == 2 and tout.layout == "C"
+            and tout.dtype == types.float32):
+        return None
+    sig = types.void(wp, sdm, xq, xs, m0, tout)
+
+    def codegen(context, builder, signature, args):
+        wt, st, xt, xst, mt, ot = signature.args
+        wp_, sdm_, xq_, xs_, m_, to_ = args
+
+        def intp(v):
+            return context.get_constant(types.intp, v)
+
+        def row(aty, a, i):
+            arr = context.make_array(aty)(context, builder, a)
+            return cgutils.get_item_pointer(context, builder, aty, arr, [i, intp(0)], wraparound=False)
+
+        m_ = context.cast(builder, m_, mt, types.intp)
+        sa = context.make_array(st)(context, builder, sdm_)
+        groups = builder.udiv(builder.extract_value(sa.shape, 0), intp(2))
+        wbase = builder.bitcast(row(wt, wp_, intp(0)), ir.IntType(8).as_pointer())
+        sbase = row(st, sdm_, intp(0))
+        xps = [row(xt, xq_, builder.add(m_, intp(i))) for i in range(TILE_M)]
+        xsps = [row(xst, xs_, builder.add(m_, intp(i))) for i in range(TILE_M)]
+        v64, i16 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(_I32, LANES)
+        f16 = ir.VectorType(ir.FloatType(), LANES)
+        dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16, [i16, v64, v64]),
+                                            "llvm.x86.avx512.vpdpbusd.512")
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f16, [f16, f16, f16]), "llvm.fma.v16f32")
+        zero_i = ir.Constant(i16, [0] * LANES)
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(f16, [0.0] * LANES)) for _ in range(TILE_M)]
+        low = ir.Constant(v64, [15] * 64)
+        four = ir.Constant(v64, [4] * 64)
+        splat16 = _idx([0] * LANES)
+
+        def bcast_i32(ptr):  # four int8 at ptr in every lane, as 64 bytes
+            v = builder.load(builder.bitcast(ptr, _I32.as_pointer()), align=1)
+            v = builder.insert_element(ir.Constant(i16, ir.Undefined), v, ir.Constant(_I32, 0))
+            return builder.bitcast(builder.shuffle_vector(v, v, splat16), v64)
+
+        def bcast_f32(ptr):
+            v = builder.insert_element(ir.Constant(f16, ir.Undefined), builder.load(ptr), ir.Constant(_I32, 0))
+            return builder.shuffle_vector(v, v, splat16)
+
+        with cgutils.for_range(builder, groups) as loop:
+            g = loop.index
+            isums = [zero_i] * TILE_M
+            for i in range(4):  # dword i of the group's 16 bytes a row: columns 8i .. 8i+7
+                off = builder.mul(builder.add(builder.mul(g, intp(4)), intp(i)), intp(64))
+                pv = builder.load(builder.bitcast(builder.gep(wbase, [off]), v64.as_pointer()), align=4)
+                lo = builder.and_(pv, low)  # columns 8i, 8i+2, 8i+4, 8i+6 of each row
+                hi = builder.lshr(pv, four)  # columns 8i+1, 8i+3, 8i+5, 8i+7
+                xoff = builder.add(builder.mul(g, intp(GROUP)), intp(8 * i))
+                for m in range(TILE_M):
+                    xlo = bcast_i32(builder.gep(xps[m], [xoff]))
+                    xhi = bcast_i32(builder.gep(xps[m], [builder.add(xoff, intp(4))]))
+                    isums[m] = builder.call(dp, [isums[m], lo, xlo])
+                    isums[m] = builder.call(dp, [isums[m], hi, xhi])
+            two = builder.mul(g, intp(2))
+            s = builder.load(builder.bitcast(builder.gep(sbase, [builder.mul(two, intp(LANES))]), f16.as_pointer()),
+                             align=4)
+            mn = builder.load(builder.bitcast(builder.gep(sbase, [builder.mul(builder.add(two, intp(1)), intp(LANES))]),
+                                              f16.as_pointer()), align=4)
+            for m in range(TILE_M):
+                d = bcast_f32(builder.gep(xsps[m], [two]))
+                xsum = bcast_f32(builder.gep(xsps[m], [builder.add(two, intp(1))]))
+                sd = builder.fmul(s, d)  # (scale * d) per lane: one rounding, then one fma each term
+                a = builder.call(fma, [builder.sitofp(isums[m], f16), sd, builder.load(accs[m])])
+                builder.store(builder.call(fma, [mn, xsum, a]), accs[m])
+        obase = row(ot, to_, intp(0))
+        for m in range(TILE_M):
+            builder.store(builder.load(accs[m]),
+                          builder.bitcast(builder.gep(obase, [intp(m * LANES)]), f16.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _quantize_rows(x, xq, xs):
+    """x (M, K) f32 -> xq (M', K) int8, xs (M', 2G) f32, rows past M zero. Per group of 32: d =
+    max|x| / 127 and the sum of x (quant._quantize_rows_q8's arithmetic, each group's sum in column
+    order: the same bits; tested), codes rint(x / d); in each 8 columns c .. c+7 of a group the
+    even ones first, then the odd ones.
+
+    Note: the groups' sums are taken side by side (column j of every group, then column j+1), not
+    one group after the other: the same additions in the same order per group, but independent
+    chains for the CPU to overlap; 2.9x faster at 128 x 1024 and 128 x 2816 (1 thread, in process,
+    loaded host), where one chain of 32 dependent additions per group had made this 6 % of a
+    product at 5632 x 1024 and ~25 % at 1024 x 1024."""
+    groups = xs.shape[1] // 2
+    total = np.empty(groups, np.float32)
+    peak = np.empty(groups, np.float32)
+    for r in range(xq.shape[0]):
+        if r >= x.shape[0]:
+            xq[r, :] = 0
+            xs[r, :] = 0
+            continue
+        total[:] = 0.0
+        peak[:] = 0.0
+        for j in range(32):
+            for g in range(groups):
+                v = x[r, g * 32 + j]
+                total[g] += v
+                a = abs(v)
+                if a > peak[g] or a != a:  # a NaN must win and stay (as decode's rounding)
+                    peak[g] = a
+        for g in range(groups):
+            d = peak[g] / np.float32(127.0)
+            xs[r, 2 * g] = d
+            xs[r, 2 * g + 1] = total[g]
+            inv = np.float32(1.0) / d if d > 0 and d < np.inf else np.float32(0.0)
+            for c in range(g * 32, g * 32 + 32, 8):
+                for t in range(4):
+                    xq[r, c + t] = np.int8(np.rint(x[r, c + 2 * t] * inv))
+                    xq[r, c + 4 + t] = np.int8(np.rint(x[r, c + 2 * t + 1] * inv))
+
+
+def _pair(sm, n, j):
+    """sm[n, j] as float32: float16 bits (uint16) decoded, float32 as it is; both exact."""
+
+
+@overload(_pair)
+def _pair_typed(sm, n, j):
+    if sm.dtype == types.uint16:
+        return lambda sm, n, j: f16_exact(sm[n, j])
+    return lambda sm, n, j: sm[n, j]
+
+
+@intrinsic
+def _transpose16(typingctx, src, n0, j0, dst):
+    """``dst[j0 + j, l] = src[n0 + l, j0 + j]`` for j, l < 16, as float32 / uint32 (float16 bits
+    widened, exactly): 16 row loads, a 16 x 16 transpose in four rounds of two-vector shuffles
+    (64 in all), 16 stores; instead of 256 scalar copies (`_repack`)."""
+    if not (isinstance(src, types.Array) and src.ndim == 2 and src.dtype in (types.uint32, types.float32, types.uint16)
+            and isinstance(dst, types.Array) and dst.ndim == 2 and dst.layout == "C"
+            and dst.dtype in (types.uint32, types.float32)):
+        return None
+    sig = types.void(src, n0, j0, dst)
+
+    def codegen(context, builder, signature, args):
+        st, nt, jt, dt = signature.args
+        s_, n_, j_, d_ = args
+
+        def intp(v):
+            return context.get_constant(types.intp, v)
+
+        n_, j_ = context.cast(builder, n_, nt, types.intp), context.cast(builder, j_, jt, types.intp)
+        sa, da = context.make_array(st)(context, builder, s_), context.make_array(dt)(context, builder, d_)
+        i32x16 = ir.VectorType(_I32, LANES)
+        rows = []
+        for l in range(LANES):
+            p = cgutils.get_item_pointer(context, builder, st, sa, [builder.add(n_, intp(l)), j_], wraparound=False)
+            if st.dtype == types.uint16:  # float16 bits: widened to float32 on load (vcvtph2ps)
+                h = builder.load(builder.bitcast(p, ir.VectorType(ir.HalfType(), LANES).as_pointer()), align=2)
+                v = builder.bitcast(builder.fpext(h, ir.VectorType(ir.FloatType(), LANES)), i32x16)
+            else:
+                v = builder.load(builder.bitcast(p, i32x16.as_pointer()), align=4)
+            rows.append(v)
+        h = LANES // 2
+        while h:  # swap the off-diagonal h x h blocks of every 2h x 2h block
+            for i in range(LANES):
+                if i & h:
+                    continue
+                a, b = rows[i], rows[i + h]
+                rows[i] = builder.shuffle_vector(a, b, _idx([c if not c & h else LANES + c - h for c in range(LANES)]))
+                rows[i + h] = builder.shuffle_vector(a, b, _idx([c + h if not c & h else LANES + c for c in range(LANES)]))
+            h //= 2
+        for j in range(LANES):
+            p = cgutils.get_item_pointer(context, builder, dt, da, [builder.add(j_, intp(j)), intp(0)], wraparound=False)
+            builder.store(rows[j], builder.bitcast(p, i32x16.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _repack_block(c32, sm, n0, wp, sdm):
+    """`_repack` for a whole block (n0 + 16 <= N): runs of 16 columns by `_transpose16` (the
+    layout note), the columns left over one by one."""
+    whole = wp.shape[0] - wp.shape[0] % LANES
+    for j in range(0, whole, LANES):
+        _transpose16(c32, n0, j, wp)
+    for j in range(whole, wp.shape[0]):
+        for l in range(LANES):
+            wp[j, l] = c32[n0 + l, j]
+    whole = sdm.shape[0] - sdm.shape[0] % LANES
+    for j in range(0, whole, LANES):
+        _transpose16(sm, n0, j, sdm)
+    for j in range(whole, sdm.shape[0]):
+        for l in range(LANES):
+            sdm[j, l] = _pair(sm, n0 + l, j)
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _repack(c32, sm, n0, wp, sdm):
+    """Rows n0 .. n0+15 of a q4 weight (c32: its codes as uint32, (N, K/8)) into wp (4G, 16): wp[4g
+    + i, l] = dword i of row n0+l's group g; sdm (2G, 16): its scales, then its minimums, float32.
+    Rows past N get zero codes, scales and minimums."""
+    groups = sdm.shape[0] // 2
+    for l in range(LANES):
+        n = n0 + l
+        if n < c32.shape[0]:
+            for j in range(4 * groups):
+                wp[j, l] = c32[n, j]
+            for g in range(groups):
+                sdm[2 * g, l] = _pair(sm, n, 2 * g)
+                sdm[2 * g + 1, l] = _pair(sm, n, 2 * g + 1)
+        else:
+            for j in range(4 * groups):
+                wp[j, l] = 0
+            for g in range(groups):
+                sdm[2 * g, l] = 0.0
+                sdm[2 * g + 1, l] = 0.0
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _blocks(c32, sm, xq, xs, out, b0, b1):  # out[:, 16 b0 : 16 b1] (clipped to N) = x @ W[...].T
+    groups = xs.shape[1] // 2
+    M, N = out.shape
+    wp = np.empty((4 * groups, LANES), np.uint32)
+    sdm = np.empty((2 * groups, LANES), np.float32)
+    tout = np.empty((TILE_M, LANES), np.float32)
+    for b in range(b0, b1):
+        n0 = b * LANES
+        nv = min(LANES, N - n0)
+        if nv == LANES:
+            _repack_block(c32, sm, n0, wp, sdm)
+        else:
+            _repack(c32, sm, n0, wp, sdm)
+        for m0 in range(0, xq.shape[0], TILE_M):
+            _tile(wp, sdm, xq, xs, m0, tout)
+            for i in range(min(TILE_M, M - m0)):
+                for l in range(nv):
+                    out[m0 + i, n0 + l] = tout[i, l]
+
+
+def gemm_q4(x: np.ndarray, codes: np.ndarray, sm: np.ndarray) -> np.ndarray:
+    """``x @ W.T`` (M, N) float32 for float32 x (M, K) and a q4 weight W (codes, sm) of K
+    columns, on a CPU with AVX-512 VNNI (`Q4_GEMM`); the output blocks split over the rank's
+    threads. x is rounded to int8 per group of 32 as decode's kernel rounds it (the module's
+    note), so the result is within that rounding of the float32 product."""
+    if not Q4_GEMM:
+        raise RuntimeError("gemm_q4: needs AVX-512 VNNI and BW (kernels.Q4_GEMM); use dequant_matmul")
+    check_f32("gemm_q4 x", x)
+    check_q4(codes, sm)
+    N, K = codes.shape[0], 2 * codes.shape[1]
+    if x.ndim != 2 or x.shape[1] != K:
+        raise ValueError(f"gemm_q4: x {x.shape} does not fit W ({N}, {K}); expected (M, {K})")
+    return fused_gemm_q4(x, codes, sm)
+
+
+def fused_gemm_q4(x: np.ndarray, codes: np.ndarray, sm: np.ndarray) -> np.ndarray:
+    """`gemm_q4` without its checks, for a caller that checked the weight once (a `Linear`)."""
+    M, N, K = x.shape[0], codes.shape[0], x.shape[1]
+    groups = K // GROUP
+    rows = -(-M // TILE_M) * TILE_M
+    xq = np.empty((rows, K), np.int8)
+    xs = np.empty((rows, 2 * groups), np.float32)
+    _quantize_rows(x, xq, xs)
+    out = np.empty((M, N), np.float32)
+    blocks = -(-N // LANES)
+    parts = max(1, min(pool_threads(), blocks))
+    cuts = [blocks * p // parts for p in range(parts + 1)]
+    c32 = codes.view(np.uint32)
+    run_parts(_blocks, [(c32, sm, xq, xs, out, a, b) for a, b in zip(cuts, cuts[1:]) if b > a])
+    return out
