@@ -13,6 +13,16 @@ Note: three policies (``[run] kv_cache``, per-rank ``[[rank]] kv_cache``).
   with a plain causal mask: once a row has written L positions all L columns are in its window,
   before that only 0..p are, whatever order the ring is in (`kernels.decode_attention`).
 
+Note: the prefix cache. Beside its slots a stage may keep a pool of blocks of B positions per
+layer (`block_pool_caches`, the same entry widths as the layer's slots: a latent layer's pool
+holds latents). Stage 0's `block_pool.BlockPool` decides which block holds which prompt prefix;
+each step carries its block ops (`copy_blocks`): an ATTACH copies a cached block into a row's
+slot before the step (the row's prefill then starts after it, as a later chunk does), a SAVE
+copies a full block a prefill has just written from the slot into the pool. A slot stays one
+contiguous row, so every attention kernel reads it as before and a row's numbers are those of a
+chunked prefill without the cache. Only for full-length caches (a ring's columns are not
+positions): `prefix_cacheable`.
+
 A cache row ("slot") holds one sequence; a finished sequence's slot is reused by the next
 prompt without clearing: a prefill writes positions 0..len-1 and every read is masked to the
 positions the sequence has written, so stale keys are never visible.
@@ -26,7 +36,9 @@ import numpy as np
 
 from .errors import ConfigError
 
-__all__ = ["KvSpec", "LayerCache", "prefill_kv"]
+__all__ = ["KvSpec", "LayerCache", "prefill_kv", "block_pool_caches", "copy_blocks", "prefix_cacheable", "ATTACH", "SAVE"]
+
+ATTACH, SAVE = 1, 2  # block ops (the prefix-cache note): pool block -> a slot's positions before a step, slot -> pool after
 
 
 @dataclass(frozen=True)
@@ -122,3 +134,33 @@ def _before(cache: np.ndarray, slots: np.ndarray, start: int, prev: int) -> np.n
         return np.stack([cache[s, :, lo:lo + prev] for s in slots])
     cols = np.arange(start - prev, start) % L
     return np.stack([cache[s][:, cols] for s in slots])
+
+
+def prefix_cacheable(specs: list[KvSpec], max_seq: int) -> bool:
+    """Can these layers' caches take part in the prefix cache? Only when every layer keeps every
+    position (a ring's column holds whichever position came last: the prefix-cache note)."""
+    return all(s.policy != "none" and s.cache_len(max_seq) >= max_seq for s in specs)
+
+
+def block_pool_caches(caches: list[LayerCache], blocks: int, size: int) -> list[LayerCache]:
+    """A pool of ``blocks`` blocks of ``size`` positions per layer, each layer's entry as its slots'."""
+    return [LayerCache(blocks, c.k.shape[1], size, c.k.shape[3], c.v.shape[3]) for c in caches]
+
+
+def copy_blocks(caches: list[LayerCache], pool: list[LayerCache], ops: np.ndarray, kind: int) -> None:
+    """Run the block ops of ``kind`` in ``ops`` (m, 4): (kind, slot, block index j, pool id). ATTACH:
+    pool block -> the slot's positions j*B..(j+1)*B-1; SAVE: those positions -> the pool block."""
+    if not len(ops):
+        return
+    B = pool[0].k.shape[2]
+    for op, slot, j, b in ops.tolist():
+        if op != kind:
+            continue
+        cols = slice(j * B, (j + 1) * B)
+        for c, p in zip(caches, pool):
+            if kind == ATTACH:
+                c.k[slot, :, cols] = p.k[b]
+                c.v[slot, :, cols] = p.v[b]
+            else:
+                p.k[b] = c.k[slot, :, cols]
+                p.v[b] = c.v[slot, :, cols]

@@ -22,7 +22,7 @@ import numpy as np
 from ... import kernels
 from ...checkpoint import part_bounds
 from ...collectives import ReduceKind, all_reduce, world_ranks
-from ...kv_cache import KvSpec, LayerCache
+from ...kv_cache import ATTACH, SAVE, KvSpec, LayerCache, block_pool_caches, copy_blocks, prefix_cacheable
 from ...stage import ParamSource, Stage, TensorParallel
 from . import model, ops
 from .arch import Arch
@@ -198,6 +198,20 @@ class DecoderStage(Stage):
             self.caches = [LayerCache(slots, *self._entry(w, s.cache_len(max_seq))) for w, s in zip(self.blocks, self.specs)]
         self.rope = Rope(cfg, max_seq)
         return sum(c.nbytes for c in self.caches) if self.caches else 0
+
+    def reset_prefix(self, blocks: int, size: int, max_seq: int) -> int:
+        """The prefix cache's pool (`kv_cache`'s prefix-cache note): ``blocks`` blocks of ``size``
+        positions per layer; its bytes. 0 and no pool where a layer's cache cannot take part."""
+        self.pool = None
+        if blocks and self.caches is not None and prefix_cacheable(self.specs, max_seq):
+            self.pool = block_pool_caches(self.caches, blocks, size)
+        return sum(p.nbytes for p in self.pool) if self.pool else 0
+
+    def block_ops(self, ops: np.ndarray, before: bool) -> None:
+        """A step's block ops (`scheduler.block_ops`): its attaches ``before`` it, its saves after."""
+        if getattr(self, "pool", None) is None:
+            raise RuntimeError("block ops without a prefix-cache pool (reset_prefix)")
+        copy_blocks(self.caches, self.pool, ops, ATTACH if before else SAVE)
 
     def _entry(self, w: LayerWeights, length: int) -> tuple[int, int, int, int]:
         """Layer ``w``'s cache shape on this rank, (heads, positions, k width, v width): K and V of
