@@ -12,8 +12,13 @@ so even a hash collision cannot hand a row another prompt's keys.
 
 Note: reference counts and eviction. A row that attaches cached blocks holds a reference to
 each while it lives (`acquire` / `release`); `publish` fills a free block, or else the least
-recently used block that no row references (`evict`), and never one that is referenced: when
-every block is referenced, nothing is published (the prompt is then simply not cached). A
+recently used block that no row references, and never one that is referenced: when every block
+is referenced, nothing is published (the prompt is then simply not cached). Within a chain the
+tail goes first: a block is always less recent than the blocks before it (`publish`, `touch`
+and `release` keep that order), because a block is only reachable through its whole chain, so
+evicting a chain's head would strand the rest (as vLLM frees a request's blocks tail first).
+A block whose parent is not cached, or that could only be stored by evicting its own chain, is
+not published. A
 block's contents are copied into the row's own cache slot when it attaches (the rows' slots stay
 contiguous, so the attention kernels read them as before), so a reference keeps a prefix that
 live rows use in the pool for the next rows, not the row's own attention correct.
@@ -100,8 +105,9 @@ class BlockPool:
             self.lru.pop(b, None)
 
     def release(self, ids: list[int]) -> None:
-        """The row is done with ``ids``; a block nobody references joins the LRU list (most recent last)."""
-        for b in ids:
+        """The row is done with ``ids`` (a chain, head first); a block nobody references joins the LRU
+        list as the most recent, the head last (the tail-first note)."""
+        for b in reversed(ids):
             blk = self.blocks[b]
             if blk.refs <= 0:
                 raise ValueError(f"BlockPool.release: block {b} is not referenced")
@@ -110,8 +116,8 @@ class BlockPool:
                 self.lru[b] = None
 
     def touch(self, ids: list[int]) -> None:
-        """Matched again: the unreferenced ones become the most recently used."""
-        for b in ids:
+        """Matched again (a chain, head first): the unreferenced ones become the most recently used."""
+        for b in reversed(ids):
             if b in self.lru:
                 self.lru.move_to_end(b)
 
@@ -119,11 +125,12 @@ class BlockPool:
         """A block for ``key`` (its ``tokens``, after the block keyed ``parent``; b"" for the first),
         taken from the free list or by evicting the least recently used unreferenced block; None
         when the key is cached already or every block is referenced."""
-        if key in self.by_key:
+        if key in self.by_key or (parent and parent not in self.by_key):  # (unreachable without its parent)
             return None
+        chain = self._chain(parent)
         if self.free:
             b = self.free.pop()
-        elif self.lru:
+        elif self.lru and next(iter(self.lru)) not in chain:
             b, _ = self.lru.popitem(last=False)
             del self.by_key[self.blocks.pop(b).key]
             self.evictions += 1
@@ -132,7 +139,21 @@ class BlockPool:
         self.by_key[key] = b
         self.blocks[b] = _Block(key, tuple(int(t) for t in tokens), parent)
         self.lru[b] = None  # unreferenced until a row attaches it
+        for a in chain:  # its ancestors more recent than it, the head last (the tail-first note)
+            if a in self.lru:
+                self.lru.move_to_end(a)
         return b
+
+    def _chain(self, key: bytes) -> list[int]:
+        """The blocks of the chain ending at ``key``, tail first."""
+        out = []
+        while key:
+            b = self.by_key.get(key)
+            if b is None:
+                break
+            out.append(b)
+            key = self.blocks[b].parent
+        return out
 
     def promise(self, keys: list[bytes]) -> None:
         for k in keys:

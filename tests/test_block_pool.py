@@ -69,15 +69,24 @@ def test_referenced_blocks_are_never_evicted_and_the_least_recent_goes_first():
     assert sorted(ic) == sorted(ib) and pool.evictions == 2
     assert pool.match(a) == ia and pool.match(b) == []
     d = [13, 14]
-    assert _fill(pool, d) == [ic[0]]  # c's first block is the least recent unreferenced one
-    assert pool.match(c) == []  # (c's second block is cached, but its key needs the first)
-    pool.acquire([ic[1], ic[0]])  # rows read the other two
+    assert _fill(pool, d) == [ic[1]]  # c's tail goes before its head (a chain is evicted tail first)
+    assert pool.match(c) == [ic[0]]
+    pool.acquire([ic[0], ic[1]])  # rows read c's head and d's block
     assert _fill(pool, [20, 21]) == [None]  # every block referenced: nothing published, nothing freed
     assert pool.match(a) == ia and pool.referenced(ia[0]) == 1
     pool.release(ia)
-    assert _fill(pool, [20, 21]) == [ia[0]]  # released: evictable again, least recent first
+    assert _fill(pool, [20, 21]) == [ia[1]]  # released: evictable again, a's tail first
+    assert pool.match(a) == ia[:1]
     with pytest.raises(ValueError):
-        pool.release([ia[1], ia[1]])
+        pool.release([ia[0], ia[0]])
+
+
+def test_a_block_is_not_published_without_its_parent_nor_by_evicting_its_own_chain():
+    pool = BlockPool(2, 1)
+    assert _fill(pool, [1, 2, 3, 4]) == [0, 1, None, None]  # block 2 would evict block 1, its parent
+    assert pool.match([1, 2, 3, 4]) == [0, 1]
+    keys = pool.keys([7, 8])
+    assert pool.publish(keys[1], (8,), keys[0]) is None  # its parent [7] is not cached: unreachable
 
 
 def test_touch_makes_a_matched_block_the_most_recent():
