@@ -122,8 +122,8 @@ def main() -> None:
             for name in args.layouts.split(","):
                 ranks, tp = LAYOUTS[name]
                 job = folder / f"job_{name}.toml"
-                job.write_text(f'[model]\ncheckpoint = "{ckpt}"\n[run]\ntimeout_s = 3600.0\nstartup_timeout_s = 3600.0\n'
-                               f'[placement]\nreserve_ram_gb = 0.0\ntp = {tp}\n')
+                job.write_text(f'[model]\ncheckpoint = "{ckpt}"\n[run]\ntimeout_s = 3600.0\n'
+                               f'startup_timeout_s = 3600.0\n[placement]\nreserve_ram_gb = 0.0\ntp = {tp}\n')
                 best: dict[bool, dict] = {}
                 for _ in range(args.trials):
                     for cache in (True, False):

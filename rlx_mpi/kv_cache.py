@@ -36,9 +36,10 @@ import numpy as np
 
 from .errors import ConfigError
 
-__all__ = ["KvSpec", "LayerCache", "prefill_kv", "block_pool_caches", "copy_blocks", "prefix_cacheable", "ATTACH", "SAVE"]
+__all__ = ["KvSpec", "LayerCache", "prefill_kv", "block_pool_caches", "copy_blocks", "prefix_cacheable", "ATTACH",
+           "SAVE"]
 
-ATTACH, SAVE = 1, 2  # block ops (the prefix-cache note): pool block -> a slot's positions before a step, slot -> pool after
+ATTACH, SAVE = 1, 2  # block ops (the prefix-cache note): a pool block -> a slot before a step; a slot -> the pool after
 
 
 @dataclass(frozen=True)

@@ -69,8 +69,8 @@ from .block_pool import BlockPool
 from .kv_cache import ATTACH, SAVE
 from .sampling import prompt_key
 
-__all__ = ["PREFILL", "DECODE", "STOP", "MIXED", "ATTACH", "SAVE", "Seq", "Step", "Scheduler", "make_header", "read_header",
-           "chunk_start", "decode_rows", "block_ops"]
+__all__ = ["PREFILL", "DECODE", "STOP", "MIXED", "ATTACH", "SAVE", "Seq", "Step", "Scheduler", "make_header",
+           "read_header", "chunk_start", "decode_rows", "block_ops"]
 
 PREFILL, DECODE, STOP, MIXED = 1, 2, 3, 4
 # header: kind, group, rows, T, start, decode rows, block ops; then per row: slot, length|position, key, token index

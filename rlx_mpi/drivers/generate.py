@@ -575,7 +575,8 @@ class GenerateDriver(JournalDriver):
 
         self.kv_bytes = cx.agree(reset, "allocating the KV cache")
         # (a family that wraps another's stages may say yes for a stage without the methods: off)
-        if self._prefix_cache_on(cx) and all(callable(getattr(cx.stage, m, None)) for m in ("reset_prefix", "block_ops")):
+        if self._prefix_cache_on(cx) and all(callable(getattr(cx.stage, m, None))
+                                             for m in ("reset_prefix", "block_ops")):
             from ..block_pool import BLOCK_SIZE
 
             blocks = -(-PREFIX_POOL_ROWS * cx.seq // BLOCK_SIZE)
