@@ -16,12 +16,14 @@ Note: three policies (``[run] kv_cache``, per-rank ``[[rank]] kv_cache``).
 Note: the prefix cache. Beside its slots a stage may keep a pool of blocks of B positions per
 layer (`block_pool_caches`, the same entry widths as the layer's slots: a latent layer's pool
 holds latents). Stage 0's `block_pool.BlockPool` decides which block holds which prompt prefix;
-each step carries its block ops (`copy_blocks`): an ATTACH copies a cached block into a row's
-slot before the step (the row's prefill then starts after it, as a later chunk does), a SAVE
-copies a full block a prefill has just written from the slot into the pool. A slot stays one
-contiguous row, so every attention kernel reads it as before and a row's numbers are those of a
-chunked prefill without the cache. Only for full-length caches (a ring's columns are not
-positions): `prefix_cacheable`.
+each step carries its block ops: an ATTACH copies a cached block into a row's slot before the
+step (`copy_blocks`; the row's prefill then starts after it, as a later chunk does), a SAVE
+copies a block the step's prefill completes into the pool, layer by layer as the chunk is
+stored (`prefill_kv`'s ``saves``: a window layer's ring would lose its early positions after).
+A slot stays one contiguous row, so every attention kernel reads it as before and a row's
+numbers are those of a chunked prefill without the cache. A window layer's ring takes part: an
+attach writes the blocks' positions in order into columns p % L, which leaves the ring as a
+prefill of them would (the pool keeps whole blocks for every layer).
 
 A cache row ("slot") holds one sequence; a finished sequence's slot is reused by the next
 prompt without clearing: a prefill writes positions 0..len-1 and every read is masked to the
@@ -96,7 +98,8 @@ class LayerCache:
 
 
 def prefill_kv(cache: LayerCache | None, spec: KvSpec, k: np.ndarray, v: np.ndarray, slots: np.ndarray,
-               lengths: np.ndarray, start: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+               lengths: np.ndarray, start: int = 0, saves: np.ndarray | None = None,
+               pool: LayerCache | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Store a prefill chunk's keys and say what its queries attend to.
 
     k, v (B, nkv, T, hs) at positions start..start+T-1; row b's real tokens are the first
@@ -105,8 +108,12 @@ def prefill_kv(cache: LayerCache | None, spec: KvSpec, k: np.ndarray, v: np.ndar
     chunk itself, causal; a later chunk (chunked prefill) also sees the positions before it that
     the cache still holds (all of them, or a ring's last L), read before the chunk is written.
     Windowed under ``window:W``; padded queries see only real keys before them and are ignored.
+    ``saves`` (m, 3): (row b, block j, pool id): block j of row b, complete once this chunk is in,
+    is copied into ``pool`` first (the prefix-cache note), before the chunk can overwrite a ring.
     """
     B, _, T, _ = k.shape
+    if saves is not None and len(saves):
+        _save_blocks(cache, pool, k, v, slots, start, saves)
     keys, values, q_pos = k, v, np.broadcast_to(np.arange(T), (B, T))
     if start:
         if cache is None:
@@ -126,6 +133,24 @@ def prefill_kv(cache: LayerCache | None, spec: KvSpec, k: np.ndarray, v: np.ndar
     return keys, values, q_pos, spec.window if spec.policy == "window" else 0
 
 
+def _save_blocks(cache: LayerCache, pool: LayerCache, k: np.ndarray, v: np.ndarray, slots: np.ndarray, start: int,
+                 saves: np.ndarray) -> None:
+    """Block j of row b into pool block ``id`` for each (b, j, id): its positions before ``start``
+    from the cache (a ring holds them: a block straddling the chunk's start is within the last B
+    positions, and a ring is at least a block long where the pool is kept), the rest from the chunk."""
+    Bk = pool.k.shape[2]
+    L = cache.k.shape[2]
+    for b, j, i in saves.tolist():
+        lo, hi = j * Bk, (j + 1) * Bk
+        if lo < start:  # the part computed by earlier chunks (or attached)
+            cols = np.arange(lo, start) % L
+            pool.k[i, :, :start - lo] = cache.k[slots[b]][:, cols]
+            pool.v[i, :, :start - lo] = cache.v[slots[b]][:, cols]
+        first = max(lo, start)
+        pool.k[i, :, first - lo:] = k[b, :, first - start:hi - start]
+        pool.v[i, :, first - lo:] = v[b, :, first - start:hi - start]
+
+
 def _before(cache: np.ndarray, slots: np.ndarray, start: int, prev: int) -> np.ndarray:
     """Positions start-prev..start-1 of cache rows ``slots``, in order: (B, nkv, prev, hs). Column
     p % L holds position p; a slice of each row unless the ring wraps inside the range."""
@@ -137,10 +162,10 @@ def _before(cache: np.ndarray, slots: np.ndarray, start: int, prev: int) -> np.n
     return np.stack([cache[s][:, cols] for s in slots])
 
 
-def prefix_cacheable(specs: list[KvSpec], max_seq: int) -> bool:
-    """Can these layers' caches take part in the prefix cache? Only when every layer keeps every
-    position (a ring's column holds whichever position came last: the prefix-cache note)."""
-    return all(s.policy != "none" and s.cache_len(max_seq) >= max_seq for s in specs)
+def prefix_cacheable(specs: list[KvSpec], block: int) -> bool:
+    """Can these layers' caches take part in the prefix cache? Not without a cache, nor with a
+    ring shorter than a block (a block straddling a chunk's start must still be in it)."""
+    return all(s.policy != "none" and (s.policy != "window" or s.window >= block) for s in specs)
 
 
 def block_pool_caches(caches: list[LayerCache], blocks: int, size: int) -> list[LayerCache]:
@@ -148,20 +173,18 @@ def block_pool_caches(caches: list[LayerCache], blocks: int, size: int) -> list[
     return [LayerCache(blocks, c.k.shape[1], size, c.k.shape[3], c.v.shape[3]) for c in caches]
 
 
-def copy_blocks(caches: list[LayerCache], pool: list[LayerCache], ops: np.ndarray, kind: int) -> None:
-    """Run the block ops of ``kind`` in ``ops`` (m, 4): (kind, slot, block index j, pool id). ATTACH:
-    pool block -> the slot's positions j*B..(j+1)*B-1; SAVE: those positions -> the pool block."""
+def copy_blocks(caches: list[LayerCache], pool: list[LayerCache], ops: np.ndarray) -> None:
+    """The ATTACH ops of ``ops`` (m, 4): (kind, slot, block index j, pool id): pool block -> the
+    slot's positions j*B..(j+1)*B-1, in order (a ring's column p % L then holds the last of them,
+    as a prefill leaves it). The SAVE ops are made during the prefill (`prefill_kv`'s ``saves``)."""
     if not len(ops):
         return
     B = pool[0].k.shape[2]
     for op, slot, j, b in ops.tolist():
-        if op != kind:
+        if op != ATTACH:
             continue
-        cols = slice(j * B, (j + 1) * B)
         for c, p in zip(caches, pool):
-            if kind == ATTACH:
-                c.k[slot, :, cols] = p.k[b]
-                c.v[slot, :, cols] = p.v[b]
-            else:
-                p.k[b] = c.k[slot, :, cols]
-                p.v[b] = c.v[slot, :, cols]
+            lo, L = j * B % c.k.shape[2], c.k.shape[2]
+            cols = slice(lo, lo + B) if lo + B <= L else np.arange(lo, lo + B) % L  # (a ring may wrap inside)
+            c.k[slot][:, cols] = p.k[b]
+            c.v[slot][:, cols] = p.v[b]

@@ -528,17 +528,19 @@ class GenerateDriver(JournalDriver):
 
     def _prefix_cache_on(self, cx: Any) -> bool:
         """Does this job keep a prefix cache? The same answer on every rank, from the job alone: on
-        unless turned off, without recompute, every rank's cache keeping every position (no ring:
-        `kv_cache.prefix_cacheable`) and no layer of the model windowed short of the longest
-        sequence, for a family whose Stage copies blocks (`DecoderStage.reset_prefix`)."""
+        unless turned off, without recompute and without a window (the job's or a layer's) shorter
+        than a block (`kv_cache.prefix_cacheable`), for a family whose Stage copies blocks
+        (`DecoderStage.reset_prefix`)."""
         if not self.opts.prefix_cache or not getattr(cx.family, "prefix_cache", False):
             return False
-        seq, job, cfg = cx.seq, cx.job, cx.model_config
-        if any(job.kv_for(r).policy == "none" or job.kv_for(r).cache_len(seq) < seq for r in range(cx.world.size)):
+        from ..block_pool import BLOCK_SIZE
+
+        job, cfg = cx.job, cx.model_config
+        if any(job.kv_for(r).policy == "none" or 0 < job.kv_for(r).window < BLOCK_SIZE for r in range(cx.world.size)):
             return False
         window = getattr(cfg, "window", None)
         layers = getattr(cfg, "num_hidden_layers", 0)
-        return not (callable(window) and any(0 < (window(n) or 0) < seq for n in range(layers)))
+        return not (callable(window) and any(0 < (window(n) or 0) < BLOCK_SIZE for n in range(layers)))
 
     def _prefix_pool(self) -> Any:
         """Stage 0's bookkeeping of the pool (None: off)."""
@@ -582,7 +584,7 @@ class GenerateDriver(JournalDriver):
             blocks = -(-PREFIX_POOL_ROWS * cx.seq // BLOCK_SIZE)
 
             def pool() -> int:
-                got = cx.stage.reset_prefix(blocks, BLOCK_SIZE, cx.seq)
+                got = cx.stage.reset_prefix(blocks, BLOCK_SIZE)
                 if not got:
                     raise RuntimeError("the prefix cache's pool was not allocated where the job said it would be")
                 return got
