@@ -88,45 +88,73 @@ def test_a_job_key_turns_it_off(tmp_path, tiny_ckpt):
     assert "prefix cache" not in proc.stdout
 
 
-@pytest.mark.parametrize("kv", ["full", "window:24"])
-def test_block_copies_keep_a_real_stage_row_bitwise(tiny_ckpt, kv):
-    """A real DecoderStage: slot 1 prefills a prompt in chunks 0..19 and 20..42 and saves blocks
-    0 and 1 (block 1 straddles its chunks) on the way; slot 2 attaches them and prefills 32..42.
-    Slot 2's logits and 30 decode steps equal, bit for bit, those of slot 0, which computed the
-    same prompt without the pool in chunks 0..19, 20..31, 32..42 (the boundaries the reuse makes:
-    a row's numbers still depend on how its positions are batched, issue #36); they are within
-    1e-5 of a whole prefill. Under a window of 24 too: the saving row's ring has lost positions
-    0..15 by the end of its prefill, and the attaching row's ring must hold the last 24 of the 32
-    (the decode steps go past the window). A window shorter than a block has no pool."""
-    from rlx_mpi.checkpoint import H5ParamSource
-    from rlx_mpi.families.decoder.stage import DecoderStage
-    from rlx_mpi.families.llama import PRESETS
-    from rlx_mpi.kv_cache import ATTACH, SAVE, KvSpec
+def _attached_equals_chunked(st, ids: np.ndarray, kv, max_seq: int, steps: int) -> None:
+    """Slot 1 prefills ``ids`` in chunks 0..19, 20..31, 32.. and saves blocks 0 and 1 (block 1
+    straddles its chunks) on the way; slot 2 attaches them and prefills 32..; slot 0 computes the
+    prompt without the pool in the same chunks (a row's numbers still depend on how its positions
+    are batched, issue #36: the reference is chunked where the reuse cuts). Slot 2's logits and
+    ``steps`` decode steps equal slot 0's bit for bit, and are within 1e-5 of a whole prefill."""
+    from rlx_mpi.kv_cache import ATTACH, SAVE
 
-    cfg = PRESETS["tiny"]
-    with H5ParamSource(tiny_ckpt) as src:
-        st = DecoderStage(cfg, src, range(cfg.num_hidden_layers), True, True)
-    ids = np.concatenate([SHARED, [5, 6, 7]])[None]
     L = ids.shape[1]
-    st.reset(4, 72, KvSpec.parse(kv, "test"))
+    st.reset(4, max_seq, kv)
     assert st.reset_prefix(4, 16) > 0
     one = lambda a, b, slot: st.prefill(ids[:, a:b], np.array([slot]), np.array([L]), start=a)  # noqa: E731
-    whole = st.prefill(ids, np.array([3]), np.array([L]))
+    st.block_ops(np.array([[SAVE, 3, 0, 0], [SAVE, 3, 1, 1]]), before=True)  # both from one chunk: a ring
+    whole = st.prefill(ids, np.array([3]), np.array([L]))                    # keeps only its last positions
+    st.block_ops(np.array([[SAVE, 3, 0, 0], [SAVE, 3, 1, 1]]), before=False)
     one(0, 20, 0), one(20, 32, 0)
     ref = one(32, L, 0)
     st.block_ops(np.array([[SAVE, 1, 0, 2]]), before=True)  # block 0 completes in the first chunk
     one(0, 20, 1)
     st.block_ops(np.array([[SAVE, 1, 0, 2]]), before=False)
     st.block_ops(np.array([[SAVE, 1, 1, 3]]), before=True)
-    one(20, L, 1)
+    one(20, 32, 1)
+    st.block_ops(np.array([[SAVE, 1, 1, 3]]), before=False)
+    assert np.array_equal(one(32, L, 1), ref)  # (saving changes nothing)
     st.block_ops(np.array([[ATTACH, 2, 0, 2], [ATTACH, 2, 1, 3]]), before=True)
     part = one(32, L, 2)
     assert np.array_equal(ref, part)
     assert np.abs(whole - part).max() <= 1e-5
+    for p in st.pool:  # blocks saved from a whole prefill hold what the chunked one saved
+        assert np.abs(p.k[:2] - p.k[2:]).max() <= 1e-5 and np.abs(p.v[:2] - p.v[2:]).max() <= 1e-5
     x = np.array([[int(ref[0].argmax())]])
-    for p in range(L, L + 26):  # past the window: the ring turns over
+    for p in range(L, L + steps):
         a, b = st.decode(x, np.array([0]), np.array([p])), st.decode(x, np.array([2]), np.array([p]))
         assert np.array_equal(a, b)
         x = np.array([[int(a[0].argmax())]])
+
+
+@pytest.mark.parametrize("kv", ["full", "window:24"])
+def test_block_copies_keep_a_real_stage_row_bitwise(tiny_ckpt, kv):
+    """`_attached_equals_chunked` on the tiny Llama, and under a window of 24: the saving row's
+    ring has lost positions 0..15 by the end of its prefill, the attaching row's ring must hold
+    the last 24 of the 32 (the decode steps go past the window). A window shorter than a block
+    has no pool."""
+    from rlx_mpi.checkpoint import H5ParamSource
+    from rlx_mpi.families.decoder.stage import DecoderStage
+    from rlx_mpi.families.llama import PRESETS
+    from rlx_mpi.kv_cache import KvSpec
+
+    cfg = PRESETS["tiny"]
+    with H5ParamSource(tiny_ckpt) as src:
+        st = DecoderStage(cfg, src, range(cfg.num_hidden_layers), True, True)
+    _attached_equals_chunked(st, np.concatenate([SHARED, [5, 6, 7]])[None], KvSpec.parse(kv, "test"), 72, 26)
     st.reset(3, 64, KvSpec("window", 8))
     assert st.reset_prefix(4, 16) == 0
+
+
+def test_latent_attention_pools_its_latents(tmp_path):
+    """DeepSeek-V3's latent cache (one shared entry of kv_lora_rank + rope width per position, not
+    K and V per head: `decoder.mla`) goes through the pool the same way (the families fixture)."""
+    from test_families import FAMILIES, build
+    from rlx_mpi.families import family_for_model_type
+    from rlx_mpi.kv_cache import KvSpec
+
+    raw = json.loads((FAMILIES / "deepseek_v3" / "config.json").read_text())
+    family = family_for_model_type(raw["model_type"])
+    cfg = family.convert_hf(FAMILIES / "deepseek_v3", tmp_path / "m.h5", dtype="float32", hf_config=raw)
+    st = build(family, cfg, tmp_path / "m.h5")
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, (1, 43))
+    _attached_equals_chunked(st, ids, KvSpec("full"), 64, 8)
+    assert st.pool[0].k.shape == (4, 1, 16, cfg.kv_lora_rank)  # the latent, not K per head
