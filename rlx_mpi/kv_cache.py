@@ -38,8 +38,8 @@ import numpy as np
 
 from .errors import ConfigError
 
-__all__ = ["KvSpec", "LayerCache", "prefill_kv", "block_pool_caches", "copy_blocks", "prefix_cacheable", "ATTACH",
-           "SAVE"]
+__all__ = ["KvSpec", "LayerCache", "PoolLayer", "prefill_kv", "block_pool_caches", "copy_blocks", "prefix_cacheable",
+           "ATTACH", "SAVE"]
 
 ATTACH, SAVE = 1, 2  # block ops (the prefix-cache note): a pool block -> a slot before a step; a slot -> the pool after
 
@@ -99,7 +99,7 @@ class LayerCache:
 
 def prefill_kv(cache: LayerCache | None, spec: KvSpec, k: np.ndarray, v: np.ndarray, slots: np.ndarray,
                lengths: np.ndarray, start: int = 0, saves: np.ndarray | None = None,
-               pool: LayerCache | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+               pool: "PoolLayer | None" = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Store a prefill chunk's keys and say what its queries attend to.
 
     k, v (B, nkv, T, hs) at positions start..start+T-1; row b's real tokens are the first
@@ -133,22 +133,21 @@ def prefill_kv(cache: LayerCache | None, spec: KvSpec, k: np.ndarray, v: np.ndar
     return keys, values, q_pos, spec.window if spec.policy == "window" else 0
 
 
-def _save_blocks(cache: LayerCache, pool: LayerCache, k: np.ndarray, v: np.ndarray, slots: np.ndarray, start: int,
+def _save_blocks(cache: LayerCache, pool: "PoolLayer", k: np.ndarray, v: np.ndarray, slots: np.ndarray, start: int,
                  saves: np.ndarray) -> None:
     """Block j of row b into pool block ``id`` for each (b, j, id): its positions before ``start``
     from the cache (a ring holds them: a block straddling the chunk's start is within the last B
     positions, and a ring is at least a block long where the pool is kept), the rest from the chunk."""
-    Bk = pool.k.shape[2]
-    L = cache.k.shape[2]
+    Bk, L = pool.size, cache.k.shape[2]
     for b, j, i in saves.tolist():
-        lo, hi = j * Bk, (j + 1) * Bk
+        lo, hi, at = j * Bk, (j + 1) * Bk, i * Bk  # the block's positions; its first column in the pool
         if lo < start:  # the part computed by earlier chunks (or attached)
             cols = np.arange(lo, start) % L
-            pool.k[i, :, :start - lo] = cache.k[slots[b]][:, cols]
-            pool.v[i, :, :start - lo] = cache.v[slots[b]][:, cols]
+            pool.k[:, at:at + start - lo] = cache.k[slots[b]][:, cols]
+            pool.v[:, at:at + start - lo] = cache.v[slots[b]][:, cols]
         first = max(lo, start)
-        pool.k[i, :, first - lo:] = k[b, :, first - start:hi - start]
-        pool.v[i, :, first - lo:] = v[b, :, first - start:hi - start]
+        pool.k[:, at + first - lo:at + Bk] = k[b, :, first - start:hi - start]
+        pool.v[:, at + first - lo:at + Bk] = v[b, :, first - start:hi - start]
 
 
 def _before(cache: np.ndarray, slots: np.ndarray, start: int, prev: int) -> np.ndarray:
@@ -168,23 +167,51 @@ def prefix_cacheable(specs: list[KvSpec], block: int) -> bool:
     return all(s.policy != "none" and (s.policy != "window" or s.window >= block) for s in specs)
 
 
-def block_pool_caches(caches: list[LayerCache], blocks: int, size: int) -> list[LayerCache]:
+@dataclass
+class PoolLayer:
+    """One layer's prefix-cache pool: ``k`` (heads, blocks x size, k width), ``v`` likewise; block
+    b is columns b*size..(b+1)*size-1, so a prefix published block after block (consecutive ids)
+    is one slice: an attach copies it into the slot in one strided copy per layer (measured
+    against a copy per block: 22 ms against 42 ms a row of 64 blocks x 16 layers, medium
+    preset's widths, 1 thread, loaded host; a gather of the blocks into slot order took 260 ms)."""
+
+    k: np.ndarray
+    v: np.ndarray
+    size: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+def block_pool_caches(caches: list[LayerCache], blocks: int, size: int) -> list[PoolLayer]:
     """A pool of ``blocks`` blocks of ``size`` positions per layer, each layer's entry as its slots'."""
-    return [LayerCache(blocks, c.k.shape[1], size, c.k.shape[3], c.v.shape[3]) for c in caches]
+    return [PoolLayer(np.zeros((c.k.shape[1], blocks * size, c.k.shape[3]), np.float32),
+                      np.zeros((c.v.shape[1], blocks * size, c.v.shape[3]), np.float32), size) for c in caches]
 
 
-def copy_blocks(caches: list[LayerCache], pool: list[LayerCache], ops: np.ndarray) -> None:
+def copy_blocks(caches: list[LayerCache], pool: list[PoolLayer], ops: np.ndarray) -> None:
     """The ATTACH ops of ``ops`` (m, 4): (kind, slot, block index j, pool id): pool block -> the
     slot's positions j*B..(j+1)*B-1, in order (a ring's column p % L then holds the last of them,
-    as a prefill leaves it). The SAVE ops are made during the prefill (`prefill_kv`'s ``saves``)."""
-    if not len(ops):
-        return
-    B = pool[0].k.shape[2]
+    as a prefill leaves it). The SAVE ops are made during the prefill (`prefill_kv`'s ``saves``).
+    Runs of consecutive blocks and ids are one copy (`PoolLayer`)."""
+    B = pool[0].size
+    runs: list[list[int]] = []  # [slot, first j, first id, blocks]
     for op, slot, j, b in ops.tolist():
         if op != ATTACH:
             continue
+        if runs and runs[-1][0] == slot and runs[-1][1] + runs[-1][3] == j and runs[-1][2] + runs[-1][3] == b:
+            runs[-1][3] += 1
+        else:
+            runs.append([slot, j, b, 1])
+    for slot, j, b, n in runs:
         for c, p in zip(caches, pool):
-            lo, L = j * B % c.k.shape[2], c.k.shape[2]
-            cols = slice(lo, lo + B) if lo + B <= L else np.arange(lo, lo + B) % L  # (a ring may wrap inside)
-            c.k[slot][:, cols] = p.k[b]
-            c.v[slot][:, cols] = p.v[b]
+            L = c.k.shape[2]
+            lo = j * B % L
+            cols = slice(lo, lo + n * B) if lo + n * B <= L else np.arange(lo, lo + n * B) % L  # (a ring may wrap)
+            if isinstance(cols, np.ndarray) and n * B > L:  # longer than the ring: only the last L positions stay
+                cols, first = cols[-L:], n * B - L
+            else:
+                first = 0
+            c.k[slot][:, cols] = p.k[:, b * B + first:(b + n) * B]
+            c.v[slot][:, cols] = p.v[:, b * B + first:(b + n) * B]
