@@ -158,3 +158,30 @@ def test_latent_attention_pools_its_latents(tmp_path):
     ids = np.random.default_rng(3).integers(0, cfg.vocab_size, (1, 43))
     _attached_equals_chunked(st, ids, KvSpec("full"), 64, 8)
     assert st.pool[0].k.shape == (1, 4 * 16, cfg.kv_lora_rank)  # the latent, not K per head
+
+
+def test_n_samples_of_a_batch_request_share_the_prefill(tmp_path_factory):
+    """A batch file's request with n = 4 (4 rows of one prompt, sampled apart): 3 of them attach
+    the prompt's 2 full blocks the first computed; the output lines equal --no-prefix-cache's."""
+    pytest.importorskip("tokenizers", reason="the 'text' extra (tokenizers) is not installed")
+    from test_batch_io import word_tokenizer
+    from test_batch_mpi import (COMPLETIONS_URL, FIXTURES, generate as batch_generate, lines_of, request,
+                                without_created, write_lines)
+    from rlx_mpi.families import convert_hf
+
+    d = tmp_path_factory.mktemp("nsamples")
+    convert_hf(FIXTURES / "hf_tiny_llama", d / "m.h5")
+    word_tokenizer(d, vocab_size=256)
+    prompt = np.random.default_rng(9).integers(1, 256, 37).tolist()
+    lines = [request("n4", COMPLETIONS_URL, prompt=prompt, max_tokens=4, temperature=0.9, seed=3, n=4),
+             request("one", COMPLETIONS_URL, prompt=prompt[:20] + [5, 6], max_tokens=3)]
+    reqs = write_lines(d / "r.jsonl", lines)
+    on, off = in_pairs(lambda: batch_generate(d, d / "m.h5", 1, reqs, d / "on.jsonl", "--json", d / "on.json",
+                                              name="on.toml"),
+                       lambda: batch_generate(d, d / "m.h5", 1, reqs, d / "off.jsonl", "--no-prefix-cache",
+                                              name="off.toml"))
+    assert on.returncode == 0, on.stderr
+    assert off.returncode == 0, off.stderr
+    assert without_created(lines_of(d / "on.jsonl")) == without_created(lines_of(d / "off.jsonl"))
+    hits = json.loads((d / "on.json").read_text())["prefix_hits"]
+    assert hits == [3 * 32 + 16, 4 * 37 + 22]  # the other prompt shares block 0 (its first 16 tokens)
