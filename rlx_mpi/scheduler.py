@@ -53,6 +53,17 @@ step (parked) and its chunks ride in their decode steps instead, one chunk in fl
 fewer decoding groups than stages it prefills in steps of its own, which keep the stages busy
 (a parked group would leave a stage idle). The driver offers every group without a step in flight
 a turn after each completed step, so a parked group starts decoding once its rows are prefilled.
+
+Note: the prefix cache (``pool``, a `block_pool.BlockPool`; docs/prefix-cache.md). A prompt
+admitted attaches the cached full blocks it begins with (up to its last position, whose logits
+are sampled): its ``filled`` starts there, so its prefill is a later chunk from the first
+uncached position, and the step carries ATTACH ops (pool block -> slot, before the step). A
+step whose prefill completes prompt blocks publishes them and carries their SAVE ops (slot ->
+pool block, made during the step): a step issued later may attach them, as every stage runs the
+steps in the order stage 0 issues them. A prompt whose next block is being computed by a row
+admitted before (promised) waits for it; the unrelated prompts behind it take the free slots
+meanwhile (`_admit_next`). The ops travel after the header in a message of their own
+(header[6] = their count): the stages copy blocks and never decide anything about the cache.
 """
 
 from __future__ import annotations
@@ -75,6 +86,7 @@ __all__ = ["PREFILL", "DECODE", "STOP", "MIXED", "ATTACH", "SAVE", "Seq", "Step"
 PREFILL, DECODE, STOP, MIXED = 1, 2, 3, 4
 # header: kind, group, rows, T, start, decode rows, block ops; then per row: slot, length|position, key, token index
 _HEAD, _ROW = 7, 4
+_LOOKAHEAD = 64  # queued prompts looked at for a free slot while those before them wait (`Scheduler._admit_next`)
 
 
 @dataclass
@@ -204,6 +216,7 @@ class Scheduler:
         self.decode = decode  # token ids -> text, for rows with stop strings (the stop note)
         self.pool = None if recompute else pool  # the prefix cache's bookkeeping (the prefix-cache note)
         self._ops: list[tuple[int, int, int, int]] = []  # attaches waiting for the next step issued
+        self._waiting: dict[int, tuple] = {}  # queued prompts waiting for a promised block (`_admit`)
         self.prompt_tokens = 0  # prompt positions of the rows admitted
         self.reused = 0  # of them, attached from the prefix cache
         self.chunk = 0 if recompute else prefill_chunk
@@ -233,6 +246,18 @@ class Scheduler:
             self._block_ops(step)
         return step
 
+    def _admit_next(self, g: int, slot: int) -> Seq | None:
+        """The first of the next `_LOOKAHEAD` queued prompts that need not wait for a prefix being
+        computed (`_admit`), taken out of the queue; None when all of them wait. Rows may so start
+        out of file order (the journal writes them in order): a prompt that waits for another row's
+        prefill does not hold the free slots from the unrelated prompts behind it."""
+        for k in range(min(len(self.queue), _LOOKAHEAD if self.pool is not None else 1)):
+            r = self._admit(self.queue[k], g, slot)
+            if r is not None:
+                del self.queue[k]
+                return r
+        return None
+
     def _admit(self, item: tuple, g: int, slot: int) -> Seq | None:
         """A queued prompt as the row of ``slot``, its cached prefix attached; None (it waits) when
         the next block it could attach is being computed by a row admitted before (promised)."""
@@ -241,11 +266,16 @@ class Scheduler:
         keys, ids = [], []
         pool = self.pool
         if pool is not None:
-            keys = pool.keys(tokens)
+            memo = self._waiting.get(id(item))  # (item, its keys, the promised key it waits for)
+            if memo is not None and memo[0] is item and memo[2] in pool.promised:
+                return None  # (still waiting: no new hashing or matching)
+            keys = memo[1] if memo is not None and memo[0] is item else pool.keys(tokens)
             cap = (len(tokens) - 1) // pool.size  # at least the last position is computed: its logits are sampled
             ids = pool.match(tokens, keys)[:cap]
             if len(ids) < cap and keys[len(ids)] in pool.promised:
+                self._waiting[id(item)] = (item, keys, keys[len(ids)])
                 return None
+            self._waiting.pop(id(item), None)
         own = extra[0] if extra else {}  # a row's own limits (`GenerateDriver`: batch requests)
         r = Seq(index, pid, tokens, slot, prompt_key(own.get("key", pid)), start=time.perf_counter(),
                 cohort=self.turns, max_new_tokens=own.get("max_new_tokens", 0), stop=tuple(own.get("stop", ())),
@@ -299,10 +329,7 @@ class Scheduler:
                 if not self.queue:
                     self.feed = None
             if r is None and self.queue:
-                rows[i] = self._admit(self.queue[0], g, g * self.batch + i)
-                if rows[i] is None:  # it waits for a prefix being computed; so do the prompts after it
-                    break
-                self.queue.popleft()
+                rows[i] = self._admit_next(g, g * self.batch + i)
         live = [r for r in rows if r is not None]
         fresh = [r for r in live if not r.prefilled]
         if self.recompute and live:

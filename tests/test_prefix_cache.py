@@ -150,3 +150,20 @@ def test_prompts_without_a_shared_prefix_compute_everything():
     want, computed_without, _ = run(prompts, pool=None)
     got, computed, s = run(prompts, pool=BlockPool(8, 4))
     assert got == want and computed == computed_without and s.reused == 0
+
+
+def test_unrelated_prompts_are_not_held_behind_one_waiting_for_a_prefix():
+    """p1 waits for p0's shared blocks (p0 prefills 40 positions, chunk 4: 10 steps); the unrelated
+    p2 and p3 take the free slots meanwhile (out of file order), and p1 attaches once p0's blocks
+    are in; rows still equal a run without the cache."""
+    rng = np.random.default_rng(8)
+    shared = tuple(rng.integers(0, 500, 40).tolist())
+    prompts = [(0, "p0", shared + (1,)), (1, "p1", shared + (2,)),
+               (2, "p2", tuple(rng.integers(0, 500, 6).tolist())), (3, "p3", tuple(rng.integers(0, 500, 5).tolist()))]
+    want, _, _ = run(prompts, pool=None, batch=3, chunk=4)
+    s = Scheduler(prompts, groups=1, batch=3, max_new_tokens=3, eos_ids=frozenset(), recompute=False,
+                  prefill_chunk=4, mixed=True, pool=BlockPool(16, 4))
+    s.next_step(0)
+    assert [r.id if r else None for r in s.rows[0]] == ["p0", "p2", "p3"]  # p1 waits, p2 and p3 do not
+    got, _, s = run(prompts, pool=BlockPool(16, 4), batch=3, chunk=4)
+    assert got == want and s.reused == 40
