@@ -39,8 +39,8 @@ from dataclasses import dataclass
 __all__ = ["BlockPool", "chain_keys", "BLOCK_SIZE"]
 
 # Note: 16 positions, as vLLM's default: a chat template's ~20-token system text already fills a
-# block, and a copy per block per layer costs little beside the prefill it saves. Not measured on
-# this code yet (bench/bench_prefix.py --block-size takes other sizes).
+# block, and an attach copies a row's consecutive blocks in one strided copy per layer whatever
+# their size (`kv_cache.PoolLayer`). Not measured against other sizes on this code yet.
 BLOCK_SIZE = 16
 
 
