@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 
 from ... import kernels
-from ...kv_cache import KvSpec, LayerCache, prefill_kv
+from ...kv_cache import KvSpec, LayerCache, PoolLayer, prefill_kv
 from . import mla, moe, ops
 from .arch import Arch
 from .weights import Experts, LayerWeights, Linear, Mlp
@@ -66,9 +66,9 @@ class KvStep:
     layer: int = 0  # index into caches and specs, advanced by the stage
     start: int = 0  # with prefill: the chunk's first position
     saves: np.ndarray | None = None  # with prefill: (m, 3) row, block, pool id of the prefix cache (`prefill_kv`)
-    pool: list[LayerCache] | None = None  # the prefix cache's pool, one per layer
+    pool: list[PoolLayer] | None = None  # the prefix cache's pool, one per layer
 
-    def pool_layer(self) -> LayerCache | None:
+    def pool_layer(self) -> PoolLayer | None:
         return self.pool[self.layer] if self.pool is not None else None
 
     def __post_init__(self) -> None:
