@@ -8,7 +8,8 @@ rank 0 (which fixes the cache's slots and longest sequence), plans with the KV c
 Note: the decode ring. Stage 0 owns the plan of the run (the `scheduler.Scheduler`: which
 prompt sits in which cache slot, what each group computes next). A step travels stage 0 -> 1 -> ... -> last as a small int64 header
 (kind, group, rows: slot, length/position, prompt key, token index; with the prefix cache, its
-block ops in a message after it: `scheduler`'s prefix-cache note) followed by the hidden state; the last stage samples one token per row and sends the tokens back to stage 0 (with
+block ops in a message after it: `scheduler`'s prefix-cache note) followed by the hidden
+state; the last stage samples one token per row and sends the tokens back to stage 0 (with
 tensor parallelism each TP rank talks to its counterpart, so every rank of the first stage
 gets them). With ``groups`` >= stages, stage s works on group i while stage s-1 works on group
 i+1. A row that ends (max_new_tokens, or any of the end-of-sequence ids) frees its slot, and the
