@@ -95,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", default=None, help="run every row to its max tokens, past "
                    "end-of-sequence ids (fixed-length benchmarks, as llama.cpp's and vLLM's; default: [generate] "
                    "ignore_eos)")
+    g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
+                   help="compute every prompt's whole prefill, even the blocks another prompt began with "
+                   "(A/B runs; default: [generate] prefix_cache, else on)")
     g.add_argument("--batch", type=int, metavar="B", help="sequences per group")
     g.add_argument("--groups", type=int, metavar="G", help="groups in flight (0 = one per stage)")
     g.add_argument("--prefill-chunk", type=int, metavar="N", help="prefill positions per step: a new group's prompts "

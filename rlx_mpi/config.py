@@ -166,6 +166,9 @@ class GenerateSection:
     """Completed rows are fsynced to the output at least this often."""
     ignore_eos: bool = False
     """Run every row to its max tokens, past end-of-sequence ids (fixed-length benchmarks)."""
+    prefix_cache: bool = True
+    """Reuse the cached KV blocks of a prompt prefix computed before (docs/prefix-cache.md);
+    false (or --no-prefix-cache): every prompt is prefilled whole."""
 
 
 @dataclass(frozen=True)

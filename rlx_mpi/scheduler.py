@@ -53,6 +53,17 @@ step (parked) and its chunks ride in their decode steps instead, one chunk in fl
 fewer decoding groups than stages it prefills in steps of its own, which keep the stages busy
 (a parked group would leave a stage idle). The driver offers every group without a step in flight
 a turn after each completed step, so a parked group starts decoding once its rows are prefilled.
+
+Note: the prefix cache (``pool``, a `block_pool.BlockPool`; docs/prefix-cache.md). A prompt
+admitted attaches the cached full blocks it begins with (up to its last position, whose logits
+are sampled): its ``filled`` starts there, so its prefill is a later chunk from the first
+uncached position, and the step carries ATTACH ops (pool block -> slot, before the step). A
+step whose prefill completes prompt blocks publishes them and carries their SAVE ops (slot ->
+pool block, made during the step): a step issued later may attach them, as every stage runs the
+steps in the order stage 0 issues them. A prompt whose next block is being computed by a row
+admitted before (promised) waits for it; the unrelated prompts behind it take the free slots
+meanwhile (`_admit_next`). The ops travel after the header in a message of their own
+(header[6] = their count): the stages copy blocks and never decide anything about the cache.
 """
 
 from __future__ import annotations
@@ -65,13 +76,17 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .block_pool import BlockPool
+from .kv_cache import ATTACH, SAVE
 from .sampling import prompt_key
 
-__all__ = ["PREFILL", "DECODE", "STOP", "MIXED", "Seq", "Step", "Scheduler", "make_header", "read_header", "chunk_start",
-           "decode_rows", "split_batch"]
+__all__ = ["PREFILL", "DECODE", "STOP", "MIXED", "ATTACH", "SAVE", "Seq", "Step", "Scheduler", "make_header",
+           "read_header", "chunk_start", "decode_rows", "block_ops", "split_batch"]
 
 PREFILL, DECODE, STOP, MIXED = 1, 2, 3, 4
-_HEAD, _ROW = 6, 4  # header: kind, group, rows, T, start, decode rows; then per row: slot, length|position, key, token index
+# header: kind, group, rows, T, start, decode rows, block ops; then per row: slot, length|position, key, token index
+_HEAD, _ROW = 7, 4
+_LOOKAHEAD = 64  # queued prompts looked at for a free slot while those before them wait (`Scheduler._admit_next`)
 
 
 @dataclass
@@ -94,6 +109,9 @@ class Seq:
     max_new_tokens: int = 0  # its own limit (a batch request's max_tokens); 0: the scheduler's
     stop: tuple[str, ...] = ()  # strings that end it when its decoded text holds one (the stop note)
     sample: int = 0  # which of its request's n samples it is
+    keys: list = field(default_factory=list)  # the hash-chain keys of its prompt's full blocks (prefix cache)
+    blocks: list[int] = field(default_factory=list)  # pool blocks it attached (it holds a reference to each)
+    next_block: int = 0  # its prompt's blocks before this one are cached or published (the rest it promised)
 
     @property
     def length(self) -> int:
@@ -111,6 +129,7 @@ class Step:
     header: np.ndarray  # int64 (`Scheduler.header_size`,)
     start: int = 0  # a prefill chunk's first position (chunked prefill)
     tokens: np.ndarray | None = None  # (n,) once sampled; (n, 2 + 2K) `sampling.pack_sampled` with --logprobs K
+    ops: np.ndarray | None = None  # (m, 4) int64 block ops (kind, slot, block index, pool id); header[6] = m
     pending: Any = None  # the posted receive of the tokens (pipelines of 2+ stages)
 
     @property
@@ -125,10 +144,10 @@ class Step:
 
 
 def make_header(kind: int, group: int, T: int, slots, lengths, keys, index, size: int, start: int = 0,
-                n_decode: int = 0) -> np.ndarray:
+                n_decode: int = 0, n_ops: int = 0) -> np.ndarray:
     h = np.zeros(size, np.int64)
     n = len(slots)
-    h[:_HEAD] = (kind, group, n, T, start, n_decode)
+    h[:_HEAD] = (kind, group, n, T, start, n_decode, n_ops)
     rows = h[_HEAD:_HEAD + _ROW * n].reshape(n, _ROW)
     rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3] = slots, lengths, keys, index
     return h
@@ -163,6 +182,11 @@ def split_batch(rows: int, groups: int, batch: int) -> int:
     if rows < 1 or groups < 1 or batch < 1:
         return batch
     return min(batch, -(-rows // groups))
+
+
+def block_ops(h: np.ndarray) -> int:
+    """How many block ops (rows of 4 int64) follow the header in a message of their own."""
+    return int(h[6])
 
 
 def _next_chunk(fresh: list[Seq], budget: int = 0) -> tuple[list[Seq], int]:
@@ -203,8 +227,13 @@ class Scheduler:
     def __init__(self, prompts: list[tuple[int, str, tuple[int, ...]]], groups: int, batch: int,
                  max_new_tokens: int, eos_ids: frozenset[int], recompute: bool, prefill_chunk: int = 0,
                  mixed: bool = False, stages: int = 1, feed: Any = None,
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None, pool: BlockPool | None = None):
         self.decode = decode  # token ids -> text, for rows with stop strings (the stop note)
+        self.pool = None if recompute else pool  # the prefix cache's bookkeeping (the prefix-cache note)
+        self._ops: list[tuple[int, int, int, int]] = []  # attaches waiting for the next step issued
+        self._waiting: dict[int, tuple] = {}  # queued prompts waiting for a promised block (`_admit`)
+        self.prompt_tokens = 0  # prompt positions of the rows admitted
+        self.reused = 0  # of them, attached from the prefix cache
         self.chunk = 0 if recompute else prefill_chunk
         self.mixed = mixed and bool(self.chunk)
         self.stages = stages
@@ -228,7 +257,83 @@ class Scheduler:
             return None
         step = self._next(g)
         self.issued[g] = step is not None
+        if step is not None and self.pool is not None:
+            self._block_ops(step)
         return step
+
+    def _admit_next(self, g: int, slot: int) -> Seq | None:
+        """The first of the next `_LOOKAHEAD` queued prompts that need not wait for a prefix being
+        computed (`_admit`), taken out of the queue; None when all of them wait. Rows may so start
+        out of file order (the journal writes them in order): a prompt that waits for another row's
+        prefill does not hold the free slots from the unrelated prompts behind it."""
+        for k in range(min(len(self.queue), _LOOKAHEAD if self.pool is not None else 1)):
+            r = self._admit(self.queue[k], g, slot)
+            if r is not None:
+                del self.queue[k]
+                return r
+        return None
+
+    def _admit(self, item: tuple, g: int, slot: int) -> Seq | None:
+        """A queued prompt as the row of ``slot``, its cached prefix attached; None (it waits) when
+        the next block it could attach is being computed by a row admitted before (promised)."""
+        index, pid, tokens, *extra = item
+        tokens = tuple(tokens)
+        keys, ids = [], []
+        pool = self.pool
+        if pool is not None:
+            memo = self._waiting.get(id(item))  # (item, its keys, the promised key it waits for)
+            if memo is not None and memo[0] is item and memo[2] in pool.promised:
+                return None  # (still waiting: no new hashing or matching)
+            keys = memo[1] if memo is not None and memo[0] is item else pool.keys(tokens)
+            cap = (len(tokens) - 1) // pool.size  # at least the last position is computed: its logits are sampled
+            ids = pool.match(tokens, keys)[:cap]
+            if len(ids) < cap and keys[len(ids)] in pool.promised:
+                self._waiting[id(item)] = (item, keys, keys[len(ids)])
+                return None
+            self._waiting.pop(id(item), None)
+        own = extra[0] if extra else {}  # a row's own limits (`GenerateDriver`: batch requests)
+        r = Seq(index, pid, tokens, slot, prompt_key(own.get("key", pid)), start=time.perf_counter(),
+                cohort=self.turns, max_new_tokens=own.get("max_new_tokens", 0), stop=tuple(own.get("stop", ())),
+                sample=own.get("sample", 0))
+        self.prompt_tokens += len(tokens)
+        if pool is not None:
+            pool.touch(ids)
+            pool.acquire(ids)
+            pool.promise(keys[len(ids):])
+            r.keys, r.blocks, r.next_block = keys, ids, len(ids)
+            r.filled = len(ids) * pool.size  # its prefill starts after the attached blocks (a later chunk)
+            self.reused += r.filled
+            pool.hits += r.filled
+            self._ops += [(ATTACH, slot, j, b) for j, b in enumerate(ids)]
+        return r
+
+    def _block_ops(self, step: Step) -> None:
+        """The step's block ops: the attaches waiting, then a SAVE of each prompt block its prefill
+        rows complete (published now: a step issued later may attach them, the stages run steps in
+        order), each into a block the pool hands out."""
+        pool, ops = self.pool, self._ops
+        self._ops = []
+        if step.kind != DECODE:
+            end = step.start + step.T
+            for r in step.rows[step.n_decode:]:
+                done = min(end, len(r.prompt)) // pool.size  # prompt blocks whose positions are all computed
+                for j in range(r.next_block, min(done, len(r.keys))):
+                    b = pool.publish(r.keys[j], r.prompt[j * pool.size:(j + 1) * pool.size],
+                                     r.keys[j - 1] if j else b"")
+                    pool.unpromise(r.keys[j:j + 1])
+                    if b is not None:
+                        ops.append((SAVE, r.slot, j, b))
+                r.next_block = max(r.next_block, min(done, len(r.keys)))
+        if ops:
+            step.ops = np.array(ops, np.int64).reshape(-1, 4)
+            step.header[6] = len(ops)
+
+    def _release(self, r: Seq) -> None:
+        """A row that ended: its references dropped, its promises withdrawn."""
+        if self.pool is not None:
+            self.pool.release(r.blocks)
+            self.pool.unpromise(r.keys[r.next_block:])
+            r.blocks, r.next_block = [], len(r.keys)
 
     def _next(self, g: int) -> Step | None:
         rows = self.rows[g]
@@ -239,12 +344,7 @@ class Scheduler:
                 if not self.queue:
                     self.feed = None
             if r is None and self.queue:
-                index, pid, tokens, *extra = self.queue.popleft()
-                own = extra[0] if extra else {}  # a row's own limits (`GenerateDriver`: batch requests)
-                rows[i] = Seq(index, pid, tuple(tokens), g * self.batch + i, prompt_key(own.get("key", pid)),
-                              start=time.perf_counter(), cohort=self.turns,
-                              max_new_tokens=own.get("max_new_tokens", 0), stop=tuple(own.get("stop", ())),
-                              sample=own.get("sample", 0))
+                rows[i] = self._admit_next(g, g * self.batch + i)
         live = [r for r in rows if r is not None]
         fresh = [r for r in live if not r.prefilled]
         if self.recompute and live:
@@ -260,6 +360,8 @@ class Scheduler:
                     return None  # parked: its chunks ride in the decoding groups' steps (`_rider`)
             return self._prefill(g, chunk, start, self.chunk)
         if fresh:  # new prompts first; the group's other rows wait one turn
+            if any(r.filled for r in fresh):  # a cached prefix attached: from the rows furthest behind
+                return self._prefill(g, *_next_chunk(fresh))
             return self._prefill(g, fresh)
         if not live:
             return None
@@ -338,6 +440,7 @@ class Scheduler:
                 r.finish_reason = "length"
             if r.finish_reason:
                 self.rows[g][r.slot - g * self.batch] = None
+                self._release(r)
                 done.append(r)
         return done
 

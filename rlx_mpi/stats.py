@@ -162,9 +162,11 @@ class GenerateResult:
     prefill_steps: int = 0  # steps stage 0 issued that carried prefill positions (chunks, MIXED steps too)
     token_gap_ms: dict | None = None  # between a row's decode tokens at stage 0: median, p99, max (`Scheduler.token_gaps_ms`)
     replicas: list[dict] | None = None  # per replica: rows, tokens, wall_s, tokens_per_s (None: one replica)
+    prefix_hits: list[int] | None = None  # [prompt positions reused from the prefix cache, all of them] (None: off)
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k != "timings" and not (k == "replicas" and v is None)}
+        d = {k: v for k, v in asdict(self).items() if k != "timings" and not (k in ("replicas", "prefix_hits")
+                                                                               and v is None)}
         return {"rows": [t.to_dict() for t in self.timings], **d}
 
     def table(self) -> str:
@@ -182,6 +184,9 @@ class GenerateResult:
         rate = self.new_tokens / self.wall_s if self.wall_s > 0 else float("nan")
         gaps = self.token_gap_ms
         gap = f"; between a row's tokens {gaps['median']:.1f} ms median, {gaps['max']:.1f} ms at most" if gaps else ""
+        if self.prefix_hits is not None:
+            hit, of = self.prefix_hits
+            gap += f"; prefix cache: {hit} of {of} prompt tokens reused ({100 * hit / of if of else 0:.1f}%)"
         per = "".join(f"replica {r['replica']}: {r['rows']} prompts, {r['tokens']} new tokens in {r['wall_s']:.2f} s"
                       f" ({r['tokens_per_s'] or 0.0:.1f} tokens/s)\n" for r in self.replicas or [])
         table = format_table((("replica",) if many else ()) + head, rows, left=(5,) if many else (4,))

@@ -7,7 +7,8 @@ rank 0 (which fixes the cache's slots and longest sequence), plans with the KV c
 
 Note: the decode ring. Stage 0 owns the plan of the run (the `scheduler.Scheduler`: which
 prompt sits in which cache slot, what each group computes next). A step travels stage 0 -> 1 -> ... -> last as a small int64 header
-(kind, group, rows: slot, length/position, prompt key, token index) followed by the hidden
+(kind, group, rows: slot, length/position, prompt key, token index; with the prefix cache, its
+block ops in a message after it: `scheduler`'s prefix-cache note) followed by the hidden
 state; the last stage samples one token per row and sends the tokens back to stage 0 (with
 tensor parallelism each TP rank talks to its counterpart, so every rank of the first stage
 gets them). With ``groups`` >= stages, stage s works on group i while stage s-1 works on group
@@ -52,15 +53,19 @@ from ..batch_io import format_result, is_batch, stop_text
 from ..sampling import (SamplingParams, logprob_entries, logprobs, pack_sampled, prompt_key, sample_id, sample_rows,
                         unpack_sampled)
 from ..schedule import Action, decode_drain_actions, decode_step_actions
-from ..scheduler import (DECODE, MIXED, STOP, Scheduler, Seq, Step, chunk_start, decode_rows, make_header, read_header,
-                         split_batch)
+from ..scheduler import (DECODE, MIXED, STOP, Scheduler, Seq, Step, block_ops, chunk_start, decode_rows, make_header,
+                         read_header, split_batch)
 from ..stats import GenerateResult, StageTiming, peak_rss_bytes
 
 __all__ = ["GenerateDriver", "GenerateOptions", "DecodeRing", "GenStats", "GenerateResult", "lockstep_fold"]
 
 log = logging.getLogger("rlx_mpi")
 
-_TAG_HEADER, _TAG_HIDDEN = 7, 1000  # tokens return on the hidden tag, in the other direction
+_TAG_HEADER, _TAG_OPS, _TAG_HIDDEN = 7, 8, 1000  # tokens return on the hidden tag, in the other direction
+# Note: the prefix cache's pool holds as many positions as this many cache slots (2: a shared
+# prefix of the longest prompt's length and room for the prompts' own blocks to churn, LRU);
+# the planner prices it as that many more slots (`GenerateDriver.cost`).
+PREFIX_POOL_ROWS = 2
 _LOCKSTEP_MASK = (1 << 62) - 1  # a digest and its negation both fit an int64 (one MAX all-reduce gives both ends)
 
 
@@ -130,11 +135,14 @@ class DecodeRing:
     def n_stages(self) -> int:
         return self.topo.n_stages
 
-    def _compute(self, header: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """This stage's part of a step; on the last stage the sampled tokens (n,) int64."""
+    def _compute(self, header: np.ndarray, x: np.ndarray, ops: np.ndarray | None = None) -> np.ndarray:
+        """This stage's part of a step; on the last stage the sampled tokens (n,) int64. ``ops``: the
+        step's prefix-cache block ops (attaches before it, saves after: `kv_cache.copy_blocks`)."""
         kind, _, n, T, rows = read_header(header)
         slots, lengths, start = rows[:, 0].copy(), rows[:, 1].copy(), chunk_start(header)
         t0 = time.perf_counter()
+        if ops is not None:
+            self.stage.block_ops(ops, before=True)
         if kind == DECODE:
             out = self.stage.decode(x, slots, lengths)
         elif kind == MIXED:  # decode rows and a prefill chunk in one step (the scheduler's MIXED note)
@@ -143,6 +151,8 @@ class DecodeRing:
             out = self.stage.prefill(x, slots, lengths, start=start)
         else:
             out = self.stage.prefill(x, slots, lengths)
+        if ops is not None:
+            self.stage.block_ops(ops, before=False)
         t1 = time.perf_counter()
         st = self.stats
         st.steps += 1
@@ -228,11 +238,13 @@ class DecodeRing:
                 time.sleep(self._step_delay)
 
             def compute(_m, _x):
-                out = self._compute(step.header, step.ids)
+                out = self._compute(step.header, step.ids, step.ops)
                 if self.n_stages == 1:
                     step.tokens = out
                     return None
                 self.link.send(step.header, self.topo.next, _TAG_HEADER, f"the step header of group {g}")
+                if step.ops is not None:
+                    self.link.send(step.ops, self.topo.next, _TAG_OPS, f"the block ops of group {g}")
                 return out
 
             self.ex.run(self._step_actions(g), compute, lambda a: None, tag_base=_TAG_HIDDEN, keep_sends=True)
@@ -290,11 +302,17 @@ class DecodeRing:
                 return
             self.ctx.microbatch = g
             hdr = header.copy()
+            ops = None
+            if block_ops(hdr):  # the prefix cache's copies, in a message of their own after the header
+                ops = self.link.recv(np.empty((block_ops(hdr), 4), np.int64), self.topo.prev, _TAG_OPS,
+                                     f"the block ops of group {g}")
 
-            def compute(_m, x, hdr=hdr, g=g):
-                out = self._compute(hdr, x)
+            def compute(_m, x, hdr=hdr, g=g, ops=ops):
+                out = self._compute(hdr, x, ops)
                 if not last:
                     self.link.send(hdr, self.topo.next, _TAG_HEADER, f"the step header of group {g}")
+                    if ops is not None:
+                        self.link.send(ops, self.topo.next, _TAG_OPS, f"the block ops of group {g}")
                 return out
 
             # the last stage's send is the int64 tokens back to stage 0: the executor sends
@@ -364,6 +382,7 @@ class GenerateOptions:
     eos_where: str = "generate --eos-id"  # where eos_id came from, for its error
     shard: tuple[int, int] | None = None  # --shard K/N: this job's part of the prompt file (`shards.py`)
     ignore_eos: bool = False  # --ignore-eos: every row runs to its max tokens (fixed-length benchmarks)
+    prefix_cache: bool = True  # reuse cached prefix blocks (--no-prefix-cache: off; `block_pool`)
 
     @classmethod
     def resolve(cls, flags: Any, job: Any) -> "GenerateOptions":
@@ -394,6 +413,7 @@ class GenerateOptions:
                    prefill_chunk=pick(flags.prefill_chunk, sec.prefill_chunk),
                    logprobs=pick(flags.logprobs, sec.logprobs), shard=shard,
                    ignore_eos=bool(getattr(flags, "ignore_eos", None) or sec.ignore_eos),
+                   prefix_cache=pick(getattr(flags, "prefix_cache", None), sec.prefix_cache),
                    eos_where="generate --eos-id" if flags.eos_id is not None else f"{job.path}: [generate] eos_id")
 
 
@@ -429,6 +449,7 @@ class GenerateDriver(JournalDriver):
         self.holder: dict = {}  # rank 0: journal, tokenizer, prompts
         self.groups = 0
         self.kv_bytes = 0
+        self.prefix_blocks = 0  # blocks of the prefix cache's pool on every stage (0: off)
 
     def configure(self, cx: Any) -> None:
         self.opts = GenerateOptions.resolve(self.flags, cx.job)
@@ -503,7 +524,31 @@ class GenerateDriver(JournalDriver):
         specs = [cx.job.kv_for(r) for r in range(cx.world.size)]
         cx.prepare()
         family, cfg, opts = cx.family, cx.model_config, self.opts
-        return lambda stages: kv_cost(family.cost(cfg, (opts.groups or stages) * opts.batch, cx.seq), specs, cx.seq)
+        extra = PREFIX_POOL_ROWS if self._prefix_cache_on(cx) else 0  # the pool: as many positions as that many slots
+        return lambda stages: kv_cost(family.cost(cfg, (opts.groups or stages) * opts.batch + extra, cx.seq), specs,
+                                      cx.seq)
+
+    def _prefix_cache_on(self, cx: Any) -> bool:
+        """Does this job keep a prefix cache? The same answer on every rank, from the job alone: on
+        unless turned off, without recompute and without a window (the job's or a layer's) shorter
+        than a block (`kv_cache.prefix_cacheable`), for a family whose Stage copies blocks
+        (`DecoderStage.reset_prefix`)."""
+        if not self.opts.prefix_cache or not getattr(cx.family, "prefix_cache", False):
+            return False
+        from ..block_pool import BLOCK_SIZE
+
+        job, cfg = cx.job, cx.model_config
+        if any(job.kv_for(r).policy == "none" or 0 < job.kv_for(r).window < BLOCK_SIZE for r in range(cx.world.size)):
+            return False
+        window = getattr(cfg, "window", None)
+        layers = getattr(cfg, "num_hidden_layers", 0)
+        return not (callable(window) and any(0 < (window(n) or 0) < BLOCK_SIZE for n in range(layers)))
+
+    def _prefix_pool(self) -> Any:
+        """Stage 0's bookkeeping of the pool (None: off)."""
+        from ..block_pool import BLOCK_SIZE, BlockPool
+
+        return BlockPool(self.prefix_blocks, BLOCK_SIZE) if self.prefix_blocks else None
 
     def check_plan(self, cx: Any) -> None:
         job = cx.job
@@ -540,6 +585,21 @@ class GenerateDriver(JournalDriver):
                                   "generate needs a family whose Stage implements reset, prefill and decode") from None
 
         self.kv_bytes = cx.agree(reset, "allocating the KV cache")
+        # (a family that wraps another's stages may say yes for a stage without the methods: off)
+        if self._prefix_cache_on(cx) and all(callable(getattr(cx.stage, m, None))
+                                             for m in ("reset_prefix", "block_ops")):
+            from ..block_pool import BLOCK_SIZE
+
+            blocks = -(-PREFIX_POOL_ROWS * cx.seq // BLOCK_SIZE)
+
+            def pool() -> int:
+                got = cx.stage.reset_prefix(blocks, BLOCK_SIZE)
+                if not got:
+                    raise RuntimeError("the prefix cache's pool was not allocated where the job said it would be")
+                return got
+
+            self.kv_bytes += cx.agree(pool, "allocating the prefix cache")
+            self.prefix_blocks = blocks
 
     def drive(self, cx: Any) -> GenerateResult | None:
         """The decode ring on every rank; the `GenerateResult` on rank 0 (None elsewhere).
@@ -558,7 +618,8 @@ class GenerateDriver(JournalDriver):
         timeout = job.run.timeout_s
         # a family's Stage written before chunked prefill (no ``start``) prefills whole prompts, and
         # one without ``mixed`` (not a `Stage` subclass) never gets a MIXED step
-        chunk = opts.prefill_chunk if "start" in inspect.signature(cx.stage.prefill).parameters else 0
+        chunk_ok = "start" in inspect.signature(cx.stage.prefill).parameters
+        chunk = opts.prefill_chunk if chunk_ok else 0
         items = [(i, pid, tuple(t), own) for i, pid, t, own in doc["pending"]]
         shared = topo.n_replicas > 1
         wait(cx.world.Ibarrier(), timeout, cx.ctx, lambda: "every rank to start generating", "some rank")
@@ -573,7 +634,7 @@ class GenerateDriver(JournalDriver):
         sched = Scheduler([] if feed else items, self.groups, opts.batch,
                           opts.max_new_tokens, frozenset(doc["eos"]), recompute, prefill_chunk=chunk,
                           mixed=callable(getattr(cx.stage, "mixed", None)), stages=topo.n_stages, feed=feed,
-                          decode=decode)
+                          decode=decode, pool=self._prefix_pool() if topo.stage == 0 and chunk_ok else None)
         names = {prompt_key(own.get("key", pid)): f"{pid!r} (prompt {doc.get('first', 0) + i + 1} of "
                  f"{opts.prompts.name})" for i, pid, _, own in doc["pending"]}
         per_key = {prompt_key(own["key"]): SamplingParams(*own["params"]) for _, _, _, own in doc["pending"]
@@ -696,7 +757,8 @@ class GenerateDriver(JournalDriver):
             kv=str(kv), kv_bytes=self.kv_bytes, prefill_ms=st.prefill_s * 1e3, decode_ms=st.decode_s * 1e3,
             sample_ms=st.sample_s * 1e3, replica=topo.replica if shared else None)
         mine = {"timing": timing.to_dict(), "stopped": bool(stopped) if topo.stage == 0 else False,
-                "signal": stop.signal_name}
+                "signal": stop.signal_name,
+                "prefix": [sched.reused, sched.prompt_tokens] if driving and sched.pool is not None else None}
         grace = max(1.0, 0.1 * timeout)
         rows = transport.gather_json(cx.world, mine, 0, timeout + (topo.n_stages + 1) * grace, cx.ctx,
                                      "the generation stats")
@@ -714,9 +776,11 @@ class GenerateDriver(JournalDriver):
             replicas = [{"replica": r, "rows": c["rows"], "tokens": c["tokens"], "wall_s": round(walls.get(r, 0.0), 3),
                          "tokens_per_s": round(c["tokens"] / walls[r], 1) if walls.get(r) else None}
                         for r, c in per_replica.items()]
+        hits = [r["prefix"] for r in rows or [] if r["prefix"] is not None]  # (each replica's stage 0)
         return GenerateResult(timings=timings, total=doc["total"], done_before=done_before, done_now=counts["done"],
                               new_tokens=counts["tokens"], wall_s=wall, stopped_by=stopped_by,
-                              prefill_steps=sched.prefill_steps, token_gap_ms=sched.token_gaps_ms(), replicas=replicas)
+                              prefill_steps=sched.prefill_steps, token_gap_ms=sched.token_gaps_ms(), replicas=replicas,
+                              prefix_hits=[sum(h[0] for h in hits), sum(h[1] for h in hits)] if hits else None)
 
     def _write_failed(self, indices: list[int]) -> int:
         """Rank 0: the output lines of the requests that cannot run (`batch_io`'s per-line errors)."""

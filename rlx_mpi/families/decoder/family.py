@@ -23,6 +23,8 @@ __all__ = ["DecoderFamily", "random_tensors"]
 class DecoderFamily:
     """A `rlx_mpi.stage.ModelFamily` over `Arch`; ``name`` is the checkpoint's ``family``."""
 
+    prefix_cache = True  # its Stage keeps a prefix cache's pool and copies blocks (`DecoderStage.reset_prefix`)
+
     def __init__(self, name: str, hf_model_types: tuple[str, ...], arch_from_hf: Callable[[dict, str], Arch],
                  hf_names: Callable[[Arch], dict], presets: Mapping[str, Arch] | None = None,
                  shape_defaults: Mapping[str, Any] | None = None,

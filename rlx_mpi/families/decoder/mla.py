@@ -74,7 +74,8 @@ def _chunk(q, c, kr, m: MlaWeights, cfg: Arch, cos, sin, kv) -> np.ndarray:
     keys_c, keys_r, q_pos, window = c[:, None], kr, None, 0
     if kv is not None:  # the cache keeps the latent; a later chunk also sees the cached one
         keys_c, keys_r, q_pos, window = prefill_kv(kv.caches[kv.layer] if kv.caches is not None else None,
-                                              kv.specs[kv.layer], c[:, None], kr, kv.slots, kv.lengths, kv.start)
+                                                   kv.specs[kv.layer], c[:, None], kr, kv.slots, kv.lengths, kv.start,
+                                                   kv.saves, kv.pool_layer())
     S = keys_c.shape[2]
     kvb = m.kv_b(keys_c[:, 0]).reshape(B, S, nh, dn + dv).transpose(0, 2, 1, 3)  # (B, nh, S, dn + dv)
     k = np.empty((B, nh, S, dn + keys_r.shape[-1]), np.float32)

@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 
 from ... import kernels
-from ...kv_cache import KvSpec, LayerCache, prefill_kv
+from ...kv_cache import KvSpec, LayerCache, PoolLayer, prefill_kv
 from . import mla, moe, ops
 from .arch import Arch
 from .weights import Experts, LayerWeights, Linear, Mlp
@@ -65,6 +65,11 @@ class KvStep:
     caches: list[LayerCache] | None = None
     layer: int = 0  # index into caches and specs, advanced by the stage
     start: int = 0  # with prefill: the chunk's first position
+    saves: np.ndarray | None = None  # with prefill: (m, 3) row, block, pool id of the prefix cache (`prefill_kv`)
+    pool: list[PoolLayer] | None = None  # the prefix cache's pool, one per layer
+
+    def pool_layer(self) -> PoolLayer | None:
+        return self.pool[self.layer] if self.pool is not None else None
 
     def __post_init__(self) -> None:
         if not self.prefill and self.caches:  # once per step, not per layer
@@ -77,7 +82,7 @@ class KvStep:
         and attend q (B, nh, T, hs) over the chunk: (B, T, nh, hs)."""
         cache = self.caches[self.layer] if self.caches is not None else None
         keys, values, q_pos, window = prefill_kv(cache, self.specs[self.layer], k, v, self.slots, self.lengths,
-                                              self.start)
+                                                 self.start, self.saves, self.pool_layer())
         if model_window:  # the chunk attends to itself: the model's own window applies
             window = min(window, model_window) if window else model_window
         return kernels.attend(q, keys, values, q_pos, window, scale=scale, softcap=softcap, sinks=sinks)

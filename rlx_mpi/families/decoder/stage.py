@@ -22,7 +22,7 @@ import numpy as np
 from ... import kernels
 from ...checkpoint import part_bounds
 from ...collectives import ReduceKind, all_reduce, world_ranks
-from ...kv_cache import KvSpec, LayerCache
+from ...kv_cache import SAVE, KvSpec, LayerCache, block_pool_caches, copy_blocks, prefix_cacheable
 from ...stage import ParamSource, Stage, TensorParallel
 from . import model, ops
 from .arch import Arch
@@ -199,6 +199,35 @@ class DecoderStage(Stage):
         self.rope = Rope(cfg, max_seq)
         return sum(c.nbytes for c in self.caches) if self.caches else 0
 
+    def reset_prefix(self, blocks: int, size: int) -> int:
+        """The prefix cache's pool (`kv_cache`'s prefix-cache note): ``blocks`` blocks of ``size``
+        positions per layer; its bytes. 0 and no pool where a layer's cache cannot take part."""
+        self.pool, self._saves = None, None
+        if blocks and self.caches is not None and prefix_cacheable(self.specs, size):
+            self.pool = block_pool_caches(self.caches, blocks, size)
+        return sum(p.nbytes for p in self.pool) if self.pool else 0
+
+    def block_ops(self, ops: np.ndarray, before: bool) -> None:
+        """A step's block ops (`scheduler.block_ops`): ``before`` it, its attaches are copied and
+        its saves kept for its prefill (made layer by layer: `kv_cache.prefill_kv`); after it, none is left."""
+        if getattr(self, "pool", None) is None:
+            raise RuntimeError("block ops without a prefix-cache pool (reset_prefix)")
+        if before:
+            copy_blocks(self.caches, self.pool, ops)
+            saves = ops[ops[:, 0] == SAVE, 1:]  # (m, 3): slot, block, pool id
+            self._saves = saves if len(saves) else None
+        elif self._saves is not None:
+            self._saves = None
+            raise RuntimeError("a step's block saves were not made: the step had no prefill rows for them")
+
+    def _step_saves(self, slots: np.ndarray) -> tuple[np.ndarray | None, list | None]:
+        """The kept saves as (row in ``slots``, block, pool id), and the pool; (None, None) without."""
+        saves, self._saves = getattr(self, "_saves", None), None
+        if saves is None:
+            return None, None
+        row = {int(s): b for b, s in enumerate(slots)}
+        return np.array([(row[s], j, i) for s, j, i in saves.tolist()], np.int64).reshape(-1, 3), self.pool
+
     def _entry(self, w: LayerWeights, length: int) -> tuple[int, int, int, int]:
         """Layer ``w``'s cache shape on this rank, (heads, positions, k width, v width): K and V of
         this rank's kv heads, or for a latent-attention layer one shared "head" holding the
@@ -218,7 +247,9 @@ class DecoderStage(Stage):
         on the last stage the logits (B, V) of each row's last real token in the chunk.
         """
         B, T = x.shape[:2]
-        step = model.KvStep(self.specs, slots, True, lengths=lengths, caches=self.caches, start=start)
+        saves, pool = self._step_saves(slots)
+        step = model.KvStep(self.specs, slots, True, lengths=lengths, caches=self.caches, start=start, saves=saves,
+                            pool=pool)
         h = self._blocks(x, np.broadcast_to(start + np.arange(T), (B, T)), step, lengths)
         if not self.last:
             return h
@@ -247,9 +278,10 @@ class DecoderStage(Stage):
         positions = np.broadcast_to(start + np.arange(T), (n - nd, T))
         tables = {local: (*self.rope.at(pos[:nd, None], local=local),  # (nd, 1, 1, hs)
                           *self.rope.at(positions, pos[nd:], local)) for local in self._rope_kinds}  # (rows, 1, T, hs)
+        saves, pool = self._step_saves(slots[nd:])
         step = model.MixedKv(model.KvStep(self.specs, slots[:nd], False, positions=pos[:nd], caches=self.caches),
                              model.KvStep(self.specs, slots[nd:], True, lengths=pos[nd:], caches=self.caches,
-                                          start=start), T, *tables[self.blocks[0].local_rope])
+                                          start=start, saves=saves, pool=pool), T, *tables[self.blocks[0].local_rope])
         h = self._embed(x)  # (1, N, C)
         for i, w in enumerate(self.blocks):
             step.layer = i
