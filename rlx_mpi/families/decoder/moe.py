@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ... import kernels
 from .arch import Arch
-from .weights import Experts
+from .weights import Experts, ExpertStack
 
-__all__ = ["route", "experts_forward"]
+__all__ = ["route", "experts_forward", "shared_forward"]
 
 
 def route(x: np.ndarray, router: np.ndarray, top_k: int, cfg: Arch | None = None,
@@ -81,10 +82,18 @@ def _groups(scores: np.ndarray, cfg: Arch, group_score) -> np.ndarray:
 def experts_forward(x: np.ndarray, w: Experts, cfg: Arch, gated_mlp) -> np.ndarray:
     """x (B, T, C) -> this rank's share of the MoE output (B, T, C): the weighted outputs of
     its own experts for the rows routed to them, zeros elsewhere. ``gated_mlp(rows, mlp)``
-    computes one expert (no reduction); ``cfg``'s routing picks the experts (`route`)."""
+    computes one expert (no reduction); ``cfg``'s routing picks the experts (`route`).
+
+    A decode step (up to `ExpertStack.rows` rows, the experts stacked) runs every chosen expert in
+    one call (`kernels.experts_decode`): each expert once over the rows that chose it, each row's
+    products as a lone row's, so a row's output never depends on the rest of its batch. A
+    prefill chunk multiplies each expert's rows together (BLAS, or the tiles of the decode
+    matvecs), as a dense layer multiplies its rows."""
     B, T, C = x.shape
     flat = x.reshape(-1, C)
     index, weight = route(flat, w.router, cfg.experts_per_token, cfg, w.router_bias)  # (N, k)
+    if _kernel_takes(w.stack, flat, cfg):
+        return _decode(flat, index, weight, w.first, w.stack, cfg).reshape(B, T, C)
     out = np.zeros_like(flat)
     for e in np.unique(index):  # only the experts some row chose (k of E at decode batch 1)
         if not w.first <= e < w.first + len(w.experts):
@@ -93,3 +102,26 @@ def experts_forward(x: np.ndarray, w: Experts, cfg: Arch, gated_mlp) -> np.ndarr
         y = gated_mlp(flat[rows], w.experts[e - w.first])  # (n, C)
         out[rows] += y * weight[rows, slot][:, None]  # a row picks e at most once: no collisions
     return out.reshape(B, T, C)
+
+
+def shared_forward(x: np.ndarray, w: Experts, cfg: Arch, gated_mlp) -> np.ndarray:
+    """DeepSeek's always-on experts (this rank's slice) for x (B, T, C): at decode through the
+    experts' kernel as one expert every row chose with weight 1 (each row alone, as the routed
+    ones), else as a dense MLP."""
+    flat = x.reshape(-1, x.shape[-1])
+    if _kernel_takes(w.shared_stack, flat, cfg):
+        N = len(flat)
+        y = _decode(flat, np.zeros((N, 1), np.int64), np.ones((N, 1), np.float32), 0, w.shared_stack, cfg)
+        return y.reshape(x.shape)
+    return gated_mlp(x, w.shared)
+
+
+def _kernel_takes(stack: ExpertStack | None, flat: np.ndarray, cfg: Arch) -> bool:
+    return (stack is not None and len(flat) <= stack.rows and cfg.activation in kernels.EXPERT_ACTIVATIONS
+            and flat.dtype == np.float32)
+
+
+def _decode(flat: np.ndarray, index: np.ndarray, weight: np.ndarray, first: int, s: ExpertStack, cfg: Arch) -> np.ndarray:
+    return kernels.experts_decode(flat, index, weight, first, s.gate_up_fmt, s.gate_up, s.gate_up_scale, s.gate_up_bias,
+                                  s.down, s.down_scale, s.down_bias, cfg.activation, cfg.swiglu_limit,
+                                  cfg.swiglu_alpha, s.down_fmt)

@@ -43,6 +43,8 @@ def warm_up(cfg: Arch, precision: str = "f32", tp: int = 1, decode: bool = False
     ops.warm_up()
     if precision != "f32":
         kernels.warm_up_lowp()
+    if cfg.num_experts and cfg.activation in kernels.EXPERT_ACTIVATIONS:  # the experts' decode kernel
+        kernels.warm_up_experts(precision)
     if decode and model.fused_decode_rows(cfg, precision, tp):
         kernels.warm_up_decode_layer(precision)
 

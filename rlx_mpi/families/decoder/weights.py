@@ -26,8 +26,8 @@ import numpy as np
 
 from ... import kernels
 
-__all__ = ["PRECISIONS", "Linear", "make_linear", "read_linear", "fuse", "Mlp", "Experts", "LayerWeights", "MlaWeights",
-           "q4_tensor"]
+__all__ = ["PRECISIONS", "Linear", "make_linear", "read_linear", "fuse", "Mlp", "Experts", "ExpertStack", "LayerWeights",
+           "MlaWeights", "q4_tensor"]
 
 PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")
 # Note: few rows. For a handful of activation rows (decode: one per sequence) OpenBLAS runs
@@ -230,15 +230,65 @@ class Mlp:
 
 
 @dataclass
+class ExpertStack:
+    """Experts' gate/up and down matrices as (E, ...) stacks, the arrays `kernels.experts_decode`
+    takes (one storage for all gate/ups, one for all downs); each expert's `Mlp` views its slice."""
+
+    gate_up_fmt: str
+    gate_up: np.ndarray  # (E, 2I, C), q4: (E, 2I, C/2) codes
+    gate_up_scale: np.ndarray | None
+    gate_up_bias: np.ndarray | None  # (E, 2I)
+    down_fmt: str
+    down: np.ndarray  # (E, C, I)
+    down_scale: np.ndarray | None
+    down_bias: np.ndarray | None  # (E, C)
+
+    @classmethod
+    def of(cls, experts: list[Mlp]) -> "ExpertStack | None":
+        """The stack of ``experts``, their `Mlp`s rebound to views of it (the bytes held once), or
+        None when they differ in storage, shape or biases (a checkpoint's mix keeps them apart)."""
+        gu = kernels.stack_experts([(m.gate_up.data, m.gate_up.scale) for m in experts])
+        dn = kernels.stack_experts([(m.down_proj.data, m.down_proj.scale) for m in experts])
+        kinds = {(m.gate_up.precision, m.down_proj.precision, m.gate_up_bias is None, m.down_bias is None)
+                 for m in experts}
+        if gu is None or dn is None or len(kinds) != 1:
+            return None
+        (gu_fmt, dn_fmt, no_gu_bias, no_dn_bias), = kinds
+        stack = cls(gu_fmt, *gu, None if no_gu_bias else np.stack([m.gate_up_bias for m in experts]),
+                    dn_fmt, *dn, None if no_dn_bias else np.stack([m.down_bias for m in experts]))
+        for e, m in enumerate(experts):  # views: the separate arrays are dropped
+            m.gate_up = Linear(gu_fmt, stack.gate_up[e], None if gu[1] is None else stack.gate_up_scale[e])
+            m.down_proj = Linear(dn_fmt, stack.down[e], None if dn[1] is None else stack.down_scale[e])
+            m.gate_up_bias = None if no_gu_bias else stack.gate_up_bias[e]
+            m.down_bias = None if no_dn_bias else stack.down_bias[e]
+        return stack
+
+    @property
+    def rows(self) -> int:
+        """Up to how many routed rows a step takes the kernel (a `Linear`'s decode matvec limit)."""
+        return min(kernels.F32_MATVEC_ROWS if f == "f32" else kernels.matvec_rows(f)
+                   for f in (self.gate_up_fmt, self.down_fmt))
+
+
+@dataclass
 class Experts:
     """This rank's experts of a MoE layer: the router (all E rows, replicated) and the experts
-    ``first .. first + len(experts) - 1`` whole (expert parallelism under TP)."""
+    ``first .. first + len(experts) - 1`` whole (expert parallelism under TP); held stacked for
+    the decode kernel (`ExpertStack`) where they share one storage."""
 
     router: np.ndarray  # (E, C) float32
     first: int
     experts: list[Mlp]
     router_bias: np.ndarray | None = None  # (E,): GPT-OSS's logit bias, DeepSeek-V3's choice-only bias
     shared: Mlp | None = None  # DeepSeek's always-on experts, this rank's slice (sharded as a dense MLP)
+    stack: ExpertStack | None = None  # the experts stacked (None: per expert, `moe.experts_forward`)
+    shared_stack: ExpertStack | None = None  # the shared experts as a stack of one
+
+    def __post_init__(self) -> None:
+        if self.stack is None and self.experts:
+            self.stack = ExpertStack.of(self.experts)
+        if self.shared_stack is None and self.shared is not None:
+            self.shared_stack = ExpertStack.of([self.shared])
 
     @property
     def nbytes(self) -> int:

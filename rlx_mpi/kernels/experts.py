@@ -1,0 +1,255 @@
+"""A MoE layer's experts at decode in one numba call: each expert some row chose runs once, on
+the rows that chose it, and each row's products go through one activation row's dot product.
+
+``experts_decode(x, index, weight, first, gate_up, ..., down, ...)`` computes, for rows x (N, C)
+routed to experts ``index`` (N, k) with weights ``weight`` (N, k) (`decoder.moe.route`),
+
+    out[r] = sum over j (ascending expert)  weight[r, j] * down_e(act(gate_up_e(x[r]) + b_gu) ) + b_d,  e = index[r, j]
+
+for the experts ``first .. first + E - 1`` this rank holds (stacked: ``gate_up`` (E, 2I, C) and
+``down`` (E, C, I) in one storage format, `decode_layer`'s: float32, bf16 bits as uint16, f16
+bits as int16, int8 + block scales, q4 codes + scale / minimum pairs), zeros for the others (a
+TP rank's share, summed by the layer's all-reduce). ``activation`` 0: SwiGLU (Mixtral, Qwen3-MoE,
+DeepSeek), 1: GPT-OSS's clamped SwiGLU, ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha g)``
+with g = min(gate, limit).
+
+Note: rows are independent of their batch. The decode matvecs take 4 activation rows at a time
+(rowdot's tile note) and a lone row another way, so an expert's product for a row would depend
+on how many other rows chose that expert in the step. Here every row of every group takes the
+lone row's dot product (the one a batch of 1 takes, `matvec._few_row`, lowp's `row_dot_i8*`,
+quant's `_q4_dot`): a row's output is bit-for-bit the same alone or in any batch, and at batch 1
+the same as the layer-by-layer path's `Linear` products. Each weight row is still read from
+memory once per step for the whole group (its 4-16 kB stay in L1 while the group's rows use
+it), so a step reads each chosen expert once: between k and min(E, N k) experts' bytes.
+
+Note: why one call. At decode the layer-by-layer MoE spent, per expert, a gather, two `Linear`
+calls with their checks, the activation and a scatter in Python (~30-50 us each; Qwen3-MoE at
+batch 8 touches ~40 of 64 experts a layer); a dense layer is one call (`decode_layer`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba.core import types
+from numba.extending import overload
+
+from ._common import ERR, FAST, check_f32, pool_threads
+from .elementwise import _swiglu
+from .lowp import _dot_i8_i16_tail, _quantize_rows_i16, check_weight, kernel_weight
+from .matvec import _dot_operand, _few_row
+from .quant import _q4_dot, _quantize_rows_q8
+from .rowdot import AHEAD_BYTES, INT8_BLOCK, STEP, row_dot_i8, row_dot_i8_16, row_dot_i8_32
+
+__all__ = ["experts_decode", "stack_experts", "ACTIVATIONS"]
+
+ACTIVATIONS = {"silu": 0, "silu_clamped": 1}  # the experts' activations the kernel computes
+
+
+@numba.njit(cache=True, error_model=ERR)
+def _swiglu_clamped(gate, up, limit, alpha):  # gate, up (N, I) float32: gate <- GPT-OSS's clamped SwiGLU
+    one = np.float32(1.0)
+    for r in range(gate.shape[0]):
+        for j in range(gate.shape[1]):
+            g = min(gate[r, j], limit)
+            u = min(max(up[r, j], -limit), limit)
+            gate[r, j] = (u + one) * (g / (one + np.float32(math.exp(-alpha * g))))
+
+
+@numba.njit(cache=True, parallel=True, fastmath=FAST)
+def _rows_float(x, w, out, chunks):  # x (R, K) f32, w (N, K) f32 / bf16 / f16 bits: each row as a lone row
+    r_len, k_len = x.shape
+    n_len = w.shape[0]
+    k_vec = k_len - k_len % STEP
+    ahead = AHEAD_BYTES // w.itemsize
+    xb = _dot_operand(x, w, 0)  # bf16 activations where the CPU multiplies bf16 pairs (as one row's product)
+    for c in numba.prange(chunks):
+        for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
+            for r in range(r_len):
+                out[r, n] = _few_row(x, xb, w, r, n, k_vec, ahead if r == 0 else 0)
+
+
+@numba.njit(cache=True, parallel=True, fastmath=FAST)
+def _rows_int8(x, w, scale, out, chunks):  # as lowp._matvec_int8's rows past its groups of 4, for every row
+    r_len, k_len = x.shape
+    n_len = w.shape[0]
+    nb = scale.shape[1]
+    block = INT8_BLOCK if nb == (k_len + INT8_BLOCK - 1) // INT8_BLOCK else k_len // nb  # (lowp.int8_block)
+    xq = np.empty((r_len, k_len), np.int16)
+    xs = np.empty((r_len, nb), np.float32)
+    _quantize_rows_i16(x, xq, xs, block)  # per row
+    full = k_len // block
+    for c in numba.prange(chunks):
+        for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
+            for r in range(r_len):
+                ahead = AHEAD_BYTES if r == 0 else 0
+                if block == INT8_BLOCK:
+                    out[r, n] = row_dot_i8(w, n, xq, r, scale, xs, full, ahead)[0]
+                elif block == 32:
+                    out[r, n] = row_dot_i8_32(w, n, xq, r, scale, xs, full, ahead)[0]
+                else:
+                    out[r, n] = row_dot_i8_16(w, n, xq, r, scale, xs, full, ahead)[0]
+            if full < scale.shape[1]:  # a shorter last block
+                for r in range(r_len):
+                    out[r, n] += _dot_i8_i16_tail(w, n, xq, r, scale, xs, full)
+
+
+@numba.njit(cache=True, parallel=True, fastmath=FAST)
+def _rows_q4(x, w, sm, out, chunks):  # as quant._matvec_q4's rows past its groups of 4, for every row
+    r_len, k_len = x.shape
+    n_len = w.shape[0]
+    groups = sm.shape[1] // 2
+    xq = np.empty((r_len, k_len), np.int8)
+    xs = np.empty((r_len, 2 * groups), np.float32)
+    _quantize_rows_q8(x, xq, xs)  # per row
+    for c in numba.prange(chunks):
+        for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
+            for r in range(r_len):
+                out[r, n] = _q4_dot(w, n, xq, r, sm, xs, groups, AHEAD_BYTES if r == 0 else 0)
+
+
+def _rows(x, w, s, e, out, chunks):
+    """x (R, K) @ w[e].T into out (R, N), each row as a lone row, by w's storage (the overload)."""
+
+
+@overload(_rows)
+def _rows_typed(x, w, s, e, out, chunks):
+    if w.dtype in (types.float32, types.uint16, types.int16):
+        return lambda x, w, s, e, out, chunks: _rows_float(x, w[e], out, chunks)
+    if w.dtype == types.int8:
+        return lambda x, w, s, e, out, chunks: _rows_int8(x, w[e], s[e], out, chunks)
+    if w.dtype == types.uint8:
+        return lambda x, w, s, e, out, chunks: _rows_q4(x, w[e], s[e], out, chunks)
+    return None
+
+
+@numba.njit(cache=True, error_model=ERR)
+def _experts(x, index, weight, first, gu, sgu, bgu, dn, sdn, bdn, activation, limit, alpha, threads, out):
+    n_rows, k = index.shape
+    C = x.shape[1]
+    two_i = gu.shape[1]
+    width = two_i // 2
+    rows = np.empty(n_rows, np.int64)
+    slots = np.empty(n_rows, np.int64)
+    for e in range(gu.shape[0]):  # ascending: a row sums its experts in the order the numpy path did
+        g = 0
+        for r in range(n_rows):
+            for j in range(k):
+                if index[r, j] == first + e:  # a row picks an expert at most once
+                    rows[g] = r
+                    slots[g] = j
+                    g += 1
+        if g == 0:
+            continue
+        xg = np.empty((g, C), np.float32)
+        for i in range(g):
+            xg[i] = x[rows[i]]
+        h2 = np.empty((g, two_i), np.float32)
+        _rows(xg, gu, sgu, e, h2, min(two_i, 4 * threads))
+        if bgu.shape[0]:
+            for i in range(g):
+                for j in range(two_i):
+                    h2[i, j] += bgu[e, j]
+        if activation == 0:
+            h = np.empty((g, width), np.float32)
+            _swiglu(h2, h)
+        else:
+            h = np.ascontiguousarray(h2[:, :width])
+            _swiglu_clamped(h, h2[:, width:], limit, alpha)
+        y = np.empty((g, C), np.float32)
+        _rows(h, dn, sdn, e, y, min(C, 4 * threads))
+        for i in range(g):
+            r, wgt = rows[i], weight[rows[i], slots[i]]
+            for c in range(C):
+                v = y[i, c]
+                if bdn.shape[0]:
+                    v += bdn[e, c]
+                out[r, c] += v * wgt
+
+
+def stack_experts(parts: list[tuple[np.ndarray, np.ndarray | None]]) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """The weights (data, scale) of E experts' same matrix stacked as (E, ...) arrays, or None
+    when they differ in storage or shape (a checkpoint's mix: the caller keeps its per-expert path)."""
+    if not parts or len({(d.dtype, d.shape) for d, _ in parts}) != 1:
+        return None
+    scales = [s for _, s in parts]
+    if any(s is None for s in scales) != all(s is None for s in scales):
+        return None
+    if scales[0] is not None and len({(s.dtype, s.shape) for s in scales}) != 1:
+        return None
+    data = np.stack([d for d, _ in parts])
+    return data, (None if scales[0] is None else np.stack(scales))
+
+
+def experts_decode(x: np.ndarray, index: np.ndarray, weight: np.ndarray, first: int, fmt: str, gate_up: np.ndarray,
+                   gate_up_scale: np.ndarray | None, gate_up_bias: np.ndarray | None, down: np.ndarray,
+                   down_scale: np.ndarray | None, down_bias: np.ndarray | None, activation: str = "silu",
+                   limit: float = 7.0, alpha: float = 1.702, down_fmt: str | None = None) -> np.ndarray:
+    """The weighted outputs (N, C) of experts ``first .. first + E - 1`` for the rows x (N, C)
+    routed to them by ``index`` (N, k) int64 with ``weight`` (N, k) float32 (the module note).
+    gate_up (E, 2I, C) / down (E, C, I) stored as ``fmt`` (`lowp.WEIGHT_FORMATS`: q4 holds
+    (E, n, K/2) codes) with their scales (E, n, blocks) for int8 / q4; biases (E, 2I) / (E, C);
+    ``down_fmt``: down's own format when it differs (a Q4_K_M file's Q6_K down held as int8)."""
+    down_fmt = down_fmt or fmt
+    check_f32("experts_decode x", x)
+    check_f32("experts_decode weight", weight)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"experts_decode: activation {activation!r} is not one of {tuple(ACTIVATIONS)}")
+    if x.ndim != 2 or index.ndim != 2 or weight.shape != index.shape or index.shape[0] != x.shape[0]:
+        raise ValueError(f"experts_decode: x {x.shape}, index {index.shape}, weight {weight.shape} "
+                         "do not fit (N, C), (N, k), (N, k)")
+    if gate_up.ndim != 3 or down.ndim != 3 or gate_up.shape[0] != down.shape[0]:
+        raise ValueError(f"experts_decode: gate_up {gate_up.shape} and down {down.shape} are not (E, ., .) stacks")
+    for e in (0, gate_up.shape[0] - 1):  # every expert is one storage: the first and last stand for all
+        for f, w, s in ((fmt, gate_up, gate_up_scale), (down_fmt, down, down_scale)):
+            if f == "f32":
+                check_f32("experts_decode weight", w)
+                if s is not None or not w.flags.c_contiguous:
+                    raise ValueError("experts_decode: f32 experts are C-contiguous float32 stacks without scales")
+            else:
+                check_weight(f, w[e], None if s is None else s[e])
+    E, two_i, C = gate_up.shape[0], gate_up.shape[1], x.shape[1]
+    if gate_up.shape[2] * (1 + (fmt == "q4")) != C or down.shape[1] != C or \
+            down.shape[2] * (1 + (down_fmt == "q4")) != two_i // 2:
+        raise ValueError(f"experts_decode: gate_up {gate_up.shape} / down {down.shape} ({fmt}) do not take x {x.shape}")
+    for name, b, shape in (("gate_up_bias", gate_up_bias, (E, two_i)), ("down_bias", down_bias, (E, C))):
+        if b is not None:
+            check_f32(f"experts_decode {name}", b)
+            if b.shape != shape:
+                raise ValueError(f"experts_decode: {name} {b.shape}, expected {shape}")
+    no3, no2 = np.empty((0, 0, 0), np.float32), np.empty((0, 0), np.float32)
+    out = np.zeros(x.shape, np.float32)
+    _experts(np.ascontiguousarray(x), np.ascontiguousarray(index, dtype=np.int64), np.ascontiguousarray(weight),
+             int(first), kernel_weight(fmt, gate_up), no3 if gate_up_scale is None else gate_up_scale,
+             no2 if gate_up_bias is None else gate_up_bias, kernel_weight(down_fmt, down),
+             no3 if down_scale is None else down_scale, no2 if down_bias is None else down_bias,
+             ACTIVATIONS[activation], np.float32(limit), np.float32(alpha), pool_threads(), out)
+    return out
+
+
+def warm_up(fmt: str) -> None:
+    """Load (or compile) the kernel for ``fmt`` weights, both activations, with and without biases."""
+    from .lowp import quantize_int8, to_bf16
+    from .quant import quantize_q4
+
+    c = 32 if fmt == "q4" else 4
+
+    def weight(n: int, k: int):
+        w = np.full((n, k), 0.5, np.float32)
+        if fmt == "q4":
+            return quantize_q4(w)
+        if fmt == "int8":
+            return quantize_int8(w)
+        if fmt == "f16":
+            return w.astype(np.float16).view(np.uint16), None
+        return (to_bf16(w) if fmt == "bf16" else w), None
+
+    (gu, sgu), (dn, sdn) = weight(2 * c, c), weight(c, c)
+    gu, dn = gu[None], dn[None]
+    sgu, sdn = (None, None) if sgu is None else (sgu[None], sdn[None])
+    x, index, wgt = np.ones((1, c), np.float32), np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32)
+    for act, biased in (("silu", False), ("silu_clamped", True)):
+        b1, b2 = (np.zeros((1, 2 * c), np.float32), np.zeros((1, c), np.float32)) if biased else (None, None)
+        experts_decode(x, index, wgt, 0, fmt, gu, sgu, b1, dn, sdn, b2, act)
