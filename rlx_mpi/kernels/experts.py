@@ -43,7 +43,7 @@ from .matvec import _dot_operand, _few_row
 from .quant import _q4_dot, _quantize_rows_q8
 from .rowdot import AHEAD_BYTES, INT8_BLOCK, STEP, row_dot_i8, row_dot_i8_16, row_dot_i8_32
 
-__all__ = ["experts_decode", "stack_experts", "ACTIVATIONS"]
+__all__ = ["experts_decode", "lone_rows", "fused_experts", "check_stack", "stack_experts", "ACTIVATIONS"]
 
 ACTIVATIONS = {"silu": 0, "silu_clamped": 1}  # the experts' activations the kernel computes
 
@@ -169,6 +169,20 @@ def _experts(x, index, weight, first, gu, sgu, bgu, dn, sdn, bdn, activation, li
                 out[r, c] += v * wgt
 
 
+def lone_rows(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ w.T`` for float32 x (R, K) and w (N, K), each row through one activation row's dot
+    product: a row's result is bitwise the same whatever rows are beside it (a BLAS product's
+    reduction order changes with the row count: a MoE router's logits, and so its weights,
+    would depend on the batch)."""
+    check_f32("lone_rows x", x)
+    check_f32("lone_rows w", w)
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"lone_rows: x {x.shape} and w {w.shape} do not fit (R, K) @ (N, K).T")
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    _rows_float(np.ascontiguousarray(x), np.ascontiguousarray(w), out, min(w.shape[0], 4 * pool_threads()))
+    return out
+
+
 def stack_experts(parts: list[tuple[np.ndarray, np.ndarray | None]]) -> tuple[np.ndarray, np.ndarray | None] | None:
     """The weights (data, scale) of E experts' same matrix stacked as (E, ...) arrays, or None
     when they differ in storage or shape (a checkpoint's mix: the caller keeps its per-expert path)."""
@@ -195,14 +209,25 @@ def experts_decode(x: np.ndarray, index: np.ndarray, weight: np.ndarray, first: 
     down_fmt = down_fmt or fmt
     check_f32("experts_decode x", x)
     check_f32("experts_decode weight", weight)
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"experts_decode: activation {activation!r} is not one of {tuple(ACTIVATIONS)}")
     if x.ndim != 2 or index.ndim != 2 or weight.shape != index.shape or index.shape[0] != x.shape[0]:
         raise ValueError(f"experts_decode: x {x.shape}, index {index.shape}, weight {weight.shape} "
                          "do not fit (N, C), (N, k), (N, k)")
-    if gate_up.ndim != 3 or down.ndim != 3 or gate_up.shape[0] != down.shape[0]:
+    check_stack(fmt, gate_up, gate_up_scale, gate_up_bias, down, down_scale, down_bias, down_fmt)
+    if gate_up.shape[2] * (1 + (fmt == "q4")) != x.shape[1]:
+        raise ValueError(f"experts_decode: gate_up {gate_up.shape} ({fmt}) does not take x {x.shape}")
+    return fused_experts(np.ascontiguousarray(x), np.ascontiguousarray(index, dtype=np.int64),
+                         np.ascontiguousarray(weight), first, fmt, gate_up, gate_up_scale, gate_up_bias, down,
+                         down_scale, down_bias, activation, limit, alpha, down_fmt)
+
+
+def check_stack(fmt: str, gate_up: np.ndarray, gate_up_scale: np.ndarray | None, gate_up_bias: np.ndarray | None,
+                down: np.ndarray, down_scale: np.ndarray | None, down_bias: np.ndarray | None,
+                down_fmt: str | None = None) -> None:
+    """TypeError / ValueError saying what to pass unless the stacks fit `experts_decode`."""
+    down_fmt = down_fmt or fmt
+    if gate_up.ndim != 3 or down.ndim != 3 or gate_up.shape[0] != down.shape[0] or not len(gate_up):
         raise ValueError(f"experts_decode: gate_up {gate_up.shape} and down {down.shape} are not (E, ., .) stacks")
-    for e in (0, gate_up.shape[0] - 1):  # every expert is one storage: the first and last stand for all
+    for e in range(len(gate_up)):
         for f, w, s in ((fmt, gate_up, gate_up_scale), (down_fmt, down, down_scale)):
             if f == "f32":
                 check_f32("experts_decode weight", w)
@@ -210,20 +235,30 @@ def experts_decode(x: np.ndarray, index: np.ndarray, weight: np.ndarray, first: 
                     raise ValueError("experts_decode: f32 experts are C-contiguous float32 stacks without scales")
             else:
                 check_weight(f, w[e], None if s is None else s[e])
-    E, two_i, C = gate_up.shape[0], gate_up.shape[1], x.shape[1]
-    if gate_up.shape[2] * (1 + (fmt == "q4")) != C or down.shape[1] != C or \
-            down.shape[2] * (1 + (down_fmt == "q4")) != two_i // 2:
-        raise ValueError(f"experts_decode: gate_up {gate_up.shape} / down {down.shape} ({fmt}) do not take x {x.shape}")
+    E, two_i, C = gate_up.shape[0], gate_up.shape[1], down.shape[1]
+    if down.shape[2] * (1 + (down_fmt == "q4")) != two_i // 2 or two_i % 2:
+        raise ValueError(f"experts_decode: gate_up {gate_up.shape} ({fmt}) and down {down.shape} ({down_fmt}) "
+                         "are not (E, 2I, C) and (E, C, I)")
     for name, b, shape in (("gate_up_bias", gate_up_bias, (E, two_i)), ("down_bias", down_bias, (E, C))):
         if b is not None:
             check_f32(f"experts_decode {name}", b)
-            if b.shape != shape:
-                raise ValueError(f"experts_decode: {name} {b.shape}, expected {shape}")
+            if b.shape != shape or not b.flags.c_contiguous:
+                raise ValueError(f"experts_decode: {name} {b.shape}, expected C-contiguous {shape}")
+
+
+def fused_experts(x: np.ndarray, index: np.ndarray, weight: np.ndarray, first: int, fmt: str, gate_up: np.ndarray,
+                  gate_up_scale: np.ndarray | None, gate_up_bias: np.ndarray | None, down: np.ndarray,
+                  down_scale: np.ndarray | None, down_bias: np.ndarray | None, activation: str = "silu",
+                  limit: float = 7.0, alpha: float = 1.702, down_fmt: str | None = None) -> np.ndarray:
+    """`experts_decode` without its checks, for a caller that checked the stacks once (`check_stack`)
+    and passes C-contiguous float32 x and weight and int64 index (per call the checks cost about
+    as much as a small expert's product)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"experts_decode: activation {activation!r} is not one of {tuple(ACTIVATIONS)}")
     no3, no2 = np.empty((0, 0, 0), np.float32), np.empty((0, 0), np.float32)
     out = np.zeros(x.shape, np.float32)
-    _experts(np.ascontiguousarray(x), np.ascontiguousarray(index, dtype=np.int64), np.ascontiguousarray(weight),
-             int(first), kernel_weight(fmt, gate_up), no3 if gate_up_scale is None else gate_up_scale,
-             no2 if gate_up_bias is None else gate_up_bias, kernel_weight(down_fmt, down),
+    _experts(x, index, weight, int(first), kernel_weight(fmt, gate_up), no3 if gate_up_scale is None else gate_up_scale,
+             no2 if gate_up_bias is None else gate_up_bias, kernel_weight(down_fmt or fmt, down),
              no3 if down_scale is None else down_scale, no2 if down_bias is None else down_bias,
              ACTIVATIONS[activation], np.float32(limit), np.float32(alpha), pool_threads(), out)
     return out
@@ -250,6 +285,7 @@ def warm_up(fmt: str) -> None:
     gu, dn = gu[None], dn[None]
     sgu, sdn = (None, None) if sgu is None else (sgu[None], sdn[None])
     x, index, wgt = np.ones((1, c), np.float32), np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32)
+    lone_rows(x, np.ones((2, c), np.float32))  # the routers' product
     for act, biased in (("silu", False), ("silu_clamped", True)):
         b1, b2 = (np.zeros((1, 2 * c), np.float32), np.zeros((1, c), np.float32)) if biased else (None, None)
         experts_decode(x, index, wgt, 0, fmt, gu, sgu, b1, dn, sdn, b2, act)

@@ -33,7 +33,7 @@ def route(x: np.ndarray, router: np.ndarray, top_k: int, cfg: Arch | None = None
     * ``topk_softmax`` (GPT-OSS): the k largest logits (+ ``bias``), softmax over those k.
 
     Then x ``routed_scaling_factor``. Without ``cfg``: Mixtral's router."""
-    logits = x @ router.T  # (N, E)
+    logits = kernels.lone_rows(x, router)  # (N, E), each row alone: its experts never depend on its batch
     if cfg is None or cfg.routing == "softmax":
         logits = logits - logits.max(axis=-1, keepdims=True)
         probs = np.exp(logits)
@@ -122,6 +122,7 @@ def _kernel_takes(stack: ExpertStack | None, flat: np.ndarray, cfg: Arch) -> boo
 
 
 def _decode(flat: np.ndarray, index: np.ndarray, weight: np.ndarray, first: int, s: ExpertStack, cfg: Arch) -> np.ndarray:
-    return kernels.experts_decode(flat, index, weight, first, s.gate_up_fmt, s.gate_up, s.gate_up_scale, s.gate_up_bias,
-                                  s.down, s.down_scale, s.down_bias, cfg.activation, cfg.swiglu_limit,
-                                  cfg.swiglu_alpha, s.down_fmt)
+    index = np.ascontiguousarray(index, dtype=np.int64)  # (flat: contiguous, the layer's own rows)
+    return kernels.fused_experts(np.ascontiguousarray(flat), index, np.ascontiguousarray(weight, np.float32), first,
+                                 s.gate_up_fmt, s.gate_up, s.gate_up_scale, s.gate_up_bias, s.down, s.down_scale,
+                                 s.down_bias, cfg.activation, cfg.swiglu_limit, cfg.swiglu_alpha, s.down_fmt)

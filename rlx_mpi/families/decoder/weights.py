@@ -256,6 +256,8 @@ class ExpertStack:
         (gu_fmt, dn_fmt, no_gu_bias, no_dn_bias), = kinds
         stack = cls(gu_fmt, *gu, None if no_gu_bias else np.stack([m.gate_up_bias for m in experts]),
                     dn_fmt, *dn, None if no_dn_bias else np.stack([m.down_bias for m in experts]))
+        kernels.check_stack(gu_fmt, stack.gate_up, stack.gate_up_scale, stack.gate_up_bias, stack.down,
+                            stack.down_scale, stack.down_bias, dn_fmt)  # once: decode calls it unchecked
         for e, m in enumerate(experts):  # views: the separate arrays are dropped
             m.gate_up = Linear(gu_fmt, stack.gate_up[e], None if gu[1] is None else stack.gate_up_scale[e])
             m.down_proj = Linear(dn_fmt, stack.down[e], None if dn[1] is None else stack.down_scale[e])
