@@ -86,6 +86,22 @@ def _count_experts() -> dict[int, list[int]]:
     return seen
 
 
+def _bytes_read(stages: dict, touched: float) -> float:
+    """Weight bytes a decode step reads, MoE over dense: every weight but the routed experts, plus
+    ``touched`` experts a MoE layer (the dense step reads all its weights once, whatever the batch)."""
+    from rlx_mpi.families.decoder.weights import Experts
+
+    moe = stages["moe"]
+    layers = [b.mlp for b in moe.blocks if isinstance(b.mlp, Experts)]
+    experts = sum(sum(e.nbytes for e in m.experts) for m in layers)
+    one = experts / sum(len(m.experts) for m in layers)
+
+    def read(stage) -> int:  # a step reads one row of the embedding (unless it is the tied head)
+        return stage.weight_bytes - (stage.embed_tokens.nbytes if stage.head is not stage.embed_tokens else 0)
+
+    return (read(moe) - experts + touched * one * len(layers)) / read(stages["dense"])
+
+
 def main() -> None:
     from rlx_mpi.checkpoint import H5ParamSource
     from rlx_mpi.families import get_family
@@ -132,7 +148,8 @@ def main() -> None:
         else:
             touched = float(np.mean(seen.get(B, [np.nan])))
             print(f"batch {B}: moe / dense {ratio:.2f}; distinct routed experts a layer touched {touched:.1f} "
-                  f"(of {E}; k = {k}, B x k = {B * k}): their bytes are {touched / k:.2f}x the dense MLP's")
+                  f"(of {E}; k = {k}, B x k = {B * k}; random routing expects {E * (1 - (1 - k / E) ** B):.1f}); "
+                  f"weight bytes a step reads, moe / dense: {_bytes_read(stages, touched) :.2f} (the bound where DRAM limits)")
 
 
 if __name__ == "__main__":
