@@ -64,6 +64,92 @@ def _naive(x, index, weight, experts, first, activation="silu", limit=7.0, alpha
     return out
 
 
+def _numpy_route(logits, cfg, bias):
+    """The routers' rules in numpy (decoder.moe.route's code before the numba kernel)."""
+    def top(scores, k):
+        return np.argsort(-scores, axis=-1, kind="stable")[:, :k]
+
+    def groups(scores, group_score):
+        if cfg.n_group <= 1 or cfg.topk_group >= cfg.n_group:
+            return scores
+        N, E = scores.shape
+        best = top(group_score(scores.reshape(N, cfg.n_group, E // cfg.n_group)), cfg.topk_group)
+        keep = np.zeros((N, cfg.n_group), bool)
+        np.put_along_axis(keep, best, True, axis=-1)
+        return np.where(np.repeat(keep, E // cfg.n_group, axis=-1), scores, -np.inf)
+
+    k = cfg.experts_per_token
+    if cfg.routing == "softmax":
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        index = top(groups(probs, lambda g: g.max(axis=-1)), k)
+        weights = np.take_along_axis(probs, index, axis=-1)
+        if cfg.norm_topk_prob:
+            weights /= weights.sum(axis=-1, keepdims=True)
+    elif cfg.routing == "sigmoid":
+        scores = 1.0 / (1.0 + np.exp(-logits))
+        choice = scores + bias if bias is not None else scores
+        index = top(groups(choice, lambda g: np.sort(g, axis=-1)[..., -2:].sum(axis=-1)), k)
+        weights = np.take_along_axis(scores, index, axis=-1)
+        if cfg.norm_topk_prob:
+            weights /= weights.sum(axis=-1, keepdims=True) + 1e-20
+    else:
+        logits = logits + bias if bias is not None else logits
+        index = top(logits, k)
+        weights = np.take_along_axis(logits, index, axis=-1)
+        weights = np.exp(weights - weights.max(axis=-1, keepdims=True))
+        weights /= weights.sum(axis=-1, keepdims=True)
+    return index, (weights * np.float32(cfg.routed_scaling_factor)).astype(np.float32)
+
+
+ROUTERS = {
+    "mixtral": dict(num_experts=8, experts_per_token=2),
+    "qwen3_moe": dict(num_experts=16, experts_per_token=4, norm_topk_prob=False),
+    "deepseek_v2_groups": dict(num_experts=16, experts_per_token=3, n_group=4, topk_group=2, norm_topk_prob=False,
+                               routed_scaling_factor=16.0),
+    "deepseek_v3": dict(num_experts=16, experts_per_token=4, routing="sigmoid", router_bias=True, n_group=4,
+                        topk_group=2, routed_scaling_factor=2.5),
+    "deepseek_v3_ungrouped": dict(num_experts=8, experts_per_token=2, routing="sigmoid", norm_topk_prob=False),
+    "gpt_oss": dict(num_experts=8, experts_per_token=3, routing="topk_softmax", router_bias=True),
+}
+
+
+@pytest.mark.parametrize("kind", list(ROUTERS))
+def test_route_matches_numpy(kind):
+    """The numba router against the rules in numpy: the same experts in the same order, weights
+    within float32 rounding (exp and sum orders differ by an ulp); ties go to the lower expert."""
+    from rlx_mpi.families.decoder.moe import route
+
+    cfg = _arch(**ROUTERS[kind])
+    rng = np.random.default_rng(9)
+    E = cfg.num_experts
+    x = rng.standard_normal((40, C), dtype=np.float32)
+    router = rng.standard_normal((E, C), dtype=np.float32) * 0.3
+    router[3] = router[5]  # a tie: experts 3 and 5 score alike for every row
+    bias = rng.standard_normal(E, dtype=np.float32) * 0.1 if cfg.router_bias else None
+    index, weight = route(x, router, cfg.experts_per_token, cfg, bias)
+    logits = kernels.lone_rows(x, router)
+    want_index, want_weight = _numpy_route(logits, cfg, bias)
+    assert np.array_equal(index, want_index)
+    np.testing.assert_allclose(weight, want_weight, rtol=2e-6, atol=1e-7)
+    assert index.dtype == np.int64 and weight.dtype == np.float32
+    alone = [route(x[r:r + 1], router, cfg.experts_per_token, cfg, bias) for r in range(len(x))]
+    assert np.array_equal(np.concatenate([a for a, _ in alone]), index)
+    assert np.array_equal(np.concatenate([w for _, w in alone]), weight)
+
+
+def test_route_refuses_what_does_not_fit():
+    logits = np.zeros((2, 8), np.float32)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.route_experts(logits, "softmax", 9)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.route_experts(logits, "softmax", 2, None, 3, 1)
+    with pytest.raises(ValueError, match="routing 'relu'"):
+        kernels.route_experts(logits, "relu", 2)
+    with pytest.raises(ValueError, match="bias must be float32"):
+        kernels.route_experts(logits, "sigmoid", 2, np.zeros(7, np.float32))
+
+
 def _call(x, index, weight, first, stack, activation="silu"):
     return kernels.experts_decode(x, index, weight, first, stack.gate_up_fmt, stack.gate_up, stack.gate_up_scale,
                                   stack.gate_up_bias, stack.down, stack.down_scale, stack.down_bias, activation,

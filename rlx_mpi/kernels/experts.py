@@ -43,7 +43,7 @@ from .matvec import _dot_operand, _few_row
 from .quant import _q4_dot, _quantize_rows_q8
 from .rowdot import AHEAD_BYTES, INT8_BLOCK, STEP, row_dot_i8, row_dot_i8_16, row_dot_i8_32
 
-__all__ = ["experts_decode", "lone_rows", "fused_experts", "check_stack", "stack_experts", "ACTIVATIONS"]
+__all__ = ["experts_decode", "lone_rows", "route", "ROUTINGS", "fused_experts", "check_stack", "stack_experts", "ACTIVATIONS"]
 
 ACTIVATIONS = {"silu": 0, "silu_clamped": 1}  # the experts' activations the kernel computes
 
@@ -183,6 +183,106 @@ def lone_rows(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
+ROUTINGS = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2}  # the routers' rules (`decoder.moe.route`)
+
+
+@numba.njit(cache=True, error_model=ERR)
+def _top(choice, k, out):  # out[:k] <- indices of the k largest of choice, largest first, ties to the lower index
+    taken = np.zeros(choice.shape[0], np.bool_)
+    for j in range(k):
+        best = -1
+        for e in range(choice.shape[0]):
+            if not taken[e] and (best < 0 or choice[e] > choice[best]):
+                best = e
+        taken[best] = True
+        out[j] = best
+
+
+@numba.njit(cache=True, error_model=ERR)
+def _route(logits, mode, k, bias, n_group, topk_group, norm, scaling, index, weight):
+    n_rows, E = logits.shape
+    one = np.float32(1.0)
+    size = E // n_group
+    scores = np.empty(E, np.float32)
+    choice = np.empty(E, np.float32)
+    group_score = np.empty(n_group, np.float32)
+    best_groups = np.empty(n_group, np.int64)
+    top = np.empty(k, np.int64)
+    for r in range(n_rows):
+        row = logits[r]
+        if mode == 0:  # softmax over all E
+            peak = row.max()
+            total = np.float32(0.0)
+            for e in range(E):
+                scores[e] = np.float32(math.exp(row[e] - peak))
+                total += scores[e]
+            for e in range(E):
+                scores[e] /= total
+                choice[e] = scores[e]
+        elif mode == 1:  # sigmoid; the bias steers the choice only
+            for e in range(E):
+                scores[e] = one / (one + np.float32(math.exp(-row[e])))
+                choice[e] = scores[e] + (bias[e] if bias.shape[0] else np.float32(0.0))
+        else:  # top-k of the (biased) logits
+            for e in range(E):
+                choice[e] = row[e] + (bias[e] if bias.shape[0] else np.float32(0.0))
+        if mode != 2 and n_group > 1 and topk_group < n_group:  # only the topk_group best groups compete
+            for g in range(n_group):
+                part = choice[g * size:(g + 1) * size]
+                if mode == 0:
+                    group_score[g] = part.max()
+                else:  # a group scored by its two best
+                    a = np.sort(part)
+                    group_score[g] = a[-2] + a[-1]
+            _top(group_score, topk_group, best_groups)
+            for g in range(n_group):
+                kept = False
+                for j in range(topk_group):
+                    kept = kept or best_groups[j] == g
+                if not kept:
+                    for e in range(g * size, (g + 1) * size):
+                        choice[e] = -np.inf
+        _top(choice, k, top)
+        total = np.float32(0.0)
+        if mode == 2:  # softmax over the k chosen logits
+            peak = choice[top[0]]
+            for j in range(k):
+                weight[r, j] = np.float32(math.exp(choice[top[j]] - peak))
+                total += weight[r, j]
+        else:
+            for j in range(k):
+                weight[r, j] = scores[top[j]]
+                total += weight[r, j]
+        if mode == 2 or norm:
+            if mode == 1:
+                total += np.float32(1e-20)
+            for j in range(k):
+                weight[r, j] /= total
+        for j in range(k):
+            index[r, j] = top[j]
+            if scaling != one:
+                weight[r, j] *= scaling
+
+
+def route(logits: np.ndarray, routing: str, k: int, bias: np.ndarray | None = None, n_group: int = 1,
+          topk_group: int = 1, norm_topk_prob: bool = True, scaling: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """A MoE router's choice from its logits (N, E) float32: (index (N, k) int64, largest first,
+    ties to the lower expert; weight (N, k) float32), each row alone (`decoder.moe.route` says
+    the rules: ``routing`` softmax | sigmoid | topk_softmax, groups, ``norm_topk_prob``, scaling)."""
+    check_f32("route logits", logits)
+    if routing not in ROUTINGS:
+        raise ValueError(f"route: routing {routing!r} is not one of {tuple(ROUTINGS)}")
+    N, E = logits.shape
+    if not 0 < k <= E or n_group < 1 or E % n_group or not 0 < topk_group <= n_group:
+        raise ValueError(f"route: top {k} of {E} experts in {n_group} groups (best {topk_group}) does not fit")
+    if bias is not None and (bias.shape != (E,) or bias.dtype != np.float32):
+        raise ValueError(f"route: bias must be float32 ({E},), got {bias.dtype} {bias.shape}")
+    index, weight = np.empty((N, k), np.int64), np.empty((N, k), np.float32)
+    _route(np.ascontiguousarray(logits), ROUTINGS[routing], k, np.empty(0, np.float32) if bias is None else bias,
+           n_group, topk_group, bool(norm_topk_prob), np.float32(scaling), index, weight)
+    return index, weight
+
+
 def stack_experts(parts: list[tuple[np.ndarray, np.ndarray | None]]) -> tuple[np.ndarray, np.ndarray | None] | None:
     """The weights (data, scale) of E experts' same matrix stacked as (E, ...) arrays, or None
     when they differ in storage or shape (a checkpoint's mix: the caller keeps its per-expert path)."""
@@ -285,7 +385,9 @@ def warm_up(fmt: str) -> None:
     gu, dn = gu[None], dn[None]
     sgu, sdn = (None, None) if sgu is None else (sgu[None], sdn[None])
     x, index, wgt = np.ones((1, c), np.float32), np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32)
-    lone_rows(x, np.ones((2, c), np.float32))  # the routers' product
+    logits = lone_rows(x, np.ones((4, c), np.float32))  # the routers' product and rules
+    for routing in ROUTINGS:
+        route(logits, routing, 2, np.zeros(4, np.float32), 2, 1)
     for act, biased in (("silu", False), ("silu_clamped", True)):
         b1, b2 = (np.zeros((1, 2 * c), np.float32), np.zeros((1, c), np.float32)) if biased else (None, None)
         experts_decode(x, index, wgt, 0, fmt, gu, sgu, b1, dn, sdn, b2, act)

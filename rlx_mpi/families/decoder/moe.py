@@ -32,51 +32,15 @@ def route(x: np.ndarray, router: np.ndarray, top_k: int, cfg: Arch | None = None
       ``norm_topk_prob``;
     * ``topk_softmax`` (GPT-OSS): the k largest logits (+ ``bias``), softmax over those k.
 
-    Then x ``routed_scaling_factor``. Without ``cfg``: Mixtral's router."""
+    Then x ``routed_scaling_factor``. Without ``cfg``: Mixtral's router. Each row alone, in numba
+    (`kernels.route_experts`): the numpy of these rules was ~10 calls a layer, the largest cost of
+    a small model's MoE decode step after the experts themselves; tests/test_moe_decode.py keeps it
+    as the reference."""
     logits = kernels.lone_rows(x, router)  # (N, E), each row alone: its experts never depend on its batch
-    if cfg is None or cfg.routing == "softmax":
-        logits = logits - logits.max(axis=-1, keepdims=True)
-        probs = np.exp(logits)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        choice = _groups(probs, cfg, lambda g: g.max(axis=-1)) if cfg is not None else probs
-        top = _top(choice, top_k)
-        weights = np.take_along_axis(probs, top, axis=-1)
-        if cfg is None or cfg.norm_topk_prob:
-            weights /= weights.sum(axis=-1, keepdims=True)
-    elif cfg.routing == "sigmoid":
-        scores = 1.0 / (1.0 + np.exp(-logits))
-        choice = scores + bias if bias is not None else scores
-        choice = _groups(choice, cfg, lambda g: np.sort(g, axis=-1)[..., -2:].sum(axis=-1))
-        top = _top(choice, top_k)
-        weights = np.take_along_axis(scores, top, axis=-1)
-        if cfg.norm_topk_prob:
-            weights /= weights.sum(axis=-1, keepdims=True) + 1e-20
-    else:  # topk_softmax
-        if bias is not None:
-            logits = logits + bias
-        top = _top(logits, top_k)
-        weights = np.take_along_axis(logits, top, axis=-1)
-        weights = np.exp(weights - weights.max(axis=-1, keepdims=True))
-        weights /= weights.sum(axis=-1, keepdims=True)
-    if cfg is not None and cfg.routed_scaling_factor != 1.0:
-        weights = weights * np.float32(cfg.routed_scaling_factor)
-    return top, weights.astype(np.float32)
-
-
-def _top(scores: np.ndarray, k: int) -> np.ndarray:
-    return np.argsort(-scores, axis=-1, kind="stable")[:, :k]  # (N, k), largest first
-
-
-def _groups(scores: np.ndarray, cfg: Arch, group_score) -> np.ndarray:
-    """``scores`` (N, E) with the experts outside each row's ``topk_group`` best groups at -inf."""
-    if cfg.n_group <= 1 or cfg.topk_group >= cfg.n_group:
-        return scores
-    N, E = scores.shape
-    grouped = scores.reshape(N, cfg.n_group, E // cfg.n_group)
-    best = _top(group_score(grouped), cfg.topk_group)  # (N, topk_group)
-    keep = np.zeros((N, cfg.n_group), bool)
-    np.put_along_axis(keep, best, True, axis=-1)
-    return np.where(np.repeat(keep, E // cfg.n_group, axis=-1), scores, -np.inf)
+    if cfg is None:
+        return kernels.route_experts(logits, "softmax", top_k)
+    return kernels.route_experts(logits, cfg.routing, top_k, bias, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
+                                 cfg.routed_scaling_factor)
 
 
 def experts_forward(x: np.ndarray, w: Experts, cfg: Arch, gated_mlp) -> np.ndarray:
