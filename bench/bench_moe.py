@@ -14,6 +14,9 @@ the distinct experts a step touched (mean over steps and layers) and that bound 
     OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python bench/bench_moe.py [--kind mixtral|deepseek|gpt_oss|qwen3]
         [--batch 1 8] [--tokens 64] [--reps 5] [--scale 1.0] [--precision f32|bf16|int8|q4]
 
+Every chosen expert runs in one call (`kernels.experts_decode`); to see what the routing and the
+experts cost apart from the rest of the step, profile a stage (a MoE layer's `model.mlp`).
+
 ``--scale`` multiplies the widths (0.25 for a smoke run; 4 makes the weights larger than a
 server's L3, so both models read DRAM: at 1 the dense model's 100 MB may stay in a large L3
 while the MoE's 300 MB cannot, which measures the cache, not the code).
