@@ -43,14 +43,13 @@ from .quant import GROUP as Q4_GROUP, VNNI, dequantize_q4, matvec_q4, pairs_f32,
 from .gemm import F32_GEMM, F32_GEMM_ROWS, gemm_f32
 from ._common import pool_threads
 from .decode_layer import FORMATS as DECODE_LAYER_FORMATS, decode_layer, warm_up as warm_up_decode_layer
-from .experts import (ACTIVATIONS as EXPERT_ACTIVATIONS, check_stack, experts_decode, fused_experts, lone_rows, route as route_experts,
-                      stack_experts,
-                      warm_up as warm_up_experts)
+from .experts import (ACTIVATIONS as EXPERT_ACTIVATIONS, check_stack, experts_decode, fused_experts, lone_rows,
+                      route as route_experts, warm_up as warm_up_experts)
 
 __all__ = ["rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_cache", "decode_attention", "check_cache_rows", "attend_workspace_bytes", "causal_softmax_",
            "matvec_f32", "F32_MATVEC_ROWS", "gemm_f32", "F32_GEMM", "F32_GEMM_ROWS", "dequant_matmul", "fused_matvec", "kernel_weight", "check_weight", "dequantize", "to_bf16",
            "from_bf16", "quantize_int8", "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "matvec_rows", "set_threads", "pool_threads", "decode_layer", "DECODE_LAYER_FORMATS", "warm_up_decode_layer", "warm_up",
-           "warm_up_lowp", "experts_decode", "lone_rows", "route_experts", "fused_experts", "check_stack", "stack_experts", "warm_up_experts", "EXPERT_ACTIVATIONS",
+           "warm_up_lowp", "experts_decode", "lone_rows", "route_experts", "fused_experts", "check_stack", "warm_up_experts", "EXPERT_ACTIVATIONS",
            "INT8_GROUPS", "int8_block", "Q4_GROUP", "VNNI", "pairs_f32", "quantize_q4", "dequantize_q4", "matvec_q4", "q4_nbytes"]
 
 

@@ -60,7 +60,7 @@ from .matvec import _dot_operand, _few_row
 from .quant import _q4_dot, _quantize_rows_q8
 from .rowdot import AHEAD_BYTES, INT8_BLOCK, STEP, row_dot_i8, row_dot_i8_16, row_dot_i8_32
 
-__all__ = ["experts_decode", "lone_rows", "route", "ROUTINGS", "fused_experts", "check_stack", "stack_experts", "ACTIVATIONS"]
+__all__ = ["experts_decode", "lone_rows", "route", "ROUTINGS", "fused_experts", "check_stack", "ACTIVATIONS"]
 
 ACTIVATIONS = {"silu": 0, "silu_clamped": 1}  # the experts' activations the kernel computes
 
@@ -319,20 +319,6 @@ def route(logits: np.ndarray, routing: str, k: int, bias: np.ndarray | None = No
     _route(np.ascontiguousarray(logits), ROUTINGS[routing], k, np.empty(0, np.float32) if bias is None else bias,
            n_group, topk_group, bool(norm_topk_prob), np.float32(scaling), index, weight)
     return index, weight
-
-
-def stack_experts(parts: list[tuple[np.ndarray, np.ndarray | None]]) -> tuple[np.ndarray, np.ndarray | None] | None:
-    """The weights (data, scale) of E experts' same matrix stacked as (E, ...) arrays, or None
-    when they differ in storage or shape (a checkpoint's mix: the caller keeps its per-expert path)."""
-    if not parts or len({(d.dtype, d.shape) for d, _ in parts}) != 1:
-        return None
-    scales = [s for _, s in parts]
-    if any(s is None for s in scales) != all(s is None for s in scales):
-        return None
-    if scales[0] is not None and len({(s.dtype, s.shape) for s in scales}) != 1:
-        return None
-    data = np.stack([d for d, _ in parts])
-    return data, (None if scales[0] is None else np.stack(scales))
 
 
 def experts_decode(x: np.ndarray, index: np.ndarray, weight: np.ndarray, first: int, fmt: str, gate_up: np.ndarray,

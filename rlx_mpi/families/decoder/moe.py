@@ -48,11 +48,11 @@ def experts_forward(x: np.ndarray, w: Experts, cfg: Arch, gated_mlp) -> np.ndarr
     its own experts for the rows routed to them, zeros elsewhere. ``gated_mlp(rows, mlp)``
     computes one expert (no reduction); ``cfg``'s routing picks the experts (`route`).
 
-    A decode step (up to `ExpertStack.rows` rows, the experts stacked) runs every chosen expert in
-    one call (`kernels.experts_decode`): each expert once over the rows that chose it, each row's
-    products as a lone row's, so a row's output never depends on the rest of its batch. A
-    prefill chunk multiplies each expert's rows together (BLAS, or the tiles of the decode
-    matvecs), as a dense layer multiplies its rows."""
+    Up to `ExpertStack.rows` rows (a decode step, a short prefill chunk; the experts stacked) run
+    every chosen expert in one call (`kernels.experts_decode`): each expert once over the rows that
+    chose it, each row's products as a lone row's, so a row's output never depends on the rest of
+    its batch. More rows (a long prefill chunk) multiply each expert's rows together (BLAS, or the
+    tiles of the decode matvecs), as a dense layer multiplies its rows."""
     B, T, C = x.shape
     flat = x.reshape(-1, C)
     index, weight = route(flat, w.router, cfg.experts_per_token, cfg, w.router_bias)  # (N, k)

@@ -21,6 +21,7 @@ fused decode layer types each product by its own weight, so a layer may mix the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 
@@ -245,25 +246,55 @@ class ExpertStack:
 
     @classmethod
     def of(cls, experts: list[Mlp]) -> "ExpertStack | None":
-        """The stack of ``experts``, their `Mlp`s rebound to views of it (the bytes held once), or
-        None when they differ in storage, shape or biases (a checkpoint's mix keeps them apart)."""
-        gu = kernels.stack_experts([(m.gate_up.data, m.gate_up.scale) for m in experts])
-        dn = kernels.stack_experts([(m.down_proj.data, m.down_proj.scale) for m in experts])
-        kinds = {(m.gate_up.precision, m.down_proj.precision, m.gate_up_bias is None, m.down_bias is None)
-                 for m in experts}
-        if gu is None or dn is None or len(kinds) != 1:
-            return None
-        (gu_fmt, dn_fmt, no_gu_bias, no_dn_bias), = kinds
-        stack = cls(gu_fmt, *gu, None if no_gu_bias else np.stack([m.gate_up_bias for m in experts]),
-                    dn_fmt, *dn, None if no_dn_bias else np.stack([m.down_bias for m in experts]))
-        kernels.check_stack(gu_fmt, stack.gate_up, stack.gate_up_scale, stack.gate_up_bias, stack.down,
-                            stack.down_scale, stack.down_bias, dn_fmt)  # once: decode calls it unchecked
-        for e, m in enumerate(experts):  # views: the separate arrays are dropped
-            m.gate_up = Linear(gu_fmt, stack.gate_up[e], None if gu[1] is None else stack.gate_up_scale[e])
-            m.down_proj = Linear(dn_fmt, stack.down[e], None if dn[1] is None else stack.down_scale[e])
-            m.gate_up_bias = None if no_gu_bias else stack.gate_up_bias[e]
-            m.down_bias = None if no_dn_bias else stack.down_bias[e]
-        return stack
+        """The stack of ``experts``, their `Mlp`s rebound to views of it, or None when they differ
+        in storage, shape or biases (a checkpoint's mix keeps them apart)."""
+        return cls.gather(iter(experts), len(experts))[1]
+
+    @classmethod
+    def gather(cls, mlps: Iterator[Mlp], n: int) -> tuple[list[Mlp], "ExpertStack | None"]:
+        """``n`` experts taken from ``mlps`` one at a time (a stage reads them so), each copied into
+        its slot of a stack allocated from the first and rebound to views of it as it comes: a
+        layer's experts are held once while they load, not as a list and a stack at once.
+        The stack is None when they differ (those before the first odd one keep their views)."""
+        got: list[Mlp] = []
+        stack = None
+        for m in mlps:
+            if not got:
+                stack = cls._empty(m, n)
+            if stack is not None and not stack._put(len(got), m):
+                stack = None
+            got.append(m)
+        if stack is not None and len(got) != n:
+            stack = None
+        if stack is not None:
+            kernels.check_stack(stack.gate_up_fmt, stack.gate_up, stack.gate_up_scale, stack.gate_up_bias,
+                                stack.down, stack.down_scale, stack.down_bias, stack.down_fmt)  # once: decode calls it unchecked
+        return got, stack
+
+    @classmethod
+    def _empty(cls, m: Mlp, n: int) -> "ExpertStack":
+        def like(a):
+            return None if a is None else np.empty((n, *a.shape), a.dtype)
+
+        return cls(m.gate_up.precision, like(m.gate_up.data), like(m.gate_up.scale), like(m.gate_up_bias),
+                   m.down_proj.precision, like(m.down_proj.data), like(m.down_proj.scale), like(m.down_bias))
+
+    def _put(self, e: int, m: Mlp) -> bool:
+        """Copy expert ``m`` into slot ``e`` and rebind it to views there; False if it does not fit."""
+        pairs = ((self.gate_up, m.gate_up.data), (self.gate_up_scale, m.gate_up.scale), (self.gate_up_bias, m.gate_up_bias),
+                 (self.down, m.down_proj.data), (self.down_scale, m.down_proj.scale), (self.down_bias, m.down_bias))
+        if (m.gate_up.precision, m.down_proj.precision) != (self.gate_up_fmt, self.down_fmt) or any(
+                (a is None) != (b is None) or (a is not None and (a.shape[1:] != b.shape or a.dtype != b.dtype))
+                for a, b in pairs):
+            return False
+        for a, b in pairs:
+            if a is not None:
+                a[e] = b
+        m.gate_up = Linear(self.gate_up_fmt, self.gate_up[e], None if self.gate_up_scale is None else self.gate_up_scale[e])
+        m.down_proj = Linear(self.down_fmt, self.down[e], None if self.down_scale is None else self.down_scale[e])
+        m.gate_up_bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
+        m.down_bias = None if self.down_bias is None else self.down_bias[e]
+        return True
 
     @property
     def rows(self) -> int:
