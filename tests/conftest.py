@@ -145,6 +145,7 @@ _WARM_NUMBA = (  # two halves of about equal compile time (cold: 28 s together, 
 from rlx_mpi import kernels, wire
 from rlx_mpi.families.decoder import ops
 kernels.warm_up(); ops.warm_up(); wire.warm_up(); kernels.warm_up_decode_layer("f32")
+kernels.warm_up_experts("f32")  # every MoE family's routing and decode (the MPI tests run them in f32)
 """,
     """
 from rlx_mpi import kernels

@@ -8,6 +8,7 @@
 - ``lowp``: bf16 / f16 / int8 / q4 weights, their decode matvecs (bf16's is matvec's) and prefill tiles
 - ``quant``: resident block formats (q4: 4-bit codes, a scale and minimum per 32) and their matvecs
 - ``decode_layer``: a dense SwiGLU layer's decode step in one call of the kernels above
+- ``experts``: a MoE layer's chosen experts at decode in one call, each row alone in its product
 - ``bits``: float32 <-> bf16 / f16 bit patterns, shared with the wire codecs (rlx_mpi.wire)
 - ``rowdot``: the decode matvecs' dot products as LLVM vector IR (prefetch, 2-row tiles)
 - ``gemm``: prefill's float32 products of 65-192 rows on AVX-512, as LLVM vector IR (8 x 3 tiles)
@@ -44,11 +45,14 @@ from .gemm import F32_GEMM, F32_GEMM_ROWS, gemm_f32
 from .q4gemm import Q4_GEMM, Q4_GEMM_ROWS, fused_gemm_q4, gemm_q4
 from ._common import pool_threads
 from .decode_layer import FORMATS as DECODE_LAYER_FORMATS, decode_layer, warm_up as warm_up_decode_layer
+from .experts import (ACTIVATIONS as EXPERT_ACTIVATIONS, check_stack, experts_decode, fused_experts, lone_rows,
+                      route as route_experts, warm_up as warm_up_experts)
 
 __all__ = ["rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_cache", "decode_attention", "check_cache_rows", "attend_workspace_bytes", "causal_softmax_",
            "matvec_f32", "F32_MATVEC_ROWS", "gemm_f32", "F32_GEMM", "F32_GEMM_ROWS", "dequant_matmul", "fused_matvec", "kernel_weight", "check_weight", "dequantize", "to_bf16",
            "from_bf16", "quantize_int8", "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "matvec_rows", "set_threads", "pool_threads", "decode_layer", "DECODE_LAYER_FORMATS", "warm_up_decode_layer", "warm_up",
-           "warm_up_lowp",
+           "warm_up_lowp", "experts_decode", "lone_rows", "route_experts", "fused_experts", "check_stack", "warm_up_experts",
+           "EXPERT_ACTIVATIONS",
            "INT8_GROUPS", "int8_block", "Q4_GROUP", "VNNI", "pairs_f32", "quantize_q4", "dequantize_q4", "matvec_q4", "q4_nbytes",
            "gemm_q4", "fused_gemm_q4", "Q4_GEMM", "Q4_GEMM_ROWS"]
 

@@ -233,7 +233,7 @@ def mlp(x: np.ndarray, w: Mlp | Experts, cfg: Arch, reduce: Reduce = _identity) 
     if isinstance(w, Experts):  # this rank's experts' share (+ its slice of the shared experts), summed over TP
         y = moe.experts_forward(x, w, cfg, lambda rows, e: gated_mlp(rows, e, cfg))
         if w.shared is not None:
-            y += gated_mlp(x, w.shared, cfg)
+            y += moe.shared_forward(x, w, cfg, lambda rows, e: gated_mlp(rows, e, cfg))
         return reduce(y)
     return reduce(gated_mlp(x, w, cfg))  # row-parallel over I
 

@@ -16,6 +16,8 @@ import math
 import numba
 import numpy as np
 
+from ...kernels.experts import _swiglu_clamped  # the experts' decode kernel computes it too: one copy
+
 __all__ = ["gelu_tanh_mul_", "softcap_", "swiglu_clamped_", "head_matmul"]
 
 _K = np.float32(math.sqrt(2.0 / math.pi))
@@ -37,16 +39,6 @@ def _gelu_tanh_mul(gate, up):  # gate, up (N, I) float32: gate <- gelu_tanh(gate
 def _softcap(flat, cap):  # flat (N,) float32 <- cap * tanh(flat / cap)
     for j in range(flat.shape[0]):
         flat[j] = cap * np.float32(math.tanh(flat[j] / cap))
-
-
-@numba.njit(cache=True, error_model="numpy")
-def _swiglu_clamped(gate, up, limit, alpha):  # gate, up (N, I) float32: gate <- GPT-OSS's clamped SwiGLU
-    one = np.float32(1.0)
-    for r in range(gate.shape[0]):
-        for j in range(gate.shape[1]):
-            g = min(gate[r, j], limit)
-            u = min(max(up[r, j], -limit), limit)
-            gate[r, j] = (u + one) * (g / (one + np.float32(math.exp(-alpha * g))))
 
 
 # Note: per-head products. MLA's decode multiplies each head's vector by that head's own matrix

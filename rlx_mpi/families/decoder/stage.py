@@ -27,7 +27,7 @@ from ...stage import ParamSource, Stage, TensorParallel
 from . import model, ops
 from .arch import Arch
 from .rope import Rope
-from .weights import PRECISIONS, Experts, LayerWeights, MlaWeights, Mlp, read_linear
+from .weights import PRECISIONS, Experts, ExpertStack, LayerWeights, MlaWeights, Mlp, read_linear
 
 __all__ = ["DecoderStage", "warm_up"]
 
@@ -43,6 +43,8 @@ def warm_up(cfg: Arch, precision: str = "f32", tp: int = 1, decode: bool = False
     ops.warm_up()
     if precision != "f32":
         kernels.warm_up_lowp()
+    if cfg.num_experts and cfg.activation in kernels.EXPERT_ACTIVATIONS:  # the experts' decode kernel
+        kernels.warm_up_experts(precision)
     if decode and model.fused_decode_rows(cfg, precision, tp):
         kernels.warm_up_decode_layer(precision)
 
@@ -110,12 +112,13 @@ class DecoderStage(Stage):
         if cfg.moe(n):  # expert parallelism: this rank's experts whole
             a, b = part_bounds(cfg.num_experts, tp.rank, tp.size)
             biases = ("gate_bias", "up_bias", "down_bias") if cfg.expert_bias else ()
-            experts = [Mlp.of(*(read_linear(source, f"{p}experts/{e}/{k}", self.precision) for k in _MLP),
-                              *(source.read(f"{p}experts/{e}/{k}") for k in biases)) for e in range(a, b)]
+            experts, stack = ExpertStack.gather((Mlp.of(*(read_linear(source, f"{p}experts/{e}/{k}", self.precision)
+                                                           for k in _MLP), *(source.read(f"{p}experts/{e}/{k}") for k in biases))
+                                                  for e in range(a, b)), b - a)  # into the stack as each is read
             shared = Mlp.of(*(shard(f"{p}shared_{k}", axis) for k, axis in _MLP.items())) \
                 if cfg.shared_intermediate_size else None  # sliced as a dense MLP
             w["mlp"] = Experts(source.read(p + "router"), a, experts,
-                               source.read(p + "router_bias") if cfg.router_bias else None, shared)
+                               source.read(p + "router_bias") if cfg.router_bias else None, shared, stack)
         else:
             w["mlp"] = Mlp.of(*(shard(p + k, axis) for k, axis in _MLP.items()))
         kind = dict(window=cfg.window(n), local_rope=cfg.local_rope(n), norm_group=tp.size)

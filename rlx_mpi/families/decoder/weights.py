@@ -21,13 +21,14 @@ fused decode layer types each product by its own weight, so a layer may mix the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 
 from ... import kernels
 
-__all__ = ["PRECISIONS", "Linear", "make_linear", "read_linear", "fuse", "Mlp", "Experts", "LayerWeights", "MlaWeights",
-           "q4_tensor", "held_bytes"]
+__all__ = ["PRECISIONS", "Linear", "make_linear", "read_linear", "fuse", "Mlp", "Experts", "ExpertStack", "LayerWeights",
+           "MlaWeights", "q4_tensor", "held_bytes"]
 
 PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")
 # Note: few rows. For a handful of activation rows (decode: one per sequence) OpenBLAS runs
@@ -299,15 +300,97 @@ class Mlp:
 
 
 @dataclass
+class ExpertStack:
+    """Experts' gate/up and down matrices as (E, ...) stacks, the arrays `kernels.experts_decode`
+    takes (one storage for all gate/ups, one for all downs); each expert's `Mlp` views its slice."""
+
+    gate_up_fmt: str
+    gate_up: np.ndarray  # (E, 2I, C), q4: (E, 2I, C/2) codes
+    gate_up_scale: np.ndarray | None
+    gate_up_bias: np.ndarray | None  # (E, 2I)
+    down_fmt: str
+    down: np.ndarray  # (E, C, I)
+    down_scale: np.ndarray | None
+    down_bias: np.ndarray | None  # (E, C)
+
+    @classmethod
+    def of(cls, experts: list[Mlp]) -> "ExpertStack | None":
+        """The stack of ``experts``, their `Mlp`s rebound to views of it, or None when they differ
+        in storage, shape or biases (a checkpoint's mix keeps them apart)."""
+        return cls.gather(iter(experts), len(experts))[1]
+
+    @classmethod
+    def gather(cls, mlps: Iterator[Mlp], n: int) -> tuple[list[Mlp], "ExpertStack | None"]:
+        """``n`` experts taken from ``mlps`` one at a time (a stage reads them so), each copied into
+        its slot of a stack allocated from the first and rebound to views of it as it comes: a
+        layer's experts are held once while they load, not as a list and a stack at once.
+        The stack is None when they differ (those before the first odd one keep their views)."""
+        got: list[Mlp] = []
+        stack = None
+        for m in mlps:
+            if not got:
+                stack = cls._empty(m, n)
+            if stack is not None and not stack._put(len(got), m):
+                stack = None
+            got.append(m)
+        if stack is not None and len(got) != n:
+            stack = None
+        if stack is not None:
+            kernels.check_stack(stack.gate_up_fmt, stack.gate_up, stack.gate_up_scale, stack.gate_up_bias,
+                                stack.down, stack.down_scale, stack.down_bias, stack.down_fmt)  # once: decode calls it unchecked
+        return got, stack
+
+    @classmethod
+    def _empty(cls, m: Mlp, n: int) -> "ExpertStack":
+        def like(a):
+            return None if a is None else np.empty((n, *a.shape), a.dtype)
+
+        return cls(m.gate_up.precision, like(m.gate_up.data), like(m.gate_up.scale), like(m.gate_up_bias),
+                   m.down_proj.precision, like(m.down_proj.data), like(m.down_proj.scale), like(m.down_bias))
+
+    def _put(self, e: int, m: Mlp) -> bool:
+        """Copy expert ``m`` into slot ``e`` and rebind it to views there; False if it does not fit."""
+        pairs = ((self.gate_up, m.gate_up.data), (self.gate_up_scale, m.gate_up.scale), (self.gate_up_bias, m.gate_up_bias),
+                 (self.down, m.down_proj.data), (self.down_scale, m.down_proj.scale), (self.down_bias, m.down_bias))
+        if (m.gate_up.precision, m.down_proj.precision) != (self.gate_up_fmt, self.down_fmt) or any(
+                (a is None) != (b is None) or (a is not None and (a.shape[1:] != b.shape or a.dtype != b.dtype))
+                for a, b in pairs):
+            return False
+        for a, b in pairs:
+            if a is not None:
+                a[e] = b
+        m.gate_up = Linear(self.gate_up_fmt, self.gate_up[e], None if self.gate_up_scale is None else self.gate_up_scale[e])
+        m.down_proj = Linear(self.down_fmt, self.down[e], None if self.down_scale is None else self.down_scale[e])
+        m.gate_up_bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
+        m.down_bias = None if self.down_bias is None else self.down_bias[e]
+        return True
+
+    @property
+    def rows(self) -> int:
+        """Up to how many routed rows a step takes the kernel (a `Linear`'s decode matvec limit)."""
+        return min(kernels.F32_MATVEC_ROWS if f == "f32" else kernels.matvec_rows(f)
+                   for f in (self.gate_up_fmt, self.down_fmt))
+
+
+@dataclass
 class Experts:
     """This rank's experts of a MoE layer: the router (all E rows, replicated) and the experts
-    ``first .. first + len(experts) - 1`` whole (expert parallelism under TP)."""
+    ``first .. first + len(experts) - 1`` whole (expert parallelism under TP); held stacked for
+    the decode kernel (`ExpertStack`) where they share one storage."""
 
     router: np.ndarray  # (E, C) float32
     first: int
     experts: list[Mlp]
     router_bias: np.ndarray | None = None  # (E,): GPT-OSS's logit bias, DeepSeek-V3's choice-only bias
     shared: Mlp | None = None  # DeepSeek's always-on experts, this rank's slice (sharded as a dense MLP)
+    stack: ExpertStack | None = None  # the experts stacked (None: per expert, `moe.experts_forward`)
+    shared_stack: ExpertStack | None = None  # the shared experts as a stack of one
+
+    def __post_init__(self) -> None:
+        if self.stack is None and self.experts:
+            self.stack = ExpertStack.of(self.experts)
+        if self.shared_stack is None and self.shared is not None:
+            self.shared_stack = ExpertStack.of([self.shared])
 
     @property
     def nbytes(self) -> int:
