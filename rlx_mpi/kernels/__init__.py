@@ -37,14 +37,14 @@ from .attention import (_row_max, attend, attend_cache, attend_workspace_bytes, 
 from .elementwise import _exp, rms_norm, rope, silu_mul_, swiglu
 from .lowp import (INT8_BLOCK, INT8_GROUPS, int8_block, matvec_rows, WEIGHT_FORMATS, check_weight, dequant_matmul, dequantize,
                    fused_matvec, from_bf16, int8_blocks, kernel_weight, quantize_int8, to_bf16)
-from .matvec import F32_MATVEC_ROWS, _matvec_float, matvec_f32
+from .matvec import F32_MATVEC_ROWS, _matvec_float, float_product, matmul_float, matvec_f32
 from .quant import GROUP as Q4_GROUP, VNNI, dequantize_q4, matvec_q4, pairs_f32, q4_nbytes, quantize_q4
 from .gemm import F32_GEMM, F32_GEMM_ROWS, gemm_f32
 from ._common import pool_threads
 from .decode_layer import FORMATS as DECODE_LAYER_FORMATS, decode_layer, warm_up as warm_up_decode_layer
 
 __all__ = ["rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_cache", "decode_attention", "check_cache_rows", "attend_workspace_bytes", "causal_softmax_",
-           "matvec_f32", "F32_MATVEC_ROWS", "gemm_f32", "F32_GEMM", "F32_GEMM_ROWS", "dequant_matmul", "fused_matvec", "kernel_weight", "check_weight", "dequantize", "to_bf16",
+           "matvec_f32", "float_product", "matmul_float", "F32_MATVEC_ROWS", "gemm_f32", "F32_GEMM", "F32_GEMM_ROWS", "dequant_matmul", "fused_matvec", "kernel_weight", "check_weight", "dequantize", "to_bf16",
            "from_bf16", "quantize_int8", "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "matvec_rows", "set_threads", "pool_threads", "decode_layer", "DECODE_LAYER_FORMATS", "warm_up_decode_layer", "warm_up",
            "warm_up_lowp",
            "INT8_GROUPS", "int8_block", "Q4_GROUP", "VNNI", "pairs_f32", "quantize_q4", "dequantize_q4", "matvec_q4", "q4_nbytes"]
@@ -66,8 +66,7 @@ def warm_up() -> None:
         decode_attention(np.ones((1, 8), np.float32), 4, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32),
                          kv.copy(), kv.copy(), np.zeros(1, np.int64), np.full(1, 3), q_norm=norm, k_norm=norm)
     matvec_f32(np.ones((1, 2), np.float32), np.ones((3, 2), np.float32))
-    if F32_GEMM:
-        gemm_f32(np.ones((17, 2), np.float32), np.ones((9, 2), np.float32))  # every tile of `_rows`
+    matmul_float(np.ones((F32_MATVEC_ROWS + 1, 2), np.float32), np.ones((9, 2), np.float32))  # prefill's tiles
 
 
 def warm_up_lowp() -> None:
@@ -81,5 +80,7 @@ def warm_up_lowp() -> None:
     for fmt, xx, ww, sc in (("bf16", x, b, None), ("f16", x, w.astype(np.float16).view(np.uint16), None),
                             ("int8", x, q, s), ("q4", x32, c4, sm4), ("q4", x32, c4, np.zeros((2, 2), np.float32))):
         dequant_matmul(xx, ww, fmt, sc)  # the fused kernel (q4: f16 pairs, then float32 pairs as Q4_K's)
+        if fmt in ("bf16", "f16"):  # prefill's tiles (matmul_float)
+            dequant_matmul(np.ones((F32_MATVEC_ROWS + 1, xx.shape[1]), np.float32), ww, fmt, sc)
         dequant_matmul(xx, ww, fmt, sc, fused=False)  # the tiles
 

@@ -90,17 +90,15 @@ class Linear:
             raise ValueError(f"Linear: input has {c} features, the weight {self.shape} takes {self.shape[1]}")
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, c)  # (B*T, in): one GEMM, not B
         rows = x2.shape[0]
-        if self.precision != "f32" and rows <= kernels.matvec_rows(self.precision):  # decode
+        # every row count takes kernels whose value for a row never depends on the others (the
+        # invariance note in kernels/rowdot.py); q4's prefill (more rows than matvec_rows) is its own
+        if self.precision == "f32":
+            y = kernels.float_product(x2, self.data)
+        elif self.precision != "q4" or rows <= kernels.matvec_rows(self.precision):
             y = kernels.fused_matvec(x2, self.data, self.precision, self.scale,
                                      np.empty((rows, self.data.shape[0]), np.float32))
-        elif self.precision != "f32":
-            y = kernels.dequant_matmul(x2, self.data, self.precision, self.scale)
-        elif rows <= kernels.F32_MATVEC_ROWS:  # decode: the numba GEMV (the few-rows note)
-            y = kernels.matvec_f32(x2, self.data)
-        elif kernels.F32_GEMM and rows <= kernels.F32_GEMM_ROWS:  # a short prefill on AVX-512 (kernels/gemm.py)
-            y = kernels.gemm_f32(x2, self.data)
         else:
-            y = x2 @ self.data.T
+            y = kernels.dequant_matmul(x2, self.data, self.precision, self.scale)
         return y.reshape(*lead, self.data.shape[0])  # (..., out)
 
     def __getitem__(self, rows) -> np.ndarray:
