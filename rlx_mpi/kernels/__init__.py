@@ -4,13 +4,13 @@
 - ``attention``: blocked attention (`attend`, `attend_workspace_bytes`), decode attention read in
   place from a KV cache (`attend_cache`; `decode_attention` adds RoPE and the cache write), a
   reference softmax
-- ``matvec``: decode's float32 and bfloat16 matvec on the rank's numba threads
+- ``matvec``: every float32 / bf16 / f16 product, decode's on the rank's numba threads, prefill's on its
+  team, each element in one order whatever the rows (rowdot's invariance note)
 - ``lowp``: bf16 / f16 / int8 / q4 weights, their decode matvecs (bf16's is matvec's) and prefill tiles
 - ``quant``: resident block formats (q4: 4-bit codes, a scale and minimum per 32) and their matvecs
 - ``decode_layer``: a dense SwiGLU layer's decode step in one call of the kernels above
 - ``bits``: float32 <-> bf16 / f16 bit patterns, shared with the wire codecs (rlx_mpi.wire)
 - ``rowdot``: the decode matvecs' dot products as LLVM vector IR (prefetch, 2-row tiles)
-- ``gemm``: prefill's float32 products of 65-192 rows on AVX-512, as LLVM vector IR (8 x 3 tiles)
 - ``_fresh``: drops the numba caches when any kernel source changed (numba keys each on its own file)
 
 The ``_`` kernels are ``@numba.njit(cache=True)`` with no validation and no allocation; the
@@ -39,12 +39,11 @@ from .lowp import (INT8_BLOCK, INT8_GROUPS, int8_block, matvec_rows, WEIGHT_FORM
                    fused_matvec, from_bf16, int8_blocks, kernel_weight, quantize_int8, to_bf16)
 from .matvec import F32_MATVEC_ROWS, _matvec_float, float_product, matmul_float, matvec_f32
 from .quant import GROUP as Q4_GROUP, VNNI, dequantize_q4, matvec_q4, pairs_f32, q4_nbytes, quantize_q4
-from .gemm import F32_GEMM, F32_GEMM_ROWS, gemm_f32
 from ._common import pool_threads
 from .decode_layer import FORMATS as DECODE_LAYER_FORMATS, decode_layer, warm_up as warm_up_decode_layer
 
 __all__ = ["rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_cache", "decode_attention", "check_cache_rows", "attend_workspace_bytes", "causal_softmax_",
-           "matvec_f32", "float_product", "matmul_float", "F32_MATVEC_ROWS", "gemm_f32", "F32_GEMM", "F32_GEMM_ROWS", "dequant_matmul", "fused_matvec", "kernel_weight", "check_weight", "dequantize", "to_bf16",
+           "matvec_f32", "float_product", "matmul_float", "F32_MATVEC_ROWS", "dequant_matmul", "fused_matvec", "kernel_weight", "check_weight", "dequantize", "to_bf16",
            "from_bf16", "quantize_int8", "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "matvec_rows", "set_threads", "pool_threads", "decode_layer", "DECODE_LAYER_FORMATS", "warm_up_decode_layer", "warm_up",
            "warm_up_lowp",
            "INT8_GROUPS", "int8_block", "Q4_GROUP", "VNNI", "pairs_f32", "quantize_q4", "dequantize_q4", "matvec_q4", "q4_nbytes"]

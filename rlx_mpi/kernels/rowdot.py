@@ -316,10 +316,10 @@ TILE_W = 4 if _FLANES == 16 else 3  # weight rows per tile: four where AVX-512's
 # The float products' tiles: FLOAT_TILES[(rows, wrows)] takes weight rows n..n+wrows-1 against activation
 # rows r0..r0+rows-1, ``sums[j * rows + i]`` (the tile note); rows ROWS or 1, wrows 1..TILE_W. Each
 # element of every one is the same chain of fused multiply-adds and the same lane tree.
-FLOAT_TILES = {(r, w): _make_float(r, w) for r in (1, ROWS) for w in range(1, TILE_W + 1)}
+FLOAT_TILES = {(r, w): _make_float(r, w) for r in (1, ROWS) for w in range(1, 5)}  # (4 on AVX2 too: compiled, never taken)
 WIDE_ROWS = 6 if _FLANES == 16 else 3  # prefill's tile: 6 x 4 accumulators of AVX-512's 32 registers (3 x 3 of AVX2's 16)
 # (the first group of a weight block prefetches the weights from memory; the others read them from cache)
-WIDE_TILES = {(p, w): _make_float(WIDE_ROWS, w, prefetch=p) for p in (True, False) for w in range(1, TILE_W + 1)}
+WIDE_TILES = {(p, w): _make_float(WIDE_ROWS, w, prefetch=p) for p in (True, False) for w in range(1, 5)}
 
 
 # -- bf16 x bf16 dot products (AVX512-BF16) ------------------------------------------------------
@@ -399,4 +399,4 @@ def _make_bf16(rows: int, wrows: int):
 
 
 # bf16 weights' tiles against activations rounded to bf16, FLOAT_TILES' shapes (BF16_DOT only)
-BF16_TILES = {(r, w): _make_bf16(r, w) for r in (1, ROWS) for w in range(1, TILE_W + 1)} if BF16_DOT else {}
+BF16_TILES = {(r, w): _make_bf16(r, w) for r in (1, ROWS) for w in range(1, 5)} if BF16_DOT else {}
