@@ -114,19 +114,23 @@ def _qkv(rng, B, nh, nkv, T, S, hs, scale=1.0):
 @pytest.mark.parametrize("B, nh, nkv, T, S, window, pos", [
     (1, 3, 1, 7, 7, 0, "causal"), (2, 4, 2, 13, 21, 0, "causal"), (2, 2, 2, 11, 11, 5, "causal"),
     (3, 4, 2, 9, 30, 7, "ragged"), (1, 2, 1, 17, 17, 1, "causal"), (2, 6, 3, 5, 40, 0, "ragged")])
-def test_attend_tiny_blocks(monkeypatch, B, nh, nkv, T, S, window, pos):
-    """Blocks of 4 queries x 8 keys: many blocks, partial edges, skipped and masked key blocks."""
-    monkeypatch.setattr(kernels.attention, "_Q_BLOCK", 4)
-    monkeypatch.setattr(kernels.attention, "_K_BLOCK", 8)
+def test_attend_gives_each_query_the_same_bits_whatever_shares_its_call(B, nh, nkv, T, S, window, pos):
+    """Against the definition, and every query bit for bit the same when it is attended alone, in
+    a smaller chunk of its sequence or beside another row (the invariance note in attention.py)."""
     rng = np.random.default_rng(3)
-    q, k, v = _qkv(rng, B, nh, nkv, T, S, 6, scale=2.0)  # large logits: the running max moves
+    q, k, v = _qkv(rng, B, nh, nkv, T, S, 6, scale=2.0)  # large logits
     if pos == "causal":
-        q_pos, given = np.broadcast_to(np.arange(S - T, S), (B, T)), None
+        q_pos = np.broadcast_to(np.arange(S - T, S), (B, T)).astype(np.int64)
     else:
         last = rng.integers(T - 1, S, size=B)
-        q_pos = given = (last[:, None] - np.arange(T)[::-1][None, :]).astype(np.int64)
-    np.testing.assert_allclose(kernels.attend(q, k, v, given, window), naive_attend(q, k, v, q_pos, window),
-                               atol=3e-6)
+        q_pos = (last[:, None] - np.arange(T)[::-1][None, :]).astype(np.int64)
+    got = kernels.attend(q, k, v, q_pos, window)
+    np.testing.assert_allclose(got, naive_attend(q, k, v, q_pos, window), atol=3e-6)
+    for b in range(B):
+        for t0, t1 in ((0, 1), (T // 2, T), (T - 1, T)):  # a chunk's queries, the rest of the batch gone
+            alone = kernels.attend(np.ascontiguousarray(q[b:b + 1, :, t0:t1]), k[b:b + 1], v[b:b + 1],
+                                   q_pos[b:b + 1, t0:t1], window)
+            assert (alone[0] == got[b, t0:t1]).all(), (b, t0, t1)
 
 
 @pytest.mark.parametrize("B, nh, nkv, T, S, window, pos", [
@@ -134,17 +138,15 @@ def test_attend_tiny_blocks(monkeypatch, B, nh, nkv, T, S, window, pos):
 def test_attend_splits_kv_heads_over_the_team(monkeypatch, B, nh, nkv, T, S, window, pos):
     """Above _TEAM_WORK, `attend` gives its kv heads' groups to the rank's threads (uneven
     splits included); each part writes its own heads of y, and the result is the definition's."""
-    monkeypatch.setattr(kernels.attention, "_Q_BLOCK", 4)
-    monkeypatch.setattr(kernels.attention, "_K_BLOCK", 8)
     monkeypatch.setattr(kernels.attention, "_TEAM_WORK", 1)
     monkeypatch.setattr(kernels._common, "_threads", [2])  # as set_threads(2) on a 2-core rank
-    parts, heads = [], kernels.attention._heads
+    parts, heads = [], kernels.attention._attend_heads
 
-    def recording(q, k, v, *rest):
-        parts.append((threading.current_thread().name, k.shape[1]))
-        heads(q, k, v, *rest)
+    def recording(q, k, v, pos, window, scale, softcap, sinks, kv0, kv1, y):
+        parts.append((threading.current_thread().name, kv1 - kv0))
+        heads(q, k, v, pos, window, scale, softcap, sinks, kv0, kv1, y)
 
-    monkeypatch.setattr(kernels.attention, "_heads", recording)
+    monkeypatch.setattr(kernels.attention, "_attend_heads", recording)
     rng = np.random.default_rng(5)
     q, k, v = _qkv(rng, B, nh, nkv, T, S, 6, scale=2.0)
     if pos == "causal":
