@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ... import kernels
 from .arch import Arch
 from .weights import Experts
 
@@ -32,7 +33,7 @@ def route(x: np.ndarray, router: np.ndarray, top_k: int, cfg: Arch | None = None
     * ``topk_softmax`` (GPT-OSS): the k largest logits (+ ``bias``), softmax over those k.
 
     Then x ``routed_scaling_factor``. Without ``cfg``: Mixtral's router."""
-    logits = x @ router.T  # (N, E)
+    logits = kernels.float_product(np.ascontiguousarray(x, np.float32), np.ascontiguousarray(router, np.float32))  # (N, E); not BLAS: its order depends on N
     if cfg is None or cfg.routing == "softmax":
         logits = logits - logits.max(axis=-1, keepdims=True)
         probs = np.exp(logits)
