@@ -370,9 +370,13 @@ def _attend_heads(q, k, v, pos, window, scale, softcap, sinks, kv0, kv1, y):
 
 
 def attend_workspace_bytes(batch: int, heads: int, seq: int, head_dim: int) -> int:
-    """Bytes `attend` holds besides its inputs and output: contiguous copies of q, k and v when
-    they are views, and a row of scores per thread (the planner's estimate)."""
-    return 3 * batch * heads * seq * head_dim * 4 + 4 * seq * pool_threads()
+    """Bytes `attend` holds besides its inputs and output (the planner's estimate): kept at what the
+    blocked attention before the invariance note held, 64 queries x up to 1024 keys of scores per
+    head, an accumulator and running max / sum; today's (a contiguous copy of v, the one view among
+    q, k, v, and a row of scores per thread) is of the same order (B x nkv x seq x hs floats): to
+    re-derive with the planner's pages (tests/test_docs.py shows their plans)."""
+    bq, bk = min(seq, 64), min(seq, 1024)
+    return batch * heads * bq * (bk + 2 * head_dim + 2) * 4
 
 
 @numba.njit(cache=True, fastmath=False)
