@@ -59,17 +59,21 @@ def test_the_settings_cover_every_pair_of_levels():
             assert {s[i] for s in mine} == set(levels), (p, i)
 
 
-def _prompts(path) -> None:
+def _prompts(path, lines_path) -> None:
+    """generate's prompts (odd ones sampled, each with its own seed) and score's lines (the same
+    tokens: a score line carries no sampling settings)."""
     import random
 
     rng = random.Random(36)
-    lines = []
+    prompts, lines = [], []
     for i in range(12):
         row = {"id": f"p{i}", "tokens": [rng.randint(3, 500) for _ in range(rng.randint(3, 40))]}
-        if i % 2:  # sampled rows beside greedy ones, each with its own seed
-            row.update(temperature=0.9, seed=100 + i)
         lines.append(json.dumps(row) + "\n")
-    path.write_text("".join(lines))
+        if i % 2:  # sampled rows beside greedy ones
+            row.update(temperature=0.9, seed=100 + i)
+        prompts.append(json.dumps(row) + "\n")
+    path.write_text("".join(prompts))
+    lines_path.write_text("".join(lines))
 
 
 def _job(tmp_path, ckpt, precision: str):
@@ -94,8 +98,8 @@ def _rows(path) -> dict:
 def runs(tmp_path_factory, tiny_ckpt):
     """Every launch of the matrix, two at a time: {setting: rows} and {(precision, i): lines}."""
     d = tmp_path_factory.mktemp("inv")
-    prompts = d / "p.jsonl"
-    _prompts(prompts)
+    prompts, lines = d / "p.jsonl", d / "lines.jsonl"
+    _prompts(prompts, lines)
     jobs = {p: _job(d, tiny_ckpt, p) for p in PRECISIONS}  # written before any launch reads them
 
     def gen(s):
@@ -113,7 +117,7 @@ def runs(tmp_path_factory, tiny_ckpt):
     def score(s):
         precision, tokens, threads, stages = s
         out = d / ("s_" + "_".join(map(str, s)) + ".jsonl")
-        proc = run_cli(["score", jobs[precision], "--prompts", prompts, "--out", out,
+        proc = run_cli(["score", jobs[precision], "--prompts", lines, "--out", out,
                         "--batch", tokens], ranks=stages, timeout=240, env=_threads(threads))
         assert proc.returncode == 0, (s, proc.stderr[-3000:])
         return _rows(out)
