@@ -38,8 +38,8 @@ with the weights in L2 16 vs 13 GB/s at 1 row, 1.5x at 4 rows; from DRAM (115 MB
 row (both are then at the core's read bandwidth), 1.5x at 4 rows.
 
 Note: the tile. From 4 activation rows on, the float matvecs take weight rows three at a time
-(`row_dots_tile`, four where the vectors are AVX-512's: the vector width note; a chunk's last
-rows `row_dots3` / `row_dots2` / `row_dots`): each activation vector
+(`FLOAT_TILES`, four where the vectors are AVX-512's: the vector width note; a chunk's last
+rows a narrower tile of the same kind): each activation vector
 loaded feeds three FMAs (7 loads per 12 FMAs; one weight row: 5 per 4), one accumulator per
 (weight row, activation row), 12 chains, which with the 3 weight vectors and 1 activation vector
 fill AVX2's 16 registers. Two weight rows (8 chains, 6 loads per 8 FMAs) against one, kernel
@@ -58,7 +58,7 @@ changed. Measured on a 2-core Xeon VM with AVX-512 (medium, whole decode step, `
 against 8 lanes, 5-7 rounds): f32 batch 4 1.00-1.01x, 8 1.04x, 16 1.07-1.09x, 32 1.09-1.10x, 64
 1.02x (2 threads); bf16 batch 4 1.05-1.06x, 8 1.02-1.12x, 16 1.02-1.04x, 32 1.02-1.07x, 64 1.19x;
 f16 batch 1 (its lone row is `row_dot`) 1.18x / 1.11x (1 / 2 threads); logits within 5e-6. With 32
-registers the tile then takes four weight rows (TILE_W, `row_dots_tile`: 16 accumulators, 4 + 1
+registers the tile then takes four weight rows (TILE_W: 16 accumulators, 4 + 1
 vectors loaded per 16 FMAs; the chunk's last three go to `row_dots3`), against 16-lane 3 x 4 in
 the same runs: f32 batch 4-8 0.98-1.04x, 16 1.05x, 32 1.07-1.10x, 64 1.05x; bf16 8 1.00-1.02x,
 16 1.02-1.03x, 32 1.06x.
@@ -80,7 +80,7 @@ f32/bf16 loops stay numba's own: as IR with the prefetch they were still 0.96-0.
 
 Note: the bf16 dot. On a CPU with AVX512-BF16 (BF16_DOT: Zen 4, Sapphire Rapids, Cooper Lake)
 1-3 activation rows against bf16 weights are rounded to bf16 once per matvec (nearest even,
-`bits.pack_bf16`) and multiplied by ``vdpbf16ps`` (`row_dot_bf16`): 32 products per instruction
+`bits.pack_bf16`) and multiplied by ``vdpbf16ps`` (`BF16_TILES`): 32 products per instruction
 summed in float32, where the widening path spends a shift and an FMA per 8 lanes. This is what
 llama.cpp's bf16 GGUF does (it rounds the activations too). Measured on a 2-core EPYC znver4 VM
 (read bandwidth 26 GB/s on 1 thread), against the widening path in the same run: the medium
@@ -90,6 +90,22 @@ model's matrices alone (411 MB) 1.26-1.41x on 1 thread (18.7 -> 23.5-24.5 GB/s),
 model: top-1 agreement 0.989 (0.988 before), mean KL 4.4e-5 (2.9e-5 before; llama.cpp's bf16
 4.5e-5 on its own 1016 positions). The tile (4+ rows) keeps float32 activations: the rows'
 products are exact in the bf16 weights, as prefill's are.
+
+Note: invariance (issue 36, docs/invariance.md). A row's product must not depend on the rows
+beside it, the row count's path or the threads. Every float tile (`FLOAT_TILES`, `WIDE_TILES`,
+`BF16_TILES`; any rows x weight rows) computes each element the same way: one accumulator of
+_FLANES lanes (bf16 x bf16: 16), a fused multiply-add per step in column order (``llvm.fma``: not
+left to contraction), the lanes summed by one tree (`_reduce_lanes`, without fast-math flags, so
+LLVM keeps it as written), the columns past the last step added one at a time after
+(matvec.py's `_tail`). Which tile takes an element, which thread's chunk it falls in, and whether
+it is decode's matvec or prefill's `matmul_float` then changes nothing. Before, a lone row took
+LLVM's own loop (4 accumulators), 2-3 rows and a chunk's last weight row 2 accumulators, 4+ rows
+one; prefill took our broadcast GEMM (one chain per element over all columns) or OpenBLAS, and bf16
+rounded the activations for 1-3 rows only: one row's logits changed with the batch it shared.
+bf16 on a BF16_DOT CPU now rounds every row's activations (the bf16 dot note). The int8 products
+(`_make`) take the same fused multiply-add and lane tree for 1 and ROWS rows. Measured: decode
+unchanged (0.97-0.98x at batch 1, in process); prefill's products 0.89x the broadcast GEMM with the
+weights in cache, 0.5-0.65x from memory (docs/invariance.md: what would win it back).
 """
 
 from __future__ import annotations

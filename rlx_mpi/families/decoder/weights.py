@@ -34,10 +34,9 @@ PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")
 # ``x @ W.T`` 1.4-3x slower than ``(W @ x.T).T`` (measured on the small and medium shapes, 1 and
 # 2 threads: 2.8x at 2 rows, 2x at 8, 1.5x at 32, 1.1-1.2x at 64; bench/README.md), and an f32
 # product of up to 63 rows was taken that way round. The numba matvec now takes every f32 product
-# of up to `kernels.F32_MATVEC_ROWS` (64) rows, and above that ``x @ W.T`` is the faster one
-# (``(W @ x.T).T`` 0.79-0.86x at 65-128 rows on 2 threads, 0.88-0.95x on 1; medium shapes,
-# 2026-12-02), so BLAS gets the product as it is, except on AVX-512, where kernels.gemm_f32 takes
-# 65-192 rows (1.08-1.26x OpenBLAS at 128 rows; its note).
+# of up to `kernels.F32_MATVEC_ROWS` (64) rows, and since issue 36 every other f32 product too
+# (kernels.matmul_float: the same tiles, blocked for prefill), since BLAS's order depends on the
+# row count (docs/invariance.md).
 # What ParamSource.read is asked for: the storage closest to the rank's format, so a 16-bit
 # rank never holds a float32 copy of a tensor it can read as 16 bits.
 _READ_DTYPE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "int8": "float32", "q4": "float32"}
