@@ -210,9 +210,13 @@ def test_linear_matches_its_own_matrix(precision):
 def test_make_linear_keeps_16_bit_inputs_without_float32_copies():
     w = RNG.standard_normal((6, 4)).astype(np.float32)
     bits = kernels.to_bf16(w)
-    assert make_linear(bits, "bf16").data is bits or np.shares_memory(make_linear(bits, "bf16").data, bits)
+    held = make_linear(bits, "bf16").data  # the bits themselves, or their 64-byte aligned copy (never float32)
+    assert held.dtype == np.uint16 and (held == bits).all() and held.ctypes.data % 64 == 0
     h = w.astype(np.float16)
-    assert np.shares_memory(make_linear(h, "f16").data, h)
+    held = make_linear(h, "f16").data
+    assert held.dtype == np.uint16 and (held == h.view(np.uint16)).all() and held.ctypes.data % 64 == 0
+    a = kernels.aligned(bits)
+    assert kernels.aligned(a) is a  # aligned already: kept as it is
     with pytest.raises(ValueError, match="precision"):
         Linear("f8", w)
 

@@ -10,7 +10,7 @@ import numpy as np
 from numba.core import types
 from numba.extending import overload
 
-from ._common import ERR, check_f32, pool_threads, run_parts
+from ._common import ERR, aligned, check_f32, pool_threads, run_parts
 from .bits import as_f32, f16_exact, pack_bf16
 from .rowdot import AHEAD_BYTES, BF16_DOT, BF16_TILES, DP_STEP, FLOAT_TILES, ROWS, STEP, TILE_W, WIDE_ROWS, WIDE_TILES
 
@@ -215,8 +215,9 @@ def matmul_float(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     (int16), unchecked, for many rows (prefill): the weight rows split over the rank's threads as
     the team does (`run_parts`: no numba pool spinning beside attention's team), each element the
     same as `_matvec_float` gives (the invariance note)."""
+    x = aligned(x)  # (the alignment note in _common.py; w is its owner's to align)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    xb = _operand_nogil(x, w)
+    xb = aligned(_operand_nogil(x, w))
     N = w.shape[0]
     parts = max(1, min(pool_threads(), N // (2 * TILE_W)))
     cuts = [N * p // parts for p in range(parts + 1)]

@@ -54,12 +54,13 @@ def q4_tensor(name: str, shape: tuple[int, ...]) -> bool:
 class Linear:
     """``y = x @ W.T`` with ``W`` (out, in) stored as ``precision``."""
 
-    def __init__(self, precision: str, data: np.ndarray, scale: np.ndarray | None = None):
+    def __init__(self, precision: str, data: np.ndarray, scale: np.ndarray | None = None, align: bool = True):
         if precision not in PRECISIONS:
             raise ValueError(f"Linear: precision {precision!r} is not one of {PRECISIONS}")
         if data.ndim != 2:
             raise ValueError(f"Linear: weight must be 2-D (out, in), got shape {data.shape}")
-        self.precision, self.data, self.scale = precision, np.ascontiguousarray(data), scale
+        data = np.ascontiguousarray(data)  # 64-byte aligned for the tiles' loads (kernels' alignment note)
+        self.precision, self.data, self.scale = precision, kernels.aligned(data) if align else data, scale
         if precision != "f32":  # checked once here: decode calls the kernel unchecked (kernels.fused_matvec)
             kernels.check_weight(precision, self.data, scale)
 
@@ -110,7 +111,7 @@ class Linear:
     def rows(self, start: int, stop: int) -> "Linear":
         """Output rows start..stop-1 as a `Linear` viewing this one's memory (no copy)."""
         scale = None if self.scale is None else self.scale[start:stop]
-        return Linear(self.precision, self.data[start:stop], scale)
+        return Linear(self.precision, self.data[start:stop], scale, align=False)
 
     def to_f32(self) -> np.ndarray:
         """The float32 matrix this layer multiplies by (tests and references only)."""
