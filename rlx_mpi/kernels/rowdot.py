@@ -104,8 +104,8 @@ one; prefill took our broadcast GEMM (one chain per element over all columns) or
 rounded the activations for 1-3 rows only: one row's logits changed with the batch it shared.
 bf16 on a BF16_DOT CPU now rounds every row's activations (the bf16 dot note). The int8 products
 (`_make`) take the same fused multiply-add and lane tree for 1 and ROWS rows. Measured: decode
-unchanged (0.97-0.98x at batch 1, in process); prefill's products 0.89x the broadcast GEMM with the
-weights in cache, 0.5-0.65x from memory (docs/invariance.md: what would win it back).
+unchanged (0.97-0.98x at batch 1, in process); prefill's products 0.79-0.93x the broadcast GEMM
+they replace (128 rows, 64-byte aligned: _common's alignment note; docs/invariance.md).
 """
 
 from __future__ import annotations
