@@ -91,7 +91,7 @@ def _tile_stub(rows: int, wrows: int, wide: int = 0):
     against xb on a BF16_DOT CPU, the float one against x otherwise; ``wide``: WIDE_ROWS rows, 1 with
     the prefetch, 2 without)."""
     flt = WIDE_TILES[(wide == 1, wrows)] if wide else FLOAT_TILES[(rows, wrows)]
-    bf = BF16_TILES.get((rows, wrows))
+    bf = BF16_TILES.get((rows, wrows))  # (wide: the bf16 tile of WIDE_ROWS rows, which always prefetches)
 
     def t(w, n, x, xb, r, k, ahead):
         pass
@@ -113,10 +113,10 @@ _tp_4, _tp_3, _tp_2, _tp_1 = (_tile_stub(WIDE_ROWS, m, 1) for m in (4, 3, 2, 1))
 
 @numba.njit(cache=True, nogil=True, error_model=ERR)
 def _span_wide(x, xb, w, out, n0, n1, ahead):
-    """`_span` for many rows: groups of WIDE_ROWS activation rows (float weights) in the wide
-    tiles, the rows past them through `_span`; the same values (the invariance note)."""
+    """`_span` for many rows: groups of WIDE_ROWS activation rows in the wide tiles, the rows past
+    them through `_span`; the same values (the invariance note)."""
     r_len = x.shape[0]
-    wide = r_len - r_len % WIDE_ROWS if xb.shape[0] == 0 else 0  # (bf16 x bf16: `_span`'s tiles)
+    wide = r_len - r_len % WIDE_ROWS
     k = _main_cols(w, x.shape[1])
     for b0 in range(n0, n1, BLOCK_ROWS):
         b1 = min(n1, b0 + BLOCK_ROWS)

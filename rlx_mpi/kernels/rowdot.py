@@ -415,4 +415,4 @@ def _make_bf16(rows: int, wrows: int):
 
 
 # bf16 weights' tiles against activations rounded to bf16, FLOAT_TILES' shapes (BF16_DOT only)
-BF16_TILES = {(r, w): _make_bf16(r, w) for r in (1, ROWS) for w in range(1, 5)} if BF16_DOT else {}
+BF16_TILES = {(r, w): _make_bf16(r, w) for r in (1, ROWS, WIDE_ROWS) for w in range(1, 5)} if BF16_DOT else {}
