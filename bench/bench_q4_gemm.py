@@ -7,7 +7,7 @@ A layer's four products of the medium preset (q|k|v 2048 x 1024, o 1024 x 1024, 
 1024, down 1024 x 2816; ``--shapes`` for others), random weights quantized by
 `kernels.quantize_q4`, for each row count: the q4 GEMM (``gemm_q4``), decode's fused matvec (what a
 q4 product of up to `matvec_rows` rows ran before), dequantize + BLAS (above it) and the float32
-product of the same rows (``gemm_f32`` up to 192 rows on AVX-512, else BLAS). Rounds interleave the
+product of the same rows (``float_product``: the f32 path every Linear takes, row-invariant). Rounds interleave the
 four, the minimum of each is kept, and the report is each one's time over the GEMM's (> 1: the
 GEMM is faster), so a loaded host still gives usable ratios. Prints one JSON line per row count.
 """
@@ -49,7 +49,7 @@ def main() -> None:
 
         def f32():
             for (w, _, _), x in zip(weights, xs):
-                kernels.gemm_f32(x, w) if kernels.F32_GEMM and m <= kernels.F32_GEMM_ROWS else x @ w.T
+                kernels.float_product(x, w)
 
         paths = {
             "gemm_q4": lambda: [kernels.gemm_q4(x, c, sm) for (_, c, sm), x in zip(weights, xs)],

@@ -12,9 +12,9 @@
     LaunchAhead                a module's CLI runs started ahead of the tests that check them, two at
                                a time (see its docstring); the tests still make every assertion
     in_pairs(*thunks)          one test's independent runs, two at a time: their results in order
-    bf16_read(x)               float64 x as the bf16 matvec reads it: 1-3 rows on a CPU with
-                               AVX512-BF16 round the columns in whole DP_STEPs to bf16 (rowdot's
-                               bf16 dot note); otherwise x as it is
+    bf16_read(x)               float64 x as the bf16 products read it: rounded to bf16 on a CPU with
+                               AVX512-BF16, every row and column (rowdot's bf16 dot note); otherwise
+                               x as it is
 """
 
 from __future__ import annotations
@@ -132,14 +132,12 @@ def in_pairs(*thunks: Callable) -> list:
 
 
 def bf16_read(x):
-    """float64 ``x`` (R, K) as the bf16 decode matvec multiplies it (rowdot's bf16 dot note)."""
+    """float64 ``x`` (R, K) as the bf16 products multiply it (rowdot's bf16 dot note)."""
     import numpy as np
 
     from rlx_mpi.kernels import from_bf16, to_bf16
-    from rlx_mpi.kernels.rowdot import BF16_DOT, DP_STEP, ROWS
+    from rlx_mpi.kernels.rowdot import BF16_DOT
 
-    out = x.astype(np.float64)
-    if BF16_DOT and x.shape[0] < ROWS:
-        k_dp = x.shape[1] - x.shape[1] % DP_STEP
-        out[:, :k_dp] = from_bf16(to_bf16(np.ascontiguousarray(x[:, :k_dp], dtype=np.float32)))
-    return out
+    if BF16_DOT:
+        return from_bf16(to_bf16(np.ascontiguousarray(x, dtype=np.float32))).astype(np.float64)
+    return x.astype(np.float64)

@@ -42,7 +42,9 @@ FAMILY_OF = {"llama3": "llama", "llama_linear": "llama", "mistral": "mistral", "
 # q4 (4-bit groups of 32): dense 0.51-0.97, Mixtral 0.84: on these random weights (initializer_range
 # 0.2) the q4 rounding (~7 % of each weight, ~18x int8's) is amplified layer by layer; what q4
 # computes is checked tightly below against its own dequantized weights (test_q4_is_its_own_dequantized_model).
-BOUNDS = {"bf16": 0.04, "f16": 0.01, "int8": 0.16, "q4": 1.1}
+# bf16: where the CPU has AVX512-BF16 every row's activations are rounded to bf16 too, prefill's as
+# decode's (docs/invariance.md): llama3 0.044 then (the dense fixtures 0.012-0.027 before, above).
+BOUNDS = {"bf16": 0.05, "f16": 0.01, "int8": 0.16, "q4": 1.1}
 MOE_BOUNDS = {"bf16": 0.15, "f16": 0.12, "int8": 0.25, "q4": 1.1}
 # Gemma 3, OLMo 2, Granite 3, Qwen3-MoE measured the same way: bf16 0.011-0.017, f16 0.0012-0.0028,
 # int8 0.043-0.10 (Qwen3-MoE 0.014 / 0.0018 / 0.050). The *_fused cases are the Mixtral and
@@ -204,7 +206,9 @@ def test_q4_is_its_own_dequantized_model(converted, case, monkeypatch):
         monkeypatch.setattr(module, "matvec_rows", lambda fmt, threads=None: 0)
     monkeypatch.setattr(kernels, "Q4_GEMM", False)
     got = held.forward(ids)
-    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), case
+    # (the twin sums in the float tiles' order, the q4 tiles in OpenBLAS's: DeepSeek's grouped
+    # routing with V3's routed scaling carries that rounding to 1.8e-4, measured; 1e-4 elsewhere)
+    assert np.abs(got - want).max() <= (3e-4 if case.startswith("deepseek") else 1e-4) * np.abs(want).max(), case
     if not case.startswith("deepseek"):
         assert np.abs(decode - want).max() <= 0.2 * np.abs(want).max()
     else:  # grouped sigmoid routing: the int8 activations flip expert groups (max 0.24 V2, 0.62 V3;

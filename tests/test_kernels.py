@@ -114,19 +114,23 @@ def _qkv(rng, B, nh, nkv, T, S, hs, scale=1.0):
 @pytest.mark.parametrize("B, nh, nkv, T, S, window, pos", [
     (1, 3, 1, 7, 7, 0, "causal"), (2, 4, 2, 13, 21, 0, "causal"), (2, 2, 2, 11, 11, 5, "causal"),
     (3, 4, 2, 9, 30, 7, "ragged"), (1, 2, 1, 17, 17, 1, "causal"), (2, 6, 3, 5, 40, 0, "ragged")])
-def test_attend_tiny_blocks(monkeypatch, B, nh, nkv, T, S, window, pos):
-    """Blocks of 4 queries x 8 keys: many blocks, partial edges, skipped and masked key blocks."""
-    monkeypatch.setattr(kernels.attention, "_Q_BLOCK", 4)
-    monkeypatch.setattr(kernels.attention, "_K_BLOCK", 8)
+def test_attend_gives_each_query_the_same_bits_whatever_shares_its_call(B, nh, nkv, T, S, window, pos):
+    """Against the definition, and every query bit for bit the same when it is attended alone, in
+    a smaller chunk of its sequence or beside another row (the invariance note in attention.py)."""
     rng = np.random.default_rng(3)
-    q, k, v = _qkv(rng, B, nh, nkv, T, S, 6, scale=2.0)  # large logits: the running max moves
+    q, k, v = _qkv(rng, B, nh, nkv, T, S, 6, scale=2.0)  # large logits
     if pos == "causal":
-        q_pos, given = np.broadcast_to(np.arange(S - T, S), (B, T)), None
+        q_pos = np.broadcast_to(np.arange(S - T, S), (B, T)).astype(np.int64)
     else:
         last = rng.integers(T - 1, S, size=B)
-        q_pos = given = (last[:, None] - np.arange(T)[::-1][None, :]).astype(np.int64)
-    np.testing.assert_allclose(kernels.attend(q, k, v, given, window), naive_attend(q, k, v, q_pos, window),
-                               atol=3e-6)
+        q_pos = (last[:, None] - np.arange(T)[::-1][None, :]).astype(np.int64)
+    got = kernels.attend(q, k, v, q_pos, window)
+    np.testing.assert_allclose(got, naive_attend(q, k, v, q_pos, window), atol=3e-6)
+    for b in range(B):
+        for t0, t1 in ((0, 1), (T // 2, T), (T - 1, T)):  # a chunk's queries, the rest of the batch gone
+            alone = kernels.attend(np.ascontiguousarray(q[b:b + 1, :, t0:t1]), k[b:b + 1], v[b:b + 1],
+                                   q_pos[b:b + 1, t0:t1], window)
+            assert (alone[0] == got[b, t0:t1]).all(), (b, t0, t1)
 
 
 @pytest.mark.parametrize("B, nh, nkv, T, S, window, pos", [
@@ -134,17 +138,15 @@ def test_attend_tiny_blocks(monkeypatch, B, nh, nkv, T, S, window, pos):
 def test_attend_splits_kv_heads_over_the_team(monkeypatch, B, nh, nkv, T, S, window, pos):
     """Above _TEAM_WORK, `attend` gives its kv heads' groups to the rank's threads (uneven
     splits included); each part writes its own heads of y, and the result is the definition's."""
-    monkeypatch.setattr(kernels.attention, "_Q_BLOCK", 4)
-    monkeypatch.setattr(kernels.attention, "_K_BLOCK", 8)
     monkeypatch.setattr(kernels.attention, "_TEAM_WORK", 1)
     monkeypatch.setattr(kernels._common, "_threads", [2])  # as set_threads(2) on a 2-core rank
-    parts, heads = [], kernels.attention._heads
+    parts, heads = [], kernels.attention._attend_heads
 
-    def recording(q, k, v, *rest):
-        parts.append((threading.current_thread().name, k.shape[1]))
-        heads(q, k, v, *rest)
+    def recording(q, k, v, pos, window, scale, softcap, sinks, kv0, kv1, y):
+        parts.append((threading.current_thread().name, kv1 - kv0))
+        heads(q, k, v, pos, window, scale, softcap, sinks, kv0, kv1, y)
 
-    monkeypatch.setattr(kernels.attention, "_heads", recording)
+    monkeypatch.setattr(kernels.attention, "_attend_heads", recording)
     rng = np.random.default_rng(5)
     q, k, v = _qkv(rng, B, nh, nkv, T, S, 6, scale=2.0)
     if pos == "causal":
@@ -453,9 +455,10 @@ def test_matvec_f32_against_numpy(R, N, K):
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "f16"])
 def test_float_matvec_tiles_cover_every_chunk_remainder(fmt):
-    """The float matvec takes weight rows three at a time, then two or one (rowdot's tile note),
-    in each chunk of rows a thread owns: chunks of 3-7 rows leave every remainder, against numpy
-    on the decoded weights, for activation rows in groups of 4 and beside them."""
+    """The float matvec takes weight rows TILE_W at a time, then three, two or one (rowdot's tile
+    note), in each chunk of rows a thread owns: chunks of 3-7 rows leave every remainder, against
+    numpy on the decoded weights (bf16: on the activations as read, `bf16_read`), for activation
+    rows in groups of 4 and beside them."""
     from rlx_mpi.kernels import lowp
     from rlx_mpi.kernels.matvec import _matvec_float
 
@@ -475,21 +478,22 @@ def test_float_matvec_tiles_cover_every_chunk_remainder(fmt):
             for chunks in (1, 2):
                 out = np.full((r, n), np.nan, np.float32)
                 _matvec_float(x, stored, out, chunks)
-                np.testing.assert_allclose(out, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-5 * 40 ** 0.5)
+                xr = bf16_read(x) if fmt == "bf16" else x.astype(np.float64)
+                np.testing.assert_allclose(out, xr @ w.T.astype(np.float64), rtol=1e-5, atol=1e-5 * 40 ** 0.5)
 
 
-def test_bf16_matvec_of_few_rows_rounds_the_activations_where_the_cpu_has_bf16_dot():
-    """1-3 activation rows against bf16 weights: on a CPU with AVX512-BF16 the columns in whole
-    DP_STEPs are bf16 x bf16 products (the activations rounded to nearest even, rowdot's bf16 dot
-    note) and the rest float32; elsewhere, and from 4 rows (the tile), every column is float32.
-    Against numpy in float64 on the activations so read (`helpers.bf16_read`)."""
+def test_bf16_products_round_the_activations_on_every_row_where_the_cpu_has_bf16_dot():
+    """bf16 weights: on a CPU with AVX512-BF16 every activation row and column is rounded to bf16
+    (nearest even) and multiplied by vdpbf16ps, whatever the row count, decode or prefill (rowdot's
+    bf16 dot note; the invariance note); elsewhere every product is float32. Against numpy in
+    float64 on the activations so read (`helpers.bf16_read`)."""
     from rlx_mpi.kernels import lowp
-    from rlx_mpi.kernels.matvec import _matvec_float
+    from rlx_mpi.kernels.matvec import _matvec_float, matmul_float
     from rlx_mpi.kernels.rowdot import BF16_DOT, DP_STEP
 
     rng = np.random.default_rng(37)
     for k in (DP_STEP, 3 * DP_STEP + 17, 1024):
-        for r in (1, 2, 3, 4):
+        for r in (1, 2, 3, 4, 70):
             x = (rng.standard_normal((r, k)) * 3).astype(np.float32)
             stored = lowp.to_bf16(rng.standard_normal((9, k)).astype(np.float32))
             w = lowp.from_bf16(stored).astype(np.float64)
@@ -497,7 +501,8 @@ def test_bf16_matvec_of_few_rows_rounds_the_activations_where_the_cpu_has_bf16_d
                 out = np.full((r, 9), np.nan, np.float32)
                 _matvec_float(x, stored, out, chunks)
                 np.testing.assert_allclose(out, bf16_read(x) @ w.T, rtol=1e-5, atol=1e-5 * k ** 0.5)
-                if BF16_DOT and r < 4:  # the rounding is there: the exact activations give another product
+                assert (matmul_float(x, stored) == out).all()
+                if BF16_DOT:  # the rounding is there: the exact activations give another product
                     assert np.abs(out - x.astype(np.float64) @ w.T).max() > 1e-5 * k ** 0.5
 
 
@@ -534,7 +539,8 @@ def test_float_matvec_on_a_cpu_without_avx512_takes_8_lane_vectors(tmp_path):
     """Compiled for a CPU without AVX-512 (NUMBA_CPU_NAME=haswell, a cache of its own), rowdot's
     float dot products take 8-lane vectors (16 columns a step, as before AVX-512's 16 lanes), and
     the f32, bf16 and f16 matvecs still give numpy's products on one row, the tile's rows and the
-    rows beside them, with columns past the last step; prefill's products stay OpenBLAS's (F32_GEMM)."""
+    rows beside them, with columns past the last step, and prefill's tiles (WIDE_ROWS rows: 3) the
+    same values, bit for bit (the invariance note)."""
     code = (
         "import numpy as np\n"
         "from rlx_mpi import kernels\n"
@@ -555,15 +561,16 @@ def test_float_matvec_on_a_cpu_without_avx512_takes_8_lane_vectors(tmp_path):
         "        out = np.full((r, 37), np.nan, np.float32)\n"
         "        _matvec_float(x, stored, out, 2)\n"
         "        worst = max(worst, float(np.abs(out - x.astype(np.float64) @ w.T.astype(np.float64)).max()))\n"
-        "print(rowdot._FLANES, rowdot.STEP, kernels.F32_GEMM, worst)\n")
+        "        assert (kernels.matmul_float(x, stored) == out).all()\n"
+        "print(rowdot._FLANES, rowdot.STEP, rowdot.WIDE_ROWS, worst)\n")
     out = _run_on_haswell(code, tmp_path)
-    lanes, step, gemm, err = out.split()
-    assert (lanes, step, gemm) == ("8", "16", "False") and float(err) < 1e-4, out
+    lanes, step, wide, err = out.split()
+    assert (lanes, step, wide) == ("8", "16", "3") and float(err) < 1e-4, out
 
 
 def test_linear_takes_the_same_values_on_every_row_count_path():
-    """Linear picks matvec_f32 (up to F32_MATVEC_ROWS rows) or x @ W.T by row count: the paths
-    agree to float32 rounding."""
+    """Linear takes the pool's matvec up to F32_MATVEC_ROWS rows and the team's tiles above: numpy's
+    products, and each row bit for bit the same on either path (the invariance note)."""
     from rlx_mpi.families.decoder.weights import make_linear
 
     rng = np.random.default_rng(5)
@@ -572,7 +579,9 @@ def test_linear_takes_the_same_values_on_every_row_count_path():
     x = rng.standard_normal((200, 200)).astype(np.float32)
     full = x.astype(np.float64) @ w.T.astype(np.float64)
     for rows in (1, kernels.F32_MATVEC_ROWS, kernels.F32_MATVEC_ROWS + 1, 63, 64, 200):
-        np.testing.assert_allclose(lin(x[:rows]), full[:rows], rtol=1e-5, atol=1e-4)
+        got = lin(x[:rows])
+        np.testing.assert_allclose(got, full[:rows], rtol=1e-5, atol=1e-4)
+        assert (got == lin(x)[:rows]).all()
 
 
 def test_set_threads_sizes_the_matvec_pool_and_is_remembered():
@@ -649,43 +658,26 @@ def test_numba_cache_lock_held_elsewhere_is_given_up_on_not_waited_for(tmp_path)
 
 
 @pytest.mark.parametrize("parts", [1, 3])
-def test_gemm_f32_matches_numpy_at_every_tile_remainder(monkeypatch, parts):
-    """kernels.gemm_f32 against float64 numpy: rows of x that are and are not multiples of the
-    16-row vector (a last tile of 1, 2 or 3 vectors), weight rows past the 8-row tiles and the
-    64-row blocks, K of 1 and odd; split over 1 and 3 parts of the weight rows (uneven cuts)."""
-    from rlx_mpi.kernels import gemm
+def test_matmul_float_matches_numpy_and_the_matvec_at_every_tile_remainder(monkeypatch, parts):
+    """kernels.matmul_float (prefill's float products) against float64 numpy: rows that are and are
+    not multiples of WIDE_ROWS and ROWS, weight rows past the TILE_W tiles and the BLOCK_ROWS blocks,
+    K of 1, odd and past whole steps; split over 1 and 3 parts of the weight rows (uneven cuts);
+    every element bit for bit the decode matvec's (the invariance note)."""
+    from rlx_mpi.kernels import matvec
 
-    monkeypatch.setattr(gemm, "pool_threads", lambda: parts)
+    monkeypatch.setattr(matvec, "pool_threads", lambda: parts)
     rng = np.random.default_rng(11)
     worst = 0.0
-    for m in (1, 15, 16, 33, 48, 65, 128, 130, 192):
+    for m in (1, 5, 6, 7, 13, 65, 130):
         for n in (1, 7, 8, 17, 64 + 8 + 3, 150):
-            for k in (1, 37):
+            for k in (1, 37, 100):
                 x = rng.standard_normal((m, k)).astype(np.float32)
                 w = rng.standard_normal((n, k)).astype(np.float32)
-                got = kernels.gemm_f32(x, w)
+                got = kernels.matmul_float(x, w)
                 assert got.shape == (m, n) and got.flags.c_contiguous
                 want = x.astype(np.float64) @ w.T.astype(np.float64)
                 worst = max(worst, float(np.abs(got - want).max() / (1 + np.abs(want).max())))
+                out = np.empty((m, n), np.float32)
+                matvec._matvec_float(x, w, out, 2)
+                assert (got == out).all(), (m, n, k)
     assert worst < 1e-6, worst
-    with pytest.raises(ValueError, match="do not fit"):
-        kernels.gemm_f32(np.ones((65, 4), np.float32), np.ones((3, 5), np.float32))
-    with pytest.raises(TypeError, match="gemm_f32 w"):
-        kernels.gemm_f32(np.ones((65, 4), np.float32), np.ones((3, 4)))
-
-
-def test_linear_takes_the_gemm_for_65_to_192_rows_on_avx512(monkeypatch):
-    """A float32 Linear sends 65..F32_GEMM_ROWS rows to kernels.gemm_f32 where numba compiles for
-    AVX-512 (F32_GEMM), and never elsewhere or outside that range (matvec below, BLAS above)."""
-    from rlx_mpi.families.decoder.weights import Linear
-
-    seen = []
-    real = kernels.gemm_f32
-    monkeypatch.setattr(kernels, "gemm_f32", lambda x, w: seen.append(x.shape[0]) or real(x, w))
-    rng = np.random.default_rng(12)
-    w = rng.standard_normal((24, 40)).astype(np.float32)
-    lin = Linear("f32", w)
-    for m in (64, 65, kernels.F32_GEMM_ROWS, kernels.F32_GEMM_ROWS + 1):
-        x = rng.standard_normal((m, 40)).astype(np.float32)
-        np.testing.assert_allclose(lin(x), x @ w.T, rtol=1e-5, atol=1e-5)
-    assert seen == ([65, kernels.F32_GEMM_ROWS] if kernels.F32_GEMM else []), seen

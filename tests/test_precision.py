@@ -124,8 +124,8 @@ def test_dequant_matmul_against_naive(rows, n, k):
         x = RNG.standard_normal((r, k)).astype(np.float32)
         x[0, :min(k, 70)] *= 1e-3  # int8 decode: a block of small activations keeps its own scale
         got = kernels.dequant_matmul(x, stored, fmt, scale)
-        xr = bf16_read(x) if fmt == "bf16" else x  # a few rows: bf16 x bf16 products where the CPU has them
-        if fmt == "int8" and r <= fused_rows:  # the fused kernel takes x in int16 blocks
+        xr = bf16_read(x) if fmt == "bf16" else x  # bf16 x bf16 products where the CPU has them
+        if fmt == "int8":  # the fused kernel, every row count (the invariance note), takes x in int16 blocks
             xq, xs = int8_blocks_naive(x, 32767, np.int16)
             xr = xq.astype(np.float64) * np.repeat(xs, kernels.INT8_BLOCK, axis=1)[:, :k]
             bound = np.repeat(xs, kernels.INT8_BLOCK, axis=1)[:, :k] / 2 @ np.abs(w64).T  # the rounding's reach
@@ -195,9 +195,11 @@ def test_linear_matches_its_own_matrix(precision):
         y = lin(x)
         assert y.shape == shape[:-1] + (45,) and y.dtype == np.float32
         x2 = x.reshape(-1, 29)
-        if precision == "int8" and x2.shape[0] <= kernels.matvec_rows("int8"):  # decode: x rounded to int16 blocks
+        if precision == "int8":  # every row count: x rounded to int16 blocks (the invariance note)
             xq, xs = int8_blocks_naive(x2, 32767, np.int16)
             x2 = xq * xs.astype(np.float64)  # one block of 29
+        elif precision == "bf16":  # bf16 x bf16 products where the CPU has them
+            x2 = bf16_read(x2)
         np.testing.assert_allclose(y.reshape(-1, 45), x2.astype(np.float64) @ ref.T, rtol=1e-4, atol=1e-4)
     ids = np.array([[0, 44], [7, 7]])
     np.testing.assert_allclose(lin[ids], ref[ids], rtol=1e-7, atol=0)
@@ -208,9 +210,13 @@ def test_linear_matches_its_own_matrix(precision):
 def test_make_linear_keeps_16_bit_inputs_without_float32_copies():
     w = RNG.standard_normal((6, 4)).astype(np.float32)
     bits = kernels.to_bf16(w)
-    assert make_linear(bits, "bf16").data is bits or np.shares_memory(make_linear(bits, "bf16").data, bits)
+    held = make_linear(bits, "bf16").data  # the bits themselves, or their 64-byte aligned copy (never float32)
+    assert held.dtype == np.uint16 and (held == bits).all() and held.ctypes.data % 64 == 0
     h = w.astype(np.float16)
-    assert np.shares_memory(make_linear(h, "f16").data, h)
+    held = make_linear(h, "f16").data
+    assert held.dtype == np.uint16 and (held == h.view(np.uint16)).all() and held.ctypes.data % 64 == 0
+    a = kernels.aligned(bits)
+    assert kernels.aligned(a) is a  # aligned already: kept as it is
     with pytest.raises(ValueError, match="precision"):
         Linear("f8", w)
 

@@ -4,14 +4,14 @@
 - ``attention``: blocked attention (`attend`, `attend_workspace_bytes`), decode attention read in
   place from a KV cache (`attend_cache`; `decode_attention` adds RoPE and the cache write), a
   reference softmax
-- ``matvec``: decode's float32 and bfloat16 matvec on the rank's numba threads
+- ``matvec``: every float32 / bf16 / f16 product, decode's on the rank's numba threads, prefill's on its
+  team, each element in one order whatever the rows (rowdot's invariance note)
 - ``lowp``: bf16 / f16 / int8 / q4 weights, their decode matvecs (bf16's is matvec's) and prefill tiles
 - ``quant``: resident block formats (q4: 4-bit codes, a scale and minimum per 32) and their matvecs
 - ``decode_layer``: a dense SwiGLU layer's decode step in one call of the kernels above
 - ``experts``: a MoE layer's chosen experts at decode in one call, each row alone in its product
 - ``bits``: float32 <-> bf16 / f16 bit patterns, shared with the wire codecs (rlx_mpi.wire)
 - ``rowdot``: the decode matvecs' dot products as LLVM vector IR (prefetch, 2-row tiles)
-- ``gemm``: prefill's float32 products of 65-192 rows on AVX-512, as LLVM vector IR (8 x 3 tiles)
 - ``q4gemm``: prefill's q4 products (16 rows and more) on AVX-512 VNNI: int8 activations x 4-bit codes
 - ``_fresh``: drops the numba caches when any kernel source changed (numba keys each on its own file)
 
@@ -32,16 +32,15 @@ from ._fresh import drop_stale
 
 drop_stale(Path(__file__).parent)  # before any cached kernel loads (the note in _fresh.py)
 
-from ._common import set_threads
+from ._common import aligned, set_threads
 
 from .attention import (_row_max, attend, attend_cache, attend_workspace_bytes, causal_softmax_, check_cache_rows,
                         decode_attention)
 from .elementwise import _exp, rms_norm, rope, silu_mul_, swiglu
 from .lowp import (INT8_BLOCK, INT8_GROUPS, int8_block, matvec_rows, WEIGHT_FORMATS, check_weight, dequant_matmul, dequantize,
                    fused_matvec, from_bf16, int8_blocks, kernel_weight, quantize_int8, to_bf16)
-from .matvec import F32_MATVEC_ROWS, _matvec_float, matvec_f32
+from .matvec import F32_MATVEC_ROWS, _matvec_float, float_product, matmul_float, matvec_f32
 from .quant import GROUP as Q4_GROUP, VNNI, dequantize_q4, matvec_q4, pairs_f32, q4_nbytes, quantize_q4
-from .gemm import F32_GEMM, F32_GEMM_ROWS, gemm_f32
 from .q4gemm import Q4_GEMM, Q4_GEMM_ROWS, fused_gemm_q4, gemm_q4
 from ._common import pool_threads
 from .decode_layer import FORMATS as DECODE_LAYER_FORMATS, decode_layer, warm_up as warm_up_decode_layer
@@ -49,8 +48,8 @@ from .experts import (ACTIVATIONS as EXPERT_ACTIVATIONS, check_stack, experts_de
                       route as route_experts, warm_up as warm_up_experts)
 
 __all__ = ["rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_cache", "decode_attention", "check_cache_rows", "attend_workspace_bytes", "causal_softmax_",
-           "matvec_f32", "F32_MATVEC_ROWS", "gemm_f32", "F32_GEMM", "F32_GEMM_ROWS", "dequant_matmul", "fused_matvec", "kernel_weight", "check_weight", "dequantize", "to_bf16",
-           "from_bf16", "quantize_int8", "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "matvec_rows", "set_threads", "pool_threads", "decode_layer", "DECODE_LAYER_FORMATS", "warm_up_decode_layer", "warm_up",
+           "matvec_f32", "float_product", "matmul_float", "F32_MATVEC_ROWS", "dequant_matmul", "fused_matvec", "kernel_weight", "check_weight", "dequantize", "to_bf16",
+           "from_bf16", "quantize_int8", "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "matvec_rows", "set_threads", "pool_threads", "aligned", "decode_layer", "DECODE_LAYER_FORMATS", "warm_up_decode_layer", "warm_up",
            "warm_up_lowp", "experts_decode", "lone_rows", "route_experts", "fused_experts", "check_stack", "warm_up_experts",
            "EXPERT_ACTIVATIONS",
            "INT8_GROUPS", "int8_block", "Q4_GROUP", "VNNI", "pairs_f32", "quantize_q4", "dequantize_q4", "matvec_q4", "q4_nbytes",
@@ -73,8 +72,7 @@ def warm_up() -> None:
         decode_attention(np.ones((1, 8), np.float32), 4, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32),
                          kv.copy(), kv.copy(), np.zeros(1, np.int64), np.full(1, 3), q_norm=norm, k_norm=norm)
     matvec_f32(np.ones((1, 2), np.float32), np.ones((3, 2), np.float32))
-    if F32_GEMM:
-        gemm_f32(np.ones((17, 2), np.float32), np.ones((9, 2), np.float32))  # every tile of `_rows`
+    matmul_float(np.ones((F32_MATVEC_ROWS + 1, 2), np.float32), np.ones((9, 2), np.float32))  # prefill's tiles
 
 
 def warm_up_lowp() -> None:
@@ -88,6 +86,8 @@ def warm_up_lowp() -> None:
     for fmt, xx, ww, sc in (("bf16", x, b, None), ("f16", x, w.astype(np.float16).view(np.uint16), None),
                             ("int8", x, q, s), ("q4", x32, c4, sm4), ("q4", x32, c4, np.zeros((2, 2), np.float32))):
         dequant_matmul(xx, ww, fmt, sc)  # the fused kernel (q4: f16 pairs, then float32 pairs as Q4_K's)
+        if fmt in ("bf16", "f16"):  # prefill's tiles (matmul_float)
+            dequant_matmul(np.ones((F32_MATVEC_ROWS + 1, xx.shape[1]), np.float32), ww, fmt, sc)
         dequant_matmul(xx, ww, fmt, sc, fused=False)  # the tiles
         if fmt == "q4" and Q4_GEMM:
             gemm_q4(xx, ww, sc)  # prefill's product (f16 pairs, then float32 ones)

@@ -1,8 +1,9 @@
-"""Blocked scaled dot-product attention (grouped-query, causal or windowed, online softmax).
+"""Scaled dot-product attention (grouped-query, causal or windowed, soft-cap, sinks), one query at
+a time in one fixed order (the invariance note), for a prefill chunk (`attend`) and a decode step
+read in place from a KV cache (`attend_cache`, `decode_attention`).
 
-BLAS does the two products of a block; the numba kernels here do masking, exponentials and
-bookkeeping, serial on the calling thread (threads note in _common.py); a prefill's kv heads go to
-the rank's threads in parts (`run_parts`, the team note there). `causal_softmax_` is a
+A prefill's kv heads go to the rank's threads in parts (`run_parts`, the team note in
+_common.py); a small decode step's (row, kv head) pairs to numba's pool. `causal_softmax_` is a
 plain reference softmax for tests and benches, compiled on first use only.
 """
 
@@ -11,36 +12,18 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ._common import ERR, FAST, PARALLEL, check_f32, pool_threads, run_parts, team_size
-from .matvec import F32_MATVEC_ROWS
+from ._common import ERR, FAST, check_f32, pool_threads, run_parts, team_size
+from .matvec import F32_MATVEC_ROWS, _main_cols, _tail, _tile_stub
+from .rowdot import TILE_W
 from .bits import as_f32
 from .elementwise import _exp
 
 __all__ = ["attend", "attend_cache", "decode_attention", "check_cache_rows", "attend_workspace_bytes", "causal_softmax_"]
 
 
-# Note: blocked attention. `attend` never holds a (B, nh, T, S) score matrix: queries go in
-# blocks of `_Q_BLOCK` rows per head and keys in blocks of `_K_BLOCK`, with an online softmax
-# (running row max m, running sum l, the output accumulator rescaled by exp(m_old - m_new) when
-# the max grows), so the working set is O(block x block) per head however long the sequence.
-# BLAS does the two products of a block (q @ k.T, p @ v: most of the FLOPs); numba does the
-# masking, exponentials and bookkeeping in one pass over the block's scores. Key blocks wholly
-# in a query block's causal future (or before its window) are skipped (close to half
-# the FLOPs of a long causal prefill). A decode step (one query per head) takes the same path: measured at S = 512
-# to 4096, it beat both a numba pass per (b, head) (2-4x: strided K/V views do not vectorise)
-# and one key block spanning the whole cache (3x at 4096).
-_Q_BLOCK = 64  # queries per head per block: g * 64 rows per GEMM under grouped-query
 _TEAM_WORK = 16384  # queries x keys from which `attend` splits its kv heads over the rank's threads
-# (run_parts, the team note in _common.py). Measured at 2 threads, medium heads, team / one thread
-# with BLAS's 2: T x S = 2 x 64 0.16x, 4 x 512 0.86x, 8 x 1024 1.04x, 16 x 256 0.90x, 32 x 2048
-# 1.39x, 128 x 128 1.04-2.3x (one thread's small GEMMs on 2 BLAS threads vary), 512 x 512 1.43x,
-# 1024^2 1.71x, 2048^2 1.64x; outputs identical.
-_K_BLOCK = 1024  # keys per block: a block's scores are B * nh * 64 * 1024 * 4 B (4 MB at B nh = 16)
-# Measured (bench/bench_kernels.py, medium heads, medium shapes, 1 and 2 threads): 64-query
-# blocks beat 512 by 1.4-1.8x at seq 512 and 1.1-1.5x at 128-2048, since a query block only
-# multiplies the keys up to its own position (the causal triangle in 64-row steps, not
-# 512); 16-32 rows are slower again (BLAS calls too small). Was 512 before the exp kernel
-# made the numba pass cheap.
+# (run_parts, the team note in _common.py; measured with the blocked BLAS attention before the
+# invariance note: 2 threads, medium heads, 128 x 128 1.04-2.3x, 512 x 512 1.43x, 1024^2 1.71x)
 
 
 @numba.njit(cache=True)
@@ -57,67 +40,6 @@ def _row_max(row):  # max of a non-empty C-contiguous float32 row
     return as_f32(np.uint32(best ^ ((best >> np.int32(31)) & np.int32(0x7FFFFFFF))))
 
 
-@numba.njit(cache=True, error_model=ERR, fastmath=FAST)
-def _exp_row(row, scale, peak):  # row <- exp(row * scale - peak); returns the sum (SIMD lanes)
-    total = np.float32(0.0)
-    for j in range(row.shape[0]):
-        e = _exp(row[j] * scale - peak)
-        row[j] = e
-        total += e
-    return total
-
-
-@numba.njit(cache=True, parallel=PARALLEL, error_model=ERR, fastmath=FAST, nogil=True)
-def _online_block(s, pos, j0, window, scale, m, l, acc):  # s (B, H, bq, bk) scores -> probs
-    """Mask, scale and exponentiate one key block in place; update m, l and rescale acc.
-
-    m holds each query's running max of the scaled scores. Each loop is branch-free so LLVM
-    vectorises it (reassoc: the row sum in SIMD lanes)."""
-    B, H, bq, bk = s.shape
-    for bh in numba.prange(B * H):
-        b, h = bh // H, bh % H
-        for i in range(bq):
-            p = pos[b, i]
-            lo = max(0, p - window + 1 - j0) if window > 0 else 0  # visible: lo <= j - j0 < hi
-            hi = max(lo, min(bk, p + 1 - j0))
-            row = s[b, h, i]
-            old = m[b, h, i]
-            peak = old
-            if hi > lo:
-                top = _row_max(row[lo:hi]) * scale  # scale > 0; NaN if any visible score is NaN
-                peak = old if old > top else top  # (not max(): that drops a NaN, and the row with it)
-            if peak == -np.inf:  # nothing visible yet for this query
-                row[:] = 0.0
-                continue
-            total = _exp_row(row[lo:hi], scale, peak)  # (a slice: with bounds
-            # inside, LLVM was seen to leave the loop scalar, 4x slower)
-            row[:lo] = 0.0
-            row[hi:] = 0.0
-            if peak != old:  # the max grew: earlier blocks' terms shrink by alpha
-                alpha = _exp(old - peak) if old != -np.inf else np.float32(0.0)
-                l[b, h, i] *= alpha
-                a = acc[b, h, i]
-                for d in range(a.shape[0]):
-                    a[d] *= alpha
-                m[b, h, i] = peak
-            l[b, h, i] += total
-
-
-@numba.njit(cache=True, parallel=PARALLEL, error_model=ERR, nogil=True)
-def _finish(acc, l, m, sinks, y, t0, h0):  # acc (B, H, bq, hv) / l -> y[:, t0:t0+bq, h0:h0+H] of y (B, T, nh, hv)
-    B, H, bq, hs = acc.shape
-    sunk = sinks.shape[0] > 0  # GPT-OSS: head h0+h's sink logit joins each denominator (no value)
-    for bh in numba.prange(B * H):
-        b, h = bh // H, bh % H
-        for i in range(bq):
-            total = l[b, h, i]
-            if sunk and total > 0:  # l is relative to the running max m (scaled scores, as the sink)
-                total += np.exp(sinks[h0 + h] - m[b, h, i])
-            inv = np.float32(1.0) / total if total > 0 else np.float32(0.0)
-            for d in range(hs):
-                y[b, t0 + i, h0 + h, d] = acc[b, h, i, d] * inv
-
-
 # Note: decode. One query per head (T = 1) over a cache takes `attend_cache`: one numba pass
 # per (row, kv head) (split over the rank's numba threads for small steps: `_attend_kernel`) that scores the visible keys of all g query heads of the group while each
 # key row is in registers, takes the softmax and sums g value rows at once. No BLAS call, no
@@ -128,37 +50,72 @@ def _finish(acc, l, m, sinks, y, t0, h0):  # acc (B, H, bq, hv) / l -> y[:, t0:t
 # (5-6x slower, measured).
 
 
-@numba.njit(cache=True, error_model=ERR, fastmath=FAST)
+# Note: invariance. A query's attention is computed by one kernel, `_attend_one`, whatever the
+# step: a decode row alone or beside others, on the calling thread or the pool, inside the fused
+# decode layer or not; a prefill query in a chunk of 16 or of 256, beside padded rows or not, run
+# or score or generate. Its arithmetic is fixed: each score is rowdot's float tile over hs (one
+# order: the invariance note there), the softmax's sum and the value sums run over the keys in
+# position order, one rounding at a time (no fast-math here, so LLVM cannot reorder them whatever
+# it inlines into), and the values are summed lane-wise over the head's width (independent lanes:
+# vectorised without reordering). Before, prefill took BLAS's blocked products and an online softmax
+# whose rounding depended on the chunk (its query blocks, the key block's length) and decode a
+# fast-math loop: a row's logits depended on the batch and the prefill chunk it shared.
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _attend_one(q, i, keys, values, lo, hi, scale, softcap, sink, srow, y):
+    """One query: q[i] (q (n, hs) C-contiguous) over keys / values (L, hs) / (L, hv) rows lo..hi-1
+    into y (hv,); sink: the head's sink logit or NaN for none; srow (>= hi - lo,) scratch."""
+    hv = y.shape[0]
+    for d in range(hv):
+        y[d] = 0.0
+    if hi <= lo:  # nothing visible: zeros, as before
+        return
+    k = _main_cols(keys, keys.shape[1])
+    j = lo
+    while j + TILE_W <= hi:  # TILE_W keys a call: the tile's order for each (the invariance note)
+        s = _score_tile(keys, j, q, q, i, k, 0)  # (xb unused: float keys)
+        for t in range(TILE_W):
+            srow[j - lo + t] = s[t]
+        j += TILE_W
+    while j < hi:
+        srow[j - lo] = _score_tile1(keys, j, q, q, i, k, 0)[0]
+        j += 1
+    if k < keys.shape[1]:
+        for j in range(lo, hi):
+            srow[j - lo] += _score_tail(keys, j, q, i, k)
+    n = hi - lo
+    peak = -np.inf
+    for j in range(n):
+        v = srow[j] * scale
+        if softcap > 0:  # cap * tanh(s / cap), the scale already applied (transformers' order)
+            v = softcap * np.tanh(v / softcap)
+        srow[j] = v
+        peak = v if v > peak or v != v else peak  # (a NaN wins and stays)
+    total = np.float32(0.0)
+    for j in range(n):
+        e = _exp(srow[j] - peak)
+        srow[j] = e
+        total += e
+    if sink == sink:
+        total += np.exp(sink - peak)
+    inv = np.float32(1.0) / total
+    for j in range(n):
+        pj = srow[j] * inv
+        for d in range(hv):
+            y[d] += pj * values[lo + j, d]
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
 def _attend_group(q, keys, values, h0, lo, hi, scale, softcap, sinks, scores, y):
     """One row's kv group: q (nh, hs) heads h0..h0+g-1 over keys/values (L, hs) columns lo..hi-1
     into y (nh, hs); scores (g, >= hi - lo) is scratch; sinks (nh,) or empty: each head's sink
     logit in its denominator (GPT-OSS)."""
-    g, hs = scores.shape[0], q.shape[1]
-    for j in range(lo, hi):  # each key row once for the g query heads that read it
-        for i in range(g):  # (2-D indexing, no row views: a view per key costs a refcount)
-            acc = np.float32(0.0)
-            for d in range(hs):
-                acc += q[h0 + i, d] * keys[j, d]
-            scores[i, j - lo] = acc * scale
+    g = scores.shape[0]
     for i in range(g):
         h = h0 + i
-        for d in range(hs):
-            y[h, d] = 0.0
-        if hi <= lo:  # nothing visible: zeros, as `attend` gives
-            continue
-        row = scores[i, :hi - lo]
-        if softcap > 0:  # cap * tanh(s / cap), the scale already applied (transformers' order)
-            for j in range(row.shape[0]):
-                row[j] = softcap * np.tanh(row[j] / softcap)
-        peak = _row_max(row)
-        total = _exp_row(row, np.float32(1.0), peak)
-        if sinks.shape[0] > 0:
-            total += np.exp(sinks[h] - peak)
-        inv = np.float32(1.0) / total
-        for j in range(lo, hi):
-            pj = scores[i, j - lo] * inv
-            for d in range(hs):
-                y[h, d] += pj * values[j, d]
+        sink = sinks[h] if sinks.shape[0] > 0 else np.float32(np.nan)
+        _attend_one(q, h, keys, values, lo, hi, scale, softcap, sink, scores[i], y[h])
 
 
 @numba.njit(cache=True, error_model=ERR)
@@ -318,6 +275,15 @@ def attend_cache(q: np.ndarray, cache_k: np.ndarray, cache_v: np.ndarray, slots:
     return y
 
 
+_score_tile = _tile_stub(1, TILE_W)  # TILE_W keys against one query: a query's scores (the invariance note)
+_score_tile1 = _tile_stub(1, 1)
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _score_tail(keys, j, q, i, k0):  # keys[j, k0:] . q[i, k0:], one column at a time (matvec's `_tail`)
+    return _tail(keys, j, q, q, i, k0)
+
+
 def _positions(q_pos, B: int, T: int, S: int) -> np.ndarray:
     if q_pos is None:
         return np.broadcast_to(np.arange(S - T, S, dtype=np.int64), (B, T))
@@ -374,54 +340,43 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray | None
     window, scale = int(max(window, 0)), np.float32(hs ** -0.5 if scale is None else scale)
     y = np.empty((B, T, nh, v.shape[3]), np.float32)
     sinks = _sinks(sinks, nh, "attend")
-    g = nh // nkv
+    q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))  # (the kernels read rows of (T, hs) / (S, hs))
     n = team_size(nkv if T * S >= _TEAM_WORK else 1)  # kv heads over the rank's threads (the team note)
     cuts = [nkv * i // n for i in range(n + 1)]
-    run_parts(_heads, [(q[:, g * a:g * b], k[:, a:b], v[:, a:b], pos, window, scale, y, g * a, np.float32(softcap),
-                        sinks) for a, b in zip(cuts, cuts[1:])])
+    run_parts(_attend_heads, [(q, k, v, np.ascontiguousarray(pos), window, scale, np.float32(softcap), sinks, a, b, y)
+                              for a, b in zip(cuts, cuts[1:])])
     return y
 
 
-def _heads(q, k, v, pos, window, scale, y, h0, softcap, sinks) -> None:
-    """The query blocks of some kv heads' groups: q (B, g * n, T, hs), k, v (B, n, S, hs) into
-    y[:, :, h0:h0 + g * n]."""
-    for t0 in range(0, q.shape[2], _Q_BLOCK):
-        t1 = min(q.shape[2], t0 + _Q_BLOCK)
-        _query_block(q[:, :, t0:t1], k, v, np.array(pos[:, t0:t1], order="C"), window, scale, y, t0, h0,
-                     softcap, sinks)  # (a copy:
-        # always writable, so numba sees one type; a read-only view made a second compile mid-forward)
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _attend_heads(q, k, v, pos, window, scale, softcap, sinks, kv0, kv1, y):
+    """Every query of kv heads kv0..kv1-1's groups, one at a time (`_attend_one`): q (B, nh, T, hs),
+    k (B, nkv, S, hs), v (B, nkv, S, hv), pos (B, T) -> y (B, T, nh, hv)."""
+    B, nh, T, _ = q.shape
+    nkv, S = k.shape[1], k.shape[2]
+    g = nh // nkv
+    srow = np.empty(max(S, 1), np.float32)
+    for b in range(B):
+        for kh in range(kv0, kv1):
+            keys, values = k[b, kh], v[b, kh]
+            for i in range(g):
+                h = kh * g + i
+                sink = sinks[h] if sinks.shape[0] > 0 else np.float32(np.nan)
+                for t in range(T):
+                    p = pos[b, t]
+                    lo = max(0, p - window + 1) if window > 0 else 0
+                    hi = min(S, p + 1)
+                    _attend_one(q[b, h], t, keys, values, lo, hi, scale, softcap, sink, srow, y[b, t, h])
 
 
 def attend_workspace_bytes(batch: int, heads: int, seq: int, head_dim: int) -> int:
-    """Bytes `attend` holds besides its inputs and output: one block's scores, the query-block
-    copy, the accumulator and the running max/sum (the planner's estimate; O(seq^0) per head)."""
-    bq, bk = min(seq, _Q_BLOCK), min(seq, _K_BLOCK)
+    """Bytes `attend` holds besides its inputs and output (the planner's estimate): kept at what the
+    blocked attention before the invariance note held, 64 queries x up to 1024 keys of scores per
+    head, an accumulator and running max / sum; today's (a contiguous copy of v, the one view among
+    q, k, v, and a row of scores per thread) is of the same order (B x nkv x seq x hs floats): to
+    re-derive with the planner's pages (tests/test_docs.py shows their plans)."""
+    bq, bk = min(seq, 64), min(seq, 1024)
     return batch * heads * bq * (bk + 2 * head_dim + 2) * 4
-
-
-def _query_block(q, k, v, pos, window, scale, y, t0, h0, softcap, sinks) -> None:
-    """One block of queries (B, nh, bq, hs) over the key blocks it can see, into y[:, t0:, h0:]."""
-    B, nh, bq, hs = q.shape
-    nkv = k.shape[1]
-    g = nh // nkv
-    lo = max(0, int(pos.min()) - window + 1) if window > 0 else 0  # keys any query here sees
-    hi = min(k.shape[2], int(pos.max()) + 1)
-    qb = np.ascontiguousarray(q).reshape(B, nkv, g * bq, hs)  # g heads of a kv head: one GEMM
-    m = np.full((B, nh, bq), -np.inf, np.float32)
-    l = np.zeros((B, nh, bq), np.float32)
-    acc = np.zeros((B, nh, bq, v.shape[3]), np.float32)
-    acc_g = acc.reshape(B, nkv, g * bq, v.shape[3])
-    for j0 in range(lo - lo % _K_BLOCK, hi, _K_BLOCK):
-        j1 = min(hi, j0 + _K_BLOCK)
-        s = qb @ k[:, :, j0:j1].transpose(0, 1, 3, 2)  # (B, nkv, g*bq, bk)
-        if softcap > 0:  # cap * tanh(s * scale / cap) in transformers' order; then already scaled
-            np.multiply(s, scale, out=s)
-            np.multiply(np.tanh(np.divide(s, softcap, out=s), out=s), softcap, out=s)
-        _online_block(s.reshape(B, nh, bq, j1 - j0), pos, j0, window,
-                      np.float32(1.0) if softcap > 0 else scale, m, l, acc)
-        acc_g += s @ v[:, :, j0:j1]  # (B, nkv, g*bq, hs)
-        del s  # before the next block's scores are allocated: one block alive at a time
-    _finish(acc, l, m, sinks, y, t0, h0)
 
 
 @numba.njit(cache=True, fastmath=False)

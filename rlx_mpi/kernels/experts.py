@@ -16,7 +16,7 @@ with g = min(gate, limit).
 Note: rows are independent of their batch. The decode matvecs take 4 activation rows at a time
 (rowdot's tile note) and a lone row another way, so an expert's product for a row would depend
 on how many other rows chose that expert in the step. Here every row of every group takes the
-lone row's dot product (the one a batch of 1 takes, `matvec._few_row`, lowp's `row_dot_i8*`,
+lone row's dot product (the one a batch of 1 takes, `matvec._t1_1`, lowp's `row_dot_i8*`,
 quant's `_q4_dot`): a row's output is bit-for-bit the same alone or in any batch, and at batch 1
 the same as the layer-by-layer path's `Linear` products. Each weight row is still read from
 memory once per step for the whole group (its 4-16 kB stay in L1 while the group's rows use
@@ -56,9 +56,9 @@ from numba.extending import overload
 from ._common import ERR, FAST, check_f32, pool_threads
 from .elementwise import _swiglu
 from .lowp import _dot_i8_i16_tail, _quantize_rows_i16, check_weight, kernel_weight
-from .matvec import _dot_operand, _few_row
+from .matvec import _main_cols, _operand, _t1_1, _tail
 from .quant import _q4_dot, _quantize_rows_q8
-from .rowdot import AHEAD_BYTES, INT8_BLOCK, STEP, row_dot_i8, row_dot_i8_16, row_dot_i8_32
+from .rowdot import AHEAD_BYTES, INT8_BLOCK, row_dot_i8, row_dot_i8_16, row_dot_i8_32
 
 __all__ = ["experts_decode", "lone_rows", "route", "ROUTINGS", "fused_experts", "check_stack", "ACTIVATIONS"]
 
@@ -80,19 +80,22 @@ def _swiglu_clamped(gate, up, limit, alpha):  # gate, up (N, I) float32: gate <-
 # expert's output rows as the tasks), so a layer's experts cost two regions, not two per expert.
 
 
-@numba.njit(cache=True, parallel=True, fastmath=FAST)
+@numba.njit(cache=True, parallel=True, error_model=ERR)
 def _rows_float(x, w, experts, groups, out, chunks):  # w (E, N, K) f32 / bf16 / f16 bits
-    k_len = x.shape[1]
     n_len = w.shape[1]
-    k_vec = k_len - k_len % STEP
+    k = _main_cols(w[0], x.shape[1])
+    tail = k < x.shape[1]
     ahead = AHEAD_BYTES // w.itemsize
-    xb = _dot_operand(x, w, 0)  # bf16 activations where the CPU multiplies bf16 pairs (as one row's product)
+    xb = _operand(x, w[0])  # bf16 activations where the CPU multiplies bf16 pairs (every row, as matvec's)
     for t in numba.prange(len(experts) * chunks):
         i, c = t // chunks, t % chunks
         we = w[experts[i]]
         for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
             for r in range(groups[i], groups[i + 1]):
-                out[r, n] = _few_row(x, xb, we, r, n, k_vec, ahead if r == groups[i] else 0)
+                # matvec's one-row tile and its in-order tail (no fast-math): the value any
+                # Linear gives this element, whatever its batch (rowdot's invariance note)
+                s = _t1_1(we, n, x, xb, r, k, ahead if r == groups[i] else 0)[0]
+                out[r, n] = s + _tail(we, n, x, xb, r, k) if tail else s
 
 
 @numba.njit(cache=True, parallel=True, fastmath=FAST)

@@ -11,7 +11,7 @@ import numpy as np
 
 from ._common import ERR, FAST, check_f32, pool_threads
 from .bits import pack_bf16, unpack_bf16, unpack_f16
-from .matvec import _matvec_float
+from .matvec import F32_MATVEC_ROWS, _matvec_float, matmul_float
 from .quant import _matvec_q4, check_q4, dequant_tile_q4, dequantize_q4, pairs_f32
 from .rowdot import (AHEAD_BYTES, INT8_BLOCK, ROWS, row_dot_i8, row_dot_i8_16, row_dot_i8_32, row_dots_i8, row_dots_i8_16,
                      row_dots_i8_32)
@@ -101,7 +101,7 @@ def _dot_i8_i16_tail(w, n, x, r, ws, xs, b):  # the shorter last block b (of 64)
     return np.float32(isum) * (ws[n, b] * xs[r, b])
 
 
-@numba.njit(cache=True, parallel=True, fastmath=FAST)
+@numba.njit(cache=True, parallel=True)
 def _matvec_int8(x, w, scale, out, chunks):  # x (R, K) f32; w (N, K) int8, scale (N, nb); out (R, N) f32
     r_len, k_len = x.shape
     n_len = w.shape[0]
@@ -111,30 +111,35 @@ def _matvec_int8(x, w, scale, out, chunks):  # x (R, K) f32; w (N, K) int8, scal
     xs = np.empty((r_len, nb), np.float32)
     _quantize_rows_i16(x, xq, xs, block)
     full = k_len // block
-    grouped = r_len - r_len % ROWS
     for c in numba.prange(chunks):
-        for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
-            for r in range(0, grouped, ROWS):  # ROWS activation rows share each weight load
-                ahead = AHEAD_BYTES if r == 0 else 0
-                if block == INT8_BLOCK:
-                    sums = row_dots_i8(w, n, xq, r, scale, xs, full, ahead)
-                elif block == 32:  # a checkpoint's q8 groups (the q8 groups note)
-                    sums = row_dots_i8_32(w, n, xq, r, scale, xs, full, ahead)
-                else:
-                    sums = row_dots_i8_16(w, n, xq, r, scale, xs, full, ahead)
-                for i in range(ROWS):
-                    out[r + i, n] = sums[i]
-            for r in range(grouped, r_len):
-                ahead = AHEAD_BYTES if r == 0 else 0
-                if block == INT8_BLOCK:
-                    out[r, n] = row_dot_i8(w, n, xq, r, scale, xs, full, ahead)[0]
-                elif block == 32:
-                    out[r, n] = row_dot_i8_32(w, n, xq, r, scale, xs, full, ahead)[0]
-                else:
-                    out[r, n] = row_dot_i8_16(w, n, xq, r, scale, xs, full, ahead)[0]
-            if full < scale.shape[1]:  # a shorter last block
-                for r in range(r_len):
-                    out[r, n] += _dot_i8_i16_tail(w, n, xq, r, scale, xs, full)
+        for a0 in range(0, r_len, _ACT_BLOCK):  # (many rows: a block of them against each weight row)
+            a1 = min(r_len, a0 + _ACT_BLOCK)
+            grouped = a1 - (a1 - a0) % ROWS
+            for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
+                for r in range(a0, grouped, ROWS):  # ROWS activation rows share each weight load
+                    ahead = AHEAD_BYTES if r == 0 else 0
+                    if block == INT8_BLOCK:
+                        sums = row_dots_i8(w, n, xq, r, scale, xs, full, ahead)
+                    elif block == 32:  # a checkpoint's q8 groups (the q8 groups note)
+                        sums = row_dots_i8_32(w, n, xq, r, scale, xs, full, ahead)
+                    else:
+                        sums = row_dots_i8_16(w, n, xq, r, scale, xs, full, ahead)
+                    for i in range(ROWS):
+                        out[r + i, n] = sums[i]
+                for r in range(grouped, a1):  # the same element sums one row at a time (the invariance note)
+                    ahead = AHEAD_BYTES if r == 0 else 0
+                    if block == INT8_BLOCK:
+                        out[r, n] = row_dot_i8(w, n, xq, r, scale, xs, full, ahead)[0]
+                    elif block == 32:
+                        out[r, n] = row_dot_i8_32(w, n, xq, r, scale, xs, full, ahead)[0]
+                    else:
+                        out[r, n] = row_dot_i8_16(w, n, xq, r, scale, xs, full, ahead)[0]
+                if full < scale.shape[1]:  # a shorter last block
+                    for r in range(a0, a1):
+                        out[r, n] += _dot_i8_i16_tail(w, n, xq, r, scale, xs, full)
+
+
+_ACT_BLOCK = 64  # activation rows (int16: 128 kB at K = 1024) walked against each weight row of a chunk
 
 
 @numba.njit(cache=True)
@@ -216,6 +221,8 @@ def fused_matvec(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | Non
         _matvec_int8(x, w, scale, out, chunks)
     elif fmt == "q4":
         _matvec_q4(x, w, scale, out, chunks)
+    elif x.shape[0] > F32_MATVEC_ROWS:  # bf16 / f16 prefill: the team's tiles, the same values
+        out[:] = matmul_float(x, kernel_weight(fmt, w))
     else:  # bf16 (uint16 bits: a shift) or f16 (int16 bits: a conversion), matvec.py's kernel
         _matvec_float(x, kernel_weight(fmt, w), out, chunks)
     return out
@@ -240,7 +247,7 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
     R, N = x.shape[0], w.shape[0]
     if out is None:
         out = np.empty((R, N), np.float32)
-    if fused and R <= matvec_rows(fmt):
+    if fused and (fmt != "q4" or R <= matvec_rows(fmt)):  # every row count but q4's prefill (the invariance note)
         return fused_matvec(x, w, fmt, scale, out)
     if fmt == "q4":
         scale = pairs_f32(scale)  # the tiles read float32 pairs: one conversion per product, not per tile

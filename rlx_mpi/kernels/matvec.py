@@ -10,12 +10,13 @@ import numpy as np
 from numba.core import types
 from numba.extending import overload
 
-from ._common import FAST, check_f32, pool_threads
+from ._common import ERR, aligned, check_f32, pool_threads, run_parts
 from .bits import as_f32, f16_exact, pack_bf16
-from .rowdot import (AHEAD_BYTES, BF16_DOT, DP_STEP, ROWS, STEP, TILE_W, row_dot, row_dot_bf16, row_dots, row_dots2,
-                     row_dots3, row_dots_tile)
+from .rowdot import AHEAD_BYTES, BF16_DOT, BF16_TILES, DP_STEP, FLOAT_TILES, ROWS, STEP, TILE_W, WIDE_ROWS, WIDE_TILES
 
-__all__ = ["matvec_f32", "F32_MATVEC_ROWS"]
+__all__ = ["matvec_f32", "matmul_float", "float_product", "F32_MATVEC_ROWS", "BLOCK_ROWS"]
+
+BLOCK_ROWS = 64  # weight rows a product walks for each group of activation rows (256 kB at K = 1024 f32: L2)
 
 
 def _weight(w, n, k):
@@ -34,122 +35,214 @@ def _weight_typed(w, n, k):
     return None
 
 
-@numba.njit(cache=True, fastmath=FAST)
-def _dot_from(w, n, x, r, k0):  # w[n, k0:] . x[r, k0:]: the columns past the vector steps
-    acc = np.float32(0.0)
-    for k in range(np.uint64(k0), np.uint64(w.shape[1])):  # unsigned: no negative-index wrap per element,
-        acc += x[r, k] * _weight(w, n, k)  # which kept LLVM from vectorising a loop from a run-time start (2x slower)
-    return acc
+def _tail(w, n, x, xb, r, k0):
+    """w[n, k0:] . x[r, k0:], the columns past the tiles' steps, one at a time in order and
+    rounded at each step (no fast-math: the same sum on every path; the invariance note). bf16
+    weights on a BF16_DOT CPU take the bf16-rounded activations (xb), as their tiles do."""
 
 
-@numba.njit(cache=True, fastmath=FAST)
-def _one_row(x, w, r, n):  # x[r] . w[n]: LLVM's own loop (4 accumulators), measured faster for a lone row
-    acc = np.float32(0.0)
-    for k in range(x.shape[1]):
-        acc += x[r, k] * _weight(w, n, k)
-    return acc
-
-
-@numba.njit(cache=True, fastmath=FAST)
-def _put(out, sums, w, x, n, r, k_vec):
-    """A tile's sums into out: ``sums[j * ROWS + i]`` (weight row n+j against activation row r+i,
-    the columns up to k_vec) plus the columns past them."""
-    for j in range(len(sums) // ROWS):
-        for i in range(ROWS):
-            out[r + i, n + j] = sums[j * ROWS + i] + _dot_from(w, n + j, x, r + i, k_vec)
-
-
-def _lone_row(x, w, r, n, k_vec, ahead):
-    """x[r] . w[n] for a row outside the groups of ROWS: numba's loop for float32 and bf16 weights,
-    the vector IR for f16 (whose loop decodes each weight with integer ops, ~2x slower)."""
-
-
-@overload(_lone_row, inline="always")
-def _lone_row_typed(x, w, r, n, k_vec, ahead):
-    if w.dtype == types.int16:
-        return lambda x, w, r, n, k_vec, ahead: row_dot(w, n, x, r, k_vec, ahead)[0] + _dot_from(w, n, x, r, k_vec)
-    return lambda x, w, r, n, k_vec, ahead: _one_row(x, w, r, n)
-
-
-def _dot_operand(x, w, grouped):
-    """The activation rows as the lone-row dot product of ``w`` reads them: bf16 bits (rounded to
-    nearest even) for bf16 weights on a CPU with BF16_DOT when the rows are too few for the tile
-    (``grouped`` 0); else an empty array, unused, or for other formats x itself (nothing
-    allocated; rowdot's bf16 dot note)."""
-
-
-@overload(_dot_operand, inline="always")
-def _dot_operand_typed(x, w, grouped):
+@overload(_tail)
+def _tail_typed(w, n, x, xb, r, k0):
     if w.dtype == types.uint16 and BF16_DOT:
-        def pack(x, w, grouped):
-            if grouped:
-                return np.empty((0, 0), np.uint16)
+        def dot(w, n, x, xb, r, k0):
+            acc = np.float32(0.0)
+            for k in range(k0, w.shape[1]):
+                acc += as_f32(np.uint32(xb[r, k]) << np.uint32(16)) * _weight(w, n, k)
+            return acc
+        return dot
+
+    def dot(w, n, x, xb, r, k0):
+        acc = np.float32(0.0)
+        for k in range(k0, w.shape[1]):
+            acc += x[r, k] * _weight(w, n, k)
+        return acc
+    return dot
+
+
+def _main_cols(w, k):
+    """The columns the tiles take (the rest is `_tail`'s): whole steps of the tile's kind."""
+
+
+@overload(_main_cols, inline="always")
+def _main_cols_typed(w, k):
+    step = DP_STEP if w.dtype == types.uint16 and BF16_DOT else STEP
+    return lambda w, k: k - k % step
+
+
+def _operand(x, w):
+    """The activations as ``w``'s tiles read them: bf16 bits of x (nearest even, `bits.pack_bf16`)
+    for bf16 weights on a BF16_DOT CPU, every row (rowdot's bf16 dot note); else an empty array."""
+
+
+@overload(_operand)
+def _operand_typed(x, w):
+    if w.dtype == types.uint16 and BF16_DOT:
+        def pack(x, w):
             xb = np.empty(x.shape, np.uint16)
             for r in range(x.shape[0]):
                 pack_bf16(x[r], xb[r])
             return xb
         return pack
-    return lambda x, w, grouped: x
+    return lambda x, w: np.empty((0, 0), np.uint16)
 
 
-def _few_row(x, xb, w, r, n, k_vec, ahead):
-    """x[r] . w[n] when the rows are too few for the tile: bf16 weights against bf16 activations
-    (xb) where the CPU has BF16_DOT, else `_lone_row`."""
+def _tile_stub(rows: int, wrows: int, wide: int = 0):
+    """``t(w, n, x, xb, r, k, ahead)``: rowdot's tile of this shape for w's kind (the bf16 one
+    against xb on a BF16_DOT CPU, the float one against x otherwise; ``wide``: WIDE_ROWS rows, 1 with
+    the prefetch, 2 without)."""
+    flt = WIDE_TILES[(wide == 1, wrows)] if wide else FLOAT_TILES[(rows, wrows)]
+    bf = BF16_TILES.get((rows, wrows))  # (wide: the bf16 tile of WIDE_ROWS rows, which always prefetches)
+
+    def t(w, n, x, xb, r, k, ahead):
+        pass
+
+    @overload(t, inline="always")
+    def typed(w, n, x, xb, r, k, ahead):
+        if bf is not None and w.dtype == types.uint16:
+            return lambda w, n, x, xb, r, k, ahead: bf(w, n, xb, r, k, ahead)
+        return lambda w, n, x, xb, r, k, ahead: flt(w, n, x, r, k, ahead)
+
+    return t
 
 
-@overload(_few_row, inline="always")
-def _few_row_typed(x, xb, w, r, n, k_vec, ahead):
-    if w.dtype == types.uint16 and BF16_DOT:
-        def dot(x, xb, w, r, n, k_vec, ahead):
-            k_dp = x.shape[1] - x.shape[1] % DP_STEP
-            return row_dot_bf16(w, n, xb, r, k_dp) + _dot_from(w, n, x, r, k_dp)
-        return dot
-    return lambda x, xb, w, r, n, k_vec, ahead: _lone_row(x, w, r, n, k_vec, ahead)
+_t4_4, _t4_3, _t4_2, _t4_1 = (_tile_stub(ROWS, m) for m in (4, 3, 2, 1))
+_t1_4, _t1_3, _t1_2, _t1_1 = (_tile_stub(1, m) for m in (4, 3, 2, 1))
+_tw_4, _tw_3, _tw_2, _tw_1 = (_tile_stub(WIDE_ROWS, m, 2) for m in (4, 3, 2, 1))
+_tp_4, _tp_3, _tp_2, _tp_1 = (_tile_stub(WIDE_ROWS, m, 1) for m in (4, 3, 2, 1))
 
 
-@numba.njit(cache=True, parallel=True, fastmath=FAST)
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _span_wide(x, xb, w, out, n0, n1, ahead):
+    """`_span` for many rows: groups of WIDE_ROWS activation rows in the wide tiles, the rows past
+    them through `_span`; the same values (the invariance note)."""
+    r_len = x.shape[0]
+    wide = r_len - r_len % WIDE_ROWS
+    k = _main_cols(w, x.shape[1])
+    for b0 in range(n0, n1, BLOCK_ROWS):
+        b1 = min(n1, b0 + BLOCK_ROWS)
+        for r in range(0, wide, WIDE_ROWS):
+            n = b0
+            while n < b1:
+                m = min(TILE_W, b1 - n)
+                if r == 0:  # the block's first group: its weights from memory, prefetched
+                    if m == 4:
+                        _put(out, _tp_4(w, n, x, xb, r, k, ahead), WIDE_ROWS, w, x, xb, n, r, k)
+                    elif m == 3:
+                        _put(out, _tp_3(w, n, x, xb, r, k, ahead), WIDE_ROWS, w, x, xb, n, r, k)
+                    elif m == 2:
+                        _put(out, _tp_2(w, n, x, xb, r, k, ahead), WIDE_ROWS, w, x, xb, n, r, k)
+                    else:
+                        _put(out, _tp_1(w, n, x, xb, r, k, ahead), WIDE_ROWS, w, x, xb, n, r, k)
+                elif m == 4:
+                    _put(out, _tw_4(w, n, x, xb, r, k, 0), WIDE_ROWS, w, x, xb, n, r, k)
+                elif m == 3:
+                    _put(out, _tw_3(w, n, x, xb, r, k, 0), WIDE_ROWS, w, x, xb, n, r, k)
+                elif m == 2:
+                    _put(out, _tw_2(w, n, x, xb, r, k, 0), WIDE_ROWS, w, x, xb, n, r, k)
+                else:
+                    _put(out, _tw_1(w, n, x, xb, r, k, 0), WIDE_ROWS, w, x, xb, n, r, k)
+                n += m
+    if wide < r_len:
+        _span(x, xb, w, out, n0, n1, ahead, wide)
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _put(out, sums, rows, w, x, xb, n, r, k):
+    """A tile's sums into out: ``sums[j * rows + i]`` is weight row n+j against activation row
+    r+i over the first k columns; the columns past k added after."""
+    tail = k < w.shape[1]
+    for j in range(len(sums) // rows):
+        for i in range(rows):
+            s = sums[j * rows + i]
+            out[r + i, n + j] = s + _tail(w, n + j, x, xb, r + i, k) if tail else s
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _span(x, xb, w, out, n0, n1, ahead, r0=0):
+    """out[:, n0:n1] = x @ w[n0:n1].T: blocks of BLOCK_ROWS weight rows (read from memory once,
+    then from cache for each group of ROWS activation rows), each in tiles of TILE_W weight rows
+    (the block's last ones in a narrower tile), the rows past the groups of ROWS one at a time.
+    Which tile computes an element never changes its value (the invariance note). Rows from r0."""
+    r_len = x.shape[0]
+    k = _main_cols(w, x.shape[1])
+    grouped = r_len - (r_len - r0) % ROWS
+    for b0 in range(n0, n1, BLOCK_ROWS):
+        b1 = min(n1, b0 + BLOCK_ROWS)
+        for r in range(r0, r_len, ROWS):
+            a = ahead if r == r0 else 0  # (the prefetch: once a weight row)
+            n = b0
+            while n < b1:
+                m = min(TILE_W, b1 - n)
+                if r < grouped:
+                    if m == 4:
+                        _put(out, _t4_4(w, n, x, xb, r, k, a), ROWS, w, x, xb, n, r, k)
+                    elif m == 3:
+                        _put(out, _t4_3(w, n, x, xb, r, k, a), ROWS, w, x, xb, n, r, k)
+                    elif m == 2:
+                        _put(out, _t4_2(w, n, x, xb, r, k, a), ROWS, w, x, xb, n, r, k)
+                    else:
+                        _put(out, _t4_1(w, n, x, xb, r, k, a), ROWS, w, x, xb, n, r, k)
+                else:
+                    for i in range(r, r_len):
+                        ai = a if i == r else 0
+                        if m == 4:
+                            _put(out, _t1_4(w, n, x, xb, i, k, ai), 1, w, x, xb, n, i, k)
+                        elif m == 3:
+                            _put(out, _t1_3(w, n, x, xb, i, k, ai), 1, w, x, xb, n, i, k)
+                        elif m == 2:
+                            _put(out, _t1_2(w, n, x, xb, i, k, ai), 1, w, x, xb, n, i, k)
+                        else:
+                            _put(out, _t1_1(w, n, x, xb, i, k, ai), 1, w, x, xb, n, i, k)
+                n += m
+
+
+@numba.njit(cache=True, parallel=True, error_model=ERR)
 def _matvec_float(x, w, out, chunks):  # x (R, K) f32, w (N, K) f32, bf16 or f16 bits, out (R, N) f32: decode's product
-    r_len, k_len = x.shape
     n_len = w.shape[0]
-    k_vec = k_len - k_len % STEP
-    grouped = r_len - r_len % ROWS
+    xb = _operand(x, w)  # bf16 activations for bf16 x bf16 products, where the CPU has them
     ahead = AHEAD_BYTES // w.itemsize
-    xb = _dot_operand(x, w, grouped)  # bf16 x bf16 products for a few rows, where the CPU has them
     for c in numba.prange(chunks):
-        lo, hi = c * n_len // chunks, (c + 1) * n_len // chunks
-        if grouped == 0:  # fewer rows than a group: each weight row against each, one at a time
-            for n in range(lo, hi):
-                for r in range(r_len):
-                    out[r, n] = _few_row(x, xb, w, r, n, k_vec, ahead if r == 0 else 0)
-            continue
-        n = lo
-        while n + TILE_W <= hi:  # TILE_W weight rows share each activation load (rowdot's tile note)
-            for r in range(0, grouped, ROWS):  # and ROWS activation rows each weight load
-                _put(out, row_dots_tile(w, n, x, r, k_vec, ahead if r == 0 else 0), w, x, n, r, k_vec)  # (ahead: once a row)
-            for r in range(grouped, r_len):
-                for j in range(TILE_W):
-                    out[r, n + j] = _lone_row(x, w, r, n + j, k_vec, 0)
-            n += TILE_W
-        for r in range(0, grouped, ROWS):  # the chunk's last three weight rows (after 4-row tiles), two or one
-            if hi - n == 3:
-                _put(out, row_dots3(w, n, x, r, k_vec, ahead if r == 0 else 0), w, x, n, r, k_vec)
-            elif hi - n == 2:
-                _put(out, row_dots2(w, n, x, r, k_vec, ahead if r == 0 else 0), w, x, n, r, k_vec)
-            elif hi - n == 1:
-                _put(out, row_dots(w, n, x, r, k_vec, ahead if r == 0 else 0), w, x, n, r, k_vec)
-        for m in range(n, hi):
-            for r in range(grouped, r_len):
-                out[r, m] = _lone_row(x, w, r, m, k_vec, 0)
+        _span(x, xb, w, out, c * n_len // chunks, (c + 1) * n_len // chunks, ahead)
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _operand_nogil(x, w):  # `_operand` for the team's product (`matmul_float`)
+    return _operand(x, w)
+
+
+def matmul_float(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ w.T`` (M, N) for float32 x (M, K) and w (N, K) float32, bf16 bits (uint16) or f16 bits
+    (int16), unchecked, for many rows (prefill): the weight rows split over the rank's threads as
+    the team does (`run_parts`: no numba pool spinning beside attention's team), each element the
+    same as `_matvec_float` gives (the invariance note)."""
+    x = aligned(x)  # (the alignment note in _common.py; w is its owner's to align)
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    xb = aligned(_operand_nogil(x, w))
+    N = w.shape[0]
+    parts = max(1, min(pool_threads(), N // (2 * TILE_W)))
+    cuts = [N * p // parts for p in range(parts + 1)]
+    ahead = AHEAD_BYTES // w.itemsize
+    run_parts(_span_wide, [(x, xb, w, out, a, b, ahead) for a, b in zip(cuts, cuts[1:]) if b > a])
+    return out
 
 
 def matvec_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """``x @ w.T`` for a few float32 rows x (R, K) and float32 w (N, K), on the rank's numba
-    threads: for weights in DRAM it reads them 1.7-1.8x faster than OpenBLAS's GEMV (measured
-    over the small preset's decode step, 101 MB, 1 and 2 threads; F32_MATVEC_ROWS)."""
+    """``x @ w.T`` for float32 rows x (R, K) and float32 w (N, K), on the rank's numba threads
+    (few rows: decode) or its team (many: `matmul_float`); every element the same whatever R and
+    the threads (the invariance note). For weights in DRAM it reads them 1.7-1.8x faster than
+    OpenBLAS's GEMV (measured over the small preset's decode step, 101 MB, 1 and 2 threads)."""
     check_f32("matvec_f32 x", x)
     check_f32("matvec_f32 w", w)
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"matvec_f32: x {x.shape} and w {w.shape} do not fit (R, K) @ (N, K).T")
+    return float_product(x, w)
+
+
+def float_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """`matvec_f32` without its checks (x float32 C-contiguous (R, K), w checked once by its
+    owner): the pool's kernel up to F32_MATVEC_ROWS rows, the team's above; the same values."""
+    if x.shape[0] > F32_MATVEC_ROWS:
+        return matmul_float(x, w)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
     _matvec_float(x, w, out, min(w.shape[0], 4 * pool_threads()))
     return out

@@ -38,8 +38,8 @@ with the weights in L2 16 vs 13 GB/s at 1 row, 1.5x at 4 rows; from DRAM (115 MB
 row (both are then at the core's read bandwidth), 1.5x at 4 rows.
 
 Note: the tile. From 4 activation rows on, the float matvecs take weight rows three at a time
-(`row_dots_tile`, four where the vectors are AVX-512's: the vector width note; a chunk's last
-rows `row_dots3` / `row_dots2` / `row_dots`): each activation vector
+(`FLOAT_TILES`, four where the vectors are AVX-512's: the vector width note; a chunk's last
+rows a narrower tile of the same kind): each activation vector
 loaded feeds three FMAs (7 loads per 12 FMAs; one weight row: 5 per 4), one accumulator per
 (weight row, activation row), 12 chains, which with the 3 weight vectors and 1 activation vector
 fill AVX2's 16 registers. Two weight rows (8 chains, 6 loads per 8 FMAs) against one, kernel
@@ -58,7 +58,7 @@ changed. Measured on a 2-core Xeon VM with AVX-512 (medium, whole decode step, `
 against 8 lanes, 5-7 rounds): f32 batch 4 1.00-1.01x, 8 1.04x, 16 1.07-1.09x, 32 1.09-1.10x, 64
 1.02x (2 threads); bf16 batch 4 1.05-1.06x, 8 1.02-1.12x, 16 1.02-1.04x, 32 1.02-1.07x, 64 1.19x;
 f16 batch 1 (its lone row is `row_dot`) 1.18x / 1.11x (1 / 2 threads); logits within 5e-6. With 32
-registers the tile then takes four weight rows (TILE_W, `row_dots_tile`: 16 accumulators, 4 + 1
+registers the tile then takes four weight rows (TILE_W: 16 accumulators, 4 + 1
 vectors loaded per 16 FMAs; the chunk's last three go to `row_dots3`), against 16-lane 3 x 4 in
 the same runs: f32 batch 4-8 0.98-1.04x, 16 1.05x, 32 1.07-1.10x, 64 1.05x; bf16 8 1.00-1.02x,
 16 1.02-1.03x, 32 1.06x.
@@ -80,7 +80,7 @@ f32/bf16 loops stay numba's own: as IR with the prefetch they were still 0.96-0.
 
 Note: the bf16 dot. On a CPU with AVX512-BF16 (BF16_DOT: Zen 4, Sapphire Rapids, Cooper Lake)
 1-3 activation rows against bf16 weights are rounded to bf16 once per matvec (nearest even,
-`bits.pack_bf16`) and multiplied by ``vdpbf16ps`` (`row_dot_bf16`): 32 products per instruction
+`bits.pack_bf16`) and multiplied by ``vdpbf16ps`` (`BF16_TILES`): 32 products per instruction
 summed in float32, where the widening path spends a shift and an FMA per 8 lanes. This is what
 llama.cpp's bf16 GGUF does (it rounds the activations too). Measured on a 2-core EPYC znver4 VM
 (read bandwidth 26 GB/s on 1 thread), against the widening path in the same run: the medium
@@ -90,6 +90,22 @@ model's matrices alone (411 MB) 1.26-1.41x on 1 thread (18.7 -> 23.5-24.5 GB/s),
 model: top-1 agreement 0.989 (0.988 before), mean KL 4.4e-5 (2.9e-5 before; llama.cpp's bf16
 4.5e-5 on its own 1016 positions). The tile (4+ rows) keeps float32 activations: the rows'
 products are exact in the bf16 weights, as prefill's are.
+
+Note: invariance (issue 36, docs/invariance.md). A row's product must not depend on the rows
+beside it, the row count's path or the threads. Every float tile (`FLOAT_TILES`, `WIDE_TILES`,
+`BF16_TILES`; any rows x weight rows) computes each element the same way: one accumulator of
+_FLANES lanes (bf16 x bf16: 16), a fused multiply-add per step in column order (``llvm.fma``: not
+left to contraction), the lanes summed by one tree (`_reduce_lanes`, without fast-math flags, so
+LLVM keeps it as written), the columns past the last step added one at a time after
+(matvec.py's `_tail`). Which tile takes an element, which thread's chunk it falls in, and whether
+it is decode's matvec or prefill's `matmul_float` then changes nothing. Before, a lone row took
+LLVM's own loop (4 accumulators), 2-3 rows and a chunk's last weight row 2 accumulators, 4+ rows
+one; prefill took our broadcast GEMM (one chain per element over all columns) or OpenBLAS, and bf16
+rounded the activations for 1-3 rows only: one row's logits changed with the batch it shared.
+bf16 on a BF16_DOT CPU now rounds every row's activations (the bf16 dot note). The int8 products
+(`_make`) take the same fused multiply-add and lane tree for 1 and ROWS rows. Measured: decode
+unchanged (0.97-0.98x at batch 1, in process); prefill's products 0.79-0.93x the broadcast GEMM
+they replace (128 rows, 64-byte aligned: _common's alignment note; docs/invariance.md).
 """
 
 from __future__ import annotations
@@ -188,9 +204,8 @@ def _make(rows: int, block: int = INT8_BLOCK):
                     sv = builder.insert_element(ir.Constant(hf32, ir.Undefined), s, ir.Constant(_I32, 0))
                     sv = builder.shuffle_vector(sv, sv, _idx([0] * _HALF))
                     f = builder.sitofp(isums[i], hf32)
-                    acc = builder.fadd(builder.load(accs[i]), builder.fmul(f, sv, flags=_FAST), flags=_FAST)
-                    builder.store(acc, accs[i])
-            sums = [_hsum(builder, builder.load(a), _HALF) for a in accs]
+                    builder.store(_fma(builder, f, sv, builder.load(accs[i])), accs[i])  # (the invariance note)
+            sums = _reduce_lanes(builder, [builder.load(a) for a in accs], _HALF)
             return context.make_tuple(builder, signature.return_type, sums)
 
         return sig, codegen
@@ -224,7 +239,40 @@ _FLANES = 16 if _target_has("avx512f") else 8  # float32 lanes of row_dots' vect
 STEP = 2 * _FLANES  # float32 columns per step of row_dots: two vectors
 
 
-def _make_float(rows: int, wrows: int = 1):
+def _fma(builder, a, b, c):
+    """a * b + c rounded once (``llvm.fma``): the same bits on every path, where contraction of an
+    fmul and an fadd is the optimiser's choice (the invariance note)."""
+    t = a.type
+    name = f"llvm.fma.v{t.count}f32" if isinstance(t, ir.VectorType) else "llvm.fma.f32"
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(t, [t, t, t]), name)
+    return builder.call(fn, [a, b, c])
+
+
+def _reduce_lanes(builder, vectors: list, lanes: int) -> list:
+    """The lane sums of ``vectors`` (each <lanes x float>), every one by `_hsum`'s tree (lane i
+    with i + lanes/2, then i + lanes/4, ...), taken for many vectors at once: each level pairs two
+    vectors' halves into one vector (2 shuffles and 1 add per pair), so 16 sums cost 45 operations,
+    not 16 x 12. Returns one float per vector, in order."""
+    f = ir.VectorType(ir.FloatType(), lanes)
+    vs, n = list(vectors), len(vectors)
+    group = lanes  # lanes per vector of the list that still belong to one input
+    while group > 1:
+        if len(vs) % 2:
+            vs.append(ir.Constant(f, [0.0] * lanes))
+        half = group // 2
+        lo_idx = [b + i for b in range(0, lanes, group) for i in range(half)]
+        hi_idx = [b + half + i for b in range(0, lanes, group) for i in range(half)]
+        nxt = []
+        for a, b in zip(vs[0::2], vs[1::2]):
+            lo = builder.shuffle_vector(a, b, _idx(lo_idx + [lanes + i for i in lo_idx]))
+            hi = builder.shuffle_vector(a, b, _idx(hi_idx + [lanes + i for i in hi_idx]))
+            nxt.append(builder.fadd(lo, hi))  # (no fast-math flags: this tree, as written)
+        vs, group = nxt, half
+    # vs[m] lane l holds input m * lanes + l (each level keeps pairs in order)
+    return [builder.extract_element(vs[i // lanes], ir.Constant(_I32, i % lanes)) for i in range(n)]
+
+
+def _make_float(rows: int, wrows: int = 1, prefetch: bool = True):
     @intrinsic
     def row_dots(typingctx, w, n, x, r0, k, ahead):
         if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, x)):
@@ -233,7 +281,6 @@ def _make_float(rows: int, wrows: int = 1):
             return None
         sig = types.UniTuple(types.float32, wrows * rows)(w, n, x, r0, k, ahead)
         bf16, f16 = w.dtype == types.uint16, w.dtype == types.int16
-        per = max(1, 2 // wrows)  # accumulators per (weight row, activation row): 8+ chains in all hide the FMA latency
 
         def codegen(context, builder, signature, args):
             wt, nt, xt, rt, kt, at = signature.args
@@ -244,13 +291,15 @@ def _make_float(rows: int, wrows: int = 1):
             xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
             f8 = ir.VectorType(ir.FloatType(), _FLANES)
             w8 = ir.VectorType(ir.IntType(16), _FLANES) if bf16 or f16 else f8
-            accs = [[[cgutils.alloca_once_value(builder, ir.Constant(f8, [0.0] * _FLANES)) for _ in range(per)]
-                     for _ in range(rows)] for _ in range(wrows)]
+            # one accumulator per (weight row, activation row): the order of every element is the
+            # same whatever the tile (the invariance note)
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(f8, [0.0] * _FLANES)) for _ in range(rows)]
+                    for _ in range(wrows)]
             steps = builder.sdiv(context.cast(builder, k_, kt, types.intp), intp(STEP))
             with cgutils.for_range(builder, steps) as loop:
                 base = builder.mul(loop.index, intp(STEP))
-                for wp in wps:  # a step is 2 * _FLANES weights of each row: 64 or 128 bytes (f32), 32 or 64 (16-bit)
-                    for line in range(0, STEP, 16 if w.dtype == types.float32 else 32):  # each 64-byte line
+                for wp in wps if prefetch else ():  # a step is 2 * _FLANES weights of each row: 64 or 128 bytes
+                    for line in range(0, STEP, 16 if w.dtype == types.float32 else 32):  # (f32), 32 or 64 (16-bit): each line
                         _prefetch(builder, wp, builder.add(base, builder.add(a_, intp(line))))
                 for u in range(2):
                     off = builder.add(base, intp(u * _FLANES))
@@ -268,15 +317,10 @@ def _make_float(rows: int, wrows: int = 1):
                     for i in range(rows):
                         xv = builder.load(builder.bitcast(builder.gep(xps[i], [off]), f8.as_pointer()), align=4)
                         for j, wv in enumerate(wvs):
-                            a = accs[j][i][u % per]
-                            builder.store(builder.fadd(builder.load(a), builder.fmul(wv, xv, flags=_FAST), flags=_FAST), a)
-            sums = []
-            for j in range(wrows):
-                for i in range(rows):
-                    v = builder.load(accs[j][i][0])
-                    for a in accs[j][i][1:]:
-                        v = builder.fadd(v, builder.load(a), flags=_FAST)
-                    sums.append(_hsum(builder, v, _FLANES))
+                            a = accs[j][i]
+                            builder.store(_fma(builder, wv, xv, builder.load(a)), a)
+            sums = _reduce_lanes(builder, [builder.load(accs[j][i]) for j in range(wrows) for i in range(rows)],
+                                 _FLANES)
             return context.make_tuple(builder, signature.return_type, sums)
 
         return sig, codegen
@@ -284,12 +328,14 @@ def _make_float(rows: int, wrows: int = 1):
     return row_dots
 
 
-row_dots = _make_float(ROWS)  # (one f32/bf16 row alone is left to numba's loop: LLVM unrolls it 4 wide, measured faster)
-row_dot = _make_float(1)  # one activation row: for f16, whose numba loop decodes each weight with integer ops
-row_dots2 = _make_float(ROWS, 2)  # weight rows n and n+1: sums[j * ROWS + i] is row n+j against r0+i (the tile note)
-row_dots3 = _make_float(ROWS, 3)  # weight rows n..n+2, the same way: the float matvecs' tile (the tile note)
 TILE_W = 4 if _FLANES == 16 else 3  # weight rows per tile: four where AVX-512's 32 registers hold 16 accumulators
-row_dots_tile = _make_float(ROWS, TILE_W)  # the float matvecs' tile: row_dots3's layout with TILE_W weight rows
+# The float products' tiles: FLOAT_TILES[(rows, wrows)] takes weight rows n..n+wrows-1 against activation
+# rows r0..r0+rows-1, ``sums[j * rows + i]`` (the tile note); rows ROWS or 1, wrows 1..TILE_W. Each
+# element of every one is the same chain of fused multiply-adds and the same lane tree.
+FLOAT_TILES = {(r, w): _make_float(r, w) for r in (1, ROWS) for w in range(1, 5)}  # (4 on AVX2 too: compiled, never taken)
+WIDE_ROWS = 6 if _FLANES == 16 else 3  # prefill's tile: 6 x 4 accumulators of AVX-512's 32 registers (3 x 3 of AVX2's 16)
+# (the first group of a weight block prefetches the weights from memory; the others read them from cache)
+WIDE_TILES = {(p, w): _make_float(WIDE_ROWS, w, prefetch=p) for p in (True, False) for w in range(1, 5)}
 
 
 # -- bf16 x bf16 dot products (AVX512-BF16) ------------------------------------------------------
@@ -305,7 +351,7 @@ def _llvm_at_least(major: int) -> bool:
 # vectors from LLVM 17 on (i32 pairs before); checked here on LLVM 22, so older LLVMs (numba < 0.62)
 # keep the widening path rather than risk a signature LLVM refuses.
 BF16_DOT = _target_has("avx512bf16") and _llvm_at_least(20)
-DP_STEP = 64  # bf16 columns per step of row_dot_bf16: two 32-lane vdpbf16ps (two accumulators)
+DP_STEP = 32  # bf16 columns per step of the bf16 tiles: one 512-bit vdpbf16ps
 
 
 class _BFloat(ir.Type):
@@ -321,37 +367,52 @@ class _BFloat(ir.Type):
         return hash("bfloat")
 
 
-@intrinsic
-def row_dot_bf16(typingctx, w, n, x, r, k):
-    """w[n, :k] . x[r, :k] for bf16 bits (uint16) on both sides, k a multiple of DP_STEP, in
-    float32 accumulators: ``llvm.x86.avx512bf16.dpbf16ps.512`` (32 products per instruction,
-    the pairs summed in float32). Only where BF16_DOT (LLVM cannot select it elsewhere)."""
-    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, x)):
-        return None
-    if (w.dtype, x.dtype) != (types.uint16, types.uint16):
-        return None
-    sig = types.float32(w, n, x, r, k)
+def _make_bf16(rows: int, wrows: int):
+    @intrinsic
+    def row_dots_bf16(typingctx, w, n, x, r0, k, ahead):
+        """`FLOAT_TILES`' tile for bf16 bits (uint16) on both sides, k a multiple of DP_STEP: each
+        step one ``llvm.x86.avx512bf16.dpbf16ps.512`` per (weight row, activation row), 32 products
+        summed into 16 float32 lanes. Only where BF16_DOT (LLVM cannot select it elsewhere)."""
+        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, x)):
+            return None
+        if (w.dtype, x.dtype) != (types.uint16, types.uint16):
+            return None
+        sig = types.UniTuple(types.float32, wrows * rows)(w, n, x, r0, k, ahead)
 
-    def codegen(context, builder, signature, args):
-        wt, nt, xt, rt, kt = signature.args
-        w_, n_, x_, r_, k_ = args
-        intp, row, n_, r_ = _rows_of(context, builder, n_, nt, r_, rt)
-        wp, xp = row(wt, w_, n_), row(xt, x_, r_)
-        v32, bf32 = ir.VectorType(ir.IntType(16), 32), ir.VectorType(_BFloat(), 32)
-        f16 = ir.VectorType(ir.FloatType(), 16)
-        dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f16, [f16, bf32, bf32]),
-                                            "llvm.x86.avx512bf16.dpbf16ps.512")
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(f16, [0.0] * 16)) for _ in range(2)]
-        steps = builder.sdiv(context.cast(builder, k_, kt, types.intp), intp(DP_STEP))
-        with cgutils.for_range(builder, steps) as loop:
-            base = builder.mul(loop.index, intp(DP_STEP))
-            for j, acc in enumerate(accs):
-                off = builder.add(base, intp(32 * j))
-                wv = builder.load(builder.bitcast(builder.gep(wp, [off]), v32.as_pointer()), align=2)
-                xv = builder.load(builder.bitcast(builder.gep(xp, [off]), v32.as_pointer()), align=2)
-                builder.store(builder.call(dp, [builder.load(acc), builder.bitcast(wv, bf32), builder.bitcast(xv, bf32)]),
-                              acc)
-        v = builder.fadd(builder.load(accs[0]), builder.load(accs[1]), flags=_FAST)
-        return _hsum(builder, v, 16)
+        def codegen(context, builder, signature, args):
+            wt, nt, xt, rt, kt, at = signature.args
+            w_, n_, x_, r_, k_, a_ = args
+            intp, row, n_, r_ = _rows_of(context, builder, n_, nt, r_, rt)
+            a_ = context.cast(builder, a_, at, types.intp)
+            wps = [row(wt, w_, builder.add(n_, intp(j))) for j in range(wrows)]
+            xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
+            v32, bf32 = ir.VectorType(ir.IntType(16), DP_STEP), ir.VectorType(_BFloat(), DP_STEP)
+            f16 = ir.VectorType(ir.FloatType(), 16)
+            dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f16, [f16, bf32, bf32]),
+                                                "llvm.x86.avx512bf16.dpbf16ps.512")
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(f16, [0.0] * 16)) for _ in range(rows)]
+                    for _ in range(wrows)]
+            steps = builder.sdiv(context.cast(builder, k_, kt, types.intp), intp(DP_STEP))
+            with cgutils.for_range(builder, steps) as loop:
+                off = builder.mul(loop.index, intp(DP_STEP))
+                wvs = []
+                for wp in wps:  # a step is one 64-byte line of each weight row
+                    _prefetch(builder, wp, builder.add(off, a_))
+                    wv = builder.load(builder.bitcast(builder.gep(wp, [off]), v32.as_pointer()), align=2)
+                    wvs.append(builder.bitcast(wv, bf32))
+                for i in range(rows):
+                    xv = builder.bitcast(builder.load(builder.bitcast(builder.gep(xps[i], [off]), v32.as_pointer()),
+                                                      align=2), bf32)
+                    for j, wv in enumerate(wvs):
+                        a = accs[j][i]
+                        builder.store(builder.call(dp, [builder.load(a), wv, xv]), a)
+            sums = _reduce_lanes(builder, [builder.load(accs[j][i]) for j in range(wrows) for i in range(rows)], 16)
+            return context.make_tuple(builder, signature.return_type, sums)
 
-    return sig, codegen
+        return sig, codegen
+
+    return row_dots_bf16
+
+
+# bf16 weights' tiles against activations rounded to bf16, FLOAT_TILES' shapes (BF16_DOT only)
+BF16_TILES = {(r, w): _make_bf16(r, w) for r in (1, ROWS, WIDE_ROWS) for w in range(1, 5)} if BF16_DOT else {}

@@ -35,10 +35,9 @@ PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")
 # ``x @ W.T`` 1.4-3x slower than ``(W @ x.T).T`` (measured on the small and medium shapes, 1 and
 # 2 threads: 2.8x at 2 rows, 2x at 8, 1.5x at 32, 1.1-1.2x at 64; bench/README.md), and an f32
 # product of up to 63 rows was taken that way round. The numba matvec now takes every f32 product
-# of up to `kernels.F32_MATVEC_ROWS` (64) rows, and above that ``x @ W.T`` is the faster one
-# (``(W @ x.T).T`` 0.79-0.86x at 65-128 rows on 2 threads, 0.88-0.95x on 1; medium shapes,
-# 2026-12-02), so BLAS gets the product as it is, except on AVX-512, where kernels.gemm_f32 takes
-# 65-192 rows (1.08-1.26x OpenBLAS at 128 rows; its note).
+# of up to `kernels.F32_MATVEC_ROWS` (64) rows, and since issue 36 every other f32 product too
+# (kernels.matmul_float: the same tiles, blocked for prefill), since BLAS's order depends on the
+# row count (docs/invariance.md).
 # What ParamSource.read is asked for: the storage closest to the rank's format, so a 16-bit
 # rank never holds a float32 copy of a tensor it can read as 16 bits.
 _READ_DTYPE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "int8": "float32", "q4": "float32"}
@@ -56,12 +55,13 @@ def q4_tensor(name: str, shape: tuple[int, ...]) -> bool:
 class Linear:
     """``y = x @ W.T`` with ``W`` (out, in) stored as ``precision``."""
 
-    def __init__(self, precision: str, data: np.ndarray, scale: np.ndarray | None = None):
+    def __init__(self, precision: str, data: np.ndarray, scale: np.ndarray | None = None, align: bool = True):
         if precision not in PRECISIONS:
             raise ValueError(f"Linear: precision {precision!r} is not one of {PRECISIONS}")
         if data.ndim != 2:
             raise ValueError(f"Linear: weight must be 2-D (out, in), got shape {data.shape}")
-        self.precision, self.data, self.scale = precision, np.ascontiguousarray(data), scale
+        data = np.ascontiguousarray(data)  # 64-byte aligned for the tiles' loads (kernels' alignment note)
+        self.precision, self.data, self.scale = precision, kernels.aligned(data) if align else data, scale
         if precision != "f32":  # checked once here: decode calls the kernel unchecked (kernels.fused_matvec)
             kernels.check_weight(precision, self.data, scale)
 
@@ -91,19 +91,18 @@ class Linear:
             raise ValueError(f"Linear: input has {c} features, the weight {self.shape} takes {self.shape[1]}")
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, c)  # (B*T, in): one GEMM, not B
         rows = x2.shape[0]
-        if self.precision == "q4" and kernels.Q4_GEMM and rows >= kernels.Q4_GEMM_ROWS:  # prefill (kernels/q4gemm.py)
+        # every row count takes kernels whose value for a row never depends on the others (the
+        # invariance note in kernels/rowdot.py); q4's prefill (kernels/q4gemm.py, from Q4_GEMM_ROWS
+        # rows on a VNNI CPU, or dequantized tiles without) is its own: docs/invariance.md
+        if self.precision == "q4" and kernels.Q4_GEMM and rows >= kernels.Q4_GEMM_ROWS:
             y = kernels.fused_gemm_q4(x2, self.data, self.scale)
-        elif self.precision != "f32" and rows <= kernels.matvec_rows(self.precision):  # decode
+        elif self.precision == "f32":
+            y = kernels.float_product(x2, self.data)
+        elif self.precision != "q4" or rows <= kernels.matvec_rows(self.precision):
             y = kernels.fused_matvec(x2, self.data, self.precision, self.scale,
                                      np.empty((rows, self.data.shape[0]), np.float32))
-        elif self.precision != "f32":
-            y = kernels.dequant_matmul(x2, self.data, self.precision, self.scale)
-        elif rows <= kernels.F32_MATVEC_ROWS:  # decode: the numba GEMV (the few-rows note)
-            y = kernels.matvec_f32(x2, self.data)
-        elif kernels.F32_GEMM and rows <= kernels.F32_GEMM_ROWS:  # a short prefill on AVX-512 (kernels/gemm.py)
-            y = kernels.gemm_f32(x2, self.data)
         else:
-            y = x2 @ self.data.T
+            y = kernels.dequant_matmul(x2, self.data, self.precision, self.scale)
         return y.reshape(*lead, self.data.shape[0])  # (..., out)
 
     def __getitem__(self, rows) -> np.ndarray:
@@ -116,7 +115,7 @@ class Linear:
     def rows(self, start: int, stop: int) -> "Linear":
         """Output rows start..stop-1 as a `Linear` viewing this one's memory (no copy)."""
         scale = None if self.scale is None else self.scale[start:stop]
-        return Linear(self.precision, self.data[start:stop], scale)
+        return Linear(self.precision, self.data[start:stop], scale, align=False)
 
     def to_f32(self) -> np.ndarray:
         """The float32 matrix this layer multiplies by (tests and references only)."""
