@@ -306,7 +306,15 @@ class H5ParamSource:
             index[axis] = slice(*part_bounds(ds.shape[axis], part, parts))
         stored = "bfloat16" if _is_bf16(ds) else str(ds.dtype)
         try:
-            if stored == dtype or (dtype == "float32" and ds.ndim < 2):
+            if stored == dtype and ds.ndim >= 2:  # straight into a 64-byte aligned buffer: the kernels'
+                # `Linear` would otherwise copy it to align it (a second copy of the tensor at load)
+                from .kernels import aligned_empty
+
+                shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, ds.shape))
+                out = aligned_empty(shape, ds.dtype)
+                if out.size:
+                    ds.read_direct(out, tuple(index))
+            elif stored == dtype or (dtype == "float32" and ds.ndim < 2):
                 out = self._convert(ds[tuple(index)] if ds.ndim else ds[()], stored, dtype)
             else:
                 out = self._read_blocks(ds, index, stored, dtype)
@@ -323,7 +331,9 @@ class H5ParamSource:
         """Read and convert a 2-D (or larger) tensor a block of leading rows at a time."""
         rows = range(*index[0].indices(ds.shape[0]))
         shape = (len(rows), *(len(range(*s.indices(n))) for s, n in zip(index[1:], ds.shape[1:])))
-        out = np.empty(shape, np.uint16 if dtype == "bfloat16" else dtype)
+        from .kernels import aligned_empty
+
+        out = aligned_empty(shape, np.uint16 if dtype == "bfloat16" else dtype)  # (aligned: see `read`)
         per_row = max(1, int(np.prod(shape[1:])) * 4)
         step = max(1, _CONVERT_ROWS_BYTES // per_row)
         for a in range(0, len(rows), step):

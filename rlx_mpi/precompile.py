@@ -24,11 +24,15 @@ def _dispatchers():
     """Every cached numba dispatcher of the package's kernel modules."""
     import numba
 
+    import importlib
+    import pkgutil
+
     from . import kernels, wire
     from .families.decoder import ops
-    from .kernels import attention, decode_layer, elementwise, gemm, lowp, matvec
 
-    for mod in (elementwise, attention, matvec, gemm, lowp, decode_layer, wire, ops, kernels):
+    # every module of the kernels package (a kernel module added or removed needs no edit here)
+    mods = [importlib.import_module(f"{kernels.__name__}.{m.name}") for m in pkgutil.iter_modules(kernels.__path__)]
+    for mod in (*mods, wire, ops, kernels):
         for value in vars(mod).values():
             if isinstance(value, numba.core.registry.CPUDispatcher) and getattr(value, "_cache", None) is not None:
                 yield value
@@ -57,6 +61,8 @@ def compile_kernels() -> float:
     kernels.warm_up_lowp()
     for fmt in kernels.DECODE_LAYER_FORMATS:
         kernels.warm_up_decode_layer(fmt)
+    for fmt in ("f32", "bf16", "f16", "int8", "q4"):  # MoE layers' experts (kernels/experts.py)
+        kernels.warm_up_experts(fmt)
     return time.perf_counter() - t0
 
 

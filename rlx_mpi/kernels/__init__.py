@@ -32,7 +32,7 @@ from ._fresh import drop_stale
 
 drop_stale(Path(__file__).parent)  # before any cached kernel loads (the note in _fresh.py)
 
-from ._common import aligned, set_threads
+from ._common import aligned, aligned_empty, set_threads
 
 from .attention import (_row_max, attend, attend_cache, attend_workspace_bytes, causal_softmax_, check_cache_rows,
                         decode_attention)
@@ -49,7 +49,7 @@ from .experts import (ACTIVATIONS as EXPERT_ACTIVATIONS, check_stack, experts_de
 
 __all__ = ["rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_cache", "decode_attention", "check_cache_rows", "attend_workspace_bytes", "causal_softmax_",
            "matvec_f32", "float_product", "matmul_float", "F32_MATVEC_ROWS", "dequant_matmul", "fused_matvec", "kernel_weight", "check_weight", "dequantize", "to_bf16",
-           "from_bf16", "quantize_int8", "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "matvec_rows", "set_threads", "pool_threads", "aligned", "decode_layer", "DECODE_LAYER_FORMATS", "warm_up_decode_layer", "warm_up",
+           "from_bf16", "quantize_int8", "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "matvec_rows", "set_threads", "pool_threads", "aligned", "aligned_empty", "decode_layer", "DECODE_LAYER_FORMATS", "warm_up_decode_layer", "warm_up",
            "warm_up_lowp", "experts_decode", "lone_rows", "route_experts", "fused_experts", "check_stack", "warm_up_experts",
            "EXPERT_ACTIVATIONS",
            "INT8_GROUPS", "int8_block", "Q4_GROUP", "VNNI", "pairs_f32", "quantize_q4", "dequantize_q4", "matvec_q4", "q4_nbytes",

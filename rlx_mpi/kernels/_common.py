@@ -145,6 +145,15 @@ def aligned(a: np.ndarray) -> np.ndarray:
     return out
 
 
+def aligned_empty(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array starting on an ALIGN-byte boundary (no copy made)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buf = np.empty(nbytes + ALIGN, np.uint8)
+    off = -buf.ctypes.data % ALIGN
+    return buf[off:off + nbytes].view(dtype).reshape(shape)
+
+
 def check_f32(name: str, a: np.ndarray) -> None:
     """TypeError naming ``name`` unless ``a`` is a C-contiguous float32 array."""
     if a.dtype != np.float32 or not a.flags.c_contiguous:

@@ -261,7 +261,9 @@ def fuse(parts: list[Linear]) -> Linear:
         fine = min(kernels.int8_block(k, s.shape[1]) for s in scales)
         scales = [np.repeat(s, kernels.int8_block(k, s.shape[1]) // fine, axis=1)[:, :k // fine] for s in scales]
     scale = None if parts[0].scale is None else np.concatenate(scales)
-    return Linear(parts[0].precision, np.concatenate([p.data for p in parts]), scale)
+    data = kernels.aligned_empty((sum(p.data.shape[0] for p in parts), *parts[0].data.shape[1:]), parts[0].data.dtype)
+    np.concatenate([p.data for p in parts], out=data)  # aligned already: `Linear` keeps it, no second copy
+    return Linear(parts[0].precision, data, scale)
 
 
 @dataclass
@@ -342,7 +344,7 @@ class ExpertStack:
     @classmethod
     def _empty(cls, m: Mlp, n: int) -> "ExpertStack":
         def like(a):
-            return None if a is None else np.empty((n, *a.shape), a.dtype)
+            return None if a is None else kernels.aligned_empty((n, *a.shape), a.dtype)
 
         return cls(m.gate_up.precision, like(m.gate_up.data), like(m.gate_up.scale), like(m.gate_up_bias),
                    m.down_proj.precision, like(m.down_proj.data), like(m.down_proj.scale), like(m.down_bias))
@@ -358,8 +360,12 @@ class ExpertStack:
         for a, b in pairs:
             if a is not None:
                 a[e] = b
-        m.gate_up = Linear(self.gate_up_fmt, self.gate_up[e], None if self.gate_up_scale is None else self.gate_up_scale[e])
-        m.down_proj = Linear(self.down_fmt, self.down[e], None if self.down_scale is None else self.down_scale[e])
+        # views, never copies (align=False): a slice that is not 64-byte aligned is read a little
+        # slower by the per-expert path, where a copy would hold the expert twice
+        m.gate_up = Linear(self.gate_up_fmt, self.gate_up[e], None if self.gate_up_scale is None else self.gate_up_scale[e],
+                           align=False)
+        m.down_proj = Linear(self.down_fmt, self.down[e], None if self.down_scale is None else self.down_scale[e],
+                             align=False)
         m.gate_up_bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
         m.down_bias = None if self.down_bias is None else self.down_bias[e]
         return True
