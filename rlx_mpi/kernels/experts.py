@@ -55,10 +55,10 @@ from numba.extending import overload
 
 from ._common import ERR, FAST, check_f32, pool_threads
 from .elementwise import _swiglu
-from .lowp import _dot_i8_i16_tail, _quantize_rows_i16, check_weight, kernel_weight
+from .lowp import _dot_i8_i16_tail, _one_row_i8, _quantize_rows_i16, check_weight, kernel_weight
 from .matvec import _main_cols, _operand, _t1_1, _tail
 from .quant import _q4_dot, _quantize_rows_q8
-from .rowdot import AHEAD_BYTES, INT8_BLOCK, row_dot_i8, row_dot_i8_16, row_dot_i8_32
+from .rowdot import AHEAD_BYTES, INT8_BLOCK
 
 __all__ = ["experts_decode", "lone_rows", "route", "ROUTINGS", "fused_experts", "check_stack", "ACTIVATIONS"]
 
@@ -114,12 +114,7 @@ def _rows_int8(x, w, scale, experts, groups, out, chunks):  # as lowp._matvec_in
         for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
             for r in range(groups[i], groups[i + 1]):
                 ahead = AHEAD_BYTES if r == groups[i] else 0
-                if block == INT8_BLOCK:
-                    out[r, n] = row_dot_i8(we, n, xq, r, se, xs, full, ahead)[0]
-                elif block == 32:
-                    out[r, n] = row_dot_i8_32(we, n, xq, r, se, xs, full, ahead)[0]
-                else:
-                    out[r, n] = row_dot_i8_16(we, n, xq, r, se, xs, full, ahead)[0]
+                out[r, n] = _one_row_i8(we, n, xq, r, se, xs, full, ahead, block)
                 if full < nb:  # a shorter last block
                     out[r, n] += _dot_i8_i16_tail(we, n, xq, r, se, xs, full)
 

@@ -101,6 +101,15 @@ def _dot_i8_i16_tail(w, n, x, r, ws, xs, b):  # the shorter last block b (of 64)
     return np.float32(isum) * (ws[n, b] * xs[r, b])
 
 
+@numba.njit(cache=True, inline="always")
+def _one_row_i8(w, n, xq, r, scale, xs, full, ahead, block):  # one activation row's whole blocks of row n
+    if block == INT8_BLOCK:
+        return row_dot_i8(w, n, xq, r, scale, xs, full, ahead)[0]
+    if block == 32:
+        return row_dot_i8_32(w, n, xq, r, scale, xs, full, ahead)[0]
+    return row_dot_i8_16(w, n, xq, r, scale, xs, full, ahead)[0]
+
+
 @numba.njit(cache=True, parallel=True)
 def _matvec_int8(x, w, scale, out, chunks):  # x (R, K) f32; w (N, K) int8, scale (N, nb); out (R, N) f32
     r_len, k_len = x.shape
@@ -128,12 +137,7 @@ def _matvec_int8(x, w, scale, out, chunks):  # x (R, K) f32; w (N, K) int8, scal
                         out[r + i, n] = sums[i]
                 for r in range(grouped, a1):  # the same element sums one row at a time (the invariance note)
                     ahead = AHEAD_BYTES if r == 0 else 0
-                    if block == INT8_BLOCK:
-                        out[r, n] = row_dot_i8(w, n, xq, r, scale, xs, full, ahead)[0]
-                    elif block == 32:
-                        out[r, n] = row_dot_i8_32(w, n, xq, r, scale, xs, full, ahead)[0]
-                    else:
-                        out[r, n] = row_dot_i8_16(w, n, xq, r, scale, xs, full, ahead)[0]
+                    out[r, n] = _one_row_i8(w, n, xq, r, scale, xs, full, ahead, block)
                 if full < scale.shape[1]:  # a shorter last block
                     for r in range(a0, a1):
                         out[r, n] += _dot_i8_i16_tail(w, n, xq, r, scale, xs, full)
