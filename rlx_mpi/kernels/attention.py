@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 from ._common import ERR, FAST, check_f32, pool_threads, run_parts, team_size
 from .matvec import F32_MATVEC_ROWS, _main_cols, _tail, _tile_stub
-from .rowdot import TILE_W
+from .rowdot import _FLANES, TILE_W, WIDE_ROWS, _rows_of
 from .bits import as_f32
 from .elementwise import _exp
 
@@ -85,7 +88,7 @@ def _attend_one(q, i, keys, values, lo, hi, scale, softcap, sink, srow, y):
         for j in range(lo, hi):
             srow[j - lo] += _score_tail(keys, j, q, i, k)
     n = hi - lo
-    peak = -np.inf
+    peak = np.float32(-np.inf)  # (float32: a float64 -inf made the softmax and value sums float64: the float32 note)
     for j in range(n):
         v = srow[j] * scale
         if softcap > 0:  # cap * tanh(s / cap), the scale already applied (transformers' order)
@@ -98,7 +101,7 @@ def _attend_one(q, i, keys, values, lo, hi, scale, softcap, sink, srow, y):
         srow[j] = e
         total += e
     if sink == sink:
-        total += np.exp(sink - peak)
+        total += _exp(sink - peak)
     inv = np.float32(1.0) / total
     for j in range(n):
         pj = srow[j] * inv
@@ -284,6 +287,157 @@ def _score_tail(keys, j, q, i, k0):  # keys[j, k0:] . q[i, k0:], one column at a
     return _tail(keys, j, q, q, i, k0)
 
 
+# -- prefill: WIDE_ROWS queries of a head at once, each query the bits of `_attend_one` ----------
+
+_QB = WIDE_ROWS  # consecutive queries of one head per block (the block note)
+_score_block = _tile_stub(_QB, TILE_W, 2)  # _QB queries x TILE_W keys: the tile's order for each score
+_score_block1 = _tile_stub(_QB, 1, 2)
+_VVEC = 4 if _FLANES == 16 else 3  # value vectors a key per pass: _QB x _VVEC accumulators in registers
+
+
+def _make_value_sums(rows: int, nvec: int):
+    @intrinsic
+    def value_sums(typingctx, p, c0, n, values, j0, d0, acc):
+        """acc[r, d0:d0 + nvec * _FLANES] += p[r, c0 + c] * values[j0 + c, d0:...] for c = 0..n-1 in
+        order, r < rows, each term a multiply then an add (as `_attend_one`'s value loop: no fused
+        multiply-add, no reordering), the accumulators in registers across the keys. p, values and
+        acc float32 2-D C-contiguous; the caller keeps every index in bounds (none checked here)."""
+        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == types.float32
+                   for a in (p, values, acc)):
+            return None
+        sig = types.void(p, c0, n, values, j0, d0, acc)
+
+        def codegen(context, builder, signature, args):
+            pt, c0t, nt, vt, j0t, d0t, at = signature.args
+            p_, c0_, n_, v_, j0_, d0_, a_ = args
+            intp, row, c0_, j0_ = _rows_of(context, builder, c0_, c0t, j0_, j0t)
+            n_, d0_ = context.cast(builder, n_, nt, types.intp), context.cast(builder, d0_, d0t, types.intp)
+            f = ir.VectorType(ir.FloatType(), _FLANES)
+            pps = [builder.gep(row(pt, p_, intp(r)), [c0_]) for r in range(rows)]
+            aps = [builder.gep(row(at, a_, intp(r)), [d0_]) for r in range(rows)]
+            accs = [[cgutils.alloca_once_value(builder, builder.load(
+                builder.bitcast(builder.gep(aps[r], [intp(u * _FLANES)]), f.as_pointer()), align=4))
+                for u in range(nvec)] for r in range(rows)]
+            with cgutils.for_range(builder, n_) as loop:
+                c = loop.index
+                vp = builder.gep(row(vt, v_, builder.add(j0_, c)), [d0_])
+                vvs = [builder.load(builder.bitcast(builder.gep(vp, [intp(u * _FLANES)]), f.as_pointer()), align=4)
+                       for u in range(nvec)]
+                for r in range(rows):
+                    pj = builder.load(builder.gep(pps[r], [c]))
+                    pb = builder.insert_element(ir.Constant(f, ir.Undefined), pj, ir.Constant(ir.IntType(32), 0))
+                    pb = builder.shuffle_vector(pb, pb, ir.Constant(ir.VectorType(ir.IntType(32), _FLANES),
+                                                                    [0] * _FLANES))
+                    for u in range(nvec):
+                        a = accs[r][u]
+                        builder.store(builder.fadd(builder.load(a), builder.fmul(pb, vvs[u])), a)  # (no flags)
+            for r in range(rows):
+                for u in range(nvec):
+                    builder.store(builder.load(accs[r][u]),
+                                  builder.bitcast(builder.gep(aps[r], [intp(u * _FLANES)]), f.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return value_sums
+
+
+_values_block = _make_value_sums(_QB, _VVEC)
+_values_block1 = _make_value_sums(_QB, 1)
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR, inline="always")
+def _values_one(p, r, c0, values, j0, j1, d0, acc):  # acc[r, d0:] += p[r, c0 + j - j0] * values[j, d0:], j in order
+    for j in range(j0, j1):
+        pj = p[r, c0 + j - j0]
+        for d in range(d0, acc.shape[1]):
+            acc[r, d] += pj * values[j, d]
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _softmax_row(row, scale, softcap, sink):
+    """`_attend_one`'s softmax of one query's raw scores, in place, the same operations in the same
+    order: each step its own loop, so the element-wise ones vectorise (the block note)."""
+    n = row.shape[0]
+    if softcap > 0:
+        for j in range(n):
+            v = row[j] * scale
+            row[j] = softcap * np.tanh(v / softcap)
+    else:
+        for j in range(n):
+            row[j] = row[j] * scale
+    peak = np.float32(-np.inf)
+    for j in range(n):
+        v = row[j]
+        peak = v if v > peak or v != v else peak
+    for j in range(n):
+        row[j] = _exp(row[j] - peak)
+    total = np.float32(0.0)
+    for j in range(n):
+        total += row[j]
+    if sink == sink:
+        total += _exp(sink - peak)
+    inv = np.float32(1.0) / total
+    for j in range(n):
+        row[j] = row[j] * inv
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _attend_block(q, t0, keys, values, lo, hi, scale, softcap, sink, sc, acc):
+    """Queries q[t0..t0 + _QB - 1] (q (n, hs) C-contiguous) over keys / values (L, hs) / (L, hv),
+    query r seeing keys lo[r]..hi[r]-1, into acc (_QB, hv); sc (_QB, >= L) scratch. Each query
+    gets the bits `_attend_one` gives it (the block note)."""
+    hv = acc.shape[1]
+    acc[:, :] = 0.0
+    a0, a1 = keys.shape[0], 0  # the keys some query sees
+    m0, m1 = 0, keys.shape[0]  # the keys every query sees
+    for r in range(_QB):
+        if hi[r] > lo[r]:
+            a0, a1 = min(a0, lo[r]), max(a1, hi[r])
+        m0, m1 = max(m0, lo[r]), min(m1, hi[r])
+    if a1 <= a0:
+        return
+    k = _main_cols(keys, keys.shape[1])
+    j = a0
+    while j + TILE_W <= a1:  # every query's scores of keys a0..a1-1 (those it does not see unused)
+        s = _score_block(keys, j, q, q, t0, k, 0)
+        for m in range(TILE_W):
+            for r in range(_QB):
+                sc[r, j - a0 + m] = s[m * _QB + r]
+        j += TILE_W
+    while j < a1:
+        s1 = _score_block1(keys, j, q, q, t0, k, 0)
+        for r in range(_QB):
+            sc[r, j - a0] = s1[r]
+        j += 1
+    for r in range(_QB):
+        if hi[r] > lo[r]:
+            if k < keys.shape[1]:
+                for j in range(lo[r], hi[r]):
+                    sc[r, j - a0] += _score_tail(keys, j, q, t0 + r, k)
+            _softmax_row(sc[r, lo[r] - a0:hi[r] - a0], scale, softcap, sink)
+    if m1 <= m0:  # no key every query sees: each alone
+        for r in range(_QB):
+            if hi[r] > lo[r]:
+                _values_one(sc, r, lo[r] - a0, values, lo[r], hi[r], 0, acc)
+        return
+    for r in range(_QB):  # the keys before the shared ones, then those, then the keys after
+        _values_one(sc, r, lo[r] - a0, values, lo[r], m0, 0, acc)
+    wide = _VVEC * _FLANES
+    d = 0
+    while d + wide <= hv:
+        _values_block(sc, m0 - a0, m1 - m0, values, m0, d, acc)
+        d += wide
+    while d + _FLANES <= hv:
+        _values_block1(sc, m0 - a0, m1 - m0, values, m0, d, acc)
+        d += _FLANES
+    if d < hv:
+        for r in range(_QB):
+            _values_one(sc, r, m0 - a0, values, m0, m1, d, acc)
+    for r in range(_QB):
+        _values_one(sc, r, m1 - a0, values, m1, hi[r], 0, acc)
+
+
 def _positions(q_pos, B: int, T: int, S: int) -> np.ndarray:
     if q_pos is None:
         return np.broadcast_to(np.arange(S - T, S, dtype=np.int64), (B, T))
@@ -356,13 +510,26 @@ def _attend_heads(q, k, v, pos, window, scale, softcap, sinks, kv0, kv1, y):
     nkv, S = k.shape[1], k.shape[2]
     g = nh // nkv
     srow = np.empty(max(S, 1), np.float32)
+    sc = np.empty((_QB, max(S, 1)), np.float32)
+    acc = np.empty((_QB, y.shape[3]), np.float32)
+    los, his = np.empty(_QB, np.int64), np.empty(_QB, np.int64)
     for b in range(B):
         for kh in range(kv0, kv1):
             keys, values = k[b, kh], v[b, kh]
             for i in range(g):
                 h = kh * g + i
                 sink = sinks[h] if sinks.shape[0] > 0 else np.float32(np.nan)
-                for t in range(T):
+                t = 0
+                while t + _QB <= T:  # blocks of _QB queries (the block note)
+                    for r in range(_QB):
+                        p = pos[b, t + r]
+                        los[r] = max(0, p - window + 1) if window > 0 else 0
+                        his[r] = min(S, p + 1)
+                    _attend_block(q[b, h], t, keys, values, los, his, scale, softcap, sink, sc, acc)
+                    for r in range(_QB):
+                        y[b, t + r, h, :] = acc[r]
+                    t += _QB
+                for t in range(t, T):  # the last few one at a time
                     p = pos[b, t]
                     lo = max(0, p - window + 1) if window > 0 else 0
                     hi = min(S, p + 1)
