@@ -18,7 +18,7 @@ from numba.extending import intrinsic
 from ._common import ERR, FAST, check_f32, pool_threads, run_parts, team_size
 from .matvec import F32_MATVEC_ROWS, _main_cols, _tail, _tile_stub
 from .rowdot import _FLANES, TILE_W, WIDE_ROWS, _rows_of
-from .bits import as_f32
+from .bits import as_f32, bits_of_f32
 from .elementwise import _exp
 
 __all__ = ["attend", "attend_cache", "decode_attention", "check_cache_rows", "attend_workspace_bytes", "causal_softmax_"]
@@ -346,6 +346,36 @@ _values_block = _make_value_sums(_QB, _VVEC)
 _values_block1 = _make_value_sums(_QB, 1)
 
 
+@intrinsic
+def _sums_block(typingctx, p, c0, n, tot):
+    """tot[r] += p[r, c0 + c] for c = 0..n-1 in order, r < _QB: _QB serial sums interleaved (each
+    one add at a time, its own order; the latency of one hides behind the others). p (_QB, m) and
+    tot (_QB,) float32 C-contiguous; indices unchecked."""
+    if not (isinstance(p, types.Array) and p.ndim == 2 and p.layout == "C" and p.dtype == types.float32
+            and isinstance(tot, types.Array) and tot.ndim == 1 and tot.layout == "C" and tot.dtype == types.float32):
+        return None
+    sig = types.void(p, c0, n, tot)
+
+    def codegen(context, builder, signature, args):
+        pt, c0t, nt, tt = signature.args
+        p_, c0_, n_, t_ = args
+        intp, row, c0_, _ = _rows_of(context, builder, c0_, c0t, c0_, c0t)
+        n_ = context.cast(builder, n_, nt, types.intp)
+        tarr = context.make_array(tt)(context, builder, t_)
+        tps = [cgutils.get_item_pointer(context, builder, tt, tarr, [intp(r)], wraparound=False) for r in range(_QB)]
+        pps = [builder.gep(row(pt, p_, intp(r)), [c0_]) for r in range(_QB)]
+        sums = [cgutils.alloca_once_value(builder, builder.load(tp)) for tp in tps]
+        with cgutils.for_range(builder, n_) as loop:
+            for r in range(_QB):
+                builder.store(builder.fadd(builder.load(sums[r]), builder.load(builder.gep(pps[r], [loop.index]))),
+                              sums[r])  # (no flags: in order)
+        for r in range(_QB):
+            builder.store(builder.load(sums[r]), tps[r])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @numba.njit(cache=True, nogil=True, error_model=ERR, inline="always")
 def _values_one(p, r, c0, values, j0, j1, d0, acc):  # acc[r, d0:] += p[r, c0 + j - j0] * values[j, d0:], j in order
     for j in range(j0, j1):
@@ -355,9 +385,9 @@ def _values_one(p, r, c0, values, j0, j1, d0, acc):  # acc[r, d0:] += p[r, c0 + 
 
 
 @numba.njit(cache=True, nogil=True, error_model=ERR)
-def _softmax_row(row, scale, softcap, sink):
-    """`_attend_one`'s softmax of one query's raw scores, in place, the same operations in the same
-    order: each step its own loop, so the element-wise ones vectorise (the block note)."""
+def _scaled_exp(row, scale, softcap):
+    """`_attend_one`'s softmax numerators of one query's raw scores, in place: scaled (and capped)
+    scores, their peak, exp(score - peak), element-wise loops that vectorise (the block note)."""
     n = row.shape[0]
     if softcap > 0:
         for j in range(n):
@@ -366,20 +396,18 @@ def _softmax_row(row, scale, softcap, sink):
     else:
         for j in range(n):
             row[j] = row[j] * scale
-    peak = np.float32(-np.inf)
+    # the peak as `_row_max` takes it (an integer max vectorises): the same as `_attend_one`'s
+    # serial max but for ±0 (exp(v - 0) and exp(v + 0) are the same bits) and NaN (the caller
+    # then redoes the query with `_attend_one`)
+    best = np.int32(-2147483648)
     for j in range(n):
-        v = row[j]
-        peak = v if v > peak or v != v else peak
+        b = np.int32(bits_of_f32(row[j]))
+        kk = b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF))
+        best = kk if kk > best else best
+    peak = as_f32(np.uint32(best ^ ((best >> np.int32(31)) & np.int32(0x7FFFFFFF))))
     for j in range(n):
         row[j] = _exp(row[j] - peak)
-    total = np.float32(0.0)
-    for j in range(n):
-        total += row[j]
-    if sink == sink:
-        total += _exp(sink - peak)
-    inv = np.float32(1.0) / total
-    for j in range(n):
-        row[j] = row[j] * inv
+    return peak
 
 
 @numba.njit(cache=True, nogil=True, error_model=ERR)
@@ -410,13 +438,37 @@ def _attend_block(q, t0, keys, values, lo, hi, scale, softcap, sink, sc, acc):
         for r in range(_QB):
             sc[r, j - a0] = s1[r]
         j += 1
+    peaks = np.empty(_QB, np.float32)
+    tot = np.zeros(_QB, np.float32)
     for r in range(_QB):
         if hi[r] > lo[r]:
             if k < keys.shape[1]:
                 for j in range(lo[r], hi[r]):
                     sc[r, j - a0] += _score_tail(keys, j, q, t0 + r, k)
-            _softmax_row(sc[r, lo[r] - a0:hi[r] - a0], scale, softcap, sink)
-    if m1 <= m0:  # no key every query sees: each alone
+            peaks[r] = _scaled_exp(sc[r, lo[r] - a0:hi[r] - a0], scale, softcap)
+    shared = m0 < m1  # (then every query sees a key)
+    for r in range(_QB):  # each query's softmax sum in key order: the keys before the shared ones,
+        if hi[r] > lo[r]:  # then those (interleaved), then the keys after
+            for j in range(lo[r], m0 if shared else hi[r]):
+                tot[r] += sc[r, j - a0]
+    if shared:
+        _sums_block(sc, m0 - a0, m1 - m0, tot)
+        for r in range(_QB):
+            for j in range(m1, hi[r]):
+                tot[r] += sc[r, j - a0]
+    for r in range(_QB):
+        if hi[r] > lo[r]:
+            total = tot[r]
+            if sink == sink:
+                total += _exp(sink - peaks[r])
+            if total != total:  # a NaN: every query as `_attend_one` gives it, NaN bits and all
+                for rr in range(_QB):
+                    _attend_one(q, t0 + rr, keys, values, lo[rr], hi[rr], scale, softcap, sink, sc[rr], acc[rr])
+                return
+            inv = np.float32(1.0) / total
+            for j in range(lo[r] - a0, hi[r] - a0):
+                sc[r, j] = sc[r, j] * inv
+    if not shared:  # each alone
         for r in range(_QB):
             if hi[r] > lo[r]:
                 _values_one(sc, r, lo[r] - a0, values, lo[r], hi[r], 0, acc)
