@@ -411,10 +411,10 @@ def _scaled_exp(row, scale, softcap):
 
 
 @numba.njit(cache=True, nogil=True, error_model=ERR)
-def _attend_block(q, t0, keys, values, lo, hi, scale, softcap, sink, sc, acc):
+def _attend_block(q, t0, keys, values, lo, hi, scale, softcap, sink, sc, acc, peaks, tot):
     """Queries q[t0..t0 + _QB - 1] (q (n, hs) C-contiguous) over keys / values (L, hs) / (L, hv),
-    query r seeing keys lo[r]..hi[r]-1, into acc (_QB, hv); sc (_QB, >= L) scratch. Each query
-    gets the bits `_attend_one` gives it (the block note)."""
+    query r seeing keys lo[r]..hi[r]-1, into acc (_QB, hv); sc (_QB, >= L), peaks and tot (_QB,)
+    scratch. Each query gets the bits `_attend_one` gives it (the block note)."""
     hv = acc.shape[1]
     acc[:, :] = 0.0
     a0, a1 = keys.shape[0], 0  # the keys some query sees
@@ -438,8 +438,7 @@ def _attend_block(q, t0, keys, values, lo, hi, scale, softcap, sink, sc, acc):
         for r in range(_QB):
             sc[r, j - a0] = s1[r]
         j += 1
-    peaks = np.empty(_QB, np.float32)
-    tot = np.zeros(_QB, np.float32)
+    tot[:] = 0.0
     for r in range(_QB):
         if hi[r] > lo[r]:
             if k < keys.shape[1]:
@@ -565,6 +564,7 @@ def _attend_heads(q, k, v, pos, window, scale, softcap, sinks, kv0, kv1, y):
     sc = np.empty((_QB, max(S, 1)), np.float32)
     acc = np.empty((_QB, y.shape[3]), np.float32)
     los, his = np.empty(_QB, np.int64), np.empty(_QB, np.int64)
+    peaks, tot = np.empty(_QB, np.float32), np.empty(_QB, np.float32)
     for b in range(B):
         for kh in range(kv0, kv1):
             keys, values = k[b, kh], v[b, kh]
@@ -577,7 +577,7 @@ def _attend_heads(q, k, v, pos, window, scale, softcap, sinks, kv0, kv1, y):
                         p = pos[b, t + r]
                         los[r] = max(0, p - window + 1) if window > 0 else 0
                         his[r] = min(S, p + 1)
-                    _attend_block(q[b, h], t, keys, values, los, his, scale, softcap, sink, sc, acc)
+                    _attend_block(q[b, h], t, keys, values, los, his, scale, softcap, sink, sc, acc, peaks, tot)
                     for r in range(_QB):
                         y[b, t + r, h, :] = acc[r]
                     t += _QB
