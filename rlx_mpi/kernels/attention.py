@@ -53,16 +53,48 @@ def _row_max(row):  # max of a non-empty C-contiguous float32 row
 # (5-6x slower, measured).
 
 
-# Note: invariance. A query's attention is computed by one kernel, `_attend_one`, whatever the
-# step: a decode row alone or beside others, on the calling thread or the pool, inside the fused
-# decode layer or not; a prefill query in a chunk of 16 or of 256, beside padded rows or not, run
-# or score or generate. Its arithmetic is fixed: each score is rowdot's float tile over hs (one
+# Note: invariance. A query's attention has one arithmetic, `_attend_one`'s, whatever the step: a
+# decode row alone or beside others, on the calling thread or the pool, inside the fused decode
+# layer or not; a prefill query in a chunk of 16 or of 256, beside padded rows or not, run or score
+# or generate. Decode runs `_attend_one` itself; prefill runs `_attend_block`, the same operations
+# for WIDE_ROWS queries at once (the block note). Each score is rowdot's float tile over hs (one
 # order: the invariance note there), the softmax's sum and the value sums run over the keys in
-# position order, one rounding at a time (no fast-math here, so LLVM cannot reorder them whatever
-# it inlines into), and the values are summed lane-wise over the head's width (independent lanes:
-# vectorised without reordering). Before, prefill took BLAS's blocked products and an online softmax
-# whose rounding depended on the chunk (its query blocks, the key block's length) and decode a
-# fast-math loop: a row's logits depended on the batch and the prefill chunk it shared.
+# position order, one float32 rounding at a time (no fast-math here, so LLVM cannot reorder them
+# whatever it inlines into), and the values are summed lane-wise over the head's width (independent
+# lanes: vectorised without reordering). Before, prefill took BLAS's blocked products and an online
+# softmax whose rounding depended on the chunk (its query blocks, the key block's length) and decode
+# a fast-math loop: a row's logits depended on the batch and the prefill chunk it shared.
+#
+# Note: float32. `_attend_one` started its running max at ``-np.inf``, a float64: numba then typed
+# the peak, `_exp`'s argument, the softmax's sum and each p_j as float64, so the value sums were
+# taken in float64 and rounded to float32 at every key (scalar float64 exp, 8-lane double vectors).
+# Now every step is float32 (the peak starts at float32 -inf; the sink's term is `_exp`, not libm's
+# exp, whose bits may vary between hosts' libms). Rows changed by float32 rounding (test_kernels.py's
+# bounds against float64 hold); decode and prefill still give one query the same bits.
+#
+# Note: the block. Prefill attends WIDE_ROWS (6 on AVX-512, 3 on AVX2) consecutive queries of a head
+# at once, each through `_attend_one`'s operations in its order: the scores by the wide tile
+# (WIDE_ROWS queries x TILE_W keys: each key vector loaded once feeds every query, the same chain of
+# fused multiply-adds and lane tree per score), over the keys some query sees (scores of keys a
+# query does not see are computed and never read); each query's scaled scores, peak and exp(s -
+# peak) in element-wise loops that vectorise (`_exp` is our polynomial: the same bits in a vector
+# lane as in a scalar; the peak an integer max: equal to the serial max but for the sign of a zero,
+# which exp(s - peak) does not see); the serial softmax sums of the block's queries interleaved
+# (`_sums_block`: each still one add at a time in key order); the value sums with the block's
+# accumulators in registers across the keys (`_values_block`: a multiply then an add per key, as
+# `_attend_one`); a key only some queries see (the causal triangle, a window's first keys) goes
+# through each query alone, before or after the keys all of them see, so every sum keeps key order.
+# A block whose sums hold a NaN is redone one query at a time (NaN bits as `_attend_one`'s); the
+# last T % WIDE_ROWS queries of a head take `_attend_one`. tests/test_attention.py checks the bits.
+# Measured (bench/bench_attention.py, medium heads 16 / 8 x 64, 1 thread, one process, alternating
+# rounds, minima; a 2-core AVX-512 Xeon shared with other jobs, load 2-8: ratios, not figures):
+# against the one-query kernel it replaces (float64 softmax), prefill 128 tokens 7.0x, 512 tokens
+# 4.2x (the lead's profile: 0.89 s of a 512-token medium prefill); thread CPU time of a 512-token
+# call 52 -> 13 ms (x 16 layers: 0.84 -> 0.21 s); decode (float32 now) 1.3-1.4x at batch 1, 1.1-1.3x
+# at batch 8. Against the blocked BLAS attention before the invariance note (e304325): prefill 128
+# 0.86x, 512 1.19x (wall, load 6-8); thread CPU time at 512 11 vs 13 ms (0.86x). By phase, a 512-token
+# call at 1 thread (thread CPU time): scores 3.1 ms, softmax 2.5, value sums 2.5, the rest (per-block
+# setup, the last queries, copies) ~4.
 
 
 @numba.njit(cache=True, nogil=True, error_model=ERR)
@@ -579,7 +611,8 @@ def _attend_heads(q, k, v, pos, window, scale, softcap, sinks, kv0, kv1, y):
                         his[r] = min(S, p + 1)
                     _attend_block(q[b, h], t, keys, values, los, his, scale, softcap, sink, sc, acc, peaks, tot)
                     for r in range(_QB):
-                        y[b, t + r, h, :] = acc[r]
+                        for d in range(acc.shape[1]):  # (a loop: numba's slice assignment cost 6 % of the call)
+                            y[b, t + r, h, d] = acc[r, d]
                     t += _QB
                 for t in range(t, T):  # the last few one at a time
                     p = pos[b, t]
