@@ -1,6 +1,6 @@
-"""Scaled dot-product attention (grouped-query, causal or windowed, soft-cap, sinks), one query at
-a time in one fixed order (the invariance note), for a prefill chunk (`attend`) and a decode step
-read in place from a KV cache (`attend_cache`, `decode_attention`).
+"""Scaled dot-product attention (grouped-query, causal or windowed, soft-cap, sinks), each query in
+one fixed order (the invariance note), for a prefill chunk (`attend`: WIDE_ROWS queries at a time,
+the block note) and a decode step read in place from a KV cache (`attend_cache`, `decode_attention`).
 
 A prefill's kv heads go to the rank's threads in parts (`run_parts`, the team note in
 _common.py); a small decode step's (row, kv head) pairs to numba's pool. `causal_softmax_` is a
@@ -94,7 +94,9 @@ def _row_max(row):  # max of a non-empty C-contiguous float32 row
 # at batch 8. Against the blocked BLAS attention before the invariance note (e304325): prefill 128
 # 0.86x, 512 1.19x (wall, load 6-8); thread CPU time at 512 11 vs 13 ms (0.86x). By phase, a 512-token
 # call at 1 thread (thread CPU time): scores 3.1 ms, softmax 2.5, value sums 2.5, the rest (per-block
-# setup, the last queries, copies) ~4.
+# setup, the last queries, copies) ~4. Tried and dropped: the scores from the keys transposed (lanes
+# = 16 keys, rowdot's lane tree as adds of whole vectors, the same bits) 0.83x (6 queries a call:
+# registers spill) and 1.01x (3) at 512 tokens, 0.94-0.95x at 128, against the wide tile.
 
 
 @numba.njit(cache=True, nogil=True, error_model=ERR)
@@ -625,7 +627,7 @@ def attend_workspace_bytes(batch: int, heads: int, seq: int, head_dim: int) -> i
     """Bytes `attend` holds besides its inputs and output (the planner's estimate): kept at what the
     blocked attention before the invariance note held, 64 queries x up to 1024 keys of scores per
     head, an accumulator and running max / sum; today's (a contiguous copy of v, the one view among
-    q, k, v, and a row of scores per thread) is of the same order (B x nkv x seq x hs floats): to
+    q, k, v, and WIDE_ROWS + 1 rows of scores per thread) is of the same order (B x nkv x seq x hs floats): to
     re-derive with the planner's pages (tests/test_docs.py shows their plans)."""
     bq, bk = min(seq, 64), min(seq, 1024)
     return batch * heads * bq * (bk + 2 * head_dim + 2) * 4
