@@ -144,3 +144,130 @@ def test_latent_and_window_layers_paged(tmp_path, case):
     assert kinds == ({PagedCache} if case == "deepseek_v3" else {PagedCache, LayerCache})
     if case == "deepseek_v3":
         assert st.caches[0].k.shape == (1, 1, 9 * BS, cfg.kv_lora_rank)
+
+
+# -- the scheduler's side: rows' blocks from the pool, admission by blocks (pure, no MPI) ----------
+
+class PagedFakeStage:
+    """test_prefix_cache's FakeStage with paged rows: one pool of blocks of `_kv` values read and
+    written through a block table that the ATTACH and SET ops fill; a SAVE must name the row's own
+    block (no copy). Every read checks the row's earlier positions hold its own prefix, so a block
+    handed to two rows at once, or evicted while read, fails."""
+
+    def __init__(self, slots: int, max_seq: int, blocks: int, size: int):
+        self.pool = np.zeros((blocks, size), np.int64)
+        self.table = np.full((slots, -(-max_seq // size)), -1, np.int64)
+        self.size, self.computed = size, 0
+
+    def _col(self, slot: int, p: int) -> tuple[int, int]:
+        b = self.table[slot, p // self.size]
+        assert b >= 0, f"slot {slot} has no block for position {p}"
+        return b, p % self.size
+
+    def run(self, step, ops) -> np.ndarray:
+        from test_prefix_cache import _kv
+
+        for op, slot, j, b in ops.tolist() if ops is not None else ():
+            if op in (ATTACH, SET):
+                self.table[slot, j] = b
+        tokens = []
+        for i, r in enumerate(step.rows):
+            seq = r.prompt + tuple(r.new)
+            decode = step.kind == 2 or (step.kind == 4 and i < step.n_decode)  # DECODE, MIXED's decode rows
+            lo = len(seq) - 1 if decode else step.start
+            hi = len(seq) if decode else min(step.start + step.T, len(seq))
+            for p in range(lo):
+                assert self.pool[self._col(r.slot, p)] == _kv(seq[:p + 1]), f"slot {r.slot}: wrong key at {p}"
+            for p in range(lo, hi):
+                self.pool[self._col(r.slot, p)] = _kv(seq[:p + 1])
+            self.computed += hi - lo
+            tokens.append(100 + _kv(seq) % 50)
+        for op, slot, j, b in ops.tolist() if ops is not None else ():
+            if op == SAVE:
+                assert self.table[slot, j] == b, "a paged SAVE publishes the row's own block"
+        return np.array(tokens, np.int64)
+
+
+def run_paged(prompts, *, blocks: int | None, size=4, groups=1, batch=3, chunk=4, new=3, mixed=True):
+    """Stage 0's loop over a `PagedFakeStage` (``blocks`` None: no pool, slot rows, test_prefix_cache's
+    FakeStage): (rows by id, positions computed, scheduler)."""
+    from collections import deque
+
+    from rlx_mpi.block_pool import BlockPool
+    from rlx_mpi.scheduler import Scheduler
+    from test_prefix_cache import run
+
+    if blocks is None:
+        return run(prompts, pool=None, groups=groups, batch=batch, chunk=chunk, new=new, mixed=mixed)
+    s = Scheduler(prompts, groups=groups, batch=batch, max_new_tokens=new, eos_ids=frozenset(), recompute=False,
+                  prefill_chunk=chunk, mixed=mixed, stages=1, pool=BlockPool(blocks, size), paged=True)
+    stage = PagedFakeStage(groups * batch, max(len(p[2]) for p in prompts) + new, blocks, size)
+    fifo, done = deque(), []
+
+    def issue(g):
+        if (step := s.next_step(g)) is not None:
+            step.tokens = stage.run(step, step.ops)
+            fifo.append(step)
+
+    for g in range(groups):
+        issue(g)
+    while fifo:
+        step = fifo.popleft()
+        done += s.complete(step, step.tokens)
+        for g in [step.group, *range(groups)]:
+            issue(g)
+    assert s.idle, "the loop ended with prompts left"
+    assert len(s.pool.free) + len(s.pool.lru) == blocks, "a block was not given back"
+    return {(r.id, r.sample): r.new for r in done}, stage.computed, s
+
+
+@pytest.mark.parametrize("groups, batch, chunk, mixed", [(1, 3, 4, True), (2, 2, 4, True), (1, 4, 0, False)])
+def test_paged_rows_equal_slot_rows_and_a_shared_prefix_is_computed_once(groups, batch, chunk, mixed):
+    from test_prefix_cache import _prompts
+
+    prompts = _prompts(9, 13, np.random.default_rng(4))  # 3 full blocks of 4 shared
+    ref, computed_ref, _ = run_paged(prompts, blocks=None, groups=groups, batch=batch, chunk=chunk, mixed=mixed)
+    rows, computed, s = run_paged(prompts, blocks=60, groups=groups, batch=batch, chunk=chunk, mixed=mixed)
+    assert rows == ref
+    assert s.reused >= 8 * 12 - (groups * batch - 1) * 12 and computed == computed_ref - s.reused
+
+
+def test_a_full_pool_evicts_only_unreferenced_blocks_and_rows_stay_right():
+    """A pool of 12 blocks of 4 (a row of 10-18 positions takes 3-5, its attached blocks shared): the
+    rows wait for blocks and cached prefixes are evicted (least recently used) for them; every read
+    still checks its own prefix, and the rows equal slot rows'."""
+    from test_prefix_cache import _prompts
+
+    rng = np.random.default_rng(8)
+    prompts = _prompts(6, 8, rng) + [(6 + i, f"u{i}", tuple(rng.integers(0, 500, 12).tolist())) for i in range(4)]
+    ref, _, _ = run_paged(prompts, blocks=None, batch=3)
+    rows, _, s = run_paged(prompts, blocks=12, batch=3)
+    assert rows == ref and s.pool.evictions > 0
+
+
+def test_mixed_lengths_admit_more_rows_under_the_same_budget():
+    """Prompts of 4-64 tokens, 3 new each, the memory of 8 full-length slot rows (68 positions: 17
+    blocks of 4) and the prefix pool's 2 rows beside them (the driver's PREFIX_POOL_ROWS): slot rows
+    decode 8 at once (--batch 8); paged rows with --batch 32 take all 170 blocks by what they use,
+    twice as many at once (the mean row takes ~9 blocks), with the same rows."""
+    rng = np.random.default_rng(11)
+    lengths = [64] + rng.integers(4, 65, 47).tolist()
+    prompts = [(i, f"m{i}", tuple(rng.integers(0, 500, n).tolist())) for i, n in enumerate(lengths)]
+    ref, _, slots = run_paged(prompts, blocks=None, batch=8, chunk=16)
+    rows, _, paged = run_paged(prompts, blocks=(8 + 2) * 17, batch=32, chunk=16)
+    assert rows == ref
+    assert slots.peak_rows == 8 and paged.peak_rows >= 16, (slots.peak_rows, paged.peak_rows)
+
+
+def test_admission_is_by_blocks():
+    from rlx_mpi.block_pool import BlockPool
+    from rlx_mpi.scheduler import admit_blocks, row_blocks
+
+    assert row_blocks(16, 1, 16) == 1 and row_blocks(16, 2, 16) == 2 and row_blocks(1, 16, 16) == 1
+    pool = BlockPool(5, 4)
+    assert admit_blocks(pool, [], 10, 3) == [0, 1, 2]  # 12 positions: 3 blocks
+    assert admit_blocks(pool, [], 8, 2) is None and len(pool.free) == 2  # 3 more do not fit: nothing taken
+    assert pool.adopt(b"k", (1, 2, 3, 4), b"", 0) and not pool.adopt(b"k", (1, 2, 3, 4), b"", 1)
+    pool.give_back([1, 2])
+    pool.release([0])  # the cached block, unreferenced: evictable
+    assert pool.available() == 5 and admit_blocks(pool, [], 17, 4) == [1, 2, 3, 4, 0] and pool.evictions == 1
