@@ -25,6 +25,21 @@ numbers are those of a chunked prefill without the cache. A window layer's ring 
 attach writes the blocks' positions in order into columns p % L, which leaves the ring as a
 prefill of them would (the pool keeps whole blocks for every layer).
 
+Note: the block table (paged rows). With the prefix cache and ``full`` caches (`drivers.generate`
+decides, for every rank alike), a stage's full-attention layers keep no slots: each is a
+`PagedCache`, a pool of blocks of B positions (per layer; a latent layer's of latents), and the
+stage keeps one block table (rows, max blocks) int32 that all of them share: position p of row s
+is pool column table[s, p // B] * B + p % B. Stage 0's `block_pool.BlockPool` hands out every
+block: a row admitted takes its own blocks for its prompt and new tokens (SET ops: a table entry),
+a cached prefix is attached by table entry (ATTACH: no copy), and a prompt block the row completes
+becomes the cached block as it is (SAVE names the row's own block: nothing to copy). So rows of
+different lengths share the pool by what they use. Reads go through the table: a decode step's
+kernels gather a row's blocks into a contiguous scratch and attend over it with the same kernel
+as a slot row (`kernels.attention`'s paged-rows note: bit for bit the slot cache's numbers), a
+prefill chunk gathers the positions before it (`_prefill_paged`). Window layers (``window:W``, a
+model's sliding layers) keep their rings and copy blocks as the prefix-cache note says: their
+memory is bounded by the window, and their pool uses the same block ids (as many blocks).
+
 A cache row ("slot") holds one sequence; a finished sequence's slot is reused by the next
 prompt without clearing: a prefill writes positions 0..len-1 and every read is masked to the
 positions the sequence has written, so stale keys are never visible.
