@@ -38,7 +38,8 @@ kernels gather a row's blocks into a contiguous scratch and attend over it with 
 as a slot row (`kernels.attention`'s paged-rows note: bit for bit the slot cache's numbers), a
 prefill chunk gathers the positions before it (`_prefill_paged`). Window layers (``window:W``, a
 model's sliding layers) keep their rings and copy blocks as the prefix-cache note says: their
-memory is bounded by the window, and their pool uses the same block ids (as many blocks).
+memory is bounded by the window, but their pool uses the same block ids (as many blocks), so the
+driver pages only models without them (`GenerateDriver._paged`).
 
 A cache row ("slot") holds one sequence; a finished sequence's slot is reused by the next
 prompt without clearing: a prefill writes positions 0..len-1 and every read is masked to the

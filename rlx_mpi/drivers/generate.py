@@ -536,8 +536,14 @@ class GenerateDriver(JournalDriver):
     def _paged(self, cx: Any) -> bool:
         """Do the stages' full-attention layers read through block tables (`kv_cache`'s block-table
         note)? With the prefix cache, when every rank keeps full caches (a job's ``window:W`` keeps
-        rings, bounded anyway); the same answer on every rank."""
-        return self._prefix_cache_on(cx) and all(cx.job.kv_for(r).policy == "full" for r in range(cx.world.size))
+        rings, bounded anyway) and the model has no sliding-window layers: their rings would copy
+        blocks into a pool with the block ids of the whole budget (unpriced memory), so such a model
+        keeps its slots (`DecoderStage.reset_prefix` pages its full layers all the same when asked).
+        The same answer on every rank."""
+        cfg = cx.model_config
+        window, layers = getattr(cfg, "window", None), getattr(cfg, "num_hidden_layers", 0)
+        return (self._prefix_cache_on(cx) and all(cx.job.kv_for(r).policy == "full" for r in range(cx.world.size))
+                and not (callable(window) and any(window(n) for n in range(layers))))
 
     def _prefix_cache_on(self, cx: Any) -> bool:
         """Does this job keep a prefix cache? The same answer on every rank, from the job alone: on
