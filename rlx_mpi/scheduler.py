@@ -64,6 +64,13 @@ steps in the order stage 0 issues them. A prompt whose next block is being compu
 admitted before (promised) waits for it; the unrelated prompts behind it take the free slots
 meanwhile (`_admit_next`). The ops travel after the header in a message of their own
 (header[6] = their count): the stages copy blocks and never decide anything about the cache.
+
+Note: paged rows (``paged``: the stages' full layers read through block tables, `block_pool`'s
+paged-rows note). A prompt is admitted when the blocks of its prompt and new tokens fit the pool
+besides the cached blocks it attaches (`admit_blocks`: the KV budget in blocks, not slots), so
+``batch`` bounds the rows of a group and the pool bounds them by what they use; its step carries
+SET ops (its own blocks: table entries) beside the ATTACH ones, and a completed prompt block is
+adopted as the cached block (its SAVE names the row's own block: a ring layer copies it).
 """
 
 from __future__ import annotations
@@ -110,7 +117,7 @@ class Seq:
     stop: tuple[str, ...] = ()  # strings that end it when its decoded text holds one (the stop note)
     sample: int = 0  # which of its request's n samples it is
     keys: list = field(default_factory=list)  # the hash-chain keys of its prompt's full blocks (prefix cache)
-    blocks: list[int] = field(default_factory=list)  # pool blocks it attached (it holds a reference to each)
+    blocks: list[int] = field(default_factory=list)  # cached blocks it attached or adopted (it references each)
     next_block: int = 0  # its prompt's blocks before this one are cached or published (the rest it promised)
     table: list[int] = field(default_factory=list)  # paged: the pool block of each of its positions' blocks
     own: list[int] = field(default_factory=list)  # paged: its blocks not (yet) cached, given back when it ends
@@ -198,7 +205,8 @@ def row_blocks(prompt: int, max_new: int, size: int) -> int:
 
 
 def admit_blocks(pool: BlockPool, ids: list[int], prompt: int, max_new: int) -> list[int] | None:
-    """The block-budget admission of a paged row (the paged-rows note): with the cached blocks
+    """The block-budget admission of a paged row (the paged-rows note; the call any admission path
+    makes before it takes a slot for a row): with the cached blocks
     ``ids`` it attaches, does the rest of its `row_blocks` fit the pool? If so they are acquired
     and its own blocks allocated (returned, for its positions after ``ids``); None (nothing taken)
     when they do not fit: it waits for rows to end. Short rows take few blocks, so more of them
