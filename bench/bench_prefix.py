@@ -20,6 +20,15 @@ exists) and ``--gguf`` the same model's f32 GGUF, ``llama-batched-bench -pps`` (
 computed once and its cache shared by the sequences) runs the shared case's shape (``--prompts``
 sequences, a ``--prefix + --question`` prompt, ``--new`` tokens; its prompt is one for all, so
 it reuses more than we can) on as many cores as the 1-rank run.
+
+Case ``mixed`` (the block cache, issue 33): ``--prompts`` random prompts of ``--mixed-lengths``
+tokens (uniform, default 32-2048), ``--new`` new tokens each, under a KV budget of
+``--mixed-rows`` full-length rows (default 8): the slot cache (``--no-prefix-cache --batch 8``:
+8 max-length slots) against the block cache in the same memory (``--kv-rows`` 8 less the prefix
+pool's 2, ``--batch --mixed-batch``, default 64). Reported: rows decoding at once (``generate
+--json``'s ``rows_at_once``), tokens/s, each run's KV bytes; rows must be identical. Targets:
+>= 2x the rows at once, >= 1.5x the tokens/s. E.g.
+``python bench/bench_prefix.py --cases mixed --layouts 1 --prompts 64``.
 """
 
 from __future__ import annotations
@@ -52,13 +61,23 @@ def write_prompts(path: Path, case: str, n: int, prefix: int, question: int, voc
     return path
 
 
-def run(mpiexec: str, job: Path, prompts: Path, folder: Path, ranks: int, cache: bool, args) -> dict:
+def write_mixed(path: Path, n: int, lengths: tuple[int, int], vocab: int) -> Path:
+    rng = np.random.default_rng(1)
+    with path.open("w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"m{i}", "tokens": rng.integers(0, vocab, int(rng.integers(lengths[0], lengths[1] + 1)))
+                                .tolist()}) + "\n")
+    return path
+
+
+def run(mpiexec: str, job: Path, prompts: Path, folder: Path, ranks: int, cache: bool, args,
+        extra: tuple = ()) -> dict:
     out, stats = folder / "out.jsonl", folder / "stats.json"
     for p in (out, stats, folder / "out.jsonl.meta.json"):
         p.unlink(missing_ok=True)
     cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "rlx_mpi", "generate", str(job), "--prompts", str(prompts),
            "--out", str(out), "--json", str(stats), "--max-new-tokens", str(args.new), "--batch", str(args.batch),
-           "--ignore-eos", *([] if cache else ["--no-prefix-cache"])]
+           "--ignore-eos", *([] if cache else ["--no-prefix-cache"]), *map(str, extra)]  # (extra: a later --batch wins)
     env = dict(os.environ, OMP_NUM_THREADS="1" if ranks > 1 else str(args.threads),
                NUMBA_NUM_THREADS="1" if ranks > 1 else str(args.threads))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200, env=env, cwd=folder)
@@ -67,7 +86,30 @@ def run(mpiexec: str, job: Path, prompts: Path, folder: Path, ranks: int, cache:
     doc = json.loads(stats.read_text())
     rows = [json.loads(line)["tokens"] for line in out.read_text().splitlines() if line]
     return {"tokens_per_s": doc["new_tokens"] / doc["wall_s"], "wall_s": doc["wall_s"],
-            "prefix_hits": doc.get("prefix_hits"), "rows": rows}
+            "prefix_hits": doc.get("prefix_hits"), "rows": rows, "rows_at_once": doc.get("rows_at_once"),
+            "kv_bytes": sum(r.get("kv_bytes") or 0 for r in doc["rows"])}
+
+
+def mixed(args, mpiexec: str, job: Path, prompts: Path, folder: Path, ranks: int) -> dict:
+    """Case ``mixed``: the slot cache (--no-prefix-cache, --mixed-rows slots) against the block cache
+    in the same memory (--kv-rows: --mixed-rows less the prefix pool's 2; --mixed-batch rows a step)."""
+    from rlx_mpi.drivers.generate import PREFIX_POOL_ROWS
+
+    best: dict[bool, dict] = {}
+    for _ in range(args.trials):
+        for paged in (True, False):
+            wait_quiet(args.quiet, args.quiet_wait)
+            extra = ("--batch", args.mixed_batch, "--kv-rows", max(1, args.mixed_rows - PREFIX_POOL_ROWS)) if paged \
+                else ("--batch", args.mixed_rows)
+            r = run(mpiexec, job, prompts, folder, ranks, paged, args, extra)
+            if paged not in best or r["tokens_per_s"] > best[paged]["tokens_per_s"]:
+                best[paged] = r
+    if best[True]["rows"] != best[False]["rows"]:
+        raise SystemExit("mixed: rows differ between the block cache and the slot cache")
+    on, off = best[True], best[False]
+    return {"cache_tokens_per_s": on["tokens_per_s"], "off_tokens_per_s": off["tokens_per_s"],
+            "ratio": on["tokens_per_s"] / off["tokens_per_s"], "rows_at_once": [on["rows_at_once"], off["rows_at_once"]],
+            "kv_bytes": [on["kv_bytes"], off["kv_bytes"]], "prefix_hits": None}
 
 
 def llama_pps(bin_dir: Path, gguf: Path, threads: int, npp: int, ntg: int, npl: int) -> dict:
@@ -99,6 +141,9 @@ def main() -> None:
     ap.add_argument("--layouts", default="1,2,tp2")
     ap.add_argument("--cases", default="shared,random")
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--mixed-lengths", default="32,2048", help="case mixed: the prompts' shortest,longest")
+    ap.add_argument("--mixed-rows", type=int, default=8, help="case mixed: the KV budget in full-length rows")
+    ap.add_argument("--mixed-batch", type=int, default=64, help="case mixed: the block cache's --batch")
     ap.add_argument("--llamacpp", default=str(_LLAMA_BIN) if _LLAMA_BIN.exists() else None)
     ap.add_argument("--gguf", default="/tmp/llamacpp/models/medium-f32.gguf")
     ap.add_argument("--mpiexec", default=default_mpiexec())
@@ -118,6 +163,19 @@ def main() -> None:
         family, text = read_header(ckpt)
         vocab = get_family(family).load_config(text, str(ckpt)).vocab_size
         for case in args.cases.split(","):
+            if case == "mixed":  # the block cache against the slot cache (module docstring)
+                lo, hi = map(int, args.mixed_lengths.split(","))
+                prompts = write_mixed(folder / "mixed.jsonl", args.prompts, (lo, hi), vocab)
+                for name in args.layouts.split(","):
+                    ranks, tp = LAYOUTS[name]
+                    job = folder / f"job_{name}.toml"
+                    job.write_text(f'[model]\ncheckpoint = "{ckpt}"\n[run]\ntimeout_s = 3600.0\n'
+                                   f'startup_timeout_s = 3600.0\n[placement]\nreserve_ram_gb = 0.0\ntp = {tp}\n')
+                    r = results[f"mixed/{name}"] = mixed(args, args.mpiexec, job, prompts, folder, ranks)
+                    print(f"  mixed, layout {name}: {r['ratio']:.2f}x tokens/s, rows at once {r['rows_at_once'][0]} "
+                          f"against {r['rows_at_once'][1]}, KV bytes {r['kv_bytes'][0]} against {r['kv_bytes'][1]}",
+                          flush=True)
+                continue
             prompts = write_prompts(folder / f"{case}.jsonl", case, args.prompts, args.prefix, args.question, vocab)
             for name in args.layouts.split(","):
                 ranks, tp = LAYOUTS[name]
@@ -143,7 +201,8 @@ def main() -> None:
             results["llama.cpp -pps"] = llama_pps(Path(args.llamacpp), Path(args.gguf), args.threads,
                                                   args.prefix + args.question, args.new, args.prompts)
     rows = [[k, f"{v['cache_tokens_per_s']:.1f}", f"{v['off_tokens_per_s']:.1f}", f"{v['ratio']:.2f}x",
-             f"{v['prefix_hits'][0]}/{v['prefix_hits'][1]}" if v.get("prefix_hits") else "-"]
+             f"{v['prefix_hits'][0]}/{v['prefix_hits'][1]}" if v.get("prefix_hits") else
+             (f"rows at once {v['rows_at_once'][0]}/{v['rows_at_once'][1]}" if v.get("rows_at_once") else "-")]
             for k, v in results.items() if "ratio" in v]
     if "llama.cpp -pps" in results:
         lc = results["llama.cpp -pps"]

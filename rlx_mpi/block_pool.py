@@ -23,6 +23,14 @@ block's contents are copied into the row's own cache slot when it attaches (the 
 contiguous, so the attention kernels read them as before), so a reference keeps a prefix that
 live rows use in the pool for the next rows, not the row's own attention correct.
 
+Note: paged rows (a job whose full-attention layers read through a block table: `kv_cache`'s
+block-table note). The pool then holds every row's blocks, not only cached prefixes: a row
+admitted takes its own blocks for the rest of its prompt and its new tokens (`allocate`: free
+blocks, else unreferenced cached ones, least recently used first), a prompt block it completes
+becomes the cached block as it is (`adopt`: no copy; the row references it, so it is never
+evicted while the row reads it), and the row's other blocks return to the free list when it
+ends (`give_back`). A reference is then what keeps the row's own attention correct.
+
 Note: promised blocks. A row that is prefilling promises the keys of its prompt's full blocks
 that are not cached yet (`promise`), until the step that computes them is issued and they are
 published (or the row ends). The scheduler does not admit a prompt whose next uncached block is
@@ -143,6 +151,47 @@ class BlockPool:
             if a in self.lru:
                 self.lru.move_to_end(a)
         return b
+
+    # -- paged rows (`kv_cache`'s block-table note): a row's own blocks come from this pool too ----
+
+    def available(self, keep: list[int] = ()) -> int:
+        """Blocks `allocate` can hand out once the cached blocks ``keep`` are acquired: the free ones
+        and the unreferenced cached ones (evicted least recently used first)."""
+        return len(self.free) + len(self.lru) - sum(b in self.lru for b in keep)
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` blocks for a row's own positions, free ones first, then by evicting the least
+        recently used unreferenced cached blocks (tail first: the tail-first note); the caller
+        checked `available`. They belong to the row until it `adopt`s or `give_back`s them."""
+        if n > self.available():
+            raise ValueError(f"BlockPool.allocate: {n} blocks asked, {self.available()} available")
+        out = []
+        for _ in range(n):
+            if self.free:
+                out.append(self.free.pop())
+            else:
+                b, _ = self.lru.popitem(last=False)
+                del self.by_key[self.blocks.pop(b).key]
+                self.evictions += 1
+                out.append(b)
+        return out
+
+    def adopt(self, key: bytes, tokens, parent: bytes, b: int) -> bool:
+        """A row's own block ``b``, now holding the prompt block ``key`` (after ``parent``), becomes
+        the cached block for it, referenced by the row (released with its other blocks): no copy.
+        False (``b`` stays the row's own) when ``key`` is cached already or its parent is not."""
+        if key in self.by_key or (parent and parent not in self.by_key):
+            return False
+        self.by_key[key] = b
+        self.blocks[b] = _Block(key, tuple(int(t) for t in tokens), parent, refs=1)
+        return True
+
+    def give_back(self, ids: list[int]) -> None:
+        """A row's own blocks (not adopted) back to the free list."""
+        for b in ids:
+            if b in self.blocks:
+                raise ValueError(f"BlockPool.give_back: block {b} is a cached block")
+        self.free.extend(reversed(ids))
 
     def _chain(self, key: bytes) -> list[int]:
         """The blocks of the chain ending at ``key``, tail first."""

@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="compute every prompt's whole prefill, even the blocks another prompt began with "
                    "(A/B runs; default: [generate] prefix_cache, else on)")
     g.add_argument("--batch", type=int, metavar="B", help="sequences per group")
+    g.add_argument("--kv-rows", type=int, metavar="N", help="KV budget in full-length rows; with the block cache "
+                   "shorter rows share it by what they use, up to groups x batch at once (default: [generate] "
+                   "kv_rows, else groups x batch)")
     g.add_argument("--groups", type=int, metavar="G", help="groups in flight (0 = one per stage)")
     g.add_argument("--prefill-chunk", type=int, metavar="N", help="prefill positions per step: a new group's prompts "
                    "go N positions a step, so the other groups keep decoding between its chunks, and a step that "

@@ -169,6 +169,9 @@ class GenerateSection:
     prefix_cache: bool = True
     """Reuse the cached KV blocks of a prompt prefix computed before (docs/prefix-cache.md);
     false (or --no-prefix-cache): every prompt is prefilled whole."""
+    kv_rows: int = 0
+    """The KV budget in full-length rows (0 = groups x batch): with the block cache, rows take its
+    blocks by what they use, so up to groups x batch shorter rows decode at once (docs/prefix-cache.md)."""
 
 
 @dataclass(frozen=True)
@@ -248,7 +251,7 @@ _SECTIONS = {"model": ModelSection, "run": RunSection, "placement": PlacementSec
              "score": ScoreSection}
 _POSITIVE = {"batch", "seq", "microbatches", "tp", "timeout_s", "startup_timeout_s", "max_new_tokens", "sync_s"}
 _NON_NEGATIVE = {"reserve_ram_gb", "init_seed", "seed", "rank", "temperature", "top_k", "groups", "eos_id", "logprobs",
-                 "prefill_chunk"}
+                 "prefill_chunk", "kv_rows"}
 # Bounds far past any real job, so an absurd value is refused here instead of overflowing later
 # (1e300 GB as bytes is not an integer; a 1e300 s wait is too long for a thread join).
 _AT_MOST = {"batch": 2**31, "seq": 2**31, "microbatches": 2**31, "tp": 2**20, "rank": 2**31,

@@ -25,6 +25,22 @@ numbers are those of a chunked prefill without the cache. A window layer's ring 
 attach writes the blocks' positions in order into columns p % L, which leaves the ring as a
 prefill of them would (the pool keeps whole blocks for every layer).
 
+Note: the block table (paged rows). With the prefix cache and ``full`` caches (`drivers.generate`
+decides, for every rank alike), a stage's full-attention layers keep no slots: each is a
+`PagedCache`, a pool of blocks of B positions (per layer; a latent layer's of latents), and the
+stage keeps one block table (rows, max blocks) int32 that all of them share: position p of row s
+is pool column table[s, p // B] * B + p % B. Stage 0's `block_pool.BlockPool` hands out every
+block: a row admitted takes its own blocks for its prompt and new tokens (SET ops: a table entry),
+a cached prefix is attached by table entry (ATTACH: no copy), and a prompt block the row completes
+becomes the cached block as it is (SAVE names the row's own block: nothing to copy). So rows of
+different lengths share the pool by what they use. Reads go through the table: a decode step's
+kernels gather a row's blocks into a contiguous scratch and attend over it with the same kernel
+as a slot row (`kernels.attention`'s paged-rows note: bit for bit the slot cache's numbers), a
+prefill chunk gathers the positions before it (`_prefill_paged`). Window layers (``window:W``, a
+model's sliding layers) keep their rings and copy blocks as the prefix-cache note says: their
+memory is bounded by the window, but their pool uses the same block ids (as many blocks), so the
+driver pages only models without them (`GenerateDriver._paged`).
+
 A cache row ("slot") holds one sequence; a finished sequence's slot is reused by the next
 prompt without clearing: a prefill writes positions 0..len-1 and every read is masked to the
 positions the sequence has written, so stale keys are never visible.
@@ -38,10 +54,13 @@ import numpy as np
 
 from .errors import ConfigError
 
-__all__ = ["KvSpec", "LayerCache", "PoolLayer", "prefill_kv", "block_pool_caches", "copy_blocks", "prefix_cacheable",
-           "ATTACH", "SAVE"]
+__all__ = ["KvSpec", "LayerCache", "PagedCache", "PoolLayer", "prefill_kv", "block_pool_caches", "copy_blocks",
+           "prefix_cacheable", "paged_caches", "ATTACH", "SAVE", "SET"]
 
-ATTACH, SAVE = 1, 2  # block ops (the prefix-cache note): a pool block -> a slot before a step; a slot -> the pool after
+# block ops (the prefix-cache and block-table notes): ATTACH a cached block to a row (a table entry; a
+# ring layer copies it into the slot), SAVE a row's block as the cached block (a ring layer copies it
+# into the pool), SET a row's own fresh block (a table entry only)
+ATTACH, SAVE, SET = 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -97,7 +116,42 @@ class LayerCache:
         return self.k.nbytes + self.v.nbytes
 
 
-def prefill_kv(cache: LayerCache | None, spec: KvSpec, k: np.ndarray, v: np.ndarray, slots: np.ndarray,
+class PagedCache:
+    """A full-attention layer's cache as a pool of blocks (the block-table note): ``k`` (1, heads,
+    blocks x size, k width), ``v`` likewise (4-D: the decode kernels take either layout), and the
+    stage's block ``table`` (rows, max blocks) int32, shared by its paged layers: position p of
+    cache row s is column table[s, p // size] * size + p % size."""
+
+    def __init__(self, table: np.ndarray, blocks: int, size: int, heads: int, k_width: int, v_width: int):
+        self.table, self.size = table, size
+        self.k = np.zeros((1, heads, blocks * size, k_width), np.float32)
+        self.v = np.zeros((1, heads, blocks * size, v_width), np.float32)
+
+    @property
+    def entry_floats(self) -> int:
+        return self.k.shape[1] * (self.k.shape[3] + self.v.shape[3])
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def columns(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Pool columns of ``positions`` (..., n) of cache rows ``slots`` (one per leading row)."""
+        slots = np.asarray(slots).reshape(-1, *([1] * (np.ndim(positions) - 1)))
+        return self.table[slots, positions // self.size].astype(np.int64) * self.size + positions % self.size
+
+
+def paged_caches(caches: list[LayerCache], specs: list[KvSpec], rows: int, max_seq: int, blocks: int,
+                 size: int) -> tuple[list, np.ndarray]:
+    """``caches`` with each full-attention layer's slots replaced by a `PagedCache` of ``blocks``
+    blocks (window layers keep their rings: bounded by their window), and the block table they share."""
+    table = np.zeros((rows, -(-max_seq // size)), np.int32)
+    out = [PagedCache(table, blocks, size, c.k.shape[1], c.k.shape[3], c.v.shape[3]) if s.policy == "full" else c
+           for c, s in zip(caches, specs)]
+    return out, table
+
+
+def prefill_kv(cache: LayerCache | PagedCache | None, spec: KvSpec, k: np.ndarray, v: np.ndarray, slots: np.ndarray,
                lengths: np.ndarray, start: int = 0, saves: np.ndarray | None = None,
                pool: "PoolLayer | None" = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Store a prefill chunk's keys and say what its queries attend to.
@@ -112,7 +166,9 @@ def prefill_kv(cache: LayerCache | None, spec: KvSpec, k: np.ndarray, v: np.ndar
     is copied into ``pool`` first (the prefix-cache note), before the chunk can overwrite a ring.
     """
     B, _, T, _ = k.shape
-    if saves is not None and len(saves):
+    if isinstance(cache, PagedCache):  # through the block table; a saved block is the row's own already
+        return _prefill_paged(cache, k, v, slots, lengths, start)
+    if saves is not None and len(saves) and pool is not None:
         _save_blocks(cache, pool, k, v, slots, start, saves)
     keys, values, q_pos = k, v, np.broadcast_to(np.arange(T), (B, T))
     if start:
@@ -131,6 +187,27 @@ def prefill_kv(cache: LayerCache | None, spec: KvSpec, k: np.ndarray, v: np.ndar
             cache.k[slots[b], :, cols] = k[b, :, first:n].transpose(1, 0, 2)  # (n', nkv, hs)
             cache.v[slots[b], :, cols] = v[b, :, first:n].transpose(1, 0, 2)
     return keys, values, q_pos, spec.window if spec.policy == "window" else 0
+
+
+def _prefill_paged(cache: PagedCache, k: np.ndarray, v: np.ndarray, slots: np.ndarray, lengths: np.ndarray,
+                   start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """`prefill_kv` of a paged full-attention layer: positions 0..start-1 gathered through the
+    table (the same keys in the same order as a slot row's, so `kernels.attend` sums them alike),
+    then the chunk's real positions written to the row's blocks."""
+    B, _, T, _ = k.shape
+    keys, values, q_pos = k, v, np.broadcast_to(np.arange(T), (B, T))
+    if start:
+        cols = cache.columns(slots, np.broadcast_to(np.arange(start), (B, start)))  # (B, start)
+        keys = np.concatenate([cache.k[0][:, cols].transpose(1, 0, 2, 3), k], axis=2)  # (B, nkv, start + T, hs)
+        values = np.concatenate([cache.v[0][:, cols].transpose(1, 0, 2, 3), v], axis=2)
+        q_pos = np.broadcast_to(start + np.arange(T), (B, T))
+    for b in range(B):
+        n = min(T, int(lengths[b]) - start)  # this row's real tokens in the chunk
+        if n > 0:
+            cols = cache.columns(slots[b:b + 1], (start + np.arange(n))[None])[0]
+            cache.k[0][:, cols] = k[b, :, :n]
+            cache.v[0][:, cols] = v[b, :, :n]
+    return keys, values, q_pos, 0
 
 
 def _save_blocks(cache: LayerCache, pool: "PoolLayer", k: np.ndarray, v: np.ndarray, slots: np.ndarray, start: int,
@@ -184,18 +261,24 @@ class PoolLayer:
         return self.k.nbytes + self.v.nbytes
 
 
-def block_pool_caches(caches: list[LayerCache], blocks: int, size: int) -> list[PoolLayer]:
-    """A pool of ``blocks`` blocks of ``size`` positions per layer, each layer's entry as its slots'."""
-    return [PoolLayer(np.zeros((c.k.shape[1], blocks * size, c.k.shape[3]), np.float32),
+def block_pool_caches(caches: list, blocks: int, size: int) -> list[PoolLayer | None]:
+    """A pool of ``blocks`` blocks of ``size`` positions per slot layer, each layer's entry as its
+    slots'; None for a paged layer (its blocks are the pool)."""
+    return [None if isinstance(c, PagedCache) else
+            PoolLayer(np.zeros((c.k.shape[1], blocks * size, c.k.shape[3]), np.float32),
                       np.zeros((c.v.shape[1], blocks * size, c.v.shape[3]), np.float32), size) for c in caches]
 
 
-def copy_blocks(caches: list[LayerCache], pool: list[PoolLayer], ops: np.ndarray) -> None:
+def copy_blocks(caches: list, pool: list[PoolLayer | None], ops: np.ndarray) -> None:
     """The ATTACH ops of ``ops`` (m, 4): (kind, slot, block index j, pool id): pool block -> the
     slot's positions j*B..(j+1)*B-1, in order (a ring's column p % L then holds the last of them,
     as a prefill leaves it). The SAVE ops are made during the prefill (`prefill_kv`'s ``saves``).
-    Runs of consecutive blocks and ids are one copy (`PoolLayer`)."""
-    B = pool[0].size
+    Runs of consecutive blocks and ids are one copy (`PoolLayer`). Paged layers copy nothing (their
+    table entries are set by the stage)."""
+    pairs = [(c, p) for c, p in zip(caches, pool) if p is not None]
+    if not pairs:
+        return
+    B = pairs[0][1].size
     runs: list[list[int]] = []  # [slot, first j, first id, blocks]
     for op, slot, j, b in ops.tolist():
         if op != ATTACH:
@@ -205,7 +288,7 @@ def copy_blocks(caches: list[LayerCache], pool: list[PoolLayer], ops: np.ndarray
         else:
             runs.append([slot, j, b, 1])
     for slot, j, b, n in runs:
-        for c, p in zip(caches, pool):
+        for c, p in pairs:
             L = c.k.shape[2]
             lo = j * B % L
             cols = slice(lo, lo + n * B) if lo + n * B <= L else np.arange(lo, lo + n * B) % L  # (a ring may wrap)

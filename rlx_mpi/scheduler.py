@@ -64,6 +64,13 @@ steps in the order stage 0 issues them. A prompt whose next block is being compu
 admitted before (promised) waits for it; the unrelated prompts behind it take the free slots
 meanwhile (`_admit_next`). The ops travel after the header in a message of their own
 (header[6] = their count): the stages copy blocks and never decide anything about the cache.
+
+Note: paged rows (``paged``: the stages' full layers read through block tables, `block_pool`'s
+paged-rows note). A prompt is admitted when the blocks of its prompt and new tokens fit the pool
+besides the cached blocks it attaches (`admit_blocks`: the KV budget in blocks, not slots), so
+``batch`` bounds the rows of a group and the pool bounds them by what they use; its step carries
+SET ops (its own blocks: table entries) beside the ATTACH ones, and a completed prompt block is
+adopted as the cached block (its SAVE names the row's own block: a ring layer copies it).
 """
 
 from __future__ import annotations
@@ -77,11 +84,11 @@ from typing import Any, Callable
 import numpy as np
 
 from .block_pool import BlockPool
-from .kv_cache import ATTACH, SAVE
+from .kv_cache import ATTACH, SAVE, SET
 from .sampling import prompt_key
 
 __all__ = ["PREFILL", "DECODE", "STOP", "MIXED", "ATTACH", "SAVE", "Seq", "Step", "Scheduler", "make_header",
-           "read_header", "chunk_start", "decode_rows", "block_ops", "split_batch"]
+           "read_header", "chunk_start", "decode_rows", "block_ops", "split_batch", "row_blocks", "admit_blocks"]
 
 PREFILL, DECODE, STOP, MIXED = 1, 2, 3, 4
 # header: kind, group, rows, T, start, decode rows, block ops; then per row: slot, length|position, key, token index
@@ -110,8 +117,10 @@ class Seq:
     stop: tuple[str, ...] = ()  # strings that end it when its decoded text holds one (the stop note)
     sample: int = 0  # which of its request's n samples it is
     keys: list = field(default_factory=list)  # the hash-chain keys of its prompt's full blocks (prefix cache)
-    blocks: list[int] = field(default_factory=list)  # pool blocks it attached (it holds a reference to each)
+    blocks: list[int] = field(default_factory=list)  # cached blocks it attached or adopted (it references each)
     next_block: int = 0  # its prompt's blocks before this one are cached or published (the rest it promised)
+    table: list[int] = field(default_factory=list)  # paged: the pool block of each of its positions' blocks
+    own: list[int] = field(default_factory=list)  # paged: its blocks not (yet) cached, given back when it ends
 
     @property
     def length(self) -> int:
@@ -189,6 +198,27 @@ def block_ops(h: np.ndarray) -> int:
     return int(h[6])
 
 
+def row_blocks(prompt: int, max_new: int, size: int) -> int:
+    """Blocks a paged row needs: every position it writes, its prompt's and all but its last new
+    token's (the last is sampled, never fed back), rounded up to whole blocks."""
+    return -(-(prompt + max(max_new, 1) - 1) // size)
+
+
+def admit_blocks(pool: BlockPool, ids: list[int], prompt: int, max_new: int) -> list[int] | None:
+    """The block-budget admission of a paged row (the paged-rows note; the call any admission path
+    makes before it takes a slot for a row): with the cached blocks
+    ``ids`` it attaches, does the rest of its `row_blocks` fit the pool? If so they are acquired
+    and its own blocks allocated (returned, for its positions after ``ids``); None (nothing taken)
+    when they do not fit: it waits for rows to end. Short rows take few blocks, so more of them
+    decode at once under the same budget."""
+    need = row_blocks(prompt, max_new, pool.size) - len(ids)
+    if pool.available(ids) < need:
+        return None
+    pool.touch(ids)
+    pool.acquire(ids)
+    return pool.allocate(max(need, 0))
+
+
 def _next_chunk(fresh: list[Seq], budget: int = 0) -> tuple[list[Seq], int]:
     """The rows a group's next chunk prefills, and its first position: those furthest behind
     (a row admitted later catches up with the others first). ``budget`` > 0 (a MIXED step): only
@@ -227,9 +257,12 @@ class Scheduler:
     def __init__(self, prompts: list[tuple[int, str, tuple[int, ...]]], groups: int, batch: int,
                  max_new_tokens: int, eos_ids: frozenset[int], recompute: bool, prefill_chunk: int = 0,
                  mixed: bool = False, stages: int = 1, feed: Any = None,
-                 decode: Callable[[list[int]], str] | None = None, pool: BlockPool | None = None):
+                 decode: Callable[[list[int]], str] | None = None, pool: BlockPool | None = None,
+                 paged: bool = False):
         self.decode = decode  # token ids -> text, for rows with stop strings (the stop note)
         self.pool = None if recompute else pool  # the prefix cache's bookkeeping (the prefix-cache note)
+        self.paged = paged and self.pool is not None  # rows' blocks from the pool too (the paged-rows note)
+        self.peak_rows = 0  # the most rows held at once (decoding or prefilling)
         self._ops: list[tuple[int, int, int, int]] = []  # attaches waiting for the next step issued
         self._waiting: dict[int, tuple] = {}  # queued prompts waiting for a promised block (`_admit`)
         self.prompt_tokens = 0  # prompt positions of the rows admitted
@@ -292,19 +325,30 @@ class Scheduler:
                 return None
             self._waiting.pop(id(item), None)
         own = extra[0] if extra else {}  # a row's own limits (`GenerateDriver`: batch requests)
+        blocks: list[int] = []
+        if self.paged:
+            got = admit_blocks(pool, ids, len(tokens), own.get("max_new_tokens", 0) or self.max_new_tokens)
+            if got is None:  # (its blocks do not fit yet: it waits for rows to end; its keys kept)
+                self._waiting[id(item)] = (item, keys, None)
+                return None
+            blocks = got
         r = Seq(index, pid, tokens, slot, prompt_key(own.get("key", pid)), start=time.perf_counter(),
                 cohort=self.turns, max_new_tokens=own.get("max_new_tokens", 0), stop=tuple(own.get("stop", ())),
                 sample=own.get("sample", 0))
         self.prompt_tokens += len(tokens)
         if pool is not None:
-            pool.touch(ids)
-            pool.acquire(ids)
+            if not self.paged:  # (admit_blocks acquired them)
+                pool.touch(ids)
+                pool.acquire(ids)
             pool.promise(keys[len(ids):])
             r.keys, r.blocks, r.next_block = keys, ids, len(ids)
             r.filled = len(ids) * pool.size  # its prefill starts after the attached blocks (a later chunk)
             self.reused += r.filled
             pool.hits += r.filled
             self._ops += [(ATTACH, slot, j, b) for j, b in enumerate(ids)]
+            if self.paged:
+                r.table, r.own = ids + blocks, list(blocks)
+                self._ops += [(SET, slot, len(ids) + j, b) for j, b in enumerate(blocks)]
         return r
 
     def _block_ops(self, step: Step) -> None:
@@ -318,8 +362,14 @@ class Scheduler:
             for r in step.rows[step.n_decode:]:
                 done = min(end, len(r.prompt)) // pool.size  # prompt blocks whose positions are all computed
                 for j in range(r.next_block, min(done, len(r.keys))):
-                    b = pool.publish(r.keys[j], r.prompt[j * pool.size:(j + 1) * pool.size],
-                                     r.keys[j - 1] if j else b"")
+                    tokens, parent = r.prompt[j * pool.size:(j + 1) * pool.size], r.keys[j - 1] if j else b""
+                    if self.paged:  # its own block becomes the cached one (a ring layer still copies it)
+                        b = r.table[j] if pool.adopt(r.keys[j], tokens, parent, r.table[j]) else None
+                        if b is not None:
+                            r.own.remove(b)
+                            r.blocks.append(b)
+                    else:
+                        b = pool.publish(r.keys[j], tokens, parent)
                     pool.unpromise(r.keys[j:j + 1])
                     if b is not None:
                         ops.append((SAVE, r.slot, j, b))
@@ -333,7 +383,8 @@ class Scheduler:
         if self.pool is not None:
             self.pool.release(r.blocks)
             self.pool.unpromise(r.keys[r.next_block:])
-            r.blocks, r.next_block = [], len(r.keys)
+            self.pool.give_back(r.own)
+            r.blocks, r.next_block, r.own = [], len(r.keys), []
 
     def _next(self, g: int) -> Step | None:
         rows = self.rows[g]
@@ -346,6 +397,7 @@ class Scheduler:
             if r is None and self.queue:
                 rows[i] = self._admit_next(g, g * self.batch + i)
         live = [r for r in rows if r is not None]
+        self.peak_rows = max(self.peak_rows, sum(r is not None for rs in self.rows for r in rs))
         fresh = [r for r in live if not r.prefilled]
         if self.recompute and live:
             return self._prefill(g, live)

@@ -163,6 +163,7 @@ class GenerateResult:
     token_gap_ms: dict | None = None  # between a row's decode tokens at stage 0: median, p99, max (`Scheduler.token_gaps_ms`)
     replicas: list[dict] | None = None  # per replica: rows, tokens, wall_s, tokens_per_s (None: one replica)
     prefix_hits: list[int] | None = None  # [prompt positions reused from the prefix cache, all of them] (None: off)
+    rows_at_once: int = 0  # the most rows stage 0 held at once (`Scheduler.peak_rows`; replicas: summed)
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k != "timings" and not (k in ("replicas", "prefix_hits")

@@ -383,6 +383,7 @@ class GenerateOptions:
     shard: tuple[int, int] | None = None  # --shard K/N: this job's part of the prompt file (`shards.py`)
     ignore_eos: bool = False  # --ignore-eos: every row runs to its max tokens (fixed-length benchmarks)
     prefix_cache: bool = True  # reuse cached prefix blocks (--no-prefix-cache: off; `block_pool`)
+    kv_rows: int = 0  # the KV budget in full-length rows (--kv-rows; 0: groups x batch): the block cache's note
 
     @classmethod
     def resolve(cls, flags: Any, job: Any) -> "GenerateOptions":
@@ -398,7 +399,8 @@ class GenerateOptions:
         for flag, value, low in (("--max-new-tokens", flags.max_new_tokens, 1), ("--top-k", flags.top_k, 0),
                                  ("--seed", flags.seed, 0), ("--eos-id", flags.eos_id, 0), ("--batch", flags.batch, 1),
                                  ("--groups", flags.groups, 0), ("--logprobs", flags.logprobs, 0),
-                                 ("--prefill-chunk", flags.prefill_chunk, 0)):
+                                 ("--prefill-chunk", flags.prefill_chunk, 0),
+                                 ("--kv-rows", getattr(flags, "kv_rows", None), 0)):
             rules.int_at_least(value, low, f"generate {flag}")
         rules.at_most(flags.logprobs, rules.LOGPROBS_MAX, "generate --logprobs")
         from ..shards import parse_shard
@@ -414,6 +416,7 @@ class GenerateOptions:
                    logprobs=pick(flags.logprobs, sec.logprobs), shard=shard,
                    ignore_eos=bool(getattr(flags, "ignore_eos", None) or sec.ignore_eos),
                    prefix_cache=pick(getattr(flags, "prefix_cache", None), sec.prefix_cache),
+                   kv_rows=pick(getattr(flags, "kv_rows", None), sec.kv_rows),
                    eos_where="generate --eos-id" if flags.eos_id is not None else f"{job.path}: [generate] eos_id")
 
 
@@ -450,6 +453,7 @@ class GenerateDriver(JournalDriver):
         self.groups = 0
         self.kv_bytes = 0
         self.prefix_blocks = 0  # blocks of the prefix cache's pool on every stage (0: off)
+        self.paged = False  # the full layers' rows take the pool's blocks through block tables (`_paged`)
 
     def configure(self, cx: Any) -> None:
         self.opts = GenerateOptions.resolve(self.flags, cx.job)
@@ -525,8 +529,21 @@ class GenerateDriver(JournalDriver):
         cx.prepare()
         family, cfg, opts = cx.family, cx.model_config, self.opts
         extra = PREFIX_POOL_ROWS if self._prefix_cache_on(cx) else 0  # the pool: as many positions as that many slots
-        return lambda stages: kv_cost(family.cost(cfg, (opts.groups or stages) * opts.batch + extra, cx.seq), specs,
-                                      cx.seq)
+        rows = opts.kv_rows if opts.kv_rows and self._paged(cx) else 0  # (a paged cache: the budget, not the slots)
+        return lambda stages: kv_cost(family.cost(cfg, (rows or (opts.groups or stages) * opts.batch) + extra, cx.seq),
+                                      specs, cx.seq)
+
+    def _paged(self, cx: Any) -> bool:
+        """Do the stages' full-attention layers read through block tables (`kv_cache`'s block-table
+        note)? With the prefix cache, when every rank keeps full caches (a job's ``window:W`` keeps
+        rings, bounded anyway) and the model has no sliding-window layers: their rings would copy
+        blocks into a pool with the block ids of the whole budget (unpriced memory), so such a model
+        keeps its slots (`DecoderStage.reset_prefix` pages its full layers all the same when asked).
+        The same answer on every rank."""
+        cfg = cx.model_config
+        window, layers = getattr(cfg, "window", None), getattr(cfg, "num_hidden_layers", 0)
+        return (self._prefix_cache_on(cx) and all(cx.job.kv_for(r).policy == "full" for r in range(cx.world.size))
+                and not (callable(window) and any(window(n) for n in range(layers))))
 
     def _prefix_cache_on(self, cx: Any) -> bool:
         """Does this job keep a prefix cache? The same answer on every rank, from the job alone: on
@@ -590,16 +607,23 @@ class GenerateDriver(JournalDriver):
                                              for m in ("reset_prefix", "block_ops")):
             from ..block_pool import BLOCK_SIZE
 
-            blocks = -(-PREFIX_POOL_ROWS * cx.seq // BLOCK_SIZE)
+            # paged: one pool holds every row's blocks, sized from the KV budget (the rows' slots' positions
+            # or --kv-rows', and the prefix pool's), so rows take blocks by what they use (the block-cache note)
+            paged = (self._paged(cx) and "paged" in inspect.signature(cx.stage.reset_prefix).parameters
+                     and "start" in inspect.signature(cx.stage.prefill).parameters)  # (stage 0 then keeps the pool)
+            rows = PREFIX_POOL_ROWS + ((self.opts.kv_rows or self.groups * self.opts.batch) if paged else 0)
+            blocks = -(-rows * cx.seq // BLOCK_SIZE)
 
             def pool() -> int:
-                got = cx.stage.reset_prefix(blocks, BLOCK_SIZE)
+                got = cx.stage.reset_prefix(blocks, BLOCK_SIZE, paged=True) if paged else \
+                    cx.stage.reset_prefix(blocks, BLOCK_SIZE)
                 if not got:
                     raise RuntimeError("the prefix cache's pool was not allocated where the job said it would be")
                 return got
 
-            self.kv_bytes += cx.agree(pool, "allocating the prefix cache")
-            self.prefix_blocks = blocks
+            got = cx.agree(pool, "allocating the prefix cache")
+            self.kv_bytes = got if paged else self.kv_bytes + got  # (paged: the whole cache, slots replaced)
+            self.prefix_blocks, self.paged = blocks, paged
 
     def drive(self, cx: Any) -> GenerateResult | None:
         """The decode ring on every rank; the `GenerateResult` on rank 0 (None elsewhere).
@@ -634,7 +658,8 @@ class GenerateDriver(JournalDriver):
         sched = Scheduler([] if feed else items, self.groups, opts.batch,
                           opts.max_new_tokens, frozenset(doc["eos"]), recompute, prefill_chunk=chunk,
                           mixed=callable(getattr(cx.stage, "mixed", None)), stages=topo.n_stages, feed=feed,
-                          decode=decode, pool=self._prefix_pool() if topo.stage == 0 and chunk_ok else None)
+                          decode=decode, pool=self._prefix_pool() if topo.stage == 0 and chunk_ok else None,
+                          paged=self.paged)
         names = {prompt_key(own.get("key", pid)): f"{pid!r} (prompt {doc.get('first', 0) + i + 1} of "
                  f"{opts.prompts.name})" for i, pid, _, own in doc["pending"]}
         per_key = {prompt_key(own["key"]): SamplingParams(*own["params"]) for _, _, _, own in doc["pending"]
@@ -758,7 +783,8 @@ class GenerateDriver(JournalDriver):
             sample_ms=st.sample_s * 1e3, replica=topo.replica if shared else None)
         mine = {"timing": timing.to_dict(), "stopped": bool(stopped) if topo.stage == 0 else False,
                 "signal": stop.signal_name,
-                "prefix": [sched.reused, sched.prompt_tokens] if driving and sched.pool is not None else None}
+                "prefix": [sched.reused, sched.prompt_tokens] if driving and sched.pool is not None else None,
+                "peak": sched.peak_rows if driving else 0}
         grace = max(1.0, 0.1 * timeout)
         rows = transport.gather_json(cx.world, mine, 0, timeout + (topo.n_stages + 1) * grace, cx.ctx,
                                      "the generation stats")
@@ -780,7 +806,8 @@ class GenerateDriver(JournalDriver):
         return GenerateResult(timings=timings, total=doc["total"], done_before=done_before, done_now=counts["done"],
                               new_tokens=counts["tokens"], wall_s=wall, stopped_by=stopped_by,
                               prefill_steps=sched.prefill_steps, token_gap_ms=sched.token_gaps_ms(), replicas=replicas,
-                              prefix_hits=[sum(h[0] for h in hits), sum(h[1] for h in hits)] if hits else None)
+                              prefix_hits=[sum(h[0] for h in hits), sum(h[1] for h in hits)] if hits else None,
+                              rows_at_once=sum(r["peak"] for r in rows or []))
 
     def _write_failed(self, indices: list[int]) -> int:
         """Rank 0: the output lines of the requests that cannot run (`batch_io`'s per-line errors)."""

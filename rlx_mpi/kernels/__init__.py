@@ -71,6 +71,9 @@ def warm_up() -> None:
     for norm in (None, np.ones(2, np.float32)):
         decode_attention(np.ones((1, 8), np.float32), 4, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32),
                          kv.copy(), kv.copy(), np.zeros(1, np.int64), np.full(1, 3), q_norm=norm, k_norm=norm)
+        decode_attention(np.ones((1, 8), np.float32), 4, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32),
+                         kv.copy(), kv.copy(), np.zeros(1, np.int64), np.full(1, 3), q_norm=norm, k_norm=norm,
+                         table=np.zeros((1, 3), np.int32), size=3)  # a paged cache (attention's paged-rows note)
     matvec_f32(np.ones((1, 2), np.float32), np.ones((3, 2), np.float32))
     matmul_float(np.ones((F32_MATVEC_ROWS + 1, 2), np.float32), np.ones((9, 2), np.float32))  # prefill's tiles
 

@@ -183,7 +183,62 @@ def _attend_cache_par(q, ck, cv, slots, pos, window, scale, softcap, sinks, y): 
                       scores, y[b])
 
 
-def _attend_kernel(rows: int, nkv: int):
+# Note: paged rows (`kv_cache` block-table note). A full-attention layer's cache may be a pool of
+# blocks, (1, nkv, blocks x size, hs) (4-D so that the fused decode layer takes either layout), and
+# a row's position p lives in pool column table[slot, p // size] * size + p % size. A query's keys
+# are gathered block by block into a contiguous scratch and handed to `_attend_group` as a slot
+# row would be: the same rows of the same values in the same order, so a row's numbers are bit
+# for bit those of the slot cache (the invariance note). The gather costs one copy of the visible
+# keys and values per (row, kv head), against the g query heads' scores and sums over them: to
+# measure against walking the blocks inside the kernel (bench/bench_prefix.py --mixed).
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _gather_row(ck, cv, table, size, slot, kh, hi, ks, vs):
+    """Positions 0..hi-1 of a paged row, kv head kh, into ks / vs rows 0..hi-1, in order."""
+    j = 0
+    while j < hi:
+        n = min(size, hi - j)
+        c = table[slot, j // size] * size
+        ks[j:j + n] = ck[0, kh, c:c + n]
+        vs[j:j + n] = cv[0, kh, c:c + n]
+        j += n
+
+
+@numba.njit(cache=True, error_model=ERR)
+def _attend_paged(q, ck, cv, table, size, slots, pos, scale, softcap, sinks, y):
+    """As `_attend_cache` (no window) over a paged cache: row b's keys 0..pos[b] through the
+    block table (the paged-rows note); on the calling thread."""
+    B, nh, _ = q.shape
+    nkv = ck.shape[1]
+    S = 1
+    for b in range(B):
+        S = max(S, pos[b] + 1)
+    scores = np.empty((nh // nkv, S), np.float32)
+    ks = np.empty((S, ck.shape[3]), np.float32)
+    vs = np.empty((S, cv.shape[3]), np.float32)
+    for bk in range(B * nkv):
+        b, kh = bk // nkv, bk % nkv
+        hi = pos[b] + 1
+        _gather_row(ck, cv, table, size, slots[b], kh, hi, ks, vs)
+        _attend_group(q[b], ks, vs, kh * (nh // nkv), 0, hi, scale, softcap, sinks, scores, y[b])
+
+
+@numba.njit(cache=True, parallel=True, error_model=ERR)
+def _attend_paged_par(q, ck, cv, table, size, slots, pos, scale, softcap, sinks, y):  # as _attend_paged, (row,
+    B, nh, _ = q.shape  # kv head) pairs split over the rank's numba threads
+    nkv = ck.shape[1]
+    for bk in numba.prange(B * nkv):
+        b, kh = bk // nkv, bk % nkv
+        hi = pos[b] + 1
+        scores = np.empty((nh // nkv, hi), np.float32)
+        ks = np.empty((hi, ck.shape[3]), np.float32)
+        vs = np.empty((hi, cv.shape[3]), np.float32)
+        _gather_row(ck, cv, table, size, slots[b], kh, hi, ks, vs)
+        _attend_group(q[b], ks, vs, kh * (nh // nkv), 0, hi, scale, softcap, sinks, scores, y[b])
+
+
+def _attend_kernel(rows: int, nkv: int, paged: bool = False):
     """The decode attention for a step of ``rows`` rows: on numba's pool when the rank has more
     than one thread and the step is small enough that its projections ran there too (at most
     F32_MATVEC_ROWS rows: the numba matvecs, no BLAS), else on the calling thread, since
@@ -192,7 +247,10 @@ def _attend_kernel(rows: int, nkv: int):
     Note: a MIXED step (7 decode rows beside a 64-token chunk, medium f32, 2 threads) took 577
     ms with its 7 rows' attention on the pool, 390 ms on the calling thread: the pool's spinning
     workers slowed each OpenBLAS product that followed; ``rows`` is the step's token rows."""
-    return _attend_cache_par if pool_threads() > 1 and rows * nkv > 1 and rows <= F32_MATVEC_ROWS else _attend_cache
+    par = pool_threads() > 1 and rows * nkv > 1 and rows <= F32_MATVEC_ROWS
+    if paged:
+        return _attend_paged_par if par else _attend_paged
+    return _attend_cache_par if par else _attend_cache
 
 
 @numba.njit(cache=True, error_model=ERR, fastmath=FAST)
@@ -232,14 +290,37 @@ def _decode_qkv(qkv, q_dim, cos, sin, q_norm, k_norm, eps, ck, cv, slots, positi
             cv[slot, kh, col, :] = qkv[b, v0:v0 + hs]
 
 
-def check_cache_rows(slots, positions, rows: int, n_slots: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+@numba.njit(cache=True, error_model=ERR)
+def _decode_qkv_paged(qkv, q_dim, cos, sin, q_norm, k_norm, eps, ck, cv, table, size, slots, positions, q):
+    """As `_decode_qkv` into a paged cache (1, nkv, blocks x size, hs): row b's position p goes
+    to column table[slots[b], p // size] * size + p % size (the paged-rows note)."""
+    B = qkv.shape[0]
+    nh, hs = q.shape[1], q.shape[2]
+    nkv = ck.shape[1]
+    for b in range(B):
+        p = positions[b]
+        col = table[slots[b], p // size] * size + p % size
+        for h in range(nh):
+            _rope_row(qkv[b, h * hs:(h + 1) * hs], cos[b], sin[b], eps, q_norm, q[b, h])
+        for kh in range(nkv):
+            k0 = q_dim + kh * hs
+            v0 = q_dim + (nkv + kh) * hs
+            _rope_row(qkv[b, k0:k0 + hs], cos[b], sin[b], eps, k_norm, ck[0, kh, col])
+            cv[0, kh, col, :] = qkv[b, v0:v0 + hs]
+
+
+def check_cache_rows(slots, positions, rows: int, n_slots: int, where: str,
+                     max_positions: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """slots and positions as 1-D int64 arrays of ``rows`` entries, each slot in 0..n_slots-1 and
-    each position >= 0; ValueError naming ``where`` otherwise."""
+    each position >= 0 (and < ``max_positions`` when given: a block table's reach); ValueError
+    naming ``where`` otherwise."""
     slots, positions = np.asarray(slots, np.int64).reshape(-1), np.asarray(positions, np.int64).reshape(-1)
+    top = max_positions if max_positions is not None else np.iinfo(np.int64).max
     if slots.shape != (rows,) or positions.shape != (rows,) or (rows and (
-            slots.min() < 0 or slots.max() >= n_slots or positions.min() < 0)):
+            slots.min() < 0 or slots.max() >= n_slots or positions.min() < 0 or positions.max() >= top)):
         raise ValueError(f"{where}: slots {slots.tolist()} must lie in 0..{n_slots - 1} and "
-                         f"positions {positions.tolist()} be >= 0, one each per row ({rows})")
+                         f"positions {positions.tolist()} be >= 0" + (f" and < {top}" if max_positions is not None
+                                                                      else "") + f", one each per row ({rows})")
     return slots, positions
 
 
@@ -247,7 +328,8 @@ def decode_attention(qkv: np.ndarray, q_dim: int, cos: np.ndarray, sin: np.ndarr
                      cache_v: np.ndarray, slots: np.ndarray, positions: np.ndarray, *,
                      q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None, eps: float = 1e-6,
                      scale: float | None = None, softcap: float = 0.0, rows_checked: bool = False,
-                     step_rows: int | None = None, sinks: np.ndarray | None = None) -> np.ndarray:
+                     step_rows: int | None = None, sinks: np.ndarray | None = None,
+                     table: np.ndarray | None = None, size: int = 0) -> np.ndarray:
     """A decode step's attention from the fused q|k|v projection, in two numba passes.
 
     qkv (B, q_dim + 2 * kv_dim): one new token per row (bias already added); cos, sin (B, hs) at
@@ -261,6 +343,8 @@ def decode_attention(qkv: np.ndarray, q_dim: int, cos: np.ndarray, sin: np.ndarr
     layer: the reductions cost more than a small layer's attention). ``step_rows``: the token rows
     the step's projections took (default B; more in a MIXED step, whose prefill chunk rides
     along), which picks the attention's threads (`_attend_kernel`). ``sinks`` (nh,): as `attend`.
+    ``table`` (rows, max blocks) int32 and ``size``: a paged cache (the paged-rows note), cache_k and
+    cache_v (1, nkv, blocks x size, hs), ``slots`` the table's rows; full attention only.
     """
     check_f32("decode_attention qkv", qkv)
     check_f32("decode_attention cache_k", cache_k)
@@ -272,29 +356,51 @@ def decode_attention(qkv: np.ndarray, q_dim: int, cos: np.ndarray, sin: np.ndarr
             or cos.shape != (B, hs) or sin.shape != (B, hs)):
         raise ValueError(f"decode_attention: qkv {qkv.shape} (q_dim {q_dim}), cache {cache_k.shape} / "
                          f"{cache_v.shape} and cos/sin {cos.shape} / {sin.shape} do not fit")
+    if table is not None:
+        _check_table(table, size, cache_k, "decode_attention")
     if not rows_checked:
-        slots, positions = check_cache_rows(slots, positions, B, cache_k.shape[0], "decode_attention")
+        slots, positions = check_cache_rows(slots, positions, B, cache_k.shape[0] if table is None else table.shape[0],
+                                            "decode_attention", None if table is None else table.shape[1] * size)
     none = np.empty(0, np.float32)
     q = np.empty((B, nh, hs), np.float32)
-    _decode_qkv(qkv, q_dim, np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32),
-                none if q_norm is None else q_norm, none if k_norm is None else k_norm, np.float32(eps),
-                cache_k, cache_v, slots, positions, q)
+    cos, sin = np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
+    q_norm, k_norm = none if q_norm is None else q_norm, none if k_norm is None else k_norm
     y = np.empty((B, nh, hs), np.float32)
-    _attend_kernel(B if step_rows is None else step_rows, nkv)(q, cache_k, cache_v, slots, np.minimum(positions, L - 1), 0,
-                  np.float32(hs ** -0.5 if scale is None else scale), np.float32(softcap),
-                  _sinks(sinks, nh, "decode_attention"), y)
+    scale, softcap = np.float32(hs ** -0.5 if scale is None else scale), np.float32(softcap)
+    rows = B if step_rows is None else step_rows
+    if table is not None:
+        _decode_qkv_paged(qkv, q_dim, cos, sin, q_norm, k_norm, np.float32(eps), cache_k, cache_v, table, size, slots,
+                          positions, q)
+        _attend_kernel(rows, nkv, True)(q, cache_k, cache_v, table, size, slots, positions, scale, softcap,
+                                        _sinks(sinks, nh, "decode_attention"), y)
+        return y.reshape(B, nh * hs)
+    _decode_qkv(qkv, q_dim, cos, sin, q_norm, k_norm, np.float32(eps), cache_k, cache_v, slots, positions, q)
+    _attend_kernel(rows, nkv)(q, cache_k, cache_v, slots, np.minimum(positions, L - 1), 0, scale, softcap,
+                              _sinks(sinks, nh, "decode_attention"), y)
     return y.reshape(B, nh * hs)
+
+
+def _check_table(table: np.ndarray, size: int, cache_k: np.ndarray, where: str) -> None:
+    """A block table as the paged kernels take it: (rows, max blocks) int32 C-contiguous, ids in the pool."""
+    if (not isinstance(table, np.ndarray) or table.dtype != np.int32 or table.ndim != 2 or not table.flags.c_contiguous
+            or size < 1 or cache_k.shape[0] != 1 or cache_k.shape[2] % size
+            or (table.size and (table.min() < 0 or table.max() >= cache_k.shape[2] // size))):
+        raise ValueError(f"{where}: a block table must be (rows, blocks) int32 C-contiguous with ids in "
+                         f"0..{cache_k.shape[2] // max(size, 1) - 1} of a pool (1, nkv, blocks x {size}, hs); got "
+                         f"{getattr(table, 'dtype', type(table))} {getattr(table, 'shape', '')}, pool {cache_k.shape}")
 
 
 def attend_cache(q: np.ndarray, cache_k: np.ndarray, cache_v: np.ndarray, slots: np.ndarray,
                  q_pos: np.ndarray, window: int = 0, *, scale: float | None = None,
-                 softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
+                 softcap: float = 0.0, sinks: np.ndarray | None = None, table: np.ndarray | None = None,
+                 size: int = 0) -> np.ndarray:
     """One decode step's attention, read in place from a KV cache (see the decode note).
 
     q (B, nh, 1, hs): one query per head of each row; cache_k, cache_v (slots, nkv, L, hs)
     C-contiguous float32; row b reads cache row ``slots[b]``, keys 0..q_pos[b] (with
     ``window > 0`` only the last ``window`` of them). ``scale`` and ``softcap`` as `attend`.
-    Returns y (B, 1, nh, hs) float32 C-contiguous, as `attend` does for T = 1.
+    Returns y (B, 1, nh, hs) float32 C-contiguous, as `attend` does for T = 1. ``table`` and
+    ``size``: a paged cache, as `decode_attention` takes it (no window).
     """
     B, nh, T, hs = q.shape
     if T != 1 or cache_k.ndim != 4 or cache_v.shape != cache_k.shape or cache_k.shape[3] != hs \
@@ -303,8 +409,18 @@ def attend_cache(q: np.ndarray, cache_k: np.ndarray, cache_v: np.ndarray, slots:
                          "(B, nh, 1, hs) / (slots, nkv, L, hs) with nh a multiple of nkv")
     check_f32("attend_cache cache_k", cache_k)
     check_f32("attend_cache cache_v", cache_v)
-    slots, pos = check_cache_rows(slots, q_pos, B, cache_k.shape[0], "attend_cache")
     y = np.empty((B, 1, nh, hs), np.float32)
+    if table is not None:
+        _check_table(table, size, cache_k, "attend_cache")
+        if window > 0:
+            raise ValueError("attend_cache: a paged cache holds full-attention layers only (window 0)")
+        slots, pos = check_cache_rows(slots, q_pos, B, table.shape[0], "attend_cache", table.shape[1] * size)
+        _attend_kernel(B, cache_k.shape[1], True)(
+            np.ascontiguousarray(q, dtype=np.float32).reshape(B, nh, hs), cache_k, cache_v, table, size, slots, pos,
+            np.float32(hs ** -0.5 if scale is None else scale), np.float32(softcap), _sinks(sinks, nh, "attend_cache"),
+            y.reshape(B, nh, hs))
+        return y
+    slots, pos = check_cache_rows(slots, q_pos, B, cache_k.shape[0], "attend_cache")
     kernel = _attend_kernel(B, cache_k.shape[1])
     kernel(np.ascontiguousarray(q, dtype=np.float32).reshape(B, nh, hs), cache_k, cache_v, slots, pos,
            int(max(window, 0)), np.float32(hs ** -0.5 if scale is None else scale), np.float32(softcap),

@@ -32,7 +32,8 @@ from numba.core import types
 from numba.extending import overload
 
 from ._common import ERR
-from .attention import _NO_SINKS, _attend_cache, _attend_cache_par, _decode_qkv
+from .attention import (_NO_SINKS, _attend_cache, _attend_cache_par, _attend_paged, _attend_paged_par, _decode_qkv,
+                        _decode_qkv_paged)
 from .elementwise import _rms_norm, _swiglu
 from .lowp import _matvec_int8
 from .matvec import _matvec_float
@@ -59,8 +60,8 @@ def _matvec_typed(x, w, scale, out, chunks):
 
 
 @numba.njit(cache=True, error_model=ERR)
-def _decode_layer(h, ln1, ln2, eps, wqkv, sqkv, bqkv, q_dim, cos, sin, q_norm, k_norm, ck, cv, slots, pos,
-                  scale, softcap, wo, so, wgu, sgu, wd, sd, threads, out):
+def _decode_layer(h, ln1, ln2, eps, wqkv, sqkv, bqkv, q_dim, cos, sin, q_norm, k_norm, ck, cv, table, size, slots, pos,
+                  scale, softcap, wo, so, wgu, sgu, wd, sd, threads, out):  # table (0, 0): slot rows, else paged
     B, C = h.shape
     nkv, L, hs = ck.shape[1], ck.shape[2], ck.shape[3]
     nh = q_dim // hs
@@ -73,13 +74,20 @@ def _decode_layer(h, ln1, ln2, eps, wqkv, sqkv, bqkv, q_dim, cos, sin, q_norm, k
             for j in range(qkv.shape[1]):
                 qkv[b, j] += bqkv[j]
     q = np.empty((B, nh, hs), np.float32)
-    _decode_qkv(qkv, q_dim, cos, sin, q_norm, k_norm, eps, ck, cv, slots, pos, q)
     y = np.empty((B, nh, hs), np.float32)
-    last = np.minimum(pos, L - 1)
-    if threads > 1 and B * nkv > 1:  # as attention._attend_kernel (rows here are few: the pool's side)
-        _attend_cache_par(q, ck, cv, slots, last, 0, scale, softcap, _NO_SINKS, y)
+    if table.shape[0] > 0:  # a paged cache (attention's paged-rows note)
+        _decode_qkv_paged(qkv, q_dim, cos, sin, q_norm, k_norm, eps, ck, cv, table, size, slots, pos, q)
+        if threads > 1 and B * nkv > 1:
+            _attend_paged_par(q, ck, cv, table, size, slots, pos, scale, softcap, _NO_SINKS, y)
+        else:
+            _attend_paged(q, ck, cv, table, size, slots, pos, scale, softcap, _NO_SINKS, y)
     else:
-        _attend_cache(q, ck, cv, slots, last, 0, scale, softcap, _NO_SINKS, y)
+        _decode_qkv(qkv, q_dim, cos, sin, q_norm, k_norm, eps, ck, cv, slots, pos, q)
+        last = np.minimum(pos, L - 1)
+        if threads > 1 and B * nkv > 1:  # as attention._attend_kernel (rows here are few: the pool's side)
+            _attend_cache_par(q, ck, cv, slots, last, 0, scale, softcap, _NO_SINKS, y)
+        else:
+            _attend_cache(q, ck, cv, slots, last, 0, scale, softcap, _NO_SINKS, y)
     a = np.empty((B, C), np.float32)
     _matvec(y.reshape(B, nh * hs), wo, so, a, min(C, 4 * threads))
     for b in range(B):  # a = h + o(...), as model._add_to
@@ -96,22 +104,28 @@ def _decode_layer(h, ln1, ln2, eps, wqkv, sqkv, bqkv, q_dim, cos, sin, q_norm, k
             out[b, j] += a[b, j]
 
 
+_NO_TABLE = np.zeros((0, 0), np.int32)  # slot rows (`_decode_layer`)
+
+
 def decode_layer(h: np.ndarray, ln1: np.ndarray, ln2: np.ndarray, eps: float, qkv, qkv_scale, qkv_bias, q_dim: int,
                  cos: np.ndarray, sin: np.ndarray, q_norm, k_norm, cache_k: np.ndarray, cache_v: np.ndarray,
                  slots: np.ndarray, positions: np.ndarray, scale: float, softcap: float, o, o_scale, gate_up,
-                 gate_up_scale, down, down_scale, threads: int) -> np.ndarray:
+                 gate_up_scale, down, down_scale, threads: int, table: np.ndarray | None = None,
+                 size: int = 0) -> np.ndarray:
     """One decode step of a dense SwiGLU layer (see the module note): h (B, C) -> (B, C).
 
     For a caller that checked everything once: h (B, C), cos, sin (B, hs) and the norms float32
     C-contiguous; each weight checked at load (`lowp.check_weight`; float32 for f32, its scale
     None; f16 bits viewed as int16: `lowp.kernel_weight`) and all of one format; slots and positions from `check_cache_rows` (int64, in range);
-    ``scale`` the attention's score scale; ``threads`` the pool's (`pool_threads`)."""
+    ``scale`` the attention's score scale; ``threads`` the pool's (`pool_threads`). ``table`` and
+    ``size``: a paged cache, checked by the caller (`attention.decode_attention` takes the same)."""
     none = np.empty(0, np.float32)
     nosc = np.empty((0, 0), np.float32)
     out = np.empty_like(h)
     _decode_layer(h, ln1, ln2, np.float32(eps), qkv, nosc if qkv_scale is None else qkv_scale,
                   none if qkv_bias is None else qkv_bias, q_dim, cos, sin, none if q_norm is None else q_norm,
-                  none if k_norm is None else k_norm, cache_k, cache_v, slots, positions, np.float32(scale),
+                  none if k_norm is None else k_norm, cache_k, cache_v, _NO_TABLE if table is None else table, size,
+                  slots, positions, np.float32(scale),
                   np.float32(softcap), o, nosc if o_scale is None else o_scale, gate_up,
                   nosc if gate_up_scale is None else gate_up_scale, down, nosc if down_scale is None else down_scale,
                   threads, out)

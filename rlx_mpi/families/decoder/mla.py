@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from ... import kernels
-from ...kv_cache import prefill_kv
+from ...kv_cache import PagedCache, prefill_kv
 from . import ops
 from .arch import Arch
 from .weights import LayerWeights, MlaWeights
@@ -108,11 +108,18 @@ def _decode(q, c, kr, m: MlaWeights, cfg: Arch, cos, sin, kv) -> np.ndarray:
     q_rot = _rope(q[:, 0, :, dn:][:, :, None], cos, sin, cfg.rope_interleave)[:, :, 0]  # (B, nh, dr)
     kr = _rope(kr[:, None], cos, sin, cfg.rope_interleave)[:, 0, 0]  # (B, dr)
     cache = kv.caches[kv.layer]
+    scale = cfg.attention_scale or cfg.qk_head_dim ** -0.5
+    if isinstance(cache, PagedCache):  # through the block table: the row's latents gathered in position order
+        at = cache.columns(kv.slots, kv.positions[:, None])[:, 0]
+        cache.k[0, 0, at], cache.v[0, 0, at] = c[:, 0], kr
+        S = int(kv.positions.max()) + 1
+        cols = cache.columns(kv.slots, np.broadcast_to(np.arange(S), (B, S)))  # (B, S)
+        return absorbed(np.ascontiguousarray(q[:, 0, :, :dn]), q_rot, cache.k[0, 0][cols], cache.v[0, 0][cols], m,
+                        kv.positions, scale).reshape(B, 1, -1)
     L = cache.k.shape[2]
     cols = kv.positions % L
     cache.k[kv.slots, 0, cols] = c[:, 0]
     cache.v[kv.slots, 0, cols] = kr
-    scale = cfg.attention_scale or cfg.qk_head_dim ** -0.5
     return absorbed(np.ascontiguousarray(q[:, 0, :, :dn]), q_rot, cache.k[kv.slots, 0], cache.v[kv.slots, 0], m,
                     np.minimum(kv.positions, L - 1), scale).reshape(B, 1, -1)
 

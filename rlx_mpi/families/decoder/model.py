@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 
 from ... import kernels
-from ...kv_cache import KvSpec, LayerCache, PoolLayer, prefill_kv
+from ...kv_cache import KvSpec, LayerCache, PagedCache, PoolLayer, prefill_kv
 from . import mla, moe, ops
 from .arch import Arch
 from .weights import Experts, LayerWeights, Linear, Mlp
@@ -73,8 +73,11 @@ class KvStep:
 
     def __post_init__(self) -> None:
         if not self.prefill and self.caches:  # once per step, not per layer
+            paged = next((c for c in self.caches if isinstance(c, PagedCache)), None)
+            rows = paged.table.shape[0] if paged is not None else self.caches[0].k.shape[0]  # (the same: slots)
+            top = paged.table.shape[1] * paged.size if paged is not None else None
             self.slots, self.positions = kernels.check_cache_rows(self.slots, self.positions, len(self.slots),
-                                                                  self.caches[0].k.shape[0], "decode step")
+                                                                  rows, "decode step", top)
 
     def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, model_window: int, scale: float | None,
                softcap: float, sinks: np.ndarray | None = None) -> np.ndarray:
@@ -98,8 +101,13 @@ class KvStep:
                                      cache.v, self.slots, self.positions, q_norm=w.q_norm, k_norm=w.k_norm,
                                      eps=cfg.rms_norm_eps, scale=cfg.attention_scale or None,
                                      softcap=cfg.attn_logit_softcap, rows_checked=True, step_rows=step_rows,
-                                     sinks=w.sinks)
+                                     sinks=w.sinks, **_paged(cache))
         return y.reshape(B, 1, -1)
+
+
+def _paged(cache: LayerCache | PagedCache) -> dict:
+    """The block table arguments of the decode kernels for a paged layer (`kv_cache.PagedCache`)."""
+    return {"table": cache.table, "size": cache.size} if isinstance(cache, PagedCache) else {}
 
 
 @dataclass
@@ -277,7 +285,7 @@ def decode_block(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin
                              sin.reshape(B, -1), w.q_norm, w.k_norm, cache.k, cache.v, kv.slots, kv.positions,
                              cfg.attention_scale or cfg.head_dim ** -0.5, cfg.attn_logit_softcap, w.o_proj.kernel_data,
                              w.o_proj.scale, mlp_.gate_up.kernel_data, mlp_.gate_up.scale, mlp_.down_proj.kernel_data,
-                             mlp_.down_proj.scale, kernels.pool_threads())
+                             mlp_.down_proj.scale, kernels.pool_threads(), **_paged(cache))
     return y.reshape(B, 1, C)
 
 

@@ -22,7 +22,8 @@ import numpy as np
 from ... import kernels
 from ...checkpoint import part_bounds
 from ...collectives import ReduceKind, all_reduce, world_ranks
-from ...kv_cache import SAVE, KvSpec, LayerCache, block_pool_caches, copy_blocks, prefix_cacheable
+from ...kv_cache import (ATTACH, SAVE, SET, KvSpec, LayerCache, block_pool_caches, copy_blocks, paged_caches,
+                         prefix_cacheable)
 from ...stage import ParamSource, Stage, TensorParallel
 from . import model, ops
 from .arch import Arch
@@ -196,19 +197,26 @@ class DecoderStage(Stage):
             for kinds in {tuple(x.kind for x in (b.qkv, b.o_proj, b.mlp.gate_up, b.mlp.down_proj)) for b in self.blocks}:
                 kernels.warm_up_decode_layer(self.precision, kinds)  # a file's mixed storage (weights.Linear.kind)
         self.specs = [_layer_spec(kv, w.window) for w in self.blocks]
-        self.caches = None
+        self.caches, self.table, self._shape = None, None, (slots, max_seq)
         if not kv.recompute:
             self.caches = [LayerCache(slots, *self._entry(w, s.cache_len(max_seq))) for w, s in zip(self.blocks, self.specs)]
         self.rope = Rope(cfg, max_seq)
         return sum(c.nbytes for c in self.caches) if self.caches else 0
 
-    def reset_prefix(self, blocks: int, size: int) -> int:
+    def reset_prefix(self, blocks: int, size: int, paged: bool = False) -> int:
         """The prefix cache's pool (`kv_cache`'s prefix-cache note): ``blocks`` blocks of ``size``
-        positions per layer; its bytes. 0 and no pool where a layer's cache cannot take part."""
+        positions per layer; its bytes. 0 and no pool where a layer's cache cannot take part.
+        ``paged``: the full-attention layers' slots become those blocks, read through a block table
+        (`kv_cache`'s block-table note); the bytes are then the stage's whole cache's."""
         self.pool, self._saves = None, None
         if blocks and self.caches is not None and prefix_cacheable(self.specs, size):
+            if paged:
+                self.caches, self.table = paged_caches(self.caches, self.specs, *self._shape, blocks, size)
             self.pool = block_pool_caches(self.caches, blocks, size)
-        return sum(p.nbytes for p in self.pool) if self.pool else 0
+        if not self.pool:
+            return 0
+        pools = sum(p.nbytes for p in self.pool if p is not None)
+        return pools + sum(c.nbytes for c in self.caches) if paged else pools
 
     def block_ops(self, ops: np.ndarray, before: bool) -> None:
         """A step's block ops (`scheduler.block_ops`): ``before`` it, its attaches are copied and
@@ -216,6 +224,9 @@ class DecoderStage(Stage):
         if getattr(self, "pool", None) is None:
             raise RuntimeError("block ops without a prefix-cache pool (reset_prefix)")
         if before:
+            if self.table is not None:  # a row's blocks, cached (ATTACH) or its own (SET): its table entries
+                set_ = ops[(ops[:, 0] == ATTACH) | (ops[:, 0] == SET)]
+                self.table[set_[:, 1], set_[:, 2]] = set_[:, 3]
             copy_blocks(self.caches, self.pool, ops)
             saves = ops[ops[:, 0] == SAVE, 1:]  # (m, 3): slot, block, pool id
             self._saves = saves if len(saves) else None
