@@ -32,6 +32,12 @@ alone) each row's digest says whether this run makes it, and a file with no dige
 (an older rlx-mpi's) is resumed only when adopted (``--adopt-output``: recorded as
 ``"adopted"`` rows in the new sidecar). Every refusal's advice works as written (tests follow it);
 `journal.Journal` does the checking.
+
+Note: the kernels' arithmetic. The invariance contract (docs/invariance.md) fixes each element's
+float operations and their order, so rows depend on the code's kernels too: a release that changes
+any kernel's per-element arithmetic (not its speed) bumps `NUMERICS`, which every identity records,
+so a job started before the change is not resumed with rows of the new arithmetic appended
+(an older record without it is refused unless adopted, ``--adopt-output``).
 """
 
 from __future__ import annotations
@@ -44,7 +50,9 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 __all__ = ["RunIdentity", "model_identity", "prompt_digest", "digest_of", "meta_path", "meta_bytes", "META_FORMAT",
-           "ROW_IDENTITY", "layout_settings", "unplaced_settings", "beside_settings"]
+           "ROW_IDENTITY", "layout_settings", "unplaced_settings", "beside_settings", "NUMERICS"]
+
+NUMERICS = 2  # the kernels' arithmetic (the note above); 2: attention in float32 throughout, q4 in one order
 
 META_FORMAT = "rlx_mpi.journal"  # the sidecar's "format"; "version" 1
 ROW_IDENTITY = "identity"  # the key of each row's digest of (run identity, its prompt): the file alone resumes
@@ -132,7 +140,7 @@ class RunIdentity:
         seed change nothing, so they are not recorded (a greedy rerun with another seed resumes)
         unless ``sampled``: some row samples with its own temperature and the job's other
         settings (a row's own settings are in its prompt digest, `prompts.Prompt.digest`)."""
-        settings: dict = {"temperature": float(sampling.temperature)}
+        settings: dict = {"numerics": NUMERICS, "temperature": float(sampling.temperature)}
         if not sampling.greedy or sampled:
             settings.update(top_k=int(sampling.top_k), top_p=float(sampling.top_p), seed=int(sampling.seed))
         settings.update(max_new_tokens=int(max_new_tokens), eos_ids=sorted({int(e) for e in eos_ids}),
@@ -141,7 +149,7 @@ class RunIdentity:
 
     @classmethod
     def for_score(cls, checkpoint) -> "RunIdentity":
-        return cls("score", model_identity(checkpoint), {})
+        return cls("score", model_identity(checkpoint), {"numerics": NUMERICS})
 
     def with_settings(self, **settings: Any) -> "RunIdentity":
         """This identity with more settings (names with spaces go through a dict: ``**{"chat template": d}``)."""

@@ -344,7 +344,7 @@ def test_a_pipe_is_refused_without_opening_it(tmp_path):
 
 # -- what made the rows (issue 17, finding 2) ------------------------------------------------------
 
-from rlx_mpi.identity import RunIdentity, meta_path, model_identity  # noqa: E402
+from rlx_mpi.identity import NUMERICS, RunIdentity, meta_path, model_identity  # noqa: E402
 from rlx_mpi.sampling import SamplingParams  # noqa: E402
 
 
@@ -380,6 +380,23 @@ def test_a_resume_with_other_settings_is_refused_naming_both_values(tmp_path, ti
     assert out.read_bytes() == before and meta_path(out).read_bytes() == meta  # nothing touched
     with Journal(out, ps, identity=ident(tiny_ckpt), sync_s=0) as j:  # the same settings resume
         assert [p.id for p in j.pending] == ["p2", "p3"]
+
+
+def test_rows_made_by_other_kernel_arithmetic_are_refused(tmp_path, tiny_ckpt):
+    """A release that changes a kernel's per-element arithmetic bumps NUMERICS (identity's note):
+    a job started before it is not resumed with rows of the new arithmetic appended."""
+    ps, out = prompts(4), tmp_path / "C.jsonl"
+    old = ident(tiny_ckpt).with_settings(numerics=NUMERICS - 1)
+    before = half_done(out, ps, old)
+    with pytest.raises(InputError) as e:
+        Journal(out, ps, identity=ident(tiny_ckpt))
+    assert f"numerics {NUMERICS - 1}, this run has numerics {NUMERICS}" in e.value.line()
+    assert out.read_bytes() == before
+    meta = json.loads(meta_path(out).read_text())  # a record from before NUMERICS: refused unless adopted
+    del meta["settings"]["numerics"]
+    meta_path(out).write_text(json.dumps(meta))
+    with pytest.raises(InputError, match="does not say which numerics"):
+        Journal(out, ps, identity=ident(tiny_ckpt))
 
 
 def test_sampled_settings_count_only_when_sampling(tmp_path, tiny_ckpt):
@@ -507,7 +524,8 @@ def test_the_record_is_a_sidecar_and_the_output_stays_one_row_per_line(tmp_path,
     assert [r["id"] for r in rows_of(out)] == ["p0", "p1"]  # no metadata line among the rows
     meta = json.loads(meta_path(out).read_text())
     assert meta["format"] == "rlx_mpi.journal" and meta["version"] == 1 and meta["command"] == "generate"
-    assert meta["settings"] == {"temperature": 0.0, "max_new_tokens": 8, "eos_ids": [2], "logprobs": 0}
+    assert meta["settings"] == {"numerics": NUMERICS, "temperature": 0.0, "max_new_tokens": 8, "eos_ids": [2],
+                                "logprobs": 0}
     assert set(meta["prompts"]) == {"p0", "p1", "p2"} and meta["model"]["family"] == "llama"
     assert not list(tmp_path.glob(".*tmp*"))  # the sidecar's temporary name is gone
 
