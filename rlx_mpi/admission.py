@@ -99,12 +99,12 @@ class ReuseMicrobatch:
 
 
 def plan_reuse(lines: list[tuple[int, tuple, int]], pool: BlockPool, budget: int,
-               per_round: int, max_rows: int) -> list[ReuseMicrobatch]:
+               per_round: int, max_rows: int, min_tokens: int = 0) -> list[ReuseMicrobatch]:
     """A score round's microbatches under the prefix cache (the score-plan note): ``lines`` are
     (pending position, tokens, first scored token), in file order; at most ``max_rows`` rows (the
     cache's slots) and ``budget`` computed positions (rows x width) a microbatch, and the round
     cut into ``per_round`` microbatches where its positions allow (a pipeline's stages all get
-    work). Updates ``pool`` as the stages will."""
+    work) while they keep ``min_tokens`` positions. Updates ``pool`` as the stages will."""
     if budget < 1 or per_round < 1 or max_rows < 1:
         raise ValueError(f"budget, per_round and max_rows must be >= 1, got {budget}, {per_round}, {max_rows}")
     out: list[ReuseMicrobatch] = []
@@ -120,12 +120,13 @@ def plan_reuse(lines: list[tuple[int, tuple, int]], pool: BlockPool, budget: int
                 continue
             held, _ = attach(pool, ks, ids, -1)  # referenced until packed: no save of the wave evicts them
             wave.append((k, tokens, held))
-        out += _pack(wave, pool, budget, per_round, max_rows)
+        out += _pack(wave, pool, budget, per_round, max_rows, min_tokens)
         left = wait
     return out
 
 
-def _pack(wave: list, pool: BlockPool, budget: int, per_round: int, max_rows: int) -> list[ReuseMicrobatch]:
+def _pack(wave: list, pool: BlockPool, budget: int, per_round: int, max_rows: int,
+          min_tokens: int) -> list[ReuseMicrobatch]:
     """A wave's lines, most attached first (then longest suffix), cut into microbatches; each line's
     blocks published and its references dropped as its microbatch is planned."""
     B = pool.size
@@ -133,7 +134,9 @@ def _pack(wave: list, pool: BlockPool, budget: int, per_round: int, max_rows: in
     wave = sorted(wave, key=lambda w: (-have(w), -(len(w[1]) - have(w)), w[0]))
     total = sum(len(w[1]) - have(w) for w in wave)
     widest = max(len(w[1]) - have(w) for w in wave)
-    cap = min(budget, max(widest, -(-total // per_round)))
+    # (a few rows run the decode products, one pass over the weights each: a round of short
+    # suffixes cut per_round ways would read the weights per_round times for little compute)
+    cap = min(budget, max(widest, -(-total // per_round), min_tokens))
     out, i = [], 0
     while i < len(wave):
         j, start = i + 1, have(wave[i])

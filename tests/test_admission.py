@@ -133,3 +133,18 @@ def test_the_round_budget_bounds_a_microbatch():
 def test_bad_arguments():
     with pytest.raises(ValueError):
         admission.plan_reuse([(0, (1, 2), 1)], BlockPool(4, B), 0, 1, 1)
+
+
+def test_short_suffixes_are_not_cut_below_min_tokens():
+    """A round of short suffixes is not cut per_round ways into microbatches of a few rows each
+    (each would read every weight once for little compute)."""
+    lines = _fewshot(np.random.default_rng(4), questions=4, answers=4, context=40)
+    items = [(k, t, s) for k, (t, s) in enumerate(lines)]
+    pool = BlockPool(128, B)
+    admission.plan_reuse(items[:1], pool, budget=1000, per_round=8, max_rows=16)  # the context is cached
+    cut = admission.plan_reuse(items[1:], BlockPool(0, B), budget=1000, per_round=8, max_rows=16)
+    whole = admission.plan_reuse(items[1:], pool, budget=1000, per_round=8, max_rows=16, min_tokens=1000)
+    assert len(cut) >= 8
+    # two waves (the first line of each question computes its question's block; its siblings
+    # attach it after), a microbatch each
+    assert len(whole) == 2 and [len(mb.lines) for mb in whole] == [6, 9] and all(mb.start >= 40 for mb in whole)

@@ -338,7 +338,7 @@ class ScoreDriver(JournalDriver):
             from ..admission import plan_reuse
 
             plan = plan_reuse([(k, tuple(pending[k][2]), pending[k][3]) for k in lines], pool, self.opts.batch,
-                              per_round, self.reuse_rows)
+                              per_round, self.reuse_rows, MIN_TOKENS)
             counts["reused"] += sum(r.start * len(r.lines) for r in plan)
             return [(Microbatch(r.lines, r.start + r.width), r.start, np.array(r.ops, np.int64).reshape(-1, 4))
                     for r in plan]
