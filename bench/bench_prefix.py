@@ -80,39 +80,55 @@ def write_score_lines(path: Path, questions: int, context: int, vocab: int) -> P
     return path
 
 
-def run_score(mpiexec: str, job: Path, lines: Path, folder: Path, ranks: int, cache: bool, args) -> dict:
-    out, stats = folder / "scores.jsonl", folder / "score.json"
-    for p in (out, stats, folder / "scores.jsonl.meta.json"):
-        p.unlink(missing_ok=True)
-    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "rlx_mpi", "score", str(job), "--prompts", str(lines),
-           "--out", str(out), "--json", str(stats), *([] if cache else ["--no-prefix-cache"])]
-    env = dict(os.environ, OMP_NUM_THREADS="1" if ranks > 1 else str(args.threads),
-               NUMBA_NUM_THREADS="1" if ranks > 1 else str(args.threads))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200, env=env, cwd=folder)
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-    doc = json.loads(stats.read_text())
-    rows = [json.loads(line)["logprobs"] for line in out.read_text().splitlines() if line]
-    return {"tokens_per_s": doc["tokens"] / (doc["total_forward_ms"] / 1e3), "wall_s": doc["total_forward_ms"] / 1e3,
-            "prefix_hits": doc.get("prefix_hits"), "rows": rows}
-
-
-def run(mpiexec: str, job: Path, prompts: Path, folder: Path, ranks: int, cache: bool, args) -> dict:
+def _launch(mpiexec: str, command: str, job: Path, inputs: Path, folder: Path, ranks: int, cache: bool, threads: int,
+            *flags: str) -> tuple[dict, list[dict]]:
+    """One ``rlx-mpi COMMAND`` run with or without the cache: its --json and its output rows."""
     out, stats = folder / "out.jsonl", folder / "stats.json"
     for p in (out, stats, folder / "out.jsonl.meta.json"):
         p.unlink(missing_ok=True)
-    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "rlx_mpi", "generate", str(job), "--prompts", str(prompts),
-           "--out", str(out), "--json", str(stats), "--max-new-tokens", str(args.new), "--batch", str(args.batch),
-           "--ignore-eos", *([] if cache else ["--no-prefix-cache"])]
-    env = dict(os.environ, OMP_NUM_THREADS="1" if ranks > 1 else str(args.threads),
-               NUMBA_NUM_THREADS="1" if ranks > 1 else str(args.threads))
+    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "rlx_mpi", command, str(job), "--prompts", str(inputs),
+           "--out", str(out), "--json", str(stats), *flags, *([] if cache else ["--no-prefix-cache"])]
+    env = dict(os.environ, OMP_NUM_THREADS="1" if ranks > 1 else str(threads),
+               NUMBA_NUM_THREADS="1" if ranks > 1 else str(threads))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200, env=env, cwd=folder)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-    doc = json.loads(stats.read_text())
-    rows = [json.loads(line)["tokens"] for line in out.read_text().splitlines() if line]
+    return json.loads(stats.read_text()), [json.loads(line) for line in out.read_text().splitlines() if line]
+
+
+def run_score(mpiexec: str, job: Path, lines: Path, folder: Path, ranks: int, cache: bool, args) -> dict:
+    """Whole-job tokens/s of ``score``: the lines' tokens over the scoring loop's wall."""
+    doc, rows = _launch(mpiexec, "score", job, lines, folder, ranks, cache, args.threads)
+    wall = doc["total_forward_ms"] / 1e3
+    return {"tokens_per_s": doc["tokens"] / wall, "wall_s": wall, "prefix_hits": doc.get("prefix_hits"),
+            "rows": [r["logprobs"] for r in rows]}
+
+
+def run(mpiexec: str, job: Path, prompts: Path, folder: Path, ranks: int, cache: bool, args) -> dict:
+    """Whole-job tokens/s of ``generate``: new tokens over the loop's wall."""
+    doc, rows = _launch(mpiexec, "generate", job, prompts, folder, ranks, cache, args.threads, "--max-new-tokens",
+                        str(args.new), "--batch", str(args.batch), "--ignore-eos")
     return {"tokens_per_s": doc["new_tokens"] / doc["wall_s"], "wall_s": doc["wall_s"],
-            "prefix_hits": doc.get("prefix_hits"), "rows": rows}
+            "prefix_hits": doc.get("prefix_hits"), "rows": [r["tokens"] for r in rows]}
+
+
+def write_job(folder: Path, name: str, ckpt: Path, tp: int = 1) -> Path:
+    job = folder / f"job_{name}.toml"
+    job.write_text(f'[model]\ncheckpoint = "{ckpt}"\n[run]\ntimeout_s = 3600.0\nstartup_timeout_s = 3600.0\n'
+                   f'[placement]\nreserve_ram_gb = 0.0\ntp = {tp}\n')
+    return job
+
+
+def best_pair(fn, trials: int, args) -> dict[bool, dict]:
+    """The best run of ``trials`` with the cache and without, interleaved."""
+    best: dict[bool, dict] = {}
+    for _ in range(trials):
+        for cache in (True, False):
+            wait_quiet(args.quiet, args.quiet_wait)
+            r = fn(cache)
+            if cache not in best or r["tokens_per_s"] > best[cache]["tokens_per_s"]:
+                best[cache] = r
+    return best
 
 
 def llama_pps(bin_dir: Path, gguf: Path, threads: int, npp: int, ntg: int, npl: int) -> dict:
@@ -182,9 +198,7 @@ def main() -> None:
         vocab = get_family(family).load_config(text, str(ckpt)).vocab_size
         # untimed: every path each case takes runs once, so no timed run pays a kernel's compile
         # (numba's on-disk cache keeps them for the runs after)
-        job1 = folder / "job_warm.toml"
-        job1.write_text(f'[model]\ncheckpoint = "{ckpt}"\n[run]\ntimeout_s = 3600.0\n'
-                        f'startup_timeout_s = 3600.0\n[placement]\nreserve_ram_gb = 0.0\n')
+        job1 = write_job(folder, "warm", ckpt)
         warm = argparse.Namespace(**{**vars(args), "new": 2})
         for cache in (True, False):
             run(args.mpiexec, job1, write_prompts(folder / "warm.jsonl", "shared", 2, 40, 8, vocab), folder, 1, cache,
@@ -198,16 +212,9 @@ def main() -> None:
             prompts = write_prompts(folder / f"{case}.jsonl", case, n, args.prefix, args.question, vocab)
             for name in (args.random_layouts if case == "random" else args.layouts).split(","):
                 ranks, tp = LAYOUTS[name]
-                job = folder / f"job_{name}.toml"
-                job.write_text(f'[model]\ncheckpoint = "{ckpt}"\n[run]\ntimeout_s = 3600.0\n'
-                               f'startup_timeout_s = 3600.0\n[placement]\nreserve_ram_gb = 0.0\ntp = {tp}\n')
-                best: dict[bool, dict] = {}
-                for _ in range(args.trials):
-                    for cache in (True, False):
-                        wait_quiet(args.quiet, args.quiet_wait)
-                        r = run(args.mpiexec, job, prompts, folder, ranks, cache, args)
-                        if cache not in best or r["tokens_per_s"] > best[cache]["tokens_per_s"]:
-                            best[cache] = r
+                job = write_job(folder, name, ckpt, tp)
+                best = best_pair(lambda cache: run(args.mpiexec, job, prompts, folder, ranks, cache, args), args.trials,
+                                 args)
                 if best[True]["rows"] != best[False]["rows"]:
                     raise SystemExit(f"{case}, layout {name}: rows differ with and without the prefix cache")
                 results[f"{case}/{name}"] = {
@@ -219,16 +226,9 @@ def main() -> None:
             lines = write_score_lines(folder / "score.jsonl", args.score_questions, args.score_context, vocab)
             for name in args.score_layouts.split(","):
                 ranks, tp = LAYOUTS[name]
-                job = folder / f"job_{name}.toml"
-                job.write_text(f'[model]\ncheckpoint = "{ckpt}"\n[run]\ntimeout_s = 3600.0\n'
-                               f'startup_timeout_s = 3600.0\n[placement]\nreserve_ram_gb = 0.0\ntp = {tp}\n')
-                best = {}
-                for _ in range(args.trials):
-                    for cache in (True, False):
-                        wait_quiet(args.quiet, args.quiet_wait)
-                        r = run_score(args.mpiexec, job, lines, folder, ranks, cache, args)
-                        if cache not in best or r["tokens_per_s"] > best[cache]["tokens_per_s"]:
-                            best[cache] = r
+                job = write_job(folder, name, ckpt, tp)
+                best = best_pair(lambda cache: run_score(args.mpiexec, job, lines, folder, ranks, cache, args),
+                                 args.trials, args)
                 a = np.array([x for row in best[True]["rows"] for x in row])
                 b = np.array([x for row in best[False]["rows"] for x in row])
                 diff = float(np.abs(a - b).max()) if len(a) == len(b) else float("inf")

@@ -14,8 +14,9 @@ replica: the ops never travel). A round's lines are taken in waves: a line whose
 promised by a line of an earlier wave waits for the next wave, so a context shared by a round's
 lines is computed once, by its first line (as generate's promised blocks). A wave is sorted by
 blocks attached (most first), then packed into microbatches of at most the round's budget of
-computed positions (rows x widest suffix); a microbatch attaches what all its rows have (its
-``start``: a prefill chunk starts at one position for all its rows). Every stage computes a
+computed positions (rows x widest suffix) of lines that attach as many blocks (a prefill chunk
+starts at one position for all its rows: a row that attached less would make the others compute
+what they attached). Every stage computes a
 round's microbatches in order (`schedule.forward_schedule`), so a block saved by microbatch m
 is in the pool before microbatch m' > m attaches it, and the references a microbatch holds are
 dropped once it is planned (nothing computed later reads its slots). A line attaches at most
@@ -140,16 +141,14 @@ def _pack(wave: list, pool: BlockPool, budget: int, per_round: int, max_rows: in
     out, i = [], 0
     while i < len(wave):
         j, start = i + 1, have(wave[i])
-        while j < len(wave) and j - i < max_rows:
-            s = min(start, have(wave[j]))
-            if (j + 1 - i) * (max(len(w[1]) for w in wave[i:j + 1]) - s) > cap:
+        # (a row that attached less would make its microbatch's rows compute what they attached)
+        while j < len(wave) and j - i < max_rows and have(wave[j]) == start:
+            if (j + 1 - i) * (max(len(w[1]) for w in wave[i:j + 1]) - start) > cap:
                 break
-            start, j = s, j + 1
+            j += 1
         rows, ops = wave[i:j], []
         for slot, (k, tokens, held) in enumerate(rows):
-            n = start // B  # the microbatch's start: what all its rows have
-            pool.hits -= (len(held.blocks) - n) * B
-            ops += [(ATTACH, slot, j_, b) for j_, b in enumerate(held.blocks[:n])]
+            ops += [(ATTACH, slot, j_, b) for j_, b in enumerate(held.blocks)]  # (start // B of them)
             ops += publish(pool, held, tokens, slot, len(tokens))
             release(pool, held)  # (every stage computes the microbatches in order: the planning note)
         out.append(ReuseMicrobatch(tuple(r[0] for r in rows), start, max(len(r[1]) for r in rows) - start, tuple(ops)))

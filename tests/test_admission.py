@@ -145,6 +145,7 @@ def test_short_suffixes_are_not_cut_below_min_tokens():
     cut = admission.plan_reuse(items[1:], BlockPool(0, B), budget=1000, per_round=8, max_rows=16)
     whole = admission.plan_reuse(items[1:], pool, budget=1000, per_round=8, max_rows=16, min_tokens=1000)
     assert len(cut) >= 8
-    # two waves (the first line of each question computes its question's block; its siblings
-    # attach it after), a microbatch each
-    assert len(whole) == 2 and [len(mb.lines) for mb in whole] == [6, 9] and all(mb.start >= 40 for mb in whole)
+    # wave 1: question 0's 3 other answers (its blocks cached: 11 blocks), the first answer of
+    # questions 1-3 (the context's 10 blocks: they compute their question's block); wave 2: the
+    # 9 others, which attach it. A microbatch per attach level, none cut smaller
+    assert [(len(mb.lines), mb.start) for mb in whole] == [(3, 44), (3, 40), (9, 44)]
