@@ -64,6 +64,8 @@ steps in the order stage 0 issues them. A prompt whose next block is being compu
 admitted before (promised) waits for it; the unrelated prompts behind it take the free slots
 meanwhile (`_admit_next`). The ops travel after the header in a message of their own
 (header[6] = their count): the stages copy blocks and never decide anything about the cache.
+The lookup, the wait, the attach, the publishing and the release are `admission`'s, the path
+``score`` admits its lines by too.
 """
 
 from __future__ import annotations

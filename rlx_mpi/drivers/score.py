@@ -10,9 +10,18 @@ every rank learns the lines still to do and cuts them, all alike, into rounds of
 hidden states travel down the pipeline, and the last stage turns each microbatch's logits
 (B, T, V) into the log-probs of its scored tokens (`scoring.gather_logprobs`, per line, from
 a view of the logits: no (N, V) copy). Only those float32 log-probs travel back to rank 0, once
-per round, which writes the round's rows through the journal. Nothing is kept between
-microbatches (no KV cache): causal attention means the padding after a line changes none of
-its logits.
+per round, which writes the round's rows through the journal. Causal attention means the
+padding after a line changes none of its logits.
+
+Note: the prefix cache (on unless ``--no-prefix-cache`` / ``[score] prefix_cache = false``;
+docs/prefix-cache.md). Lines that begin with the same context (a few-shot evaluation) compute it
+once: every rank plans a round's microbatches alike (`admission.plan_reuse`, generate's admission
+path: lookup, waiting on promised blocks, ATTACH/SAVE ops), each microbatch attaches its lines'
+cached blocks into cache slots (`Stage.block_ops`) and prefills the rest with every position's
+logits (``prefill(..., every=True)``); nothing travels but the hidden states of the new
+positions. The rounds are `plan_rounds`' (the file's alone), and a row's log-probs are the same
+bits whatever it attached (tests/test_score_prefix_mpi.py). Without it (or under a windowed
+``kv_cache``) nothing is kept between microbatches (`Stage.forward`, no KV cache).
 
 Note: rounds and microbatches. ``--batch`` (``[score] batch``) is a token budget per
 microbatch (rows x padded length, default `DEFAULT_TOKENS`): the last stage holds one
