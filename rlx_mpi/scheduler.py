@@ -64,8 +64,6 @@ steps in the order stage 0 issues them. A prompt whose next block is being compu
 admitted before (promised) waits for it; the unrelated prompts behind it take the free slots
 meanwhile (`_admit_next`). The ops travel after the header in a message of their own
 (header[6] = their count): the stages copy blocks and never decide anything about the cache.
-The lookup, the wait, the attach, the publishing and the release are `admission`'s, the path
-``score`` admits its lines by too.
 """
 
 from __future__ import annotations
@@ -78,7 +76,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import admission
 from .block_pool import BlockPool
 from .kv_cache import ATTACH, SAVE
 from .sampling import prompt_key
@@ -283,15 +280,15 @@ class Scheduler:
         tokens = tuple(tokens)
         keys, ids = [], []
         pool = self.pool
-        if pool is not None:  # (the shared admission path: `admission`)
+        if pool is not None:
             memo = self._waiting.get(id(item))  # (item, its keys, the promised key it waits for)
             if memo is not None and memo[0] is item and memo[2] in pool.promised:
                 return None  # (still waiting: no new hashing or matching)
-            # at least the last position is computed: its logits are sampled
-            keys, ids, waits = admission.lookup(pool, tokens, (len(tokens) - 1) // pool.size,
-                                                memo[1] if memo is not None and memo[0] is item else None)
-            if waits is not None:
-                self._waiting[id(item)] = (item, keys, waits)
+            keys = memo[1] if memo is not None and memo[0] is item else pool.keys(tokens)
+            cap = (len(tokens) - 1) // pool.size  # at least the last position is computed: its logits are sampled
+            ids = pool.match(tokens, keys)[:cap]
+            if len(ids) < cap and keys[len(ids)] in pool.promised:
+                self._waiting[id(item)] = (item, keys, keys[len(ids)])
                 return None
             self._waiting.pop(id(item), None)
         own = extra[0] if extra else {}  # a row's own limits (`GenerateDriver`: batch requests)
@@ -300,11 +297,14 @@ class Scheduler:
                 sample=own.get("sample", 0))
         self.prompt_tokens += len(tokens)
         if pool is not None:
-            held, ops = admission.attach(pool, keys, ids, slot)
-            r.keys, r.blocks, r.next_block = held.keys, held.blocks, held.next_block
+            pool.touch(ids)
+            pool.acquire(ids)
+            pool.promise(keys[len(ids):])
+            r.keys, r.blocks, r.next_block = keys, ids, len(ids)
             r.filled = len(ids) * pool.size  # its prefill starts after the attached blocks (a later chunk)
             self.reused += r.filled
-            self._ops += ops
+            pool.hits += r.filled
+            self._ops += [(ATTACH, slot, j, b) for j, b in enumerate(ids)]
         return r
 
     def _block_ops(self, step: Step) -> None:
@@ -315,10 +315,15 @@ class Scheduler:
         self._ops = []
         if step.kind != DECODE:
             end = step.start + step.T
-            for r in step.rows[step.n_decode:]:  # (prompt blocks whose positions are all computed)
-                held = admission.Held(r.keys, r.blocks, r.next_block)
-                ops += admission.publish(pool, held, r.prompt, r.slot, min(end, len(r.prompt)))
-                r.next_block = held.next_block
+            for r in step.rows[step.n_decode:]:
+                done = min(end, len(r.prompt)) // pool.size  # prompt blocks whose positions are all computed
+                for j in range(r.next_block, min(done, len(r.keys))):
+                    b = pool.publish(r.keys[j], r.prompt[j * pool.size:(j + 1) * pool.size],
+                                     r.keys[j - 1] if j else b"")
+                    pool.unpromise(r.keys[j:j + 1])
+                    if b is not None:
+                        ops.append((SAVE, r.slot, j, b))
+                r.next_block = max(r.next_block, min(done, len(r.keys)))
         if ops:
             step.ops = np.array(ops, np.int64).reshape(-1, 4)
             step.header[6] = len(ops)
@@ -326,7 +331,8 @@ class Scheduler:
     def _release(self, r: Seq) -> None:
         """A row that ended: its references dropped, its promises withdrawn."""
         if self.pool is not None:
-            admission.release(self.pool, admission.Held(r.keys, r.blocks, r.next_block))
+            self.pool.release(r.blocks)
+            self.pool.unpromise(r.keys[r.next_block:])
             r.blocks, r.next_block = [], len(r.keys)
 
     def _next(self, g: int) -> Step | None:
