@@ -5,10 +5,9 @@ score) the same way: look up the cached blocks its tokens begin with (`BlockPool
 while the next block it could attach is being computed by a sequence admitted before it
 (promised), else attach them (ATTACH ops, references held) and promise the rest; as its prefill
 completes blocks, publish them (SAVE ops); when it is done, drop its references and promises.
-`generate`'s `scheduler.Scheduler` does this per cache slot as slots free (its ``_admit``,
-``_block_ops`` and ``_release`` take these steps; they call these functions once the block
-tables of issue 33 have landed there, the same session's other branch); `score` per round
-(`plan_reuse`: waves of microbatches, each computed after the ones it attaches from).
+`generate`'s `scheduler.Scheduler` takes these steps per cache slot as slots free (``_admit``,
+``_block_ops``, ``_release``); `score` per round (`plan_reuse`: waves of microbatches, each
+computed after the ones it attaches from).
 
 Note: the score plan. Score keeps no row past its microbatch, so every rank plans the same
 microbatches from the same rounds with its own `BlockPool` (pure, the same on every rank of a
