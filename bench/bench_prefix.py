@@ -104,12 +104,15 @@ def run_score(mpiexec: str, job: Path, lines: Path, folder: Path, ranks: int, ca
             "rows": [r["logprobs"] for r in rows]}
 
 
-def run(mpiexec: str, job: Path, prompts: Path, folder: Path, ranks: int, cache: bool, args) -> dict:
-    """Whole-job tokens/s of ``generate``: new tokens over the loop's wall."""
+def run(mpiexec: str, job: Path, prompts: Path, folder: Path, ranks: int, cache: bool, args,
+        extra: tuple = ()) -> dict:
+    """Whole-job tokens/s of ``generate``: new tokens over the loop's wall (``extra`` flags after
+    the others: a later --batch wins)."""
     doc, rows = _launch(mpiexec, "generate", job, prompts, folder, ranks, cache, args.threads, "--max-new-tokens",
-                        str(args.new), "--batch", str(args.batch), "--ignore-eos")
+                        str(args.new), "--batch", str(args.batch), "--ignore-eos", *map(str, extra))
     return {"tokens_per_s": doc["new_tokens"] / doc["wall_s"], "wall_s": doc["wall_s"],
-            "prefix_hits": doc.get("prefix_hits"), "rows": [r["tokens"] for r in rows]}
+            "prefix_hits": doc.get("prefix_hits"), "rows": [r["tokens"] for r in rows],
+            "rows_at_once": doc.get("rows_at_once"), "kv_bytes": sum(r.get("kv_bytes") or 0 for r in doc["rows"])}
 
 
 def write_job(folder: Path, name: str, ckpt: Path, tp: int = 1) -> Path:
