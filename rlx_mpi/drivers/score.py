@@ -352,9 +352,9 @@ class ScoreDriver(JournalDriver):
                 ids[b, :len(t)] = t
             return ids
 
-        def reuse_plan(mbs: list[Microbatch], lines: list[int]) -> list[Microbatch]:
-            """The round's microbatches under the prefix cache (`admission.plan_reuse`), as Microbatch
-            (length = start + width) beside each one's start and ops."""
+        def reuse_plan(lines: list[int]) -> list[tuple[Microbatch, int, np.ndarray]]:
+            """The round's microbatches under the prefix cache (`admission.plan_reuse`): each as a
+            Microbatch (length = start + width), its first computed position and its block ops."""
             from ..admission import plan_reuse
 
             plan = plan_reuse([(k, tuple(pending[k][2]), pending[k][3]) for k in lines], pool, self.opts.batch,
@@ -367,7 +367,7 @@ class ScoreDriver(JournalDriver):
             where = _where(mbs, pending)  # (the file's plan: the same layout whatever the prefix cache did)
             n = max((hi for _, hi in where.values()), default=0)
             # (microbatch, first computed position, block ops): the positions before it attached
-            plan = reuse_plan(mbs, sorted(where)) if pool is not None else [(mb, 0, None) for mb in mbs]
+            plan = reuse_plan(sorted(where)) if pool is not None else [(mb, 0, None) for mb in mbs]
             counts["padded"] += sum(len(mb.lines) * (mb.length - start) for mb, start, _ in plan)
             counts["microbatches"] += len(plan)
             lps = np.empty(n, np.float32) if keeps or (cx.is_root and topo.replica == 0) else None
