@@ -17,14 +17,14 @@ lines is computed once, by its first line (as generate's promised blocks). A wav
 blocks attached (most first), then packed into microbatches of at most the round's budget of
 computed positions (rows x widest suffix) of lines that attach as many blocks (a prefill chunk
 starts at one position for all its rows: a row that attached less would make the others compute
-what they attached). Every stage computes a
-round's microbatches in order (`schedule.forward_schedule`), so a block saved by microbatch m
-is in the pool before microbatch m' > m attaches it, and the references a microbatch holds are
-dropped once it is planned (nothing computed later reads its slots). A line attaches at most
-the blocks before its first scored token's context (``cap``: the logits of position start-1
-are needed), and its log-probs are the same bits whatever it attached (`docs/invariance.md`: a
-row's numbers do not depend on its chunking), so the plan is free to depend on the pool, and
-so on the replica count, while the rounds (`drivers.score.plan_rounds`) do not.
+what they attached). Every stage computes a round's microbatches in order
+(`schedule.forward_schedule`), so a block saved by microbatch m is in the pool before microbatch
+m' > m attaches it, and the references a microbatch holds are dropped once it is planned
+(nothing computed later reads its slots). A line attaches at most the blocks before its first
+scored token's previous position (whose logits score it), and its log-probs are the same bits
+whatever it attached (`docs/invariance.md`: a row's numbers do not depend on its chunking), so
+the plan is free to depend on the pool, and so on the replica count, while the rounds
+(`drivers.score.plan_rounds`) do not.
 """
 
 from __future__ import annotations
@@ -132,7 +132,10 @@ def _pack(wave: list, pool: BlockPool, budget: int, per_round: int, max_rows: in
     """A wave's lines, most attached first (then longest suffix), cut into microbatches; each line's
     blocks published and its references dropped as its microbatch is planned."""
     B = pool.size
-    have = lambda w: len(w[2].blocks) * B  # noqa: E731  (positions a line could attach)
+
+    def have(w: tuple) -> int:  # positions a line attaches
+        return len(w[2].blocks) * B
+
     wave = sorted(wave, key=lambda w: (-have(w), -(len(w[1]) - have(w)), w[0]))
     total = sum(len(w[1]) - have(w) for w in wave)
     widest = max(len(w[1]) - have(w) for w in wave)
