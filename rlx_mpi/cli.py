@@ -129,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--batch", type=int, metavar="TOKENS", help="padded tokens per microbatch (rows x longest line; "
                     "default: [score] batch, 2048): the last stage holds TOKENS x vocab float32 logits")
     sc.add_argument("--json", metavar="STATS.json", help="write the run's per-rank stats, totals and summary as JSON")
+    sc.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
+                    help="compute every line whole, even the context blocks another line began with "
+                    "(A/B runs; default: [score] prefix_cache, else on)")
     sc.add_argument("--shard", metavar="K/N", help="this job's part of the prompt file: shard K of N contiguous parts (1 <= K <= N), e.g. "
                    "$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT; join the outputs with rlx-mpi merge")
     sc.add_argument("--adopt-output", action="store_true", help="resume into an output whose rows carry no "

@@ -186,6 +186,9 @@ class ScoreSection:
     """Padded tokens per microbatch (rows x longest line); the last stage holds batch x vocab logits."""
     sync_s: float = 2.0
     """Written rows are fsynced to the output at least this often."""
+    prefix_cache: bool = True
+    """Compute a context that lines begin with once and reuse its cached KV blocks
+    (docs/prefix-cache.md); false (or --no-prefix-cache): every line is computed whole."""
 
 
 @dataclass(frozen=True)

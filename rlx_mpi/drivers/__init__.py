@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Driver", "JournalDriver", "forward_window"]
+__all__ = ["Driver", "JournalDriver", "forward_window", "prefix_cache_on"]
 
 
 def forward_window(cx: Any, command: str) -> int:
@@ -55,6 +55,23 @@ def forward_window(cx: Any, command: str) -> int:
 
     cx.agree(check, "checking the kv_cache window")
     return window
+
+
+def prefix_cache_on(cx: Any, wanted: bool) -> bool:
+    """Does this job keep a prefix cache (``generate`` and ``score``)? The same answer on every rank,
+    from the job alone: on unless turned off (``wanted``), without recompute and without a window
+    (the job's or a layer's) shorter than a block (`kv_cache.prefix_cacheable`), for a family whose
+    Stage copies blocks (`DecoderStage.reset_prefix`)."""
+    if not wanted or not getattr(cx.family, "prefix_cache", False):
+        return False
+    from ..block_pool import BLOCK_SIZE
+
+    job, cfg = cx.job, cx.model_config
+    if any(job.kv_for(r).policy == "none" or 0 < job.kv_for(r).window < BLOCK_SIZE for r in range(cx.world.size)):
+        return False
+    window = getattr(cfg, "window", None)
+    layers = getattr(cfg, "num_hidden_layers", 0)
+    return not (callable(window) and any(0 < (window(n) or 0) < BLOCK_SIZE for n in range(layers)))
 
 
 class Driver:

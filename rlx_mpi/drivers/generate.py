@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import JournalDriver
+from . import JournalDriver, prefix_cache_on
 from .. import rules, transport
 from ..errors import ConfigError
 from ..executor import Executor, wire_codec
@@ -546,20 +546,8 @@ class GenerateDriver(JournalDriver):
                 and not (callable(window) and any(window(n) for n in range(layers))))
 
     def _prefix_cache_on(self, cx: Any) -> bool:
-        """Does this job keep a prefix cache? The same answer on every rank, from the job alone: on
-        unless turned off, without recompute and without a window (the job's or a layer's) shorter
-        than a block (`kv_cache.prefix_cacheable`), for a family whose Stage copies blocks
-        (`DecoderStage.reset_prefix`)."""
-        if not self.opts.prefix_cache or not getattr(cx.family, "prefix_cache", False):
-            return False
-        from ..block_pool import BLOCK_SIZE
-
-        job, cfg = cx.job, cx.model_config
-        if any(job.kv_for(r).policy == "none" or 0 < job.kv_for(r).window < BLOCK_SIZE for r in range(cx.world.size)):
-            return False
-        window = getattr(cfg, "window", None)
-        layers = getattr(cfg, "num_hidden_layers", 0)
-        return not (callable(window) and any(0 < (window(n) or 0) < BLOCK_SIZE for n in range(layers)))
+        """Does this job keep a prefix cache? (`drivers.prefix_cache_on`, the rule score shares)"""
+        return prefix_cache_on(cx, self.opts.prefix_cache)
 
     def _prefix_pool(self) -> Any:
         """Stage 0's bookkeeping of the pool (None: off)."""

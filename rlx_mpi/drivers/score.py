@@ -10,9 +10,18 @@ every rank learns the lines still to do and cuts them, all alike, into rounds of
 hidden states travel down the pipeline, and the last stage turns each microbatch's logits
 (B, T, V) into the log-probs of its scored tokens (`scoring.gather_logprobs`, per line, from
 a view of the logits: no (N, V) copy). Only those float32 log-probs travel back to rank 0, once
-per round, which writes the round's rows through the journal. Nothing is kept between
-microbatches (no KV cache): causal attention means the padding after a line changes none of
-its logits.
+per round, which writes the round's rows through the journal. Causal attention means the
+padding after a line changes none of its logits.
+
+Note: the prefix cache (on unless ``--no-prefix-cache`` / ``[score] prefix_cache = false``;
+docs/prefix-cache.md). Lines that begin with the same context (a few-shot evaluation) compute it
+once: every rank plans a round's microbatches alike (`admission.plan_reuse`, generate's admission
+path: lookup, waiting on promised blocks, ATTACH/SAVE ops), each microbatch attaches its lines'
+cached blocks into cache slots (`Stage.block_ops`) and prefills the rest with every position's
+logits (``prefill(..., every=True)``); nothing travels but the hidden states of the new
+positions. The rounds are `plan_rounds`' (the file's alone), and a row's log-probs are the same
+bits whatever it attached (tests/test_score_prefix_mpi.py). Without it (or under a windowed
+``kv_cache``) nothing is kept between microbatches (`Stage.forward`, no KV cache).
 
 Note: rounds and microbatches. ``--batch`` (``[score] batch``) is a token budget per
 microbatch (rows x padded length, default `DEFAULT_TOKENS`): the last stage holds one
@@ -43,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from . import JournalDriver, forward_window
+from . import JournalDriver, forward_window, prefix_cache_on
 from .. import rules, transport
 from ..config import ScoreSection
 from ..errors import ConfigError, RankFault
@@ -57,6 +66,12 @@ __all__ = ["ScoreDriver", "ScoreOptions", "ScoreResult", "Microbatch", "plan_rou
 log = logging.getLogger("rlx_mpi")
 
 DEFAULT_TOKENS = ScoreSection.batch  # --batch: padded tokens per microbatch
+# Note: the prefix cache's slots. A microbatch of lines that attached a shared context computes
+# only their suffixes, so it takes more rows than the budget's of whole lines; each row needs a
+# cache slot of the longest line's positions. The slots are this many budgets of whole lines (at
+# least the plan's rows, at most REUSE_ROWS_MAX rows): KV for 4 x 2048 positions by default, priced
+# by the planner (`ScoreDriver.cost`). Not measured against other factors yet.
+REUSE_BUDGETS, REUSE_ROWS_MAX = 4, 64
 _TAG_LOGPROBS = 50_000  # last stage -> rank 0, one message per round
 
 
@@ -122,6 +137,7 @@ class ScoreOptions:
     sync_s: float = 2.0
     progress_s: float = 10.0
     shard: tuple[int, int] | None = None  # --shard K/N: this job's part of the prompt file (`shards.py`)
+    prefix_cache: bool = True  # reuse the cached blocks of a shared context (--no-prefix-cache: off; `admission`)
 
     @classmethod
     def resolve(cls, flags: Any, job: Any) -> "ScoreOptions":
@@ -138,7 +154,8 @@ class ScoreOptions:
         from ..shards import parse_shard
 
         return cls(prompts=Path(prompts), out=Path(out), batch=sec.batch if flags.batch is None else flags.batch,
-                   sync_s=sec.sync_s, shard=parse_shard(getattr(flags, "shard", None), "score --shard"))
+                   sync_s=sec.sync_s, shard=parse_shard(getattr(flags, "shard", None), "score --shard"),
+                   prefix_cache=sec.prefix_cache if getattr(flags, "prefix_cache", None) is None else flags.prefix_cache)
 
 
 @dataclass
@@ -154,9 +171,11 @@ class ScoreResult:
     rounds: int
     stopped_by: str | None
     replicas: list[dict] | None = None  # per replica: rows, rounds, tokens, wall_s, tokens_per_s (None: one)
+    prefix_hits: list[int] | None = None  # [line positions attached from the prefix cache, all of them] (None: off)
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k != "run" and not (k == "replicas" and v is None)}
+        d = {k: v for k, v in asdict(self).items()
+             if k != "run" and not (k in ("replicas", "prefix_hits") and v is None)}
         return {**d, **self.run.to_dict()}
 
 
@@ -172,6 +191,8 @@ class ScoreDriver(JournalDriver):
         self.holder: dict = {}  # rank 0: journal, prompts
         self.rounds: list[list[Microbatch]] = []
         self.stopped = False
+        self.reuse_rows = 0  # the prefix cache's slots: rows of a microbatch at most (0: off)
+        self.prefix_blocks = 0  # blocks of its pool on every stage
 
     def configure(self, cx: Any) -> None:
         self.opts = ScoreOptions.resolve(self.flags, cx.job)
@@ -218,7 +239,61 @@ class ScoreDriver(JournalDriver):
         self.rounds = self._rounds(cx, n_stages)  # (under replicas = "auto": again once planned, check_plan)
         rows = max(len(mb.lines) for r in self.rounds for mb in r)
         longest = max(mb.length for r in self.rounds for mb in r)
+        self.reuse_rows = min(max(rows, REUSE_BUDGETS * opts.batch // longest), REUSE_ROWS_MAX)
         return rows, longest  # the planner prices one microbatch at most this shape
+
+    def cost(self, cx: Any) -> Any:
+        """Without the prefix cache, one microbatch's activations (`Driver.cost`); with it, also the
+        slots a microbatch's rows attach into and the pool, priced as generate prices its cache."""
+        if not self._reuse(cx):
+            return cx.cost()
+        from ..placement import kv_cost
+
+        from .generate import PREFIX_POOL_ROWS
+
+        specs = [cx.job.kv_for(r) for r in range(cx.world.size)]
+        return kv_cost(cx.family.cost(cx.model_config, max(cx.batch, self.reuse_rows + PREFIX_POOL_ROWS), cx.seq),
+                       specs, cx.seq)
+
+    def _reuse(self, cx: Any) -> bool:
+        """Does this job reuse shared contexts? `drivers.prefix_cache_on`, and only under kv_cache
+        "full": the windowed forward (`forward_window`) is the path a windowed job's numbers come from."""
+        cx.prepare()
+        return prefix_cache_on(cx, self.opts.prefix_cache) and all(
+            cx.job.kv_for(r).policy == "full" for r in range(cx.world.size))
+
+    def ready(self, cx: Any) -> None:
+        """With the prefix cache: every stage's slots and pool (agreed; a stage without them: off)."""
+        import inspect
+
+        from mpi4py import MPI
+
+        self.prefix_blocks = 0
+        if not self._reuse(cx):  # (the job's answer: the same on every rank)
+            return
+        # a family that wraps another's stages may say yes for a stage without the methods: off
+        # on every rank if any stage lacks them (every rank plans the microbatches alike)
+        able = np.array([all(callable(getattr(cx.stage, m, None)) for m in ("reset", "reset_prefix", "block_ops"))
+                         and "every" in inspect.signature(cx.stage.prefill).parameters], np.int32)
+        wait(cx.world.Iallreduce(MPI.IN_PLACE, able, op=MPI.MIN), cx.job.run.startup_timeout_s, cx.ctx,
+             lambda: "every rank to say whether its stage keeps a prefix cache", "some rank")
+        if not able[0]:
+            return
+        from ..block_pool import BLOCK_SIZE
+
+        from .generate import PREFIX_POOL_ROWS
+
+        blocks = -(-PREFIX_POOL_ROWS * cx.seq // BLOCK_SIZE)
+
+        def reset() -> int:
+            got = cx.stage.reset(self.reuse_rows, cx.seq, cx.job.kv_for(cx.world.rank))
+            pool = cx.stage.reset_prefix(blocks, BLOCK_SIZE)
+            if not pool:
+                raise RuntimeError("the prefix cache's pool was not allocated where the job said it would be")
+            return got + pool
+
+        cx.agree(reset, "allocating the prefix cache")
+        self.prefix_blocks = blocks
 
     def _rounds(self, cx: Any, n_stages: int) -> list[list[Microbatch]]:
         per_round = max(cx.job.run.microbatches, 2 * n_stages)
@@ -251,15 +326,22 @@ class ScoreDriver(JournalDriver):
         keeps = a.last and topo.tp_rank == 0  # computes the log-probs
         checks = topo.tp_rank == 0  # names a non-finite output (one line, not one per TP rank)
         H = cx.dims.hidden_size
-        counts = {"done": 0, "scored": 0, "padded": 0, "tokens": 0, "microbatches": 0}
+        counts = {"done": 0, "scored": 0, "padded": 0, "tokens": 0, "microbatches": 0, "reused": 0}
+        pool = None  # the prefix cache's bookkeeping, the same on every rank of a replica (`admission`)
+        if self.prefix_blocks:
+            from ..block_pool import BLOCK_SIZE, BlockPool
+
+            pool = BlockPool(self.prefix_blocks, BLOCK_SIZE)
+        per_round = max(job.run.microbatches, 2 * topo.n_stages)
 
         def line_name(k: int) -> str:
             index, pid = pending[k][0], pending[k][1]
             return f"line {pid!r} (line {doc.get('first', 0) + index + 1} of the prompt file)"
 
-        def check(out: np.ndarray, mb: Microbatch, m: int, what: str) -> None:
-            """`faults.check_output` of a microbatch: each line's real tokens (not its padding)."""
-            check_output(out, a.stage, cx.ctx, lambda: ((line_name(k), out[b, :len(pending[k][2])])
+        def check(out: np.ndarray, mb: Microbatch, m: int, what: str, start: int = 0) -> None:
+            """`faults.check_output` of a microbatch: each line's real tokens (not its padding); its
+            positions from ``start`` (after an attached prefix)."""
+            check_output(out, a.stage, cx.ctx, lambda: ((line_name(k), out[b, :len(pending[k][2]) - start])
                                                         for b, k in enumerate(mb.lines)),
                          what, "; no row of this round is written")
 
@@ -270,43 +352,66 @@ class ScoreDriver(JournalDriver):
                 ids[b, :len(t)] = t
             return ids
 
+        def reuse_plan(lines: list[int]) -> list[tuple[Microbatch, int, np.ndarray]]:
+            """The round's microbatches under the prefix cache (`admission.plan_reuse`): each as a
+            Microbatch (length = start + width), its first computed position and its block ops."""
+            from ..admission import plan_reuse
+
+            plan = plan_reuse([(k, tuple(pending[k][2]), pending[k][3]) for k in lines], pool, self.opts.batch,
+                              per_round, self.reuse_rows, MIN_TOKENS)
+            counts["reused"] += sum(r.start * len(r.lines) for r in plan)
+            return [(Microbatch(r.lines, r.start + r.width), r.start, np.array(r.ops, np.int64).reshape(-1, 4))
+                    for r in plan]
+
         def run_round(mbs: list[Microbatch]) -> tuple[np.ndarray | None, dict[int, tuple[int, int]]]:
-            where = _where(mbs, pending)
+            where = _where(mbs, pending)  # (the file's plan: the same layout whatever the prefix cache did)
             n = max((hi for _, hi in where.values()), default=0)
+            # (microbatch, first computed position, block ops): the positions before it attached
+            plan = reuse_plan(sorted(where)) if pool is not None else [(mb, 0, None) for mb in mbs]
+            counts["padded"] += sum(len(mb.lines) * (mb.length - start) for mb, start, _ in plan)
+            counts["microbatches"] += len(plan)
             lps = np.empty(n, np.float32) if keeps or (cx.is_root and topo.replica == 0) else None
             recv = None
             if cx.is_root and not keeps:  # posted first: the last stage's send never waits on buffering
                 recv = final.irecv(lps, topo.output_rank, _TAG_LOGPROBS, "the log-probs of a round")
 
             def recv_spec(act: Action):
-                mb = mbs[act.microbatch]
-                return (len(mb.lines), mb.length, H), np.float32
+                mb, start, _ = plan[act.microbatch]
+                return (len(mb.lines), mb.length - start, H), np.float32
 
             def compute(m: int, x: np.ndarray | None) -> np.ndarray | None:
-                mb = mbs[m]
+                mb, start, ops = plan[m]
                 ids = ids_of(mb) if a.first or keeps else None
-                x = ids if a.first else x
-                out = stage.forward(x, window=window) if window else stage.forward(x)
-                want = (len(mb.lines), mb.length) + ((cx.dims.vocab_size,) if a.last else (H,))
+                x = np.ascontiguousarray(ids[:, start:]) if a.first else x
+                if ops is None:
+                    out = stage.forward(x, window=window) if window else stage.forward(x)
+                else:  # the prefix cache: attach, prefill the rest (saving its blocks), every position's logits
+                    if len(ops):
+                        stage.block_ops(ops, before=True)
+                    lengths = np.array([len(pending[k][2]) for k in mb.lines], np.int64)
+                    out = stage.prefill(x, np.arange(len(mb.lines)), lengths, start=start, every=True)
+                    if len(ops):
+                        stage.block_ops(ops, before=False)
+                want = (len(mb.lines), mb.length - start) + ((cx.dims.vocab_size,) if a.last else (H,))
                 if out.shape != want or out.dtype != np.float32:
                     raise RankFault(cx.ctx.describe(), f"the stage returned {out.dtype} {out.shape} for microbatch "
                                     f"{m}, expected float32 {want}", "the model family's forward disagrees with "
                                     "its dims: fix the plug-in")
                 if checks and not a.last:
-                    check(out, mb, m, "hidden state")
+                    check(out, mb, m, "hidden state", start)
                 if not a.last:
                     return out
                 if keeps:
                     for b, k in enumerate(mb.lines):
                         s, ln = pending[k][3], len(pending[k][2])
-                        view = out[b, s - 1:ln - 1]  # position t-1 predicts token t: a view, no copy
+                        view = out[b, s - 1 - start:ln - 1 - start]  # position t-1 predicts token t: a view, no copy
                         if not np.isfinite(view).all():
-                            check(out[b:b + 1, s - 1:ln - 1], Microbatch((k,), ln), m, "logits")
+                            check(out[b:b + 1, s - 1 - start:ln - 1 - start], Microbatch((k,), ln), m, "logits")
                         lo, hi = where[k]
                         lps[lo:hi] = gather_logprobs(view, ids[b, s:ln])
                 return None
 
-            ex.run(forward_schedule(topo.stage, topo.n_stages, len(mbs)), compute, recv_spec)
+            ex.run(forward_schedule(topo.stage, topo.n_stages, len(plan)), compute, recv_spec)
             if recv is not None:
                 recv.wait()
             elif keeps and not cx.is_root and topo.replica == 0:  # (another replica's go as rows: `RowPost`)
@@ -385,8 +490,6 @@ class ScoreDriver(JournalDriver):
             lps, where = run_round(mbs)
             done_rounds += 1
             lines = sorted(where)  # pending positions of this round, in file order
-            counts["padded"] += sum(len(mb.lines) * mb.length for mb in mbs)
-            counts["microbatches"] += len(mbs)
             counts["tokens"] += sum(len(pending[k][2]) for k in lines)
             if journal is not None:
                 write(lines, lps, where)
@@ -423,7 +526,7 @@ class ScoreDriver(JournalDriver):
             replica=topo.replica if shared else None)
         mine = {"timing": timing.to_dict(), "signal": stop.signal_name if stop is not None else None,
                 "stopped": stopped, "rounds": done_rounds, "tokens": counts["tokens"], "padded": counts["padded"],
-                "wall_s": mine_wall, "keeps": keeps, "microbatches": counts["microbatches"]}
+                "wall_s": mine_wall, "keeps": keeps, "microbatches": counts["microbatches"], "reused": counts["reused"]}
         rows = transport.gather_json(cx.world, mine, 0, timeout + (topo.n_stages + 1) * grace, cx.ctx,
                                      "the score stats")
         stopped = transport.bcast_json(cx.world, any(x["stopped"] for x in rows) if rows else None, 0, timeout,
@@ -442,12 +545,14 @@ class ScoreDriver(JournalDriver):
                          "rounds": x["rounds"], "tokens": x["tokens"], "wall_s": round(x["wall_s"], 3),
                          "tokens_per_s": round(x["tokens"] / x["wall_s"], 1) if x["wall_s"] > 0 else None}
                         for x in sorted(kept, key=lambda x: x["timing"]["replica"])]
+        kept = [x for x in rows if x["keeps"]]  # (each replica's: the prefix cache's hits)
+        hits = [sum(x["reused"] for x in kept), sum(x["tokens"] for x in kept)] if self.prefix_blocks else None
         run = ClusterRun(timings=[StageTiming.from_dict(r["timing"]) for r in rows], total_forward_ms=wall * 1e3,
                          tokens=counts["tokens"], microbatches=counts["microbatches"])
         run.wire = job.run.wire
         return ScoreResult(run=run, total=doc["total"], done_before=done_before, done_now=counts["done"],
                            scored_tokens=counts["scored"], padded_tokens=counts["padded"], rounds=done_rounds,
-                           stopped_by=stopped_by, replicas=replicas)
+                           stopped_by=stopped_by, replicas=replicas, prefix_hits=hits)
 
     def report(self, cx: Any, result: ScoreResult | None) -> int:
         """Rank 0 prints the table and the file's summary, writes --json; 75 when stopped by a signal."""
@@ -460,10 +565,14 @@ class ScoreDriver(JournalDriver):
         for r in result.replicas or []:
             print(f"replica {r['replica']}: {r['rows']} lines in {r['rounds']} rounds, {r['tokens']} tokens in "
                   f"{r['wall_s']:.2f} s ({r['tokens_per_s'] or 0.0:.1f} tokens/s)")
-        pad = 1 - result.run.tokens / result.padded_tokens if result.padded_tokens else 0.0
+        computed = result.run.tokens - (result.prefix_hits[0] if result.prefix_hits else 0)  # (not attached)
+        pad = 1 - computed / result.padded_tokens if result.padded_tokens else 0.0
         print(f"{result.done_now} lines scored in {result.rounds} round{'s' if result.rounds != 1 else ''} "
               f"({result.done_before} done before, {result.total} in total): {result.scored_tokens} scored tokens; "
-              f"{result.padded_tokens} positions computed, {100 * pad:.1f}% of them padding")
+              f"{result.padded_tokens} positions computed, {100 * pad:.1f}% of them padding"
+              + (f"; prefix cache: {result.prefix_hits[0]} of {result.prefix_hits[1]} line tokens reused "
+                 f"({100 * result.prefix_hits[0] / result.prefix_hits[1] if result.prefix_hits[1] else 0:.1f}%)"
+                 if result.prefix_hits is not None else ""))
         summary = self.summary_line()
         if "--json" in cx.outputs:
             doc = {**result.to_dict(), "summary": asdict(self.summary())}

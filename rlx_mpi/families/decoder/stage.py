@@ -252,13 +252,15 @@ class DecoderStage(Stage):
             return 1, length, cfg.kv_lora_rank, cfg.head_dim
         return cfg.num_key_value_heads // self.kv_part[1], length, cfg.head_dim, cfg.head_dim
 
-    def prefill(self, x: np.ndarray, slots: np.ndarray, lengths: np.ndarray, start: int = 0) -> np.ndarray:
+    def prefill(self, x: np.ndarray, slots: np.ndarray, lengths: np.ndarray, start: int = 0,
+                every: bool = False) -> np.ndarray:
         """Positions start..start+T-1 of each row, filling the cache; a row's whole prompt is
         ``lengths`` long (right-padded past it). ``start`` > 0 is a later chunk of a chunked
         prefill: positions 0..start-1 are in the cache (every row has lengths > start).
 
         x: ids (B, T) on the first stage, else hidden (B, T, C). Returns hidden (B, T, C), or
-        on the last stage the logits (B, V) of each row's last real token in the chunk.
+        on the last stage the logits (B, V) of each row's last real token in the chunk; with
+        ``every`` (``score`` after an attached prefix) those of every position, (B, T, V).
         """
         B, T = x.shape[:2]
         saves, pool = self._step_saves(slots)
@@ -267,6 +269,8 @@ class DecoderStage(Stage):
         h = self._blocks(x, np.broadcast_to(start + np.arange(T), (B, T)), step, lengths)
         if not self.last:
             return h
+        if every:
+            return self._gather_vocab(model.lm_head(h, self.norm, self.head, self.cfg))  # (B, T, V)
         last = np.minimum(np.asarray(lengths) - start, T) - 1  # each row's last real token here
         return self._head(h[np.arange(B), last][:, None])  # (B, 1, C) -> (B, V)
 
