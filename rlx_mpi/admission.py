@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from .block_pool import BlockPool
 from .kv_cache import ATTACH, SAVE
 
-__all__ = ["Held", "lookup", "attach", "publish", "release", "ReuseMicrobatch", "plan_reuse"]
+__all__ = ["Held", "lookup", "attach", "publish", "release", "row_blocks", "admit_blocks", "ReuseMicrobatch",
+           "plan_reuse"]
 
 
 @dataclass
@@ -57,23 +58,35 @@ def lookup(pool: BlockPool, tokens: tuple, cap: int, keys: list | None = None) -
     return keys, ids, waits
 
 
-def attach(pool: BlockPool, keys: list, ids: list, slot: int) -> tuple[Held, list]:
-    """Admit a sequence into ``slot`` with cached blocks ``ids``: references taken, the rest of its
-    blocks promised; (what it holds, its ATTACH ops). ``pool.hits`` counts the positions."""
-    pool.touch(ids)
-    pool.acquire(ids)
+def attach(pool: BlockPool, keys: list, ids: list, slot: int, acquired: bool = False) -> tuple[Held, list]:
+    """Admit a sequence into ``slot`` with cached blocks ``ids``: references taken (unless
+    ``acquired``: `admit_blocks` took them), the rest of its blocks promised; (what it holds, its
+    ATTACH ops). ``pool.hits`` counts the positions."""
+    if not acquired:
+        pool.touch(ids)
+        pool.acquire(ids)
     pool.promise(keys[len(ids):])
     pool.hits += len(ids) * pool.size
     return Held(keys, list(ids), len(ids)), [(ATTACH, slot, j, b) for j, b in enumerate(ids)]
 
 
-def publish(pool: BlockPool, held: Held, tokens: tuple, slot: int, computed: int) -> list:
+def publish(pool: BlockPool, held: Held, tokens: tuple, slot: int, computed: int, table: list | None = None,
+            own: list | None = None) -> list:
     """A prefill has computed positions 0..computed-1 of ``tokens``: its blocks complete by then are
-    published (promises kept), each into a block the pool hands out; their SAVE ops."""
+    published (promises kept), each into a block the pool hands out; their SAVE ops. A paged row
+    (its block ``table``, the blocks it ``own``s) publishes its own block instead: adopted as the
+    cached one, no copy (a ring layer still copies it), moved from ``own`` to what it holds."""
     ops = []
     done = min(computed // pool.size, len(held.keys))
     for j in range(held.next_block, done):
-        b = pool.publish(held.keys[j], tokens[j * pool.size:(j + 1) * pool.size], held.keys[j - 1] if j else b"")
+        block, parent = tokens[j * pool.size:(j + 1) * pool.size], held.keys[j - 1] if j else b""
+        if table is not None:
+            b = table[j] if pool.adopt(held.keys[j], block, parent, table[j]) else None
+            if b is not None:
+                own.remove(b)
+                held.blocks.append(b)
+        else:
+            b = pool.publish(held.keys[j], block, parent)
         pool.unpromise(held.keys[j:j + 1])
         if b is not None:
             ops.append((SAVE, slot, j, b))
@@ -81,11 +94,35 @@ def publish(pool: BlockPool, held: Held, tokens: tuple, slot: int, computed: int
     return ops
 
 
-def release(pool: BlockPool, held: Held) -> None:
-    """The sequence is done: its references dropped, its promises withdrawn."""
+def release(pool: BlockPool, held: Held, own: list = ()) -> None:
+    """The sequence is done: its references dropped, its promises withdrawn, the blocks it ``own``s
+    (a paged row's, not published) back to the pool."""
     pool.release(held.blocks)
     pool.unpromise(held.keys[held.next_block:])
+    if own:
+        pool.give_back(own)
     held.blocks, held.next_block = [], len(held.keys)
+
+
+def row_blocks(prompt: int, max_new: int, size: int) -> int:
+    """Blocks a paged row needs: every position it writes, its prompt's and all but its last new
+    token's (the last is sampled, never fed back), rounded up to whole blocks."""
+    return -(-(prompt + max(max_new, 1) - 1) // size)
+
+
+def admit_blocks(pool: BlockPool, ids: list[int], prompt: int, max_new: int) -> list[int] | None:
+    """The block-budget admission of a paged row (`scheduler`'s paged-rows note; the call any admission path
+    makes before it takes a slot for a row): with the cached blocks
+    ``ids`` it attaches, does the rest of its `row_blocks` fit the pool? If so they are acquired
+    and its own blocks allocated (returned, for its positions after ``ids``); None (nothing taken)
+    when they do not fit: it waits for rows to end. Short rows take few blocks, so more of them
+    decode at once under the same budget."""
+    need = row_blocks(prompt, max_new, pool.size) - len(ids)
+    if pool.available(ids) < need:
+        return None
+    pool.touch(ids)
+    pool.acquire(ids)
+    return pool.allocate(max(need, 0))
 
 
 @dataclass(frozen=True)

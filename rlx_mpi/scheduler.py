@@ -83,6 +83,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import admission
+from .admission import admit_blocks, row_blocks  # noqa: F401 (the block budget: admission's)
 from .block_pool import BlockPool
 from .kv_cache import ATTACH, SAVE, SET
 from .sampling import prompt_key
@@ -198,27 +200,6 @@ def block_ops(h: np.ndarray) -> int:
     return int(h[6])
 
 
-def row_blocks(prompt: int, max_new: int, size: int) -> int:
-    """Blocks a paged row needs: every position it writes, its prompt's and all but its last new
-    token's (the last is sampled, never fed back), rounded up to whole blocks."""
-    return -(-(prompt + max(max_new, 1) - 1) // size)
-
-
-def admit_blocks(pool: BlockPool, ids: list[int], prompt: int, max_new: int) -> list[int] | None:
-    """The block-budget admission of a paged row (the paged-rows note; the call any admission path
-    makes before it takes a slot for a row): with the cached blocks
-    ``ids`` it attaches, does the rest of its `row_blocks` fit the pool? If so they are acquired
-    and its own blocks allocated (returned, for its positions after ``ids``); None (nothing taken)
-    when they do not fit: it waits for rows to end. Short rows take few blocks, so more of them
-    decode at once under the same budget."""
-    need = row_blocks(prompt, max_new, pool.size) - len(ids)
-    if pool.available(ids) < need:
-        return None
-    pool.touch(ids)
-    pool.acquire(ids)
-    return pool.allocate(max(need, 0))
-
-
 def _next_chunk(fresh: list[Seq], budget: int = 0) -> tuple[list[Seq], int]:
     """The rows a group's next chunk prefills, and its first position: those furthest behind
     (a row admitted later catches up with the others first). ``budget`` > 0 (a MIXED step): only
@@ -313,15 +294,15 @@ class Scheduler:
         tokens = tuple(tokens)
         keys, ids = [], []
         pool = self.pool
-        if pool is not None:
+        if pool is not None:  # (the shared admission path: `admission`)
             memo = self._waiting.get(id(item))  # (item, its keys, the promised key it waits for)
             if memo is not None and memo[0] is item and memo[2] in pool.promised:
                 return None  # (still waiting: no new hashing or matching)
-            keys = memo[1] if memo is not None and memo[0] is item else pool.keys(tokens)
-            cap = (len(tokens) - 1) // pool.size  # at least the last position is computed: its logits are sampled
-            ids = pool.match(tokens, keys)[:cap]
-            if len(ids) < cap and keys[len(ids)] in pool.promised:
-                self._waiting[id(item)] = (item, keys, keys[len(ids)])
+            # at least the last position is computed: its logits are sampled
+            keys, ids, waits = admission.lookup(pool, tokens, (len(tokens) - 1) // pool.size,
+                                                memo[1] if memo is not None and memo[0] is item else None)
+            if waits is not None:
+                self._waiting[id(item)] = (item, keys, waits)
                 return None
             self._waiting.pop(id(item), None)
         own = extra[0] if extra else {}  # a row's own limits (`GenerateDriver`: batch requests)
@@ -337,15 +318,11 @@ class Scheduler:
                 sample=own.get("sample", 0))
         self.prompt_tokens += len(tokens)
         if pool is not None:
-            if not self.paged:  # (admit_blocks acquired them)
-                pool.touch(ids)
-                pool.acquire(ids)
-            pool.promise(keys[len(ids):])
-            r.keys, r.blocks, r.next_block = keys, ids, len(ids)
+            held, ops = admission.attach(pool, keys, ids, slot, acquired=self.paged)  # (admit_blocks acquired them)
+            r.keys, r.blocks, r.next_block = held.keys, held.blocks, held.next_block
             r.filled = len(ids) * pool.size  # its prefill starts after the attached blocks (a later chunk)
             self.reused += r.filled
-            pool.hits += r.filled
-            self._ops += [(ATTACH, slot, j, b) for j, b in enumerate(ids)]
+            self._ops += ops
             if self.paged:
                 r.table, r.own = ids + blocks, list(blocks)
                 self._ops += [(SET, slot, len(ids) + j, b) for j, b in enumerate(blocks)]
@@ -359,21 +336,11 @@ class Scheduler:
         self._ops = []
         if step.kind != DECODE:
             end = step.start + step.T
-            for r in step.rows[step.n_decode:]:
-                done = min(end, len(r.prompt)) // pool.size  # prompt blocks whose positions are all computed
-                for j in range(r.next_block, min(done, len(r.keys))):
-                    tokens, parent = r.prompt[j * pool.size:(j + 1) * pool.size], r.keys[j - 1] if j else b""
-                    if self.paged:  # its own block becomes the cached one (a ring layer still copies it)
-                        b = r.table[j] if pool.adopt(r.keys[j], tokens, parent, r.table[j]) else None
-                        if b is not None:
-                            r.own.remove(b)
-                            r.blocks.append(b)
-                    else:
-                        b = pool.publish(r.keys[j], tokens, parent)
-                    pool.unpromise(r.keys[j:j + 1])
-                    if b is not None:
-                        ops.append((SAVE, r.slot, j, b))
-                r.next_block = max(r.next_block, min(done, len(r.keys)))
+            for r in step.rows[step.n_decode:]:  # (prompt blocks whose positions are all computed)
+                held = admission.Held(r.keys, r.blocks, r.next_block)
+                ops += admission.publish(pool, held, r.prompt, r.slot, min(end, len(r.prompt)),
+                                         r.table if self.paged else None, r.own)
+                r.next_block = held.next_block
         if ops:
             step.ops = np.array(ops, np.int64).reshape(-1, 4)
             step.header[6] = len(ops)
@@ -381,9 +348,7 @@ class Scheduler:
     def _release(self, r: Seq) -> None:
         """A row that ended: its references dropped, its promises withdrawn."""
         if self.pool is not None:
-            self.pool.release(r.blocks)
-            self.pool.unpromise(r.keys[r.next_block:])
-            self.pool.give_back(r.own)
+            admission.release(self.pool, admission.Held(r.keys, r.blocks, r.next_block), r.own)
             r.blocks, r.next_block, r.own = [], len(r.keys), []
 
     def _next(self, g: int) -> Step | None:
