@@ -105,7 +105,9 @@ rounded the activations for 1-3 rows only: one row's logits changed with the bat
 bf16 on a BF16_DOT CPU now rounds every row's activations (the bf16 dot note). The int8 products
 (`_make`) take the same fused multiply-add and lane tree for 1 and ROWS rows. Measured: decode
 unchanged (0.97-0.98x at batch 1, in process); prefill's products 0.79-0.93x the broadcast GEMM
-they replace (128 rows, 64-byte aligned: _common's alignment note; docs/invariance.md).
+they replace (128 rows, 64-byte aligned: _common's alignment note; docs/invariance.md) with the
+6 x 4 wide tile, 0.89-1.03x (K = 1024) and 0.77-0.81x (K = 2816) at 128 rows, 0.89-0.93x /
+0.77x at 512 (against OpenBLAS) with the 8 x 3 panels that replaced it (matvec.py's panel note).
 """
 
 from __future__ import annotations
