@@ -177,6 +177,9 @@ def _span(x, xb, w, out, n0, n1, ahead, r0=0):
 # weight blocks of 32-64); the next weight block prefetched into L2 across a block's tiles (+0-7 %
 # at 128 rows, within noise at 512); the next tile's weights prefetched into L1 by every group
 # (0.88-0.92x); 12 x 2 panels (0.80-0.88x of 6 x 4); weight blocks of 33 or 96 rows (within noise).
+# Part of the 6 x 4 tile's loss was its rows past the last whole group (128 = 21 x 6 + 2): they
+# took decode's narrow tiles, which read the weight block again for two rows; the last group now
+# overlaps the one before instead.
 # bf16 on an AVX512-BF16 CPU is bound by vdpbf16ps (the tile alone in L1: 105 GFLOP/s, about 2
 # cycles an instruction on this CPU), below what OpenBLAS made of dequantized float32 tiles at
 # 512 rows (110-115): the 6 x 4 tile 0.82-0.83x at 512 rows, 0.93-1.21x at 128.
@@ -217,27 +220,31 @@ def _panel(m, w, n, x, xb, r, k, sums, ahead):
 def _span_wide(x, xb, w, out, n0, n1, ahead):
     """`_span` for many rows: blocks of BLOCK_ROWS weight rows (read from memory once, prefetched
     by the first group, then from cache), each against groups of PANEL_ROWS activation rows in
-    panels of PANEL_W weight rows (the block's last ones narrower); the rows past the groups
-    through `_span`. The same values (the invariance note; the panel note)."""
+    panels of PANEL_W weight rows (the block's last ones narrower). Rows past the last whole
+    group are the last PANEL_ROWS rows taken again as one more group: its first rows get the
+    same bits a second time (the invariance note), where `_span`'s narrow tiles would read the
+    block again for a few rows (the panel note). Fewer rows than a group: `_span`."""
     r_len = x.shape[0]
-    wide = r_len - r_len % PANEL_ROWS
+    if r_len < PANEL_ROWS:
+        _span(x, xb, w, out, n0, n1, ahead)
+        return
+    groups = -(-r_len // PANEL_ROWS)
     k = _main_cols(w, x.shape[1])
     tail = k < w.shape[1]
     sums = np.empty(PANEL_SUMS, np.float32)
     for b0 in range(n0, n1, BLOCK_ROWS):
         b1 = min(n1, b0 + BLOCK_ROWS)
-        for r in range(0, wide, PANEL_ROWS):
+        for g in range(groups):
+            r = min(g * PANEL_ROWS, r_len - PANEL_ROWS)
             n = b0
             while n < b1:
                 m = min(PANEL_W, b1 - n)
-                _panel(m, w, n, x, xb, r, k, sums, ahead if r == 0 else 0)
+                _panel(m, w, n, x, xb, r, k, sums, ahead if g == 0 else 0)
                 for j in range(m):
                     for i in range(PANEL_ROWS):
                         s = sums[j * PANEL_ROWS + i]
                         out[r + i, n + j] = s + _tail(w, n + j, x, xb, r + i, k) if tail else s
                 n += m
-    if wide < r_len:
-        _span(x, xb, w, out, n0, n1, ahead, wide)
 
 
 @numba.njit(cache=True, parallel=True, error_model=ERR)
