@@ -13,10 +13,11 @@ from numba.extending import overload
 from ._common import ERR, aligned, check_f32, pool_threads, run_parts
 from .bits import as_f32, f16_exact, pack_bf16
 from .rowdot import (AHEAD_BYTES, BF16_DOT, BF16_PANELS, BF16_TILES, DP_STEP, FLOAT_TILES, PANEL_ROWS, PANEL_SUMS, PANEL_W,
-                     PANELS, ROWS, STEP, TILE_W, WIDE_TILES)
+                     PANELS, ROWS, STEP, TILE_W, WIDE_TILES, prefetch_l2)
 
 __all__ = ["matvec_f32", "matmul_float", "float_product", "F32_MATVEC_ROWS", "BLOCK_ROWS"]
 
+PF_BLOCK_BYTES = 1 << 18  # weight blocks up to this size have the next one prefetched into L2 (the panel note)
 BLOCK_ROWS = 64  # weight rows a product walks for each group of activation rows (256 kB at K = 1024 f32: L2)
 
 
@@ -175,11 +176,14 @@ def _span(x, xb, w, out, n0, n1, ahead, r0=0):
 # bits): f32 128 tokens 1.21x, 512 tokens 0.99x; bf16 128 tokens 1.04x. Against the code before
 # the invariance kernels, one 128-token f32 prefill's thread CPU time 415 -> 512 ms (0.81x), of
 # which these products ~85 %.
+# While a weight block runs, the next one is prefetched into L2 (`rowdot.prefetch_l2`, its lines
+# spread over the block's panels) where a block is at most PF_BLOCK_BYTES (f32 K <= 1024, bf16 /
+# f16 K <= 2048): 128 rows, weights from memory (20 copies), f32 K = 1024 1.06-1.10x of none
+# (1.03-1.07x the code before), bf16 1.01x; at K = 2816 (720 kB blocks) it cost 13 %, so off there.
 # Tried and not taken (same runs): blocking the columns (256-1024 a block, the accumulators kept
 # in a buffer between blocks: a store and a load per accumulator and block, 45-60 cycles a tile;
 # 0.74-0.85x of no blocking at K = 1024, no gain at K = 2816, activation blocks of 60-120 rows,
-# weight blocks of 32-64); the next weight block prefetched into L2 across a block's tiles (+0-7 %
-# at 128 rows, within noise at 512); the next tile's weights prefetched into L1 by every group
+# weight blocks of 32-64); the next tile's weights prefetched into L1 by every group
 # (0.88-0.92x); 12 x 2 panels (0.80-0.88x of 6 x 4); weight blocks of 33 or 96 rows (within noise).
 # Part of the 6 x 4 tile's loss was its rows past the last whole group (128 = 21 x 6 + 2): they
 # took decode's narrow tiles, which read the weight block again for two rows; the last group now
@@ -236,14 +240,23 @@ def _span_wide(x, xb, w, out, n0, n1, ahead):
     k = _main_cols(w, x.shape[1])
     tail = k < w.shape[1]
     sums = np.empty(PANEL_SUMS, np.float32)
+    K = w.shape[1]
     for b0 in range(n0, n1, BLOCK_ROWS):
         b1 = min(n1, b0 + BLOCK_ROWS)
+        # the next block's weights into L2, a few lines after each of this block's panels (the panel note)
+        nxt, end = b1 * K, min(n1, b1 + BLOCK_ROWS) * K
+        per = 0
+        if BLOCK_ROWS * K * w.itemsize <= PF_BLOCK_BYTES:
+            per = -(-((end - nxt) * w.itemsize // 64) // (groups * -(-(b1 - b0) // PANEL_W)))  # lines a panel
         for g in range(groups):
             r = min(g * PANEL_ROWS, r_len - PANEL_ROWS)
             n = b0
             while n < b1:
                 m = min(PANEL_W, b1 - n)
                 _panel(m, w, n, x, xb, r, k, sums, ahead if g == 0 else 0)
+                if per > 0 and nxt < end:
+                    prefetch_l2(w, nxt, per)
+                    nxt += per * 64 // w.itemsize
                 for j in range(m):
                     for i in range(PANEL_ROWS):
                         s = sums[j * PANEL_ROWS + i]

@@ -106,8 +106,8 @@ bf16 on a BF16_DOT CPU now rounds every row's activations (the bf16 dot note). T
 (`_make`) take the same fused multiply-add and lane tree for 1 and ROWS rows. Measured: decode
 unchanged (0.97-0.98x at batch 1, in process); prefill's products 0.79-0.93x the broadcast GEMM
 they replace (128 rows, 64-byte aligned: _common's alignment note; docs/invariance.md) with the
-6 x 4 wide tile, 0.89-1.03x (K = 1024) and 0.77-0.81x (K = 2816) at 128 rows, 0.89-0.93x /
-0.77x at 512 (against OpenBLAS) with the 8 x 3 panels that replaced it (matvec.py's panel note).
+6 x 4 wide tile, 1.03-1.07x (K = 1024) and 0.82x (K = 2816) at 128 rows, 0.86-0.95x / 0.79x
+at 512 (against OpenBLAS) with the 8 x 3 panels that replaced it (matvec.py's panel note).
 """
 
 from __future__ import annotations
@@ -514,3 +514,27 @@ PANEL_ROWS, PANEL_W = (8, 3) if _FLANES == 16 else (WIDE_ROWS, TILE_W)  # AVX-51
 PANEL_SUMS = -(-PANEL_ROWS * PANEL_W // _FLANES) * _FLANES  # floats a panel stores: whole vectors
 PANELS = {w: _make_panel(PANEL_ROWS, w) for w in range(1, PANEL_W + 1)}
 BF16_PANELS = {w: _make_panel(PANEL_ROWS, w, dp=True) for w in range(1, PANEL_W + 1)} if BF16_DOT else {}
+
+
+@intrinsic
+def prefetch_l2(typingctx, a, start, lines):
+    """Ask for ``lines`` 64-byte lines of C-contiguous ``a`` from its flat element ``start`` on, into
+    L2 (``prefetcht1``; a hint that never faults)."""
+    if not (isinstance(a, types.Array) and a.layout == "C"):
+        return None
+    sig = types.none(a, start, lines)
+
+    def codegen(context, builder, signature, args):
+        at, st, lt = signature.args
+        arr = context.make_array(at)(context, builder, args[0])
+        base = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
+        first = builder.mul(context.cast(builder, args[1], st, types.intp), context.get_constant(types.intp, at.dtype.bitwidth // 8))
+        i8p = ir.IntType(8).as_pointer()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                                            "llvm.prefetch.p0i8")
+        with cgutils.for_range(builder, context.cast(builder, args[2], lt, types.intp)) as loop:
+            off = builder.add(first, builder.mul(loop.index, context.get_constant(types.intp, 64)))
+            builder.call(fn, [builder.gep(base, [off]), ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
