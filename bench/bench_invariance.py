@@ -1,6 +1,6 @@
 """The price of row invariance (issue 36, docs/invariance.md): this checkout against the code before
 it, in process, at bench_llamacpp.py's shapes (decode at batch 1, 8 prompts decoding together, a
-prefill of 128 tokens), per precision and thread count. Each case is one `ab_decode.py` run
+prefill of 128 and of 512 tokens), per precision and thread count. Each case is one `ab_decode.py` run
 (alternating rounds, medians); the table is old / new time (< 1: invariance costs that much).
 
     git archive e304325 rlx_mpi | tar -x -C OLD && mv OLD/rlx_mpi OLD/rlx_mpi_old
@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 CASES = (("decode, batch 1", ["--batch", "1"]), ("decode, 8 prompts", ["--batch", "8"]),
-         ("prefill 128", ["--prefill-only", "--prompt", "128", "--steps", "4"]))
+         ("prefill 128", ["--prefill-only", "--prompt", "128", "--steps", "4"]),
+         ("prefill 512", ["--prefill-only", "--prompt", "512", "--steps", "2"]))  # (bench_llamacpp's pp512)
 
 
 def main() -> None:

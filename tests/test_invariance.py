@@ -43,6 +43,51 @@ def test_a_rows_product_never_depends_on_the_rows_beside_it_or_the_threads(preci
         kernels.set_threads(before)
 
 
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "f16"])
+def test_prefill_panels_give_each_row_its_decode_matvec_bits(monkeypatch, fmt):
+    """Prefill's product (`matmul_float`: rowdot's panels, PANEL_ROWS x PANEL_W, the sums stored as
+    vectors; matvec.py's panel note) of R rows equals decode's matvec of each row alone, bit for
+    bit, for R around and far past the panel's rows, K past the weight block's reach and not a
+    whole number of steps (a tail), N not a whole number of panels nor of BLOCK_ROWS, split over 1
+    and 2 parts of the weight rows (threads) against decode on 1 and 2 threads. Against float64
+    numpy too, so that equal-but-wrong cannot pass."""
+    from rlx_mpi.kernels import matvec
+    from rlx_mpi.kernels.rowdot import PANEL_ROWS, PANEL_W, STEP
+
+    rng = np.random.default_rng(36)
+    k, n = 1061, 70  # 1061 = 33 steps of 32 + 5 (AVX2: 66 of 16 + 5); 70 = 23 panels of 3 + 1, one block + 6
+    assert k % STEP and n % PANEL_W and n > matvec.BLOCK_ROWS
+    w32 = rng.standard_normal((n, k)).astype(np.float32)
+    if fmt == "bf16":
+        stored = kernels.to_bf16(w32)
+    elif fmt == "f16":
+        stored = w32.astype(np.float16).view(np.int16)
+    else:
+        stored = w32
+    x = rng.standard_normal((300, k)).astype(np.float32)
+    before = kernels.pool_threads()
+    try:
+        alone = {}
+        for threads in (1, 2):
+            kernels.set_threads(threads)
+            alone[threads] = np.empty((300, n), np.float32)
+            for r in range(300):
+                matvec._matvec_float(x[r:r + 1], stored, alone[threads][r:r + 1], min(n, 4 * threads))
+        assert (alone[1] == alone[2]).all()
+        wf = w32.astype(np.float16).astype(np.float64) if fmt == "f16" else (
+            kernels.from_bf16(stored).astype(np.float64) if fmt == "bf16" else w32.astype(np.float64))
+        want = x.astype(np.float64) @ wf.T
+        bound = 0.05 if fmt == "bf16" else 1e-3  # (bf16 on an AVX512-BF16 CPU rounds the activations)
+        assert np.abs(alone[1] - want).max() < bound * np.abs(want).max()
+        for parts in (1, 2):
+            monkeypatch.setattr(matvec, "pool_threads", lambda: parts)
+            for rows in (1, 4, 6, 7, PANEL_ROWS, PANEL_ROWS + 1, 16, 33, 128, 300):
+                got = kernels.matmul_float(x[:rows], stored)
+                assert (got == alone[1][:rows]).all(), (fmt, parts, rows)
+    finally:
+        kernels.set_threads(before)
+
+
 def test_decode_attention_of_a_row_is_the_same_alone_beside_others_and_on_the_pool():
     """`attend_cache` of a row (one query per head over its cache row) is the same bits alone, in
     a step of 5 rows at other positions, on the calling thread and on numba's pool."""

@@ -12,10 +12,12 @@ from numba.extending import overload
 
 from ._common import ERR, aligned, check_f32, pool_threads, run_parts
 from .bits import as_f32, f16_exact, pack_bf16
-from .rowdot import AHEAD_BYTES, BF16_DOT, BF16_TILES, DP_STEP, FLOAT_TILES, ROWS, STEP, TILE_W, WIDE_ROWS, WIDE_TILES
+from .rowdot import (AHEAD_BYTES, BF16_DOT, BF16_PANELS, BF16_TILES, DP_STEP, FLOAT_TILES, PANEL_ROWS, PANEL_SUMS, PANEL_W,
+                     PANELS, ROWS, STEP, TILE_W, WIDE_TILES, prefetch_l2)
 
 __all__ = ["matvec_f32", "matmul_float", "float_product", "F32_MATVEC_ROWS", "BLOCK_ROWS"]
 
+PF_BLOCK_BYTES = 1 << 18  # weight blocks up to this size have the next one prefetched into L2 (the panel note)
 BLOCK_ROWS = 64  # weight rows a product walks for each group of activation rows (256 kB at K = 1024 f32: L2)
 
 
@@ -107,43 +109,6 @@ def _tile_stub(rows: int, wrows: int, wide: int = 0):
 
 _t4_4, _t4_3, _t4_2, _t4_1 = (_tile_stub(ROWS, m) for m in (4, 3, 2, 1))
 _t1_4, _t1_3, _t1_2, _t1_1 = (_tile_stub(1, m) for m in (4, 3, 2, 1))
-_tw_4, _tw_3, _tw_2, _tw_1 = (_tile_stub(WIDE_ROWS, m, 2) for m in (4, 3, 2, 1))
-_tp_4, _tp_3, _tp_2, _tp_1 = (_tile_stub(WIDE_ROWS, m, 1) for m in (4, 3, 2, 1))
-
-
-@numba.njit(cache=True, nogil=True, error_model=ERR)
-def _span_wide(x, xb, w, out, n0, n1, ahead):
-    """`_span` for many rows: groups of WIDE_ROWS activation rows in the wide tiles, the rows past
-    them through `_span`; the same values (the invariance note)."""
-    r_len = x.shape[0]
-    wide = r_len - r_len % WIDE_ROWS
-    k = _main_cols(w, x.shape[1])
-    for b0 in range(n0, n1, BLOCK_ROWS):
-        b1 = min(n1, b0 + BLOCK_ROWS)
-        for r in range(0, wide, WIDE_ROWS):
-            n = b0
-            while n < b1:
-                m = min(TILE_W, b1 - n)
-                if r == 0:  # the block's first group: its weights from memory, prefetched
-                    if m == 4:
-                        _put(out, _tp_4(w, n, x, xb, r, k, ahead), WIDE_ROWS, w, x, xb, n, r, k)
-                    elif m == 3:
-                        _put(out, _tp_3(w, n, x, xb, r, k, ahead), WIDE_ROWS, w, x, xb, n, r, k)
-                    elif m == 2:
-                        _put(out, _tp_2(w, n, x, xb, r, k, ahead), WIDE_ROWS, w, x, xb, n, r, k)
-                    else:
-                        _put(out, _tp_1(w, n, x, xb, r, k, ahead), WIDE_ROWS, w, x, xb, n, r, k)
-                elif m == 4:
-                    _put(out, _tw_4(w, n, x, xb, r, k, 0), WIDE_ROWS, w, x, xb, n, r, k)
-                elif m == 3:
-                    _put(out, _tw_3(w, n, x, xb, r, k, 0), WIDE_ROWS, w, x, xb, n, r, k)
-                elif m == 2:
-                    _put(out, _tw_2(w, n, x, xb, r, k, 0), WIDE_ROWS, w, x, xb, n, r, k)
-                else:
-                    _put(out, _tw_1(w, n, x, xb, r, k, 0), WIDE_ROWS, w, x, xb, n, r, k)
-                n += m
-    if wide < r_len:
-        _span(x, xb, w, out, n0, n1, ahead, wide)
 
 
 @numba.njit(cache=True, nogil=True, error_model=ERR)
@@ -193,6 +158,109 @@ def _span(x, xb, w, out, n0, n1, ahead, r0=0):
                             _put(out, _t1_2(w, n, x, xb, i, k, ai), 1, w, x, xb, n, i, k)
                         else:
                             _put(out, _t1_1(w, n, x, xb, i, k, ai), 1, w, x, xb, n, i, k)
+                n += m
+
+
+# Note: the panel. Prefill's products (`matmul_float`) take rowdot's panels, PANEL_ROWS (8)
+# activation rows x PANEL_W (3) weight rows on AVX-512 (the 3 x 3 tile on AVX2): each element the
+# chain of decode's tiles (the invariance note in rowdot.py), the sums stored as vectors (rowdot's
+# `_make_panel`). Measured (2026-12-03, a 2-core Sapphire Rapids VM shared with other jobs, load
+# 7-13: in process, thread CPU time, 1 thread, the minimum of 5 alternating rounds, the medium
+# model's four products, 3 copies of each weight so that they come from memory) against the code
+# before the invariance kernels (the broadcast GEMM up to 192 rows, OpenBLAS above), old / new
+# time: the 6 x 4 wide tile this replaces 0.86-0.89x at 128 rows and 0.88-0.91x at 512 (K = 1024),
+# 0.72-0.81x / 0.82-0.85x at K = 2816; this panel 0.95-1.00x at 128 rows (K = 1024), 0.88-0.93x at
+# 512, K = 2816 0.85x / 0.79x. The tile alone in L1 runs at 172-176 GFLOP/s (the core's peak is
+# ~200): what is lost is the operands' way from L2 and memory. Whole prefill (medium, 1 thread,
+# `bench/ab_decode.py --prefill-only`, 5 rounds, against the 6 x 4 tile in process; logits the same
+# bits): f32 128 tokens 1.21x, 512 tokens 0.99x; bf16 128 tokens 1.04x. Against the code before
+# the invariance kernels, one 128-token f32 prefill's thread CPU time 415 -> 512 ms (0.81x), of
+# which these products ~85 %.
+# While a weight block runs, the next one is prefetched into L2 (`rowdot.prefetch_l2`, its lines
+# spread over the block's panels) where a block is at most PF_BLOCK_BYTES (f32 K <= 1024, bf16 /
+# f16 K <= 2048): 128 rows, weights from memory (20 copies), f32 K = 1024 1.06-1.10x of none
+# (1.03-1.07x the code before), bf16 1.01x; at K = 2816 (720 kB blocks) it cost 13 %, so off there.
+# Tried and not taken (same runs): blocking the columns (256-1024 a block, the accumulators kept
+# in a buffer between blocks: a store and a load per accumulator and block, 45-60 cycles a tile;
+# 0.74-0.85x of no blocking at K = 1024, no gain at K = 2816, activation blocks of 60-120 rows,
+# weight blocks of 32-64); the next tile's weights prefetched into L1 by every group
+# (0.88-0.92x); 12 x 2 panels (0.80-0.88x of 6 x 4); weight blocks of 33 or 96 rows (within noise).
+# Part of the 6 x 4 tile's loss was its rows past the last whole group (128 = 21 x 6 + 2): they
+# took decode's narrow tiles, which read the weight block again for two rows; the last group now
+# overlaps the one before instead.
+# bf16 on an AVX512-BF16 CPU is bound by vdpbf16ps (the tile alone in L1: 105 GFLOP/s, about 2
+# cycles an instruction on this CPU), below what OpenBLAS made of dequantized float32 tiles at
+# 512 rows (110-115): the 6 x 4 tile 0.82-0.83x at 512 rows, 0.93-1.21x at 128.
+
+
+def _panel_stub(wrows: int):
+    """``p(w, n, x, xb, r, k, sums, ahead)``: rowdot's panel of PANEL_ROWS x wrows for w's kind
+    (the bf16 one against xb on a BF16_DOT CPU, the float one against x otherwise)."""
+    flt, bf = PANELS[wrows], BF16_PANELS.get(wrows)
+
+    def p(w, n, x, xb, r, k, sums, ahead):
+        pass
+
+    @overload(p, inline="always")
+    def typed(w, n, x, xb, r, k, sums, ahead):
+        if bf is not None and w.dtype == types.uint16:
+            return lambda w, n, x, xb, r, k, sums, ahead: bf(w, n, xb, r, k, sums, ahead)
+        return lambda w, n, x, xb, r, k, sums, ahead: flt(w, n, x, r, k, sums, ahead)
+
+    return p
+
+
+_pn_1, _pn_2, _pn_3 = (_panel_stub(m) for m in (1, 2, 3))  # PANEL_W is 3 on every target
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR, inline="always")
+def _panel(m, w, n, x, xb, r, k, sums, ahead):
+    """The panel of m (1 .. PANEL_W) weight rows from n: one dispatch for every width."""
+    if m == 3:
+        _pn_3(w, n, x, xb, r, k, sums, ahead)
+    elif m == 2:
+        _pn_2(w, n, x, xb, r, k, sums, ahead)
+    else:
+        _pn_1(w, n, x, xb, r, k, sums, ahead)
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _span_wide(x, xb, w, out, n0, n1, ahead):
+    """`_span` for many rows: blocks of BLOCK_ROWS weight rows (read from memory once, prefetched
+    by the first group, then from cache), each against groups of PANEL_ROWS activation rows in
+    panels of PANEL_W weight rows (the block's last ones narrower). Rows past the last whole
+    group are the last PANEL_ROWS rows taken again as one more group: its first rows get the
+    same bits a second time (the invariance note), where `_span`'s narrow tiles would read the
+    block again for a few rows (the panel note). Fewer rows than a group: `_span`."""
+    r_len = x.shape[0]
+    if r_len < PANEL_ROWS:
+        _span(x, xb, w, out, n0, n1, ahead)
+        return
+    groups = -(-r_len // PANEL_ROWS)
+    k = _main_cols(w, x.shape[1])
+    tail = k < w.shape[1]
+    sums = np.empty(PANEL_SUMS, np.float32)
+    K = w.shape[1]
+    for b0 in range(n0, n1, BLOCK_ROWS):
+        b1 = min(n1, b0 + BLOCK_ROWS)
+        # the next block's weights into L2, a few lines after each of this block's panels (the panel note)
+        nxt, end = b1 * K, min(n1, b1 + BLOCK_ROWS) * K
+        per = 0
+        if BLOCK_ROWS * K * w.itemsize <= PF_BLOCK_BYTES:
+            per = -(-((end - nxt) * w.itemsize // 64) // (groups * -(-(b1 - b0) // PANEL_W)))  # lines a panel
+        for g in range(groups):
+            r = min(g * PANEL_ROWS, r_len - PANEL_ROWS)
+            n = b0
+            while n < b1:
+                m = min(PANEL_W, b1 - n)
+                _panel(m, w, n, x, xb, r, k, sums, ahead if g == 0 else 0)
+                if per > 0 and nxt < end:
+                    prefetch_l2(w, nxt, per)
+                    nxt += per * 64 // w.itemsize
+                for j in range(m):
+                    for i in range(PANEL_ROWS):
+                        s = sums[j * PANEL_ROWS + i]
+                        out[r + i, n + j] = s + _tail(w, n + j, x, xb, r + i, k) if tail else s
                 n += m
 
 

@@ -105,7 +105,9 @@ rounded the activations for 1-3 rows only: one row's logits changed with the bat
 bf16 on a BF16_DOT CPU now rounds every row's activations (the bf16 dot note). The int8 products
 (`_make`) take the same fused multiply-add and lane tree for 1 and ROWS rows. Measured: decode
 unchanged (0.97-0.98x at batch 1, in process); prefill's products 0.79-0.93x the broadcast GEMM
-they replace (128 rows, 64-byte aligned: _common's alignment note; docs/invariance.md).
+they replace (128 rows, 64-byte aligned: _common's alignment note; docs/invariance.md) with the
+6 x 4 wide tile, 1.03-1.07x (K = 1024) and 0.82x (K = 2816) at 128 rows, 0.86-0.95x / 0.79x
+at 512 (against OpenBLAS) with the 8 x 3 panels that replaced it (matvec.py's panel note).
 """
 
 from __future__ import annotations
@@ -248,11 +250,12 @@ def _fma(builder, a, b, c):
     return builder.call(fn, [a, b, c])
 
 
-def _reduce_lanes(builder, vectors: list, lanes: int) -> list:
+def _reduce_vectors(builder, vectors: list, lanes: int) -> list:
     """The lane sums of ``vectors`` (each <lanes x float>), every one by `_hsum`'s tree (lane i
     with i + lanes/2, then i + lanes/4, ...), taken for many vectors at once: each level pairs two
     vectors' halves into one vector (2 shuffles and 1 add per pair), so 16 sums cost 45 operations,
-    not 16 x 12. Returns one float per vector, in order."""
+    not 16 x 12. Returns ceil(len / lanes) vectors: the sum of input m in lane m % lanes of
+    vector m // lanes."""
     f = ir.VectorType(ir.FloatType(), lanes)
     vs, n = list(vectors), len(vectors)
     group = lanes  # lanes per vector of the list that still belong to one input
@@ -269,56 +272,91 @@ def _reduce_lanes(builder, vectors: list, lanes: int) -> list:
             nxt.append(builder.fadd(lo, hi))  # (no fast-math flags: this tree, as written)
         vs, group = nxt, half
     # vs[m] lane l holds input m * lanes + l (each level keeps pairs in order)
-    return [builder.extract_element(vs[i // lanes], ir.Constant(_I32, i % lanes)) for i in range(n)]
+    return vs
+
+
+def _reduce_lanes(builder, vectors: list, lanes: int) -> list:
+    """The lane sums of ``vectors`` (`_reduce_vectors`), one float per vector, in order."""
+    vs = _reduce_vectors(builder, vectors, lanes)
+    return [builder.extract_element(vs[i // lanes], ir.Constant(_I32, i % lanes)) for i in range(len(vectors))]
+
+
+def _float_tile_types(w, x) -> bool:
+    """Whether (w, x) are what the float tiles take: 2-D C arrays, w float32, bf16 bits (uint16)
+    or f16 bits (int16), x float32."""
+    return (all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, x))
+            and w.dtype in (types.float32, types.uint16, types.int16) and x.dtype == types.float32)
+
+
+def _dp_tile_types(w, x) -> bool:
+    """Whether (w, x) are what the bf16 x bf16 tiles take: 2-D C arrays of bf16 bits (uint16)."""
+    return (all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, x))
+            and (w.dtype, x.dtype) == (types.uint16, types.uint16))
+
+
+def _tile_rows(context, builder, signature, args, rows: int, wrows: int):
+    """What every tile's codegen starts with (args w, n, x, r0 first): the intp maker, pointers
+    to the wrows weight rows from n and the rows activation rows from r0."""
+    wt, nt, xt, rt = signature.args[:4]
+    w_, n_, x_, r_ = args[:4]
+    intp, row, n_, r_ = _rows_of(context, builder, n_, nt, r_, rt)
+    wps = [row(wt, w_, builder.add(n_, intp(j))) for j in range(wrows)]
+    xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
+    return intp, row, wps, xps
+
+
+def _float_steps(builder, intp, wdtype, wps, xps, accs, k0, k1, ahead, prefetch: bool) -> None:
+    """The float tiles' loop over columns k0 .. k1 (both multiples of STEP): each step two vectors
+    of _FLANES columns, each weight vector widened once and fused-multiply-added into the
+    accumulator of every (weight row, activation row) in column order (the invariance note).
+    ``accs[j][i]`` are allocas of <_FLANES x float>; with ``prefetch`` every step also asks for
+    the weights ``ahead`` elements further on (the prefetch note)."""
+    bf16, f16 = wdtype == types.uint16, wdtype == types.int16
+    f8 = ir.VectorType(ir.FloatType(), _FLANES)
+    w8 = ir.VectorType(ir.IntType(16), _FLANES) if bf16 or f16 else f8
+    steps = builder.sdiv(builder.sub(k1, k0), intp(STEP))
+    with cgutils.for_range(builder, steps) as loop:
+        base = builder.add(k0, builder.mul(loop.index, intp(STEP)))
+        for wp in wps if prefetch else ():  # a step is 2 * _FLANES weights of each row: 64 or 128 bytes
+            for line in range(0, STEP, 16 if wdtype == types.float32 else 32):  # (f32), 32 or 64 (16-bit): each line
+                _prefetch(builder, wp, builder.add(base, builder.add(ahead, intp(line))))
+        for u in range(2):
+            off = builder.add(base, intp(u * _FLANES))
+            wvs = []
+            for wp in wps:
+                wv = builder.load(builder.bitcast(builder.gep(wp, [off]), w8.as_pointer()),
+                                  align=2 if bf16 or f16 else 4)
+                if bf16:  # the float32 with these top 16 bits: exact
+                    wide = builder.zext(wv, ir.VectorType(_I32, _FLANES))
+                    wide = builder.shl(wide, ir.Constant(ir.VectorType(_I32, _FLANES), [16] * _FLANES))
+                    wv = builder.bitcast(wide, f8)
+                elif f16:  # IEEE half -> float32, exact for every pattern (x86: one vcvtph2ps, F16C)
+                    wv = builder.fpext(builder.bitcast(wv, ir.VectorType(ir.HalfType(), _FLANES)), f8)
+                wvs.append(wv)
+            for i, xp in enumerate(xps):
+                xv = builder.load(builder.bitcast(builder.gep(xp, [off]), f8.as_pointer()), align=4)
+                for j, wv in enumerate(wvs):
+                    a = accs[j][i]
+                    builder.store(_fma(builder, wv, xv, builder.load(a)), a)
 
 
 def _make_float(rows: int, wrows: int = 1, prefetch: bool = True):
     @intrinsic
     def row_dots(typingctx, w, n, x, r0, k, ahead):
-        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, x)):
-            return None
-        if w.dtype not in (types.float32, types.uint16, types.int16) or x.dtype != types.float32:
+        if not _float_tile_types(w, x):
             return None
         sig = types.UniTuple(types.float32, wrows * rows)(w, n, x, r0, k, ahead)
-        bf16, f16 = w.dtype == types.uint16, w.dtype == types.int16
 
         def codegen(context, builder, signature, args):
-            wt, nt, xt, rt, kt, at = signature.args
-            w_, n_, x_, r_, k_, a_ = args
-            intp, row, n_, r_ = _rows_of(context, builder, n_, nt, r_, rt)
-            a_ = context.cast(builder, a_, at, types.intp)
-            wps = [row(wt, w_, builder.add(n_, intp(j))) for j in range(wrows)]
-            xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
+            intp, _, wps, xps = _tile_rows(context, builder, signature, args, rows, wrows)
+            k_ = context.cast(builder, args[4], signature.args[4], types.intp)
+            a_ = context.cast(builder, args[5], signature.args[5], types.intp)
             f8 = ir.VectorType(ir.FloatType(), _FLANES)
-            w8 = ir.VectorType(ir.IntType(16), _FLANES) if bf16 or f16 else f8
             # one accumulator per (weight row, activation row): the order of every element is the
             # same whatever the tile (the invariance note)
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(f8, [0.0] * _FLANES)) for _ in range(rows)]
                     for _ in range(wrows)]
-            steps = builder.sdiv(context.cast(builder, k_, kt, types.intp), intp(STEP))
-            with cgutils.for_range(builder, steps) as loop:
-                base = builder.mul(loop.index, intp(STEP))
-                for wp in wps if prefetch else ():  # a step is 2 * _FLANES weights of each row: 64 or 128 bytes
-                    for line in range(0, STEP, 16 if w.dtype == types.float32 else 32):  # (f32), 32 or 64 (16-bit): each line
-                        _prefetch(builder, wp, builder.add(base, builder.add(a_, intp(line))))
-                for u in range(2):
-                    off = builder.add(base, intp(u * _FLANES))
-                    wvs = []
-                    for wp in wps:
-                        wv = builder.load(builder.bitcast(builder.gep(wp, [off]), w8.as_pointer()),
-                                          align=2 if bf16 or f16 else 4)
-                        if bf16:  # the float32 with these top 16 bits: exact
-                            wide = builder.zext(wv, ir.VectorType(_I32, _FLANES))
-                            wide = builder.shl(wide, ir.Constant(ir.VectorType(_I32, _FLANES), [16] * _FLANES))
-                            wv = builder.bitcast(wide, f8)
-                        elif f16:  # IEEE half -> float32, exact for every pattern (x86: one vcvtph2ps, F16C)
-                            wv = builder.fpext(builder.bitcast(wv, ir.VectorType(ir.HalfType(), _FLANES)), f8)
-                        wvs.append(wv)
-                    for i in range(rows):
-                        xv = builder.load(builder.bitcast(builder.gep(xps[i], [off]), f8.as_pointer()), align=4)
-                        for j, wv in enumerate(wvs):
-                            a = accs[j][i]
-                            builder.store(_fma(builder, wv, xv, builder.load(a)), a)
+            _float_steps(builder, intp, signature.args[0].dtype, wps, xps, accs, intp(0), k_, a_, prefetch)
             sums = _reduce_lanes(builder, [builder.load(accs[j][i]) for j in range(wrows) for i in range(rows)],
                                  _FLANES)
             return context.make_tuple(builder, signature.return_type, sums)
@@ -367,45 +405,49 @@ class _BFloat(ir.Type):
         return hash("bfloat")
 
 
+def _dp_steps(builder, intp, wps, xps, accs, k0, k1, ahead, prefetch: bool) -> None:
+    """The bf16 x bf16 tiles' loop over columns k0 .. k1 (both multiples of DP_STEP): each step
+    one ``llvm.x86.avx512bf16.dpbf16ps.512`` per (weight row, activation row), 32 products summed
+    into the 16 float32 lanes of ``accs[j][i]`` (allocas); with ``prefetch`` each weight row's
+    line ``ahead`` elements further on is asked for (the prefetch note)."""
+    v32, bf32 = ir.VectorType(ir.IntType(16), DP_STEP), ir.VectorType(_BFloat(), DP_STEP)
+    f16 = ir.VectorType(ir.FloatType(), 16)
+    dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f16, [f16, bf32, bf32]),
+                                        "llvm.x86.avx512bf16.dpbf16ps.512")
+    steps = builder.sdiv(builder.sub(k1, k0), intp(DP_STEP))
+    with cgutils.for_range(builder, steps) as loop:
+        off = builder.add(k0, builder.mul(loop.index, intp(DP_STEP)))
+        wvs = []
+        for wp in wps:  # a step is one 64-byte line of each weight row
+            if prefetch:
+                _prefetch(builder, wp, builder.add(off, ahead))
+            wv = builder.load(builder.bitcast(builder.gep(wp, [off]), v32.as_pointer()), align=2)
+            wvs.append(builder.bitcast(wv, bf32))
+        for i, xp in enumerate(xps):
+            xv = builder.bitcast(builder.load(builder.bitcast(builder.gep(xp, [off]), v32.as_pointer()), align=2), bf32)
+            for j, wv in enumerate(wvs):
+                a = accs[j][i]
+                builder.store(builder.call(dp, [builder.load(a), wv, xv]), a)
+
+
 def _make_bf16(rows: int, wrows: int):
     @intrinsic
     def row_dots_bf16(typingctx, w, n, x, r0, k, ahead):
         """`FLOAT_TILES`' tile for bf16 bits (uint16) on both sides, k a multiple of DP_STEP: each
         step one ``llvm.x86.avx512bf16.dpbf16ps.512`` per (weight row, activation row), 32 products
         summed into 16 float32 lanes. Only where BF16_DOT (LLVM cannot select it elsewhere)."""
-        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, x)):
-            return None
-        if (w.dtype, x.dtype) != (types.uint16, types.uint16):
+        if not _dp_tile_types(w, x):
             return None
         sig = types.UniTuple(types.float32, wrows * rows)(w, n, x, r0, k, ahead)
 
         def codegen(context, builder, signature, args):
-            wt, nt, xt, rt, kt, at = signature.args
-            w_, n_, x_, r_, k_, a_ = args
-            intp, row, n_, r_ = _rows_of(context, builder, n_, nt, r_, rt)
-            a_ = context.cast(builder, a_, at, types.intp)
-            wps = [row(wt, w_, builder.add(n_, intp(j))) for j in range(wrows)]
-            xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
-            v32, bf32 = ir.VectorType(ir.IntType(16), DP_STEP), ir.VectorType(_BFloat(), DP_STEP)
+            intp, _, wps, xps = _tile_rows(context, builder, signature, args, rows, wrows)
+            k_ = context.cast(builder, args[4], signature.args[4], types.intp)
+            a_ = context.cast(builder, args[5], signature.args[5], types.intp)
             f16 = ir.VectorType(ir.FloatType(), 16)
-            dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f16, [f16, bf32, bf32]),
-                                                "llvm.x86.avx512bf16.dpbf16ps.512")
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(f16, [0.0] * 16)) for _ in range(rows)]
                     for _ in range(wrows)]
-            steps = builder.sdiv(context.cast(builder, k_, kt, types.intp), intp(DP_STEP))
-            with cgutils.for_range(builder, steps) as loop:
-                off = builder.mul(loop.index, intp(DP_STEP))
-                wvs = []
-                for wp in wps:  # a step is one 64-byte line of each weight row
-                    _prefetch(builder, wp, builder.add(off, a_))
-                    wv = builder.load(builder.bitcast(builder.gep(wp, [off]), v32.as_pointer()), align=2)
-                    wvs.append(builder.bitcast(wv, bf32))
-                for i in range(rows):
-                    xv = builder.bitcast(builder.load(builder.bitcast(builder.gep(xps[i], [off]), v32.as_pointer()),
-                                                      align=2), bf32)
-                    for j, wv in enumerate(wvs):
-                        a = accs[j][i]
-                        builder.store(builder.call(dp, [builder.load(a), wv, xv]), a)
+            _dp_steps(builder, intp, wps, xps, accs, intp(0), k_, a_, True)
             sums = _reduce_lanes(builder, [builder.load(accs[j][i]) for j in range(wrows) for i in range(rows)], 16)
             return context.make_tuple(builder, signature.return_type, sums)
 
@@ -416,3 +458,83 @@ def _make_bf16(rows: int, wrows: int):
 
 # bf16 weights' tiles against activations rounded to bf16, FLOAT_TILES' shapes (BF16_DOT only)
 BF16_TILES = {(r, w): _make_bf16(r, w) for r in (1, ROWS, WIDE_ROWS) for w in range(1, 5)} if BF16_DOT else {}
+
+
+# -- prefill's panels: the tiles with their sums stored as vectors ------------------------------
+
+
+def _make_panel(rows: int, wrows: int, dp: bool = False):
+    """Prefill's tile (matvec.py's panel note): ``panel(w, n, x, r0, k, sums, ahead)`` runs the
+    steps of `_make_float` (``dp``: `_make_bf16`) over the first k columns of weight rows
+    n .. n+wrows-1 and activation rows r0 .. r0+rows-1 and reduces each accumulator by the tiles'
+    tree (`_reduce_vectors`): the same bits as those tiles' sums (the invariance note). The tree
+    leaves the sums lane by lane in a few vectors, which are stored as they are into ``sums`` (1-D
+    float32, PANEL_SUMS long): element ``j * rows + i`` at ``sums[j * rows + i]``, where taking
+    24 floats out of registers one by one and returning them as a tuple cost about a quarter of
+    a 1024-column tile's time (measured in L1, 1 thread). ``ahead`` > 0: the steps prefetch the
+    weights that far on; 0: no prefetch."""
+    lanes = 16 if dp else _FLANES
+
+    @intrinsic
+    def panel(typingctx, w, n, x, r0, k, sums, ahead):
+        if not (_dp_tile_types(w, x) if dp else _float_tile_types(w, x)):
+            return None
+        if not (isinstance(sums, types.Array) and sums.ndim == 1 and sums.layout == "C" and sums.dtype == types.float32):
+            return None
+        sig = types.none(w, n, x, r0, k, sums, ahead)
+
+        def codegen(context, builder, signature, args):
+            intp, _, wps, xps = _tile_rows(context, builder, signature, args, rows, wrows)
+            k_, a_ = (context.cast(builder, args[i], signature.args[i], types.intp) for i in (4, 6))
+            zero = ir.Constant(ir.VectorType(ir.FloatType(), lanes), [0.0] * lanes)
+            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(rows)] for _ in range(wrows)]
+            wdtype = signature.args[0].dtype
+            with builder.if_else(builder.icmp_signed(">", a_, intp(0))) as (far, near):
+                for block, prefetch in ((far, True), (near, False)):
+                    with block:
+                        if dp:
+                            _dp_steps(builder, intp, wps, xps, accs, intp(0), k_, a_, prefetch)
+                        else:
+                            _float_steps(builder, intp, wdtype, wps, xps, accs, intp(0), k_, a_, prefetch)
+            vecs = _reduce_vectors(builder, [builder.load(accs[j][i]) for j in range(wrows) for i in range(rows)],
+                                   lanes)
+            st = context.make_array(signature.args[5])(context, builder, args[5])
+            vec = ir.VectorType(ir.FloatType(), lanes).as_pointer()
+            for m, v in enumerate(vecs):
+                builder.store(v, builder.bitcast(builder.gep(st.data, [intp(m * lanes)]), vec), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return panel
+
+
+# Prefill's panels (matvec.py's panel note): PANEL_ROWS activation rows x 1..PANEL_W weight rows
+PANEL_ROWS, PANEL_W = (8, 3) if _FLANES == 16 else (WIDE_ROWS, TILE_W)  # AVX-512: 24 of 32 registers; AVX2: the 3 x 3 tile
+PANEL_SUMS = -(-PANEL_ROWS * PANEL_W // _FLANES) * _FLANES  # floats a panel stores: whole vectors
+PANELS = {w: _make_panel(PANEL_ROWS, w) for w in range(1, PANEL_W + 1)}
+BF16_PANELS = {w: _make_panel(PANEL_ROWS, w, dp=True) for w in range(1, PANEL_W + 1)} if BF16_DOT else {}
+
+
+@intrinsic
+def prefetch_l2(typingctx, a, start, lines):
+    """Ask for ``lines`` 64-byte lines of C-contiguous ``a`` from its flat element ``start`` on, into
+    L2 (``prefetcht1``; a hint that never faults)."""
+    if not (isinstance(a, types.Array) and a.layout == "C"):
+        return None
+    sig = types.none(a, start, lines)
+
+    def codegen(context, builder, signature, args):
+        at, st, lt = signature.args
+        arr = context.make_array(at)(context, builder, args[0])
+        base = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
+        first = builder.mul(context.cast(builder, args[1], st, types.intp), context.get_constant(types.intp, at.dtype.bitwidth // 8))
+        i8p = ir.IntType(8).as_pointer()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                                            "llvm.prefetch.p0i8")
+        with cgutils.for_range(builder, context.cast(builder, args[2], lt, types.intp)) as loop:
+            off = builder.add(first, builder.mul(loop.index, context.get_constant(types.intp, 64)))
+            builder.call(fn, [builder.gep(base, [off]), ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
