@@ -12,7 +12,8 @@ import numpy as np
 from ._common import ERR, FAST, check_f32, pool_threads
 from .bits import pack_bf16, unpack_bf16, unpack_f16
 from .matvec import F32_MATVEC_ROWS, _matvec_float, matmul_float
-from .quant import _matvec_q4, check_q4, dequant_tile_q4, dequantize_q4, pairs_f32
+from .q4gemm import _matvec_q4  # on a VNNI CPU the GEMM's kernel: one order at every row count (q4gemm's decode note)
+from .quant import check_q4, dequant_tile_q4, dequantize_q4, pairs_f32
 from .rowdot import (AHEAD_BYTES, INT8_BLOCK, ROWS, row_dot_i8, row_dot_i8_16, row_dot_i8_32, row_dots_i8, row_dots_i8_16,
                      row_dots_i8_32)
 
@@ -251,7 +252,7 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
     R, N = x.shape[0], w.shape[0]
     if out is None:
         out = np.empty((R, N), np.float32)
-    if fused and (fmt != "q4" or R <= matvec_rows(fmt)):  # every row count but q4's prefill (the invariance note)
+    if fused:  # every row count (the invariance note in rowdot.py; q4: q4gemm's decode note)
         return fused_matvec(x, w, fmt, scale, out)
     if fmt == "q4":
         scale = pairs_f32(scale)  # the tiles read float32 pairs: one conversion per product, not per tile

@@ -441,7 +441,8 @@ def _matvec_q4(x, w, sm, out, chunks):  # x (R, K) f32; w (N, K/2) u8, sm (N, 2n
 
 def fused_matvec_q4(x: np.ndarray, codes: np.ndarray, sm: np.ndarray, out: np.ndarray) -> np.ndarray:
     """`matvec_q4` without its checks, for a caller that checked the weight once (a `Linear`)."""
-    _matvec_q4(x, codes, sm, out, min(codes.shape[0], 4 * pool_threads()))
+    from .q4gemm import _matvec_q4 as kernel  # the GEMM's order on a VNNI CPU (q4gemm's decode note)
+    kernel(x, codes, sm, out, min(codes.shape[0], 4 * pool_threads()))
     return out
 
 
