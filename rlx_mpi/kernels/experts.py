@@ -57,6 +57,7 @@ from ._common import ERR, FAST, check_f32, pool_threads
 from .elementwise import _swiglu
 from .lowp import _dot_i8_i16_tail, _one_row_i8, _quantize_rows_i16, check_weight, kernel_weight
 from .matvec import _main_cols, _operand, _t1_1, _tail
+from .q4gemm import Q4_GEMM, _rows_q4_gemm
 from .quant import _q4_dot, _quantize_rows_q8
 from .rowdot import AHEAD_BYTES, INT8_BLOCK
 
@@ -120,7 +121,7 @@ def _rows_int8(x, w, scale, experts, groups, out, chunks):  # as lowp._matvec_in
 
 
 @numba.njit(cache=True, parallel=True, fastmath=FAST)
-def _rows_q4(x, w, sm, experts, groups, out, chunks):  # as quant._matvec_q4's rows past its groups of 4
+def _rows_q4_lanes(x, w, sm, experts, groups, out, chunks):  # as quant._matvec_q4's rows past its groups of 4
     r_len, k_len = x.shape
     n_len = w.shape[1]
     n_groups = sm.shape[2] // 2
@@ -133,6 +134,10 @@ def _rows_q4(x, w, sm, experts, groups, out, chunks):  # as quant._matvec_q4's r
         for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
             for r in range(groups[i], groups[i + 1]):
                 out[r, n] = _q4_dot(we, n, xq, r, se, xs, n_groups, AHEAD_BYTES if r == groups[i] else 0)
+
+
+# a VNNI CPU's q4 products take q4gemm's kernel, as a `Linear`'s do (its decode note: one order)
+_rows_q4 = _rows_q4_gemm if Q4_GEMM else _rows_q4_lanes
 
 
 def _rows(x, w, s, experts, groups, out, chunks):

@@ -237,9 +237,10 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
                    out: np.ndarray | None = None, fused: bool = True) -> np.ndarray:
     """``x @ W.T`` for a low-precision weight ``W`` (N, K) stored as ``fmt``: x (R, K) -> (R, N) f32.
 
-    Few rows (decode) run the fused dequantise-dot kernel; many rows (prefill) dequantise a
-    tile of W at a time into a reused float32 buffer and call BLAS. Either way no float32
-    copy of the whole of W exists. The fused int8 kernel also rounds x to int16 per block of
+    Every row count runs the fused dequantise-dot kernel (a row's value never depends on the
+    rows beside it: the invariance note in rowdot.py); ``fused=False`` dequantises a tile of W
+    at a time into a reused float32 buffer and calls BLAS. Either way no float32 copy of the
+    whole of W exists. The fused int8 kernel also rounds x to int16 per block of
     INT8_BLOCK (a relative error of at most 1/65534 of the block's largest value; see the int8
     note); a non-finite x gives a non-finite output, as the float32 product would. ``fused=False`` forces the tiled path (tests,
     benches); both are exact for every f16 pattern, Inf and NaN included.

@@ -447,18 +447,18 @@ def _repack(c32, sm, n0, wp, sdm):
 
 
 @numba.njit(cache=True, nogil=True, error_model=ERR)
-def _blocks(c32, sm, xq, xs, out, b0, b1):  # out[:, 16 b0 : 16 b1] (clipped to N) = x @ W[...].T
+def _blocks(c32, sm, xq, xs, out, b0, b1, r0, r1):  # out[r0:r1, 16 b0 : 16 b1] (clipped to N) = x @ W[...].T
     groups = xs.shape[1] // 2
-    M, N = out.shape
+    N = out.shape[1]
     wp = np.empty((4 * groups, LANES), np.uint32)
     sdm = np.empty((2 * groups, LANES), np.float32)
     tout = np.empty((TILE_M, LANES), np.float32)
-    direct = M < 4 and groups % 4 == 0 and xq.shape[0] == M  # decode's 1-3 rows (the decode note)
+    direct = r1 - r0 < 4 and groups % 4 == 0  # decode's 1-3 rows (the decode note)
     for b in range(b0, b1):
         n0 = b * LANES
         nv = min(LANES, N - n0)
         if direct and nv == LANES:
-            for m in range(M):
+            for m in range(r0, r1):
                 _direct(c32, sm, xq, xs, n0, m, tout, LANES * 4 * c32.shape[1])
                 for l in range(LANES):
                     out[m, n0 + l] = tout[0, l]
@@ -467,12 +467,12 @@ def _blocks(c32, sm, xq, xs, out, b0, b1):  # out[:, 16 b0 : 16 b1] (clipped to 
             _repack_block(c32, sm, n0, wp, sdm)
         else:
             _repack(c32, sm, n0, wp, sdm)
-        m0 = 0
-        while m0 < M:  # tiles of TILE_M rows (xq padded: the GEMM), then of 4 and 1 (decode's M rows)
-            if m0 + TILE_M <= xq.shape[0]:
+        m0 = r0
+        while m0 < r1:  # tiles of TILE_M rows (past r1 into xq's padding: the GEMM's), then of 4 and 1
+            if m0 + TILE_M <= xq.shape[0] and r1 - m0 > 8:
                 _tile(wp, sdm, xq, xs, m0, tout)
-                h = min(TILE_M, M - m0)
-            elif m0 + 4 <= M:
+                h = min(TILE_M, r1 - m0)
+            elif m0 + 4 <= r1:
                 _tile4(wp, sdm, xq, xs, m0, tout)
                 h = 4
             else:
@@ -495,11 +495,25 @@ def _matvec_q4_gemm(x, w, sm, out, chunks):  # x (R, K) f32; w (N, K/2) u8, sm (
     chunks = max(1, min(chunks, blocks))
     c32 = w.view(np.uint32)
     for c in numba.prange(chunks):
-        _blocks(c32, sm, xq, xs, out, c * blocks // chunks, (c + 1) * blocks // chunks)
+        _blocks(c32, sm, xq, xs, out, c * blocks // chunks, (c + 1) * blocks // chunks, 0, R)
 
 
-# decode's q4 product (quant._matvec_q4's signature, for lowp, decode_layer): the GEMM's kernel on
-# a VNNI CPU, so that every row count adds a row's terms in one order (the decode note)
+@numba.njit(cache=True, parallel=True, error_model=ERR)
+def _rows_q4_gemm(x, w, sm, experts, groups, out, chunks):  # experts.py's _rows_q4 in this kernel's order
+    R, K = x.shape
+    xq = np.empty((R, K), np.int8)
+    xs = np.empty((R, 2 * (K // GROUP)), np.float32)
+    _quantize_rows(x, xq, xs)  # per row
+    blocks = (w.shape[1] + LANES - 1) // LANES
+    for t in numba.prange(len(experts) * chunks):
+        i, c = t // chunks, t % chunks
+        if groups[i + 1] > groups[i] and (c + 1) * blocks // chunks > c * blocks // chunks:
+            _blocks(w[experts[i]].view(np.uint32), sm[experts[i]], xq, xs, out, c * blocks // chunks,
+                    (c + 1) * blocks // chunks, groups[i], groups[i + 1])
+
+
+# decode's q4 product (quant._matvec_q4's signature, for lowp and decode_layer): this kernel on a
+# VNNI CPU, so that every row count adds a row's terms in one order (the decode note)
 _matvec_q4 = _matvec_q4_gemm if Q4_GEMM else _matvec_q4_lanes
 
 
@@ -531,5 +545,5 @@ def fused_gemm_q4(x: np.ndarray, codes: np.ndarray, sm: np.ndarray) -> np.ndarra
     parts = max(1, min(pool_threads(), blocks))
     cuts = [blocks * p // parts for p in range(parts + 1)]
     c32 = codes.view(np.uint32)
-    run_parts(_blocks, [(c32, sm, xq, xs, out, a, b) for a, b in zip(cuts, cuts[1:]) if b > a])
+    run_parts(_blocks, [(c32, sm, xq, xs, out, a, b, 0, M) for a, b in zip(cuts, cuts[1:]) if b > a])
     return out

@@ -15,7 +15,9 @@ one 4- or 8-byte read; nothing is repacked at load.
 
 ``matvec_q4(x, codes, sm, out)`` is decode's product (few rows), ``dequantize_q4`` expands rows
 to float32 (prefill's tiles, embedding lookups, tests), ``quantize_q4`` makes the format from
-float32.
+float32. On a CPU with AVX-512 VNNI the product runs q4gemm.py's kernel at every row count (its
+decode note: one float order per element, issue 36); the lane-wise kernels here take it on other
+CPUs, and each row of a MoE layer's experts (experts.py) everywhere.
 
 Note: the nibble order. The contract puts columns 2j and 2j+1 in one byte (GGUF puts j and j+16
 of a block). Rather than repack the weights, the decode kernel permutes the activation row once
