@@ -17,7 +17,8 @@ Note: rows are independent of their batch. The decode matvecs take 4 activation 
 (rowdot's tile note) and a lone row another way, so an expert's product for a row would depend
 on how many other rows chose that expert in the step. Here every row of every group takes the
 lone row's dot product (the one a batch of 1 takes, `matvec._t1_1`, lowp's `row_dot_i8*`,
-quant's `_q4_dot`): a row's output is bit-for-bit the same alone or in any batch, and at batch 1
+quant's `_q4_dot`; on a VNNI CPU q4 takes q4gemm's kernel, whose order is the same at every row
+count: its decode note): a row's output is bit-for-bit the same alone or in any batch, and at batch 1
 the same as the layer-by-layer path's `Linear` products. Each weight row is still read from
 memory once per step for the whole group (its 4-16 kB stay in L1 while the group's rows use
 it), so a step reads each chosen expert once: between k and min(E, N k) experts' bytes.

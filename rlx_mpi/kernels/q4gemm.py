@@ -42,9 +42,14 @@ VNNI CPU decode runs this kernel too, in tiles of 4 and 1 activation rows (`_mak
 row the same operations whatever the tile's height, so the same bits), over blocks of 16
 weight rows repacked per call as the GEMM's are, with the next block's rows prefetched while
 one is repacked (`_transpose16`'s ``ahead``). The lane-wise kernel stays for CPUs without VNNI,
-where it takes every row count (nothing else runs q4 there), so it too is one order. Measured
-(medium preset in q4, 1 thread, in process, interleaved rounds, ratios old / new: > 1 faster):
-see the numbers in docs/invariance.md's q4 section.
+where it takes every row count (nothing else runs q4 there), so it too is one order; a MoE
+layer's experts take this kernel too (`_rows_q4_gemm`), as a `Linear` of one expert does.
+Decode's 1-3 rows read a block as stored (`_direct`) rather than repacking it for so few rows.
+Measured (medium's q4 file, 1 thread, in process, interleaved rounds, a loaded shared host;
+old / new, > 1 faster): whole decode step batch 1 0.85x, 8 prompts 1.34x; prefill 128 1.44x,
+512 1.03x; the 66 q4 matrices of a batch-1 step alone (128 MB, from memory) 0.89-0.95x, and
+1.3-2x faster on matrices that stay in cache. Prefetch variants for `_direct` (none, the next
+block, two blocks, into L2 only) did not close the streamed batch-1 gap (none: 0.79x).
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ from .bits import f16_exact
 from .quant import GROUP, _matvec_q4 as _matvec_q4_lanes, check_q4
 from .rowdot import _I32, _idx, _prefetch, _target_has
 
-__all__ = ["gemm_q4", "fused_gemm_q4", "Q4_GEMM", "Q4_GEMM_ROWS", "TILE_M", "LANES"]
+__all__ = ["matvec_q4", "fused_matvec_q4", "gemm_q4", "fused_gemm_q4", "Q4_GEMM", "Q4_GEMM_ROWS", "TILE_M", "LANES"]
 
 Q4_GEMM = _target_has("avx512vnni") and _target_has("avx512bw")  # 512-bit vpdpbusd
 LANES = 16  # weight rows per block: a zmm of int32 / float32 lanes
@@ -515,6 +520,26 @@ def _rows_q4_gemm(x, w, sm, experts, groups, out, chunks):  # experts.py's _rows
 # decode's q4 product (quant._matvec_q4's signature, for lowp and decode_layer): this kernel on a
 # VNNI CPU, so that every row count adds a row's terms in one order (the decode note)
 _matvec_q4 = _matvec_q4_gemm if Q4_GEMM else _matvec_q4_lanes
+
+
+def fused_matvec_q4(x: np.ndarray, codes: np.ndarray, sm: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """`matvec_q4` without its checks, for a caller that checked the weight once (a `Linear`)."""
+    _matvec_q4(x, codes, sm, out, min(codes.shape[0], 4 * pool_threads()))
+    return out
+
+
+def matvec_q4(x: np.ndarray, codes: np.ndarray, sm: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``x @ W.T`` for a few float32 rows x (R, K) and a q4 weight W (codes, sm): decode's product,
+    output rows split over the rank's numba threads; x is rounded to int8 per group of 32
+    (quant.py's activations note), so the result is within that rounding of the float32
+    product; on a VNNI CPU this module's kernel (the decode note), else quant.py's."""
+    check_f32("matvec_q4 x", x)
+    check_q4(codes, sm)
+    if x.ndim != 2 or x.shape[1] != 2 * codes.shape[1]:
+        raise ValueError(f"matvec_q4: x {x.shape} does not fit W ({codes.shape[0]}, {2 * codes.shape[1]})")
+    if out is None:
+        out = np.empty((x.shape[0], codes.shape[0]), np.float32)
+    return fused_matvec_q4(x, codes, sm, out)
 
 
 def gemm_q4(x: np.ndarray, codes: np.ndarray, sm: np.ndarray) -> np.ndarray:
