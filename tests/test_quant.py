@@ -413,7 +413,7 @@ Q4_BOUND = 0.6
 Q4_OWN_BOUND = 0.06
 
 
-def test_q4_model_within_the_stated_bounds(q4_files, monkeypatch):
+def test_q4_model_within_the_stated_bounds(q4_files):
     ids = np.random.default_rng(9).integers(0, 512, (2, 16))
     f32 = stage(q4_files / "f32.h5", "f32").forward(ids)
     at_load = stage(q4_files / "f32.h5", "q4")
@@ -425,12 +425,9 @@ def test_q4_model_within_the_stated_bounds(q4_files, monkeypatch):
     twin = dequantized_twin(at_load, stage(q4_files / "f32.h5", "f32"))
     own = np.abs(a - twin.forward(ids)).max() / np.abs(f32).max()
     assert own <= Q4_OWN_BOUND, own
-    long = np.random.default_rng(9).integers(0, 512, (2, 160))  # 320 rows: the q4 GEMM, or the tiles
-    want = twin.forward(long)
-    gemm = at_load.forward(long)
-    assert np.abs(gemm - want).max() <= (Q4_OWN_BOUND if kernels.Q4_GEMM else 1e-4) * np.abs(want).max()
-    monkeypatch.setattr(kernels, "Q4_GEMM", False)  # the prefill tiles: exact products
-    assert np.abs(at_load.forward(long) - want).max() <= 1e-4 * np.abs(want).max()
+    long = np.random.default_rng(9).integers(0, 512, (2, 160))  # 320 rows: the q4 GEMM (without VNNI
+    want = twin.forward(long)  # decode's kernel): x in int8 groups at every row count, as decode (issue 36)
+    assert np.abs(at_load.forward(long) - want).max() <= Q4_OWN_BOUND * np.abs(want).max()
     assert at_load.weight_bytes <= 0.2 * stage(q4_files / "f32.h5", "f32").weight_bytes  # down_proj int8 here
 
 
