@@ -49,7 +49,8 @@ Measured (medium's q4 file, 1 thread, in process, interleaved rounds, a loaded s
 old / new, > 1 faster): whole decode step batch 1 0.85x, 8 prompts 1.34x; prefill 128 1.44x,
 512 1.03x; the 66 q4 matrices of a batch-1 step alone (128 MB, from memory) 0.89-0.95x, and
 1.3-2x faster on matrices that stay in cache. Prefetch variants for `_direct` (none, the next
-block, two blocks, into L2 only) did not close the streamed batch-1 gap (none: 0.79x).
+block, two or four blocks, into L2 only) did not close the streamed batch-1 gap (none: 0.79x;
+on a quiet moment, 1 thread: the 66 matrices 0.90-0.92x at 1 row, 1.5x at 8 rows).
 """
 
 from __future__ import annotations
