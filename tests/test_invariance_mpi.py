@@ -6,7 +6,8 @@ the invariance notes in kernels/rowdot.py and kernels/attention.py.
 
 The matrix. Issue 36 names f32, bf16, int8 x batch 1 / 8 / 32 x groups 1 / 2 x prefill chunk
 16 / 256 x 1 and 2 threads x 1 and 2 stages: 144 launches of ~3-6 s each, far over this file's
-budget. `SETTINGS` is a covering subset of 9 generate launches, 3 per precision, chosen so that
+budget. `SETTINGS` is a covering subset of 12 generate launches, 3 per precision (q4 too: its
+decode kernel and its GEMM take one order, kernels/q4gemm.py's decode note), chosen so that
 (checked by `test_the_settings_cover_every_pair_of_levels`, no MPI):
 - every pair of levels of any two factors, precision included, appears in some launch (a
   pairwise covering array: a row that changed with one factor's level, or with two factors'
@@ -44,8 +45,9 @@ SETTINGS = [
     ("f32", 1, 1, 256, 2, 1), ("f32", 8, 2, 16, 1, 2), ("f32", 32, 1, 16, 2, 2),
     ("bf16", 1, 2, 16, 2, 1), ("bf16", 8, 1, 256, 2, 2), ("bf16", 32, 2, 256, 1, 1),
     ("int8", 1, 1, 16, 1, 2), ("int8", 8, 2, 256, 1, 1), ("int8", 32, 1, 256, 2, 2),
+    ("q4", 1, 2, 256, 1, 2), ("q4", 8, 1, 16, 2, 1), ("q4", 32, 2, 16, 2, 2),  # 16+ rows: the q4 GEMM's
 ]
-LEVELS = [("f32", "bf16", "int8"), (1, 8, 32), (1, 2), (16, 256), (1, 2), (1, 2)]
+LEVELS = [("f32", "bf16", "int8", "q4"), (1, 8, 32), (1, 2), (16, 256), (1, 2), (1, 2)]
 PRECISIONS = LEVELS[0]
 
 
@@ -152,7 +154,8 @@ def test_the_precisions_do_differ(runs):
     """The comparisons above can fail: the same prompts at another precision give other bits."""
     gen, _ = runs
     by = {s[0]: rows for s, rows in gen.items()}
-    assert by["f32"]["p0"]["logprobs"] != by["bf16"]["p0"]["logprobs"] != by["int8"]["p0"]["logprobs"]
+    assert by["f32"]["p0"]["logprobs"] != by["bf16"]["p0"]["logprobs"] != by["int8"]["p0"]["logprobs"] \
+        != by["q4"]["p0"]["logprobs"] != by["f32"]["p0"]["logprobs"]
 
 
 # The one exception (docs/invariance.md): tensor parallelism sums each row-parallel product's

@@ -40,8 +40,8 @@ from .elementwise import _exp, rms_norm, rope, silu_mul_, swiglu
 from .lowp import (INT8_BLOCK, INT8_GROUPS, int8_block, matvec_rows, WEIGHT_FORMATS, check_weight, dequant_matmul, dequantize,
                    fused_matvec, from_bf16, int8_blocks, kernel_weight, quantize_int8, to_bf16)
 from .matvec import F32_MATVEC_ROWS, _matvec_float, float_product, matmul_float, matvec_f32
-from .quant import GROUP as Q4_GROUP, VNNI, dequantize_q4, matvec_q4, pairs_f32, q4_nbytes, quantize_q4
-from .q4gemm import Q4_GEMM, Q4_GEMM_ROWS, fused_gemm_q4, gemm_q4
+from .quant import GROUP as Q4_GROUP, VNNI, dequantize_q4, pairs_f32, q4_nbytes, quantize_q4
+from .q4gemm import Q4_GEMM, Q4_GEMM_ROWS, fused_gemm_q4, gemm_q4, matvec_q4
 from ._common import pool_threads
 from .decode_layer import FORMATS as DECODE_LAYER_FORMATS, decode_layer, warm_up as warm_up_decode_layer
 from .experts import (ACTIVATIONS as EXPERT_ACTIVATIONS, check_stack, experts_decode, fused_experts, lone_rows,

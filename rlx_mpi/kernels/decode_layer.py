@@ -37,7 +37,7 @@ from .attention import (_NO_SINKS, _attend_cache, _attend_cache_par, _attend_pag
 from .elementwise import _rms_norm, _swiglu
 from .lowp import _matvec_int8
 from .matvec import _matvec_float
-from .quant import _matvec_q4
+from .q4gemm import _matvec_q4  # q4: the GEMM's order at every row count (q4gemm's decode note)
 
 __all__ = ["decode_layer", "FORMATS"]
 

@@ -17,7 +17,8 @@ Note: rows are independent of their batch. The decode matvecs take 4 activation 
 (rowdot's tile note) and a lone row another way, so an expert's product for a row would depend
 on how many other rows chose that expert in the step. Here every row of every group takes the
 lone row's dot product (the one a batch of 1 takes, `matvec._t1_1`, lowp's `row_dot_i8*`,
-quant's `_q4_dot`): a row's output is bit-for-bit the same alone or in any batch, and at batch 1
+quant's `_q4_dot`; on a VNNI CPU q4 takes q4gemm's kernel, whose order is the same at every row
+count: its decode note): a row's output is bit-for-bit the same alone or in any batch, and at batch 1
 the same as the layer-by-layer path's `Linear` products. Each weight row is still read from
 memory once per step for the whole group (its 4-16 kB stay in L1 while the group's rows use
 it), so a step reads each chosen expert once: between k and min(E, N k) experts' bytes.
@@ -57,6 +58,7 @@ from ._common import ERR, FAST, check_f32, pool_threads
 from .elementwise import _swiglu
 from .lowp import _dot_i8_i16_tail, _one_row_i8, _quantize_rows_i16, check_weight, kernel_weight
 from .matvec import _main_cols, _operand, _t1_1, _tail
+from .q4gemm import Q4_GEMM, _rows_q4_gemm
 from .quant import _q4_dot, _quantize_rows_q8
 from .rowdot import AHEAD_BYTES, INT8_BLOCK
 
@@ -120,7 +122,7 @@ def _rows_int8(x, w, scale, experts, groups, out, chunks):  # as lowp._matvec_in
 
 
 @numba.njit(cache=True, parallel=True, fastmath=FAST)
-def _rows_q4(x, w, sm, experts, groups, out, chunks):  # as quant._matvec_q4's rows past its groups of 4
+def _rows_q4_lanes(x, w, sm, experts, groups, out, chunks):  # as quant._matvec_q4's rows past its groups of 4
     r_len, k_len = x.shape
     n_len = w.shape[1]
     n_groups = sm.shape[2] // 2
@@ -133,6 +135,10 @@ def _rows_q4(x, w, sm, experts, groups, out, chunks):  # as quant._matvec_q4's r
         for n in range(c * n_len // chunks, (c + 1) * n_len // chunks):
             for r in range(groups[i], groups[i + 1]):
                 out[r, n] = _q4_dot(we, n, xq, r, se, xs, n_groups, AHEAD_BYTES if r == groups[i] else 0)
+
+
+# a VNNI CPU's q4 products take q4gemm's kernel, as a `Linear`'s do (its decode note: one order)
+_rows_q4 = _rows_q4_gemm if Q4_GEMM else _rows_q4_lanes
 
 
 def _rows(x, w, s, experts, groups, out, chunks):

@@ -12,7 +12,8 @@ import numpy as np
 from ._common import ERR, FAST, check_f32, pool_threads
 from .bits import pack_bf16, unpack_bf16, unpack_f16
 from .matvec import F32_MATVEC_ROWS, _matvec_float, matmul_float
-from .quant import _matvec_q4, check_q4, dequant_tile_q4, dequantize_q4, pairs_f32
+from .q4gemm import _matvec_q4  # on a VNNI CPU the GEMM's kernel: one order at every row count (q4gemm's decode note)
+from .quant import check_q4, dequant_tile_q4, dequantize_q4, pairs_f32
 from .rowdot import (AHEAD_BYTES, INT8_BLOCK, ROWS, row_dot_i8, row_dot_i8_16, row_dot_i8_32, row_dots_i8, row_dots_i8_16,
                      row_dots_i8_32)
 
@@ -236,9 +237,10 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
                    out: np.ndarray | None = None, fused: bool = True) -> np.ndarray:
     """``x @ W.T`` for a low-precision weight ``W`` (N, K) stored as ``fmt``: x (R, K) -> (R, N) f32.
 
-    Few rows (decode) run the fused dequantise-dot kernel; many rows (prefill) dequantise a
-    tile of W at a time into a reused float32 buffer and call BLAS. Either way no float32
-    copy of the whole of W exists. The fused int8 kernel also rounds x to int16 per block of
+    Every row count runs the fused dequantise-dot kernel (a row's value never depends on the
+    rows beside it: the invariance note in rowdot.py); ``fused=False`` dequantises a tile of W
+    at a time into a reused float32 buffer and calls BLAS. Either way no float32 copy of the
+    whole of W exists. The fused int8 kernel also rounds x to int16 per block of
     INT8_BLOCK (a relative error of at most 1/65534 of the block's largest value; see the int8
     note); a non-finite x gives a non-finite output, as the float32 product would. ``fused=False`` forces the tiled path (tests,
     benches); both are exact for every f16 pattern, Inf and NaN included.
@@ -251,7 +253,7 @@ def dequant_matmul(x: np.ndarray, w: np.ndarray, fmt: str, scale: np.ndarray | N
     R, N = x.shape[0], w.shape[0]
     if out is None:
         out = np.empty((R, N), np.float32)
-    if fused and (fmt != "q4" or R <= matvec_rows(fmt)):  # every row count but q4's prefill (the invariance note)
+    if fused:  # every row count (the invariance note in rowdot.py; q4: q4gemm's decode note)
         return fused_matvec(x, w, fmt, scale, out)
     if fmt == "q4":
         scale = pairs_f32(scale)  # the tiles read float32 pairs: one conversion per product, not per tile

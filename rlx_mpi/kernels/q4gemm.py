@@ -1,5 +1,6 @@
-"""Prefill's q4 product: ``x @ W.T`` for many float32 rows x and a q4 weight W (quant.py's
-format), as int8 x 4-bit products on AVX-512 VNNI (llama.cpp's way for Q4_0 x Q8_0).
+"""The q4 product on AVX-512 VNNI: ``x @ W.T`` for float32 rows x and a q4 weight W (quant.py's
+format), as int8 x 4-bit products (llama.cpp's way for Q4_0 x Q8_0); prefill's (`gemm_q4`) and,
+in tiles of 4 and 1 rows, decode's (`_matvec_q4`, the decode note).
 
 ``gemm_q4(x, codes, sm)`` -> (M, N) float32. Each activation row is rounded to int8 per group of
 32 exactly as the decode kernel rounds it (scale max|x| / 127, the group's sum of x kept in
@@ -20,10 +21,36 @@ the same 4 bytes). Nothing is repacked at load: decode reads the weight as store
 Note: rounding and rows. Each output (m, n) is one lane of one accumulator; its sum is taken
 group after group in one order whatever the row count, the tile's position or the threads
 (``fma`` by intrinsic, no reassociation), so a row's result never depends on the rows beside
-it. The activations are rounded as decode's are (the same int8 values, scale and sum), but the
-float32 sums are taken in another order (decode: 16 or 8 lanes of partial sums, added at the end;
-here group by group), so prefill and decode of the same row differ by float32 rounding (~1e-6
-relative), not by the activations' rounding.
+it. The activations are rounded as decode's are (the same int8 values, scale and sum).
+
+Note: decode (issue 36: a row's bits never depend on the rows beside it). Per output element
+the two kernels took these float operations:
+
+- quant.py's decode kernel (`_q4_dots`): per pair of groups one ``vpdpbusd`` of 16 int32 lanes,
+  each the sum of 4 columns' products (lanes: group, even / odd columns, quad); each lane kept
+  its own float32 sum ``acc[lane] += isum[lane] * (s * d)`` over the pairs, the minimum terms
+  ``m * sum_x`` a 4-lane sum beside it; at the end the 16 lanes added by a tree, then the
+  minimum terms, then an odd last group's 8-lane sum (LLVM free to reassociate: fast-math).
+- the GEMM (`_tile`): per group the exact int32 total of its 32 products (integer sums do not
+  depend on their order), then ``acc = fma(isum, s * d, acc)``, ``acc = fma(m, sum_x, acc)``,
+  group after group in one lane, no reassociation.
+
+So a row's q4 product moved by float32 rounding (~1e-6 relative, and then by whole int8 steps
+where that moved an activation across a rounding boundary in the next layer) when its step
+reached Q4_GEMM_ROWS rows. The GEMM's order is the one that costs decode nothing to take: on a
+VNNI CPU decode runs this kernel too, in tiles of 4 and 1 activation rows (`_make_tile`: each
+row the same operations whatever the tile's height, so the same bits), over blocks of 16
+weight rows repacked per call as the GEMM's are, with the next block's rows prefetched while
+one is repacked (`_transpose16`'s ``ahead``). The lane-wise kernel stays for CPUs without VNNI,
+where it takes every row count (nothing else runs q4 there), so it too is one order; a MoE
+layer's experts take this kernel too (`_rows_q4_gemm`), as a `Linear` of one expert does.
+Decode's 1-3 rows read a block as stored (`_direct`) rather than repacking it for so few rows.
+Measured (medium's q4 file, 1 thread, in process, interleaved rounds, a loaded shared host;
+old / new, > 1 faster): whole decode step batch 1 0.85x, 8 prompts 1.34x; prefill 128 1.44x,
+512 1.03x; the 66 q4 matrices of a batch-1 step alone (128 MB, from memory) 0.89-0.95x, and
+1.3-2x faster on matrices that stay in cache. Prefetch variants for `_direct` (none, the next
+block, two or four blocks, into L2 only) did not close the streamed batch-1 gap (none: 0.79x;
+on a quiet moment, 1 thread: the 66 matrices 0.90-0.92x at 1 row, 1.5x at 8 rows).
 """
 
 from __future__ import annotations
@@ -36,10 +63,10 @@ from numba.extending import intrinsic, overload
 
 from ._common import ERR, check_f32, pool_threads, run_parts
 from .bits import f16_exact
-from .quant import GROUP, check_q4
-from .rowdot import _I32, _idx, _target_has
+from .quant import GROUP, _matvec_q4 as _matvec_q4_lanes, check_q4
+from .rowdot import _I32, _idx, _prefetch, _target_has
 
-__all__ = ["gemm_q4", "fused_gemm_q4", "Q4_GEMM", "Q4_GEMM_ROWS", "TILE_M", "LANES"]
+__all__ = ["matvec_q4", "fused_matvec_q4", "gemm_q4", "fused_gemm_q4", "Q4_GEMM", "Q4_GEMM_ROWS", "TILE_M", "LANES"]
 
 Q4_GEMM = _target_has("avx512vnni") and _target_has("avx512bw")  # 512-bit vpdpbusd
 LANES = 16  # weight rows per block: a zmm of int32 / float32 lanes
@@ -47,24 +74,137 @@ TILE_M = 12  # activation rows per tile: 12 int32 and 12 float32 accumulators of
 Q4_GEMM_ROWS = 16  # from this many rows a q4 product runs here (fewer: quant.py's decode kernel)
 
 
+def _make_tile(rows: int):
+    @intrinsic
+    def _tile(typingctx, wp, sdm, xq, xs, m0, tout):
+        """``tout[i, l] = sum over groups of W[n0 + l] . x[m0 + i]`` for i < ``rows``, l < LANES: wp
+        (4G, 16) uint32, one block's interleaved codes (`_repack`); sdm (2G, 16) float32, its scales
+        and minimums per group; xq (M', K) int8 in `_quantize_rows`' layout; xs (M', 2G) float32 per
+        group d and the sum of x; tout (>= rows, 16) float32. Each row takes the same operations
+        whatever ``rows``: a tile of any height gives it the same bits."""
+        if not (isinstance(wp, types.Array) and wp.ndim == 2 and wp.layout == "C" and wp.dtype == types.uint32
+                and isinstance(sdm, types.Array) and sdm.ndim == 2 and sdm.layout == "C" and sdm.dtype == types.float32
+                and isinstance(xq, types.Array) and xq.ndim == 2 and xq.layout == "C" and xq.dtype == types.int8
+                and isinstance(xs, types.Array) and xs.ndim == 2 and xs.layout == "C" and xs.dtype == types.float32
+                and isinstance(tout, types.Array) and tout.ndim == 2 and tout.layout == "C"
+                and tout.dtype == types.float32):
+            return None
+        sig = types.void(wp, sdm, xq, xs, m0, tout)
+
+        def codegen(context, builder, signature, args):
+            wt, st, xt, xst, mt, ot = signature.args
+            wp_, sdm_, xq_, xs_, m_, to_ = args
+
+            def intp(v):
+                return context.get_constant(types.intp, v)
+
+            def row(aty, a, i):
+                arr = context.make_array(aty)(context, builder, a)
+                return cgutils.get_item_pointer(context, builder, aty, arr, [i, intp(0)], wraparound=False)
+
+            m_ = context.cast(builder, m_, mt, types.intp)
+            sa = context.make_array(st)(context, builder, sdm_)
+            groups = builder.udiv(builder.extract_value(sa.shape, 0), intp(2))
+            wbase = builder.bitcast(row(wt, wp_, intp(0)), ir.IntType(8).as_pointer())
+            sbase = row(st, sdm_, intp(0))
+            xps = [row(xt, xq_, builder.add(m_, intp(i))) for i in range(rows)]
+            xsps = [row(xst, xs_, builder.add(m_, intp(i))) for i in range(rows)]
+            v64, i16 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(_I32, LANES)
+            f16 = ir.VectorType(ir.FloatType(), LANES)
+            dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16, [i16, v64, v64]),
+                                                "llvm.x86.avx512.vpdpbusd.512")
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f16, [f16, f16, f16]), "llvm.fma.v16f32")
+            zero_i = ir.Constant(i16, [0] * LANES)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(f16, [0.0] * LANES)) for _ in range(rows)]
+            low = ir.Constant(v64, [15] * 64)
+            four = ir.Constant(v64, [4] * 64)
+            splat16 = _idx([0] * LANES)
+
+            def bcast_i32(ptr):  # four int8 at ptr in every lane, as 64 bytes
+                v = builder.load(builder.bitcast(ptr, _I32.as_pointer()), align=1)
+                v = builder.insert_element(ir.Constant(i16, ir.Undefined), v, ir.Constant(_I32, 0))
+                return builder.bitcast(builder.shuffle_vector(v, v, splat16), v64)
+
+            def bcast_f32(ptr):
+                v = builder.insert_element(ir.Constant(f16, ir.Undefined), builder.load(ptr), ir.Constant(_I32, 0))
+                return builder.shuffle_vector(v, v, splat16)
+
+            with cgutils.for_range(builder, groups) as loop:
+                g = loop.index
+                isums = [zero_i] * TILE_M
+                for i in range(4):  # dword i of the group's 16 bytes a row: columns 8i .. 8i+7
+                    off = builder.mul(builder.add(builder.mul(g, intp(4)), intp(i)), intp(64))
+                    pv = builder.load(builder.bitcast(builder.gep(wbase, [off]), v64.as_pointer()), align=4)
+                    lo = builder.and_(pv, low)  # columns 8i, 8i+2, 8i+4, 8i+6 of each row
+                    hi = builder.lshr(pv, four)  # columns 8i+1, 8i+3, 8i+5, 8i+7
+                    xoff = builder.add(builder.mul(g, intp(GROUP)), intp(8 * i))
+                    for m in range(rows):
+                        xlo = bcast_i32(builder.gep(xps[m], [xoff]))
+                        xhi = bcast_i32(builder.gep(xps[m], [builder.add(xoff, intp(4))]))
+                        isums[m] = builder.call(dp, [isums[m], lo, xlo])
+                        isums[m] = builder.call(dp, [isums[m], hi, xhi])
+                two = builder.mul(g, intp(2))
+                s = builder.load(builder.bitcast(builder.gep(sbase, [builder.mul(two, intp(LANES))]), f16.as_pointer()),
+                                 align=4)
+                mn = builder.load(builder.bitcast(builder.gep(sbase, [builder.mul(builder.add(two, intp(1)), intp(LANES))]),
+                                                  f16.as_pointer()), align=4)
+                for m in range(rows):
+                    d = bcast_f32(builder.gep(xsps[m], [two]))
+                    xsum = bcast_f32(builder.gep(xsps[m], [builder.add(two, intp(1))]))
+                    sd = builder.fmul(s, d)  # (scale * d) per lane: one rounding, then one fma each term
+                    a = builder.call(fma, [builder.sitofp(isums[m], f16), sd, builder.load(accs[m])])
+                    builder.store(builder.call(fma, [mn, xsum, a]), accs[m])
+            obase = row(ot, to_, intp(0))
+            for m in range(rows):
+                builder.store(builder.load(accs[m]),
+                              builder.bitcast(builder.gep(obase, [intp(m * LANES)]), f16.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return _tile
+
+
+_tile = _make_tile(TILE_M)  # the GEMM's 12 rows a weight load
+_tile4 = _make_tile(4)  # decode's fewer rows (the decode note)
+_tile1 = _make_tile(1)
+
+
+def _shuffle_to(builder, a, b, la, lb, want):
+    """The vector holding labels ``want`` (in that lane order) from vectors a, b labelled la, lb."""
+    where = {lab: i for i, lab in enumerate(la)}
+    where.update({lab: len(la) + i for i, lab in enumerate(lb)})
+    return builder.shuffle_vector(a, b, _idx([where[w] for w in want]))
+
+
+def _pair_add(builder, a, b, la, lb, want):
+    """Lane t = (the lanes labelled want[t][0]) + (want[t][1]) of a, b: two shuffles and an add."""
+    return builder.add(_shuffle_to(builder, a, b, la, lb, [w[0] for w in want]),
+                       _shuffle_to(builder, a, b, la, lb, [w[1] for w in want]))
+
+
 @intrinsic
-def _tile(typingctx, wp, sdm, xq, xs, m0, tout):
-    """``tout[i, l] = sum over groups of W[n0 + l] . x[m0 + i]`` for i < TILE_M, l < LANES: wp
-    (4G, 16) uint32, one block's interleaved codes (`_repack`); sdm (2G, 16) float32, its scales
-    and minimums per group; xq (M', K) int8 in `_quantize_rows`' layout; xs (M', 2G) float32 per
-    group d and the sum of x; tout (TILE_M, 16) float32."""
-    if not (isinstance(wp, types.Array) and wp.ndim == 2 and wp.layout == "C" and wp.dtype == types.uint32
-            and isinstance(sdm, types.Array) and sdm.ndim == 2 and sdm.layout == "C" and sdm.dtype == types.float32
+def _direct(typingctx, w, sm, xq, xs, n0, m0, tout, ahead):
+    """``_tile`` of one activation row m0 for a whole block of 16 weight rows n0.. (w: the codes
+    as uint32), read as stored (no `_repack`; ``ahead``: bytes past each code read to ask for, the
+    next block's), per 4 groups each row's 64 bytes of codes take two ``vpdpbusd`` (lanes: group,
+    dword), the 16 rows' int32 lanes are added and transposed into one vector per group (lanes:
+    weight rows), the scales and minimums transposed likewise; then per group the tile's float
+    operations in its order, so the same bits (the decode note). Needs groups % 4 == 0."""
+    if not (isinstance(w, types.Array) and w.ndim == 2 and w.layout == "C" and w.dtype == types.uint32
+            and isinstance(sm, types.Array) and sm.ndim == 2 and sm.layout == "C"
+            and sm.dtype in (types.uint16, types.float32)
             and isinstance(xq, types.Array) and xq.ndim == 2 and xq.layout == "C" and xq.dtype == types.int8
             and isinstance(xs, types.Array) and xs.ndim == 2 and xs.layout == "C" and xs.dtype == types.float32
             and isinstance(tout, types.Array) and tout.ndim == 2 and tout.layout == "C"
             and tout.dtype == types.float32):
         return None
-    sig = types.void(wp, sdm, xq, xs, m0, tout)
+    half = sm.dtype == types.uint16
+    sig = types.void(w, sm, xq, xs, n0, m0, tout, ahead)
 
     def codegen(context, builder, signature, args):
-        wt, st, xt, xst, mt, ot = signature.args
-        wp_, sdm_, xq_, xs_, m_, to_ = args
+        wt, st, xt, xst, nt, mt, ot, at = signature.args
+        w_, sm_, xq_, xs_, n_, m_, to_, a_ = args
 
         def intp(v):
             return context.get_constant(types.intp, v)
@@ -73,65 +213,102 @@ def _tile(typingctx, wp, sdm, xq, xs, m0, tout):
             arr = context.make_array(aty)(context, builder, a)
             return cgutils.get_item_pointer(context, builder, aty, arr, [i, intp(0)], wraparound=False)
 
-        m_ = context.cast(builder, m_, mt, types.intp)
-        sa = context.make_array(st)(context, builder, sdm_)
-        groups = builder.udiv(builder.extract_value(sa.shape, 0), intp(2))
-        wbase = builder.bitcast(row(wt, wp_, intp(0)), ir.IntType(8).as_pointer())
-        sbase = row(st, sdm_, intp(0))
-        xps = [row(xt, xq_, builder.add(m_, intp(i))) for i in range(TILE_M)]
-        xsps = [row(xst, xs_, builder.add(m_, intp(i))) for i in range(TILE_M)]
+        n_, m_ = context.cast(builder, n_, nt, types.intp), context.cast(builder, m_, mt, types.intp)
+        a_ = context.cast(builder, a_, at, types.intp)
+        i8p = ir.IntType(8).as_pointer()
+        wps = [builder.bitcast(row(wt, w_, builder.add(n_, intp(l))), i8p) for l in range(LANES)]
+        sps = [row(st, sm_, builder.add(n_, intp(l))) for l in range(LANES)]
+        xp, xsp = row(xt, xq_, m_), row(xst, xs_, m_)
+        sa = context.make_array(st)(context, builder, sm_)
+        sahead = builder.mul(builder.extract_value(sa.strides, 0), intp(LANES))  # the next block's pairs
+        steps = builder.udiv(builder.extract_value(sa.shape, 1), intp(8))  # 4 groups a step
         v64, i16 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(_I32, LANES)
-        f16 = ir.VectorType(ir.FloatType(), LANES)
+        f16, f8 = ir.VectorType(ir.FloatType(), LANES), ir.VectorType(ir.FloatType(), 8)
         dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16, [i16, v64, v64]),
                                             "llvm.x86.avx512.vpdpbusd.512")
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f16, [f16, f16, f16]), "llvm.fma.v16f32")
         zero_i = ir.Constant(i16, [0] * LANES)
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(f16, [0.0] * LANES)) for _ in range(TILE_M)]
-        low = ir.Constant(v64, [15] * 64)
-        four = ir.Constant(v64, [4] * 64)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(f16, [0.0] * LANES))
+        low, four = ir.Constant(v64, [15] * 64), ir.Constant(v64, [4] * 64)
         splat16 = _idx([0] * LANES)
-
-        def bcast_i32(ptr):  # four int8 at ptr in every lane, as 64 bytes
-            v = builder.load(builder.bitcast(ptr, _I32.as_pointer()), align=1)
-            v = builder.insert_element(ir.Constant(i16, ir.Undefined), v, ir.Constant(_I32, 0))
-            return builder.bitcast(builder.shuffle_vector(v, v, splat16), v64)
 
         def bcast_f32(ptr):
             v = builder.insert_element(ir.Constant(f16, ir.Undefined), builder.load(ptr), ir.Constant(_I32, 0))
             return builder.shuffle_vector(v, v, splat16)
 
-        with cgutils.for_range(builder, groups) as loop:
-            g = loop.index
-            isums = [zero_i] * TILE_M
-            for i in range(4):  # dword i of the group's 16 bytes a row: columns 8i .. 8i+7
-                off = builder.mul(builder.add(builder.mul(g, intp(4)), intp(i)), intp(64))
-                pv = builder.load(builder.bitcast(builder.gep(wbase, [off]), v64.as_pointer()), align=4)
-                lo = builder.and_(pv, low)  # columns 8i, 8i+2, 8i+4, 8i+6 of each row
-                hi = builder.lshr(pv, four)  # columns 8i+1, 8i+3, 8i+5, 8i+7
-                xoff = builder.add(builder.mul(g, intp(GROUP)), intp(8 * i))
-                for m in range(TILE_M):
-                    xlo = bcast_i32(builder.gep(xps[m], [xoff]))
-                    xhi = bcast_i32(builder.gep(xps[m], [builder.add(xoff, intp(4))]))
-                    isums[m] = builder.call(dp, [isums[m], lo, xlo])
-                    isums[m] = builder.call(dp, [isums[m], hi, xhi])
-            two = builder.mul(g, intp(2))
-            s = builder.load(builder.bitcast(builder.gep(sbase, [builder.mul(two, intp(LANES))]), f16.as_pointer()),
-                             align=4)
-            mn = builder.load(builder.bitcast(builder.gep(sbase, [builder.mul(builder.add(two, intp(1)), intp(LANES))]),
-                                              f16.as_pointer()), align=4)
-            for m in range(TILE_M):
-                d = bcast_f32(builder.gep(xsps[m], [two]))
-                xsum = bcast_f32(builder.gep(xsps[m], [builder.add(two, intp(1))]))
-                sd = builder.fmul(s, d)  # (scale * d) per lane: one rounding, then one fma each term
-                a = builder.call(fma, [builder.sitofp(isums[m], f16), sd, builder.load(accs[m])])
-                builder.store(builder.call(fma, [mn, xsum, a]), accs[m])
+        with cgutils.for_range(builder, steps) as loop:
+            q = loop.index
+            boff = builder.mul(q, intp(64))
+            lo, hi = [], []
+            for l in range(LANES):
+                _prefetch(builder, wps[l], builder.add(boff, a_))
+                cv = builder.load(builder.bitcast(builder.gep(wps[l], [boff]), v64.as_pointer()), align=1)
+                lo.append(builder.and_(cv, low))  # lanes (group, dword): its 4 even columns' codes
+                hi.append(builder.lshr(cv, four))  # its 4 odd columns'
+            # the activations: dword 2k of the 4 groups' 128 bytes pairs with lane k's low nibbles, 2k+1 high
+            xoff = builder.mul(q, intp(128))
+            xa = builder.load(builder.bitcast(builder.gep(xp, [xoff]), i16.as_pointer()), align=1)
+            xb = builder.load(builder.bitcast(builder.gep(xp, [builder.add(xoff, intp(64))]), i16.as_pointer()),
+                              align=1)
+            xlo = builder.bitcast(builder.shuffle_vector(xa, xb, _idx(range(0, 32, 2))), v64)
+            xhi = builder.bitcast(builder.shuffle_vector(xa, xb, _idx(range(1, 32, 2))), v64)
+            p = [builder.call(dp, [builder.call(dp, [zero_i, lo[l], xlo]), hi[l], xhi]) for l in range(LANES)]
+            # int32 sums, exact in any order: (row, group, dword) -> (row, group) -> lanes = rows per group
+            lab = [[(l, k // 4, k % 4) for k in range(LANES)] for l in range(LANES)]
+            v, vl = [], []
+            for a in range(0, LANES, 2):
+                want = [((l, g, 2 * j), (l, g, 2 * j + 1)) for l in (a, a + 1) for g in range(4) for j in range(2)]
+                v.append(_pair_add(builder, p[a], p[a + 1], lab[a], lab[a + 1], want))
+                vl.append([(l, g, (2 * j, 2 * j + 1)) for l in (a, a + 1) for g in range(4) for j in range(2)])
+            r, rl = [], []
+            for a in range(0, len(v), 2):
+                rows_ = sorted({x[0] for x in vl[a] + vl[a + 1]})
+                want = [((l, g, (0, 1)), (l, g, (2, 3))) for l in rows_ for g in range(4)]
+                r.append(_pair_add(builder, v[a], v[a + 1], vl[a], vl[a + 1], want))
+                rl.append([(l, g) for l in rows_ for g in range(4)])
+            t = [_shuffle_to(builder, r[a], r[a + 1], rl[a], rl[a + 1],
+                             [(l, g) for g in gs for l in range(4 * a, 4 * a + 8)])
+                 for a in (0, 2) for gs in ((0, 1), (2, 3))]  # rows 0-7 groups 0,1; 0-7 2,3; 8-15 0,1; 8-15 2,3
+            tl = [[(l, g) for g in gs for l in range(4 * a, 4 * a + 8)] for a in (0, 2) for gs in ((0, 1), (2, 3))]
+            isum = [_shuffle_to(builder, t[g // 2], t[2 + g // 2], tl[g // 2], tl[2 + g // 2],
+                                [(l, g) for l in range(LANES)]) for g in range(4)]
+            # the 4 groups' scales and minimums of the 16 rows, transposed likewise (float32)
+            soff = builder.mul(q, intp(8))
+            sv = []
+            for l in range(LANES):
+                _prefetch(builder, builder.bitcast(builder.gep(sps[l], [soff]), i8p), sahead)
+                if half:
+                    h = builder.load(builder.bitcast(builder.gep(sps[l], [soff]), ir.VectorType(ir.HalfType(), 8)
+                                                     .as_pointer()), align=2)
+                    sv.append(builder.fpext(h, f8))
+                else:
+                    sv.append(builder.load(builder.bitcast(builder.gep(sps[l], [soff]), f8.as_pointer()), align=4))
+            cur = [builder.shuffle_vector(sv[2 * a], sv[2 * a + 1], _idx(range(16))) for a in range(8)]
+            cl = [[(2 * a + t_ // 8, t_ % 8) for t_ in range(16)] for a in range(8)]
+            for bit, pairs in ((4, [(a, a + 4) for a in range(4)]), (2, [(a, a + 2) for a in (0, 1, 4, 5)]),
+                               (1, [(a, a + 1) for a in (0, 2, 4, 6)])):
+                nxt, nl = list(cur), list(cl)
+                for i, j in pairs:
+                    both = cl[i] + cl[j]
+                    for dst, keep in ((i, 0), (j, bit)):
+                        want = sorted((x for x in both if x[1] & bit == keep), key=lambda x: (x[1], x[0]))
+                        nxt[dst] = _shuffle_to(builder, cur[i], cur[j], cl[i], cl[j], want)
+                        nl[dst] = want
+                cur, cl = nxt, nl
+            for g in range(4):  # the tile's operations, in its order
+                gg = builder.add(builder.mul(q, intp(4)), intp(g))
+                two = builder.mul(gg, intp(2))
+                d = bcast_f32(builder.gep(xsp, [two]))
+                xsum = bcast_f32(builder.gep(xsp, [builder.add(two, intp(1))]))
+                sd = builder.fmul(cur[2 * g], d)
+                a = builder.call(fma, [builder.sitofp(isum[g], f16), sd, builder.load(acc)])
+                builder.store(builder.call(fma, [cur[2 * g + 1], xsum, a]), acc)
         obase = row(ot, to_, intp(0))
-        for m in range(TILE_M):
-            builder.store(builder.load(accs[m]),
-                          builder.bitcast(builder.gep(obase, [intp(m * LANES)]), f16.as_pointer()), align=4)
+        builder.store(builder.load(acc), builder.bitcast(obase, f16.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
+
 
 
 @numba.njit(cache=True, nogil=True, error_model=ERR)
@@ -186,19 +363,20 @@ def _pair_typed(sm, n, j):
 
 
 @intrinsic
-def _transpose16(typingctx, src, n0, j0, dst):
+def _transpose16(typingctx, src, n0, j0, dst, ahead):
     """``dst[j0 + j, l] = src[n0 + l, j0 + j]`` for j, l < 16, as float32 / uint32 (float16 bits
     widened, exactly): 16 row loads, a 16 x 16 transpose in four rounds of two-vector shuffles
-    (64 in all), 16 stores; instead of 256 scalar copies (`_repack`)."""
+    (64 in all), 16 stores; instead of 256 scalar copies (`_repack`). Each row load asks for
+    the same columns ``ahead`` rows further on (the next block's: the prefetch note)."""
     if not (isinstance(src, types.Array) and src.ndim == 2 and src.dtype in (types.uint32, types.float32, types.uint16)
             and isinstance(dst, types.Array) and dst.ndim == 2 and dst.layout == "C"
             and dst.dtype in (types.uint32, types.float32)):
         return None
-    sig = types.void(src, n0, j0, dst)
+    sig = types.void(src, n0, j0, dst, ahead)
 
     def codegen(context, builder, signature, args):
-        st, nt, jt, dt = signature.args
-        s_, n_, j_, d_ = args
+        st, nt, jt, dt, at = signature.args
+        s_, n_, j_, d_, a_ = args
 
         def intp(v):
             return context.get_constant(types.intp, v)
@@ -206,9 +384,11 @@ def _transpose16(typingctx, src, n0, j0, dst):
         n_, j_ = context.cast(builder, n_, nt, types.intp), context.cast(builder, j_, jt, types.intp)
         sa, da = context.make_array(st)(context, builder, s_), context.make_array(dt)(context, builder, d_)
         i32x16 = ir.VectorType(_I32, LANES)
+        skip = builder.mul(context.cast(builder, a_, at, types.intp), builder.extract_value(sa.strides, 0))
         rows = []
         for l in range(LANES):
             p = cgutils.get_item_pointer(context, builder, st, sa, [builder.add(n_, intp(l)), j_], wraparound=False)
+            _prefetch(builder, builder.bitcast(p, ir.IntType(8).as_pointer()), skip)
             if st.dtype == types.uint16:  # float16 bits: widened to float32 on load (vcvtph2ps)
                 h = builder.load(builder.bitcast(p, ir.VectorType(ir.HalfType(), LANES).as_pointer()), align=2)
                 v = builder.bitcast(builder.fpext(h, ir.VectorType(ir.FloatType(), LANES)), i32x16)
@@ -238,13 +418,13 @@ def _repack_block(c32, sm, n0, wp, sdm):
     layout note), the columns left over one by one."""
     whole = wp.shape[0] - wp.shape[0] % LANES
     for j in range(0, whole, LANES):
-        _transpose16(c32, n0, j, wp)
+        _transpose16(c32, n0, j, wp, LANES)
     for j in range(whole, wp.shape[0]):
         for l in range(LANES):
             wp[j, l] = c32[n0 + l, j]
     whole = sdm.shape[0] - sdm.shape[0] % LANES
     for j in range(0, whole, LANES):
-        _transpose16(sm, n0, j, sdm)
+        _transpose16(sm, n0, j, sdm, LANES)
     for j in range(whole, sdm.shape[0]):
         for l in range(LANES):
             sdm[j, l] = _pair(sm, n0 + l, j)
@@ -273,24 +453,94 @@ def _repack(c32, sm, n0, wp, sdm):
 
 
 @numba.njit(cache=True, nogil=True, error_model=ERR)
-def _blocks(c32, sm, xq, xs, out, b0, b1):  # out[:, 16 b0 : 16 b1] (clipped to N) = x @ W[...].T
+def _blocks(c32, sm, xq, xs, out, b0, b1, r0, r1):  # out[r0:r1, 16 b0 : 16 b1] (clipped to N) = x @ W[...].T
     groups = xs.shape[1] // 2
-    M, N = out.shape
+    N = out.shape[1]
     wp = np.empty((4 * groups, LANES), np.uint32)
     sdm = np.empty((2 * groups, LANES), np.float32)
     tout = np.empty((TILE_M, LANES), np.float32)
+    direct = r1 - r0 < 4 and groups % 4 == 0  # decode's 1-3 rows (the decode note)
     for b in range(b0, b1):
         n0 = b * LANES
         nv = min(LANES, N - n0)
+        if direct and nv == LANES:
+            for m in range(r0, r1):
+                _direct(c32, sm, xq, xs, n0, m, tout, LANES * 4 * c32.shape[1])
+                for l in range(LANES):
+                    out[m, n0 + l] = tout[0, l]
+            continue
         if nv == LANES:
             _repack_block(c32, sm, n0, wp, sdm)
         else:
             _repack(c32, sm, n0, wp, sdm)
-        for m0 in range(0, xq.shape[0], TILE_M):
-            _tile(wp, sdm, xq, xs, m0, tout)
-            for i in range(min(TILE_M, M - m0)):
+        m0 = r0
+        while m0 < r1:  # tiles of TILE_M rows (past r1 into xq's padding: the GEMM's), then of 4 and 1
+            if m0 + TILE_M <= xq.shape[0] and r1 - m0 > 8:
+                _tile(wp, sdm, xq, xs, m0, tout)
+                h = min(TILE_M, r1 - m0)
+            elif m0 + 4 <= r1:
+                _tile4(wp, sdm, xq, xs, m0, tout)
+                h = 4
+            else:
+                _tile1(wp, sdm, xq, xs, m0, tout)
+                h = 1
+            for i in range(h):
                 for l in range(nv):
                     out[m0 + i, n0 + l] = tout[i, l]
+            m0 += h
+
+
+@numba.njit(cache=True, parallel=True, error_model=ERR)
+def _matvec_q4_gemm(x, w, sm, out, chunks):  # x (R, K) f32; w (N, K/2) u8, sm (N, 2G); out (R, N) f32
+    R, K = x.shape
+    groups = K // GROUP
+    xq = np.empty((R, K), np.int8)  # unpadded: _blocks takes tiles of 4 and 1 rows
+    xs = np.empty((R, 2 * groups), np.float32)
+    _quantize_rows(x, xq, xs)
+    blocks = (w.shape[0] + LANES - 1) // LANES
+    chunks = max(1, min(chunks, blocks))
+    c32 = w.view(np.uint32)
+    for c in numba.prange(chunks):
+        _blocks(c32, sm, xq, xs, out, c * blocks // chunks, (c + 1) * blocks // chunks, 0, R)
+
+
+@numba.njit(cache=True, parallel=True, error_model=ERR)
+def _rows_q4_gemm(x, w, sm, experts, groups, out, chunks):  # experts.py's _rows_q4 in this kernel's order
+    R, K = x.shape
+    xq = np.empty((R, K), np.int8)
+    xs = np.empty((R, 2 * (K // GROUP)), np.float32)
+    _quantize_rows(x, xq, xs)  # per row
+    blocks = (w.shape[1] + LANES - 1) // LANES
+    for t in numba.prange(len(experts) * chunks):
+        i, c = t // chunks, t % chunks
+        if groups[i + 1] > groups[i] and (c + 1) * blocks // chunks > c * blocks // chunks:
+            _blocks(w[experts[i]].view(np.uint32), sm[experts[i]], xq, xs, out, c * blocks // chunks,
+                    (c + 1) * blocks // chunks, groups[i], groups[i + 1])
+
+
+# decode's q4 product (quant._matvec_q4's signature, for lowp and decode_layer): this kernel on a
+# VNNI CPU, so that every row count adds a row's terms in one order (the decode note)
+_matvec_q4 = _matvec_q4_gemm if Q4_GEMM else _matvec_q4_lanes
+
+
+def fused_matvec_q4(x: np.ndarray, codes: np.ndarray, sm: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """`matvec_q4` without its checks, for a caller that checked the weight once (a `Linear`)."""
+    _matvec_q4(x, codes, sm, out, min(codes.shape[0], 4 * pool_threads()))
+    return out
+
+
+def matvec_q4(x: np.ndarray, codes: np.ndarray, sm: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``x @ W.T`` for a few float32 rows x (R, K) and a q4 weight W (codes, sm): decode's product,
+    output rows split over the rank's numba threads; x is rounded to int8 per group of 32
+    (quant.py's activations note), so the result is within that rounding of the float32
+    product; on a VNNI CPU this module's kernel (the decode note), else quant.py's."""
+    check_f32("matvec_q4 x", x)
+    check_q4(codes, sm)
+    if x.ndim != 2 or x.shape[1] != 2 * codes.shape[1]:
+        raise ValueError(f"matvec_q4: x {x.shape} does not fit W ({codes.shape[0]}, {2 * codes.shape[1]})")
+    if out is None:
+        out = np.empty((x.shape[0], codes.shape[0]), np.float32)
+    return fused_matvec_q4(x, codes, sm, out)
 
 
 def gemm_q4(x: np.ndarray, codes: np.ndarray, sm: np.ndarray) -> np.ndarray:
@@ -321,5 +571,5 @@ def fused_gemm_q4(x: np.ndarray, codes: np.ndarray, sm: np.ndarray) -> np.ndarra
     parts = max(1, min(pool_threads(), blocks))
     cuts = [blocks * p // parts for p in range(parts + 1)]
     c32 = codes.view(np.uint32)
-    run_parts(_blocks, [(c32, sm, xq, xs, out, a, b) for a, b in zip(cuts, cuts[1:]) if b > a])
+    run_parts(_blocks, [(c32, sm, xq, xs, out, a, b, 0, M) for a, b in zip(cuts, cuts[1:]) if b > a])
     return out

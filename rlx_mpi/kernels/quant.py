@@ -13,9 +13,11 @@ with ``W[n, k] = scale * code + minimum`` of the group, in float32. That is the 
 layout (checkpoint.py) as it is, with scale and minimum interleaved so that a group's pair is
 one 4- or 8-byte read; nothing is repacked at load.
 
-``matvec_q4(x, codes, sm, out)`` is decode's product (few rows), ``dequantize_q4`` expands rows
+q4gemm's ``matvec_q4(x, codes, sm, out)`` is decode's product (few rows), ``dequantize_q4`` expands rows
 to float32 (prefill's tiles, embedding lookups, tests), ``quantize_q4`` makes the format from
-float32.
+float32. On a CPU with AVX-512 VNNI the product runs q4gemm.py's kernel at every row count (its
+decode note: one float order per element, issue 36); the lane-wise kernels here take it on other
+CPUs, and each row of a MoE layer's experts (experts.py) everywhere.
 
 Note: the nibble order. The contract puts columns 2j and 2j+1 in one byte (GGUF puts j and j+16
 of a block). Rather than repack the weights, the decode kernel permutes the activation row once
@@ -70,8 +72,8 @@ from numba.extending import intrinsic
 from ._common import ERR, FAST, check_f32, pool_threads
 from .rowdot import AHEAD_BYTES, ROWS, _hsum, _idx, _prefetch, _rows_of, _target_has
 
-__all__ = ["GROUP", "VNNI", "PAIRS", "check_q4", "q4_groups", "quantize_q4", "dequantize_q4", "pairs_f32", "matvec_q4",
-           "fused_matvec_q4", "q4_nbytes"]
+__all__ = ["GROUP", "VNNI", "PAIRS", "check_q4", "q4_groups", "quantize_q4", "dequantize_q4", "pairs_f32",
+           "q4_nbytes"]
 
 GROUP = 32  # weights per scale and minimum (the contract's G)
 VNNI = _target_has("avx512vnni") and _target_has("avx512vl")  # vpdpbusd on 256-bit vectors
@@ -437,23 +439,3 @@ def _matvec_q4(x, w, sm, out, chunks):  # x (R, K) f32; w (N, K/2) u8, sm (N, 2n
                     out[r + i, n] = sums[i]
             for r in range(grouped, r_len):
                 out[r, n] = _q4_dot(w, n, xq, r, sm, xs, groups, AHEAD_BYTES if r == 0 else 0)
-
-
-def fused_matvec_q4(x: np.ndarray, codes: np.ndarray, sm: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """`matvec_q4` without its checks, for a caller that checked the weight once (a `Linear`)."""
-    _matvec_q4(x, codes, sm, out, min(codes.shape[0], 4 * pool_threads()))
-    return out
-
-
-def matvec_q4(x: np.ndarray, codes: np.ndarray, sm: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """``x @ W.T`` for a few float32 rows x (R, K) and a q4 weight W (codes, sm): decode's product,
-    output rows split over the rank's numba threads; x is rounded to int8 per group of 32 (the
-    activations note), so the result is within that rounding of the float32 product."""
-    check_f32("matvec_q4 x", x)
-    check_q4(codes, sm)
-    if x.ndim != 2 or x.shape[1] != 2 * codes.shape[1]:
-        raise ValueError(f"matvec_q4: x {x.shape} does not fit W ({codes.shape[0]}, {2 * codes.shape[1]})")
-    if out is None:
-        out = np.empty((x.shape[0], codes.shape[0]), np.float32)
-    return fused_matvec_q4(x, codes, sm, out)
-

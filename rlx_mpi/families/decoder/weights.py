@@ -92,17 +92,15 @@ class Linear:
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, c)  # (B*T, in): one GEMM, not B
         rows = x2.shape[0]
         # every row count takes kernels whose value for a row never depends on the others (the
-        # invariance note in kernels/rowdot.py); q4's prefill (kernels/q4gemm.py, from Q4_GEMM_ROWS
-        # rows on a VNNI CPU, or dequantized tiles without) is its own: docs/invariance.md
+        # invariance note in kernels/rowdot.py); q4 from Q4_GEMM_ROWS rows on a VNNI CPU the GEMM
+        # (kernels/q4gemm.py), whose order decode's q4 kernel takes too (its decode note)
         if self.precision == "q4" and kernels.Q4_GEMM and rows >= kernels.Q4_GEMM_ROWS:
             y = kernels.fused_gemm_q4(x2, self.data, self.scale)
         elif self.precision == "f32":
             y = kernels.float_product(x2, self.data)
-        elif self.precision != "q4" or rows <= kernels.matvec_rows(self.precision):
+        else:
             y = kernels.fused_matvec(x2, self.data, self.precision, self.scale,
                                      np.empty((rows, self.data.shape[0]), np.float32))
-        else:
-            y = kernels.dequant_matmul(x2, self.data, self.precision, self.scale)
         return y.reshape(*lead, self.data.shape[0])  # (..., out)
 
     def __getitem__(self, rows) -> np.ndarray:
