@@ -175,7 +175,7 @@ def llama_pps(bin_dir: Path, gguf: Path, threads: int, npp: int, ntg: int, npl: 
     """llama-batched-bench with a shared prompt (-pps): new tokens over its whole time."""
     cmd = ["taskset", "-c", f"0-{threads - 1}" if threads > 1 else "0", str(bin_dir / "llama-batched-bench"),
            "-m", str(gguf), "-c", str(npp + npl * ntg + 64), "-b", "2048", "-ub", "512", "-npp", str(npp),
-           "-ntg", str(ntg), "-npl", str(npl), "-pps", "-t", str(threads), "-tb", str(threads), "-fa", "off",
+           "-ntg", str(ntg), "-npl", str(npl), "-pps", "-kvu", "-t", str(threads), "-tb", str(threads), "-fa", "off",
            "-ctk", "f32", "-ctv", "f32", "--output-format", "jsonl"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200)
     if proc.returncode:
@@ -297,8 +297,11 @@ def main() -> None:
                       f"{'bitwise equal' if diff == 0.0 else f'within {diff:.1e}'})", flush=True)
         if args.llamacpp and Path(args.gguf).exists() and "shared" in args.cases:
             wait_quiet(args.quiet, args.quiet_wait)
-            results["llama.cpp -pps"] = llama_pps(Path(args.llamacpp), Path(args.gguf), args.threads,
-                                                  args.prefix + args.question, args.new, args.prompts)
+            try:  # (its failure must not lose the cases measured before it)
+                results["llama.cpp -pps"] = llama_pps(Path(args.llamacpp), Path(args.gguf), args.threads,
+                                                      args.prefix + args.question, args.new, args.prompts)
+            except SystemExit as e:
+                print(f"  llama.cpp -pps failed: {str(e)[:300]}", flush=True)
     rows = [[k, f"{v['cache_tokens_per_s']:.1f}", f"{v['off_tokens_per_s']:.1f}", f"{v['ratio']:.2f}x",
              f"{v['prefix_hits'][0]}/{v['prefix_hits'][1]}" if v.get("prefix_hits") else
              (f"rows at once {v['rows_at_once'][0]}/{v['rows_at_once'][1]}" if v.get("rows_at_once") else "-")]

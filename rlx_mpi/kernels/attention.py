@@ -194,15 +194,65 @@ def _attend_cache_par(q, ck, cv, slots, pos, window, scale, softcap, sinks, y): 
 
 
 @numba.njit(cache=True, nogil=True, error_model=ERR)
-def _gather_row(ck, cv, table, size, slot, kh, hi, ks, vs):
-    """Positions 0..hi-1 of a paged row, kv head kh, into ks / vs rows 0..hi-1, in order."""
-    j = 0
-    while j < hi:
-        n = min(size, hi - j)
-        c = table[slot, j // size] * size
-        ks[j:j + n] = ck[0, kh, c:c + n]
-        vs[j:j + n] = cv[0, kh, c:c + n]
-        j += n
+def _attend_one_paged(q, i, keys, values, trow, size, hi, scale, softcap, sink, srow, y):
+    """`_attend_one` (lo = 0) over a paged row: position j's key and value are rows
+    trow[j // size] * size + j % size of keys / values (one kv head of the pool: (blocks x size,
+    hs) / (.., hv)). Each score, the softmax and the value sums are `_attend_one`'s operations in
+    its order, so the bits are the slot cache's (tests/test_paged.py); the keys are read where they
+    are, where a gather into a scratch row first copied every visible position of every row at
+    every layer (the paged-rows note)."""
+    hv = y.shape[0]
+    for d in range(hv):
+        y[d] = 0.0
+    if hi <= 0:
+        return
+    k = _main_cols(keys, keys.shape[1])
+    for blk in range((hi + size - 1) // size):
+        j0 = blk * size
+        n = min(size, hi - j0)
+        base = trow[blk] * size
+        t = 0
+        while t + TILE_W <= n:
+            s = _score_tile(keys, base + t, q, q, i, k, 0)
+            for u in range(TILE_W):
+                srow[j0 + t + u] = s[u]
+            t += TILE_W
+        while t < n:
+            srow[j0 + t] = _score_tile1(keys, base + t, q, q, i, k, 0)[0]
+            t += 1
+        if k < keys.shape[1]:
+            for t in range(n):
+                srow[j0 + t] += _score_tail(keys, base + t, q, i, k)
+    peak = np.float32(-np.inf)
+    for j in range(hi):
+        v = srow[j] * scale
+        if softcap > 0:
+            v = softcap * np.tanh(v / softcap)
+        srow[j] = v
+        peak = v if v > peak or v != v else peak
+    total = np.float32(0.0)
+    for j in range(hi):
+        e = _exp(srow[j] - peak)
+        srow[j] = e
+        total += e
+    if sink == sink:
+        total += _exp(sink - peak)
+    inv = np.float32(1.0) / total
+    for j in range(hi):
+        pj = srow[j] * inv
+        r = trow[j // size] * size + j % size
+        for d in range(hv):
+            y[d] += pj * values[r, d]
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _attend_group_paged(q, keys, values, trow, size, h0, hi, scale, softcap, sinks, scores, y):
+    """`_attend_group` over a paged row (`_attend_one_paged`): q (nh, hs) heads h0..h0+g-1."""
+    g = scores.shape[0]
+    for i in range(g):
+        h = h0 + i
+        sink = sinks[h] if sinks.shape[0] > 0 else np.float32(np.nan)
+        _attend_one_paged(q, h, keys, values, trow, size, hi, scale, softcap, sink, scores[i], y[h])
 
 
 @numba.njit(cache=True, error_model=ERR)
@@ -215,13 +265,10 @@ def _attend_paged(q, ck, cv, table, size, slots, pos, scale, softcap, sinks, y):
     for b in range(B):
         S = max(S, pos[b] + 1)
     scores = np.empty((nh // nkv, S), np.float32)
-    ks = np.empty((S, ck.shape[3]), np.float32)
-    vs = np.empty((S, cv.shape[3]), np.float32)
     for bk in range(B * nkv):
         b, kh = bk // nkv, bk % nkv
-        hi = pos[b] + 1
-        _gather_row(ck, cv, table, size, slots[b], kh, hi, ks, vs)
-        _attend_group(q[b], ks, vs, kh * (nh // nkv), 0, hi, scale, softcap, sinks, scores, y[b])
+        _attend_group_paged(q[b], ck[0, kh], cv[0, kh], table[slots[b]], size, kh * (nh // nkv), pos[b] + 1, scale,
+                            softcap, sinks, scores, y[b])
 
 
 @numba.njit(cache=True, parallel=True, error_model=ERR)
@@ -230,12 +277,9 @@ def _attend_paged_par(q, ck, cv, table, size, slots, pos, scale, softcap, sinks,
     nkv = ck.shape[1]
     for bk in numba.prange(B * nkv):
         b, kh = bk // nkv, bk % nkv
-        hi = pos[b] + 1
-        scores = np.empty((nh // nkv, hi), np.float32)
-        ks = np.empty((hi, ck.shape[3]), np.float32)
-        vs = np.empty((hi, cv.shape[3]), np.float32)
-        _gather_row(ck, cv, table, size, slots[b], kh, hi, ks, vs)
-        _attend_group(q[b], ks, vs, kh * (nh // nkv), 0, hi, scale, softcap, sinks, scores, y[b])
+        scores = np.empty((nh // nkv, pos[b] + 1), np.float32)
+        _attend_group_paged(q[b], ck[0, kh], cv[0, kh], table[slots[b]], size, kh * (nh // nkv), pos[b] + 1, scale,
+                            softcap, sinks, scores, y[b])
 
 
 def _attend_kernel(rows: int, nkv: int, paged: bool = False):
