@@ -95,7 +95,23 @@ class KvSpec:
         return min(self.window, max_seq) if self.policy == "window" else max_seq
 
 
-class LayerCache:
+class _Entries:
+    """What a layer's cache says of its size, whatever its layout (slot rows or a block pool)."""
+
+    k: np.ndarray
+    v: np.ndarray
+
+    @property
+    def entry_floats(self) -> int:
+        """Floats one position holds: every kv head's k and v entries."""
+        return self.k.shape[1] * (self.k.shape[3] + self.v.shape[3])
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class LayerCache(_Entries):
     """One layer's cache: ``k`` (slots, heads, L, k_width) and ``v`` (slots, heads, L, v_width)
     float32, allocated once. The entry width is the layer's own (`entry_floats`): K and V of its
     kv heads (k_width = v_width = head_dim), or a latent-attention layer's one shared entry (the
@@ -106,17 +122,8 @@ class LayerCache:
         self.k = np.zeros((slots, heads, length, k_width), np.float32)
         self.v = np.zeros((slots, heads, length, k_width if v_width is None else v_width), np.float32)
 
-    @property
-    def entry_floats(self) -> int:
-        """Floats one position of one slot holds."""
-        return self.k.shape[1] * (self.k.shape[3] + self.v.shape[3])
 
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-
-class PagedCache:
+class PagedCache(_Entries):
     """A full-attention layer's cache as a pool of blocks (the block-table note): ``k`` (1, heads,
     blocks x size, k width), ``v`` likewise (4-D: the decode kernels take either layout), and the
     stage's block ``table`` (rows, max blocks) int32, shared by its paged layers: position p of
@@ -126,14 +133,6 @@ class PagedCache:
         self.table, self.size = table, size
         self.k = np.zeros((1, heads, blocks * size, k_width), np.float32)
         self.v = np.zeros((1, heads, blocks * size, v_width), np.float32)
-
-    @property
-    def entry_floats(self) -> int:
-        return self.k.shape[1] * (self.k.shape[3] + self.v.shape[3])
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
 
     def columns(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Pool columns of ``positions`` (..., n) of cache rows ``slots`` (one per leading row)."""

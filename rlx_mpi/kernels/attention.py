@@ -100,6 +100,27 @@ def _row_max(row):  # max of a non-empty C-contiguous float32 row
 
 
 @numba.njit(cache=True, nogil=True, error_model=ERR)
+def _softmax_row(srow, n, scale, softcap, sink):
+    """A query's softmax over its n scores in srow, in place and unnormalised: srow[j] <-
+    exp(capped(srow[j] * scale) - peak); returns 1 / (their sum in key order + the sink's share)."""
+    peak = np.float32(-np.inf)  # (float32: a float64 -inf made the softmax and value sums float64: the float32 note)
+    for j in range(n):
+        v = srow[j] * scale
+        if softcap > 0:  # cap * tanh(s / cap), the scale already applied (transformers' order)
+            v = softcap * np.tanh(v / softcap)
+        srow[j] = v
+        peak = v if v > peak or v != v else peak  # (a NaN wins and stays)
+    total = np.float32(0.0)
+    for j in range(n):
+        e = _exp(srow[j] - peak)
+        srow[j] = e
+        total += e
+    if sink == sink:
+        total += _exp(sink - peak)
+    return np.float32(1.0) / total
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
 def _attend_one(q, i, keys, values, lo, hi, scale, softcap, sink, srow, y):
     """One query: q[i] (q (n, hs) C-contiguous) over keys / values (L, hs) / (L, hv) rows lo..hi-1
     into y (hv,); sink: the head's sink logit or NaN for none; srow (>= hi - lo,) scratch."""
@@ -122,21 +143,7 @@ def _attend_one(q, i, keys, values, lo, hi, scale, softcap, sink, srow, y):
         for j in range(lo, hi):
             srow[j - lo] += _score_tail(keys, j, q, i, k)
     n = hi - lo
-    peak = np.float32(-np.inf)  # (float32: a float64 -inf made the softmax and value sums float64: the float32 note)
-    for j in range(n):
-        v = srow[j] * scale
-        if softcap > 0:  # cap * tanh(s / cap), the scale already applied (transformers' order)
-            v = softcap * np.tanh(v / softcap)
-        srow[j] = v
-        peak = v if v > peak or v != v else peak  # (a NaN wins and stays)
-    total = np.float32(0.0)
-    for j in range(n):
-        e = _exp(srow[j] - peak)
-        srow[j] = e
-        total += e
-    if sink == sink:
-        total += _exp(sink - peak)
-    inv = np.float32(1.0) / total
+    inv = _softmax_row(srow, n, scale, softcap, sink)
     for j in range(n):
         pj = srow[j] * inv
         for d in range(hv):
@@ -223,21 +230,7 @@ def _attend_one_paged(q, i, keys, values, trow, size, hi, scale, softcap, sink, 
         if k < keys.shape[1]:
             for t in range(n):
                 srow[j0 + t] += _score_tail(keys, base + t, q, i, k)
-    peak = np.float32(-np.inf)
-    for j in range(hi):
-        v = srow[j] * scale
-        if softcap > 0:
-            v = softcap * np.tanh(v / softcap)
-        srow[j] = v
-        peak = v if v > peak or v != v else peak
-    total = np.float32(0.0)
-    for j in range(hi):
-        e = _exp(srow[j] - peak)
-        srow[j] = e
-        total += e
-    if sink == sink:
-        total += _exp(sink - peak)
-    inv = np.float32(1.0) / total
+    inv = _softmax_row(srow, hi, scale, softcap, sink)
     for j in range(hi):
         pj = srow[j] * inv
         r = trow[j // size] * size + j % size
