@@ -191,34 +191,18 @@ class PagedFakeStage:
 def run_paged(prompts, *, blocks: int | None, size=4, groups=1, batch=3, chunk=4, new=3, mixed=True):
     """Stage 0's loop over a `PagedFakeStage` (``blocks`` None: no pool, slot rows, test_prefix_cache's
     FakeStage): (rows by id, positions computed, scheduler)."""
-    from collections import deque
-
     from rlx_mpi.block_pool import BlockPool
     from rlx_mpi.scheduler import Scheduler
-    from test_prefix_cache import run
+    from test_prefix_cache import drive, run
 
     if blocks is None:
         return run(prompts, pool=None, groups=groups, batch=batch, chunk=chunk, new=new, mixed=mixed)
     s = Scheduler(prompts, groups=groups, batch=batch, max_new_tokens=new, eos_ids=frozenset(), recompute=False,
                   prefill_chunk=chunk, mixed=mixed, stages=1, pool=BlockPool(blocks, size), paged=True)
     stage = PagedFakeStage(groups * batch, max(len(p[2]) for p in prompts) + new, blocks, size)
-    fifo, done = deque(), []
-
-    def issue(g):
-        if (step := s.next_step(g)) is not None:
-            step.tokens = stage.run(step, step.ops)
-            fifo.append(step)
-
-    for g in range(groups):
-        issue(g)
-    while fifo:
-        step = fifo.popleft()
-        done += s.complete(step, step.tokens)
-        for g in [step.group, *range(groups)]:
-            issue(g)
-    assert s.idle, "the loop ended with prompts left"
+    rows = drive(s, stage, groups)
     assert len(s.pool.free) + len(s.pool.lru) == blocks, "a block was not given back"
-    return {(r.id, r.sample): r.new for r in done}, stage.computed, s
+    return rows, stage.computed, s
 
 
 @pytest.mark.parametrize("groups, batch, chunk, mixed", [(1, 3, 4, True), (2, 2, 4, True), (1, 4, 0, False)])

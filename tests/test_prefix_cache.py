@@ -64,17 +64,23 @@ class FakeStage:
 
 def run(prompts, *, pool: BlockPool | None, groups=1, batch=3, chunk=4, mixed=True, stages=1, new=3):
     """Stage 0's loop (`DecodeRing.drive`) over a `FakeStage`: (rows by id, positions computed, scheduler)."""
-    from collections import deque
-
     s = Scheduler(prompts, groups=groups, batch=batch, max_new_tokens=new, eos_ids=frozenset(), recompute=False,
                   prefill_chunk=chunk, mixed=mixed, stages=stages, pool=pool)
     max_seq = max(len(p[2]) for p in prompts) + new
     stage = FakeStage(groups * batch, max_seq, pool.capacity if pool else 0, pool.size if pool else 1)
+    return drive(s, stage, groups), stage.computed, s
+
+
+def drive(s, stage, groups: int) -> dict:
+    """Issue every group's steps to ``stage`` (stage 0 computes as it issues) and complete them in
+    order until the scheduler is idle: the rows' new tokens by (id, sample)."""
+    from collections import deque
+
     fifo, done = deque(), []
 
     def issue(g):
         if (step := s.next_step(g)) is not None:
-            step.tokens = stage.run(step, step.ops)  # (stage 0 computes as it issues)
+            step.tokens = stage.run(step, step.ops)
             fifo.append(step)
 
     for g in range(groups):
@@ -85,7 +91,7 @@ def run(prompts, *, pool: BlockPool | None, groups=1, batch=3, chunk=4, mixed=Tr
         for g in [step.group, *range(groups)]:
             issue(g)
     assert s.idle, "the loop ended with prompts left"
-    return {(r.id, r.sample): r.new for r in done}, stage.computed, s
+    return {(r.id, r.sample): r.new for r in done}
 
 
 def _prompts(n, shared, rng, extra=(2, 9)):
