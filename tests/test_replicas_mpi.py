@@ -230,9 +230,9 @@ def test_stop_signal_with_replicas_then_resume_on_another_count(tmp_path, tiny_c
     from conftest import start_cli
     from rlx_mpi.journal import REQUEUE_EXIT
 
-    # the signal is sent at the first row; 20 ms a step keeps the job going for ~12 s on any host
-    # (CI's finished all 120 prompts in 0.6 s without a delay, and once with 5 ms a step under a
-    # loaded run, the first row having appeared late: rows are written in file order)
+    # the signal is sent at the first row; rank 0 holds from then until it comes (a step delay was not
+    # enough: CI once had all 120 prompts done, "3600 tokens in 0s" on rank 0, before the first row
+    # was in the file), and the chunk it has claimed keeps the job from ending without it
     long = [(f"q{i}", np.random.default_rng(100 + i).integers(0, 512, int(2 + i % 13)).tolist()) for i in range(120)]
     prompts = write_lines(tmp_path / "long.jsonl", long)
     flags = ("--max-new-tokens", 30, "--batch", 2)
@@ -240,7 +240,7 @@ def test_stop_signal_with_replicas_then_resume_on_another_count(tmp_path, tiny_c
     job3 = write_job(tmp_path, "three.toml", model={"checkpoint": str(tiny_ckpt)}, run={"timeout_s": 30.0},
                      placement={"reserve_ram_gb": 0.0, "replicas": 3})
     proc = start_cli(["generate", job3, "--prompts", prompts, "--out", out, *flags], ranks=3,
-                     env={"RLX_MPI_TEST_STEP_DELAY_S": "0.02"})
+                     env={"RLX_MPI_TEST_HOLD_S": "20"})
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and not (out.exists() and out.read_bytes().count(b"\n") >= 1):
         assert proc.poll() is None, proc.communicate()[1]

@@ -338,6 +338,16 @@ def _step_delay_hook() -> float:
     return float(os.environ.get("RLX_MPI_TEST_STEP_DELAY_S", "0") or 0)
 
 
+def _hold_hook() -> int:
+    """``RLX_MPI_TEST_HOLD_S=SECONDS``: once the first row is in the output, rank 0 stops between
+    steps until a stop is requested (at most SECONDS), so a test's signal lands mid-run however
+    fast the other replicas are (tests only; not with TP, whose other ranks would wait on rank 0's
+    all-reduce). Returns 10 ms polls."""
+    import os
+
+    return int(float(os.environ.get("RLX_MPI_TEST_HOLD_S", "0") or 0) * 100)
+
+
 def _lockstep_broken(cx: Any, ring: DecodeRing, when: str) -> None:
     """The first stage's TP ranks made different steps: name which rank has which digest and end
     the job (exit 4) from the stage's first TP rank (the others are ended by its abort)."""
@@ -724,7 +734,17 @@ class GenerateDriver(JournalDriver):
                                                            for rep in topo.replicas[1:]}, on_rows)
                      if shared and cx.is_root else None)
 
+        hold = [_hold_hook() if journal is not None else 0]
+
         def stop_now(final: bool = False) -> bool:
+            if hold[0] and journal.done:  # a test's hold: rank 0 waits for the stop once a row is written
+                for _ in range(hold[0]):
+                    if stop.requested:
+                        break
+                    if collector is not None:
+                        collector.poll()
+                    time.sleep(0.01)
+                hold[0] = 0
             if collector is not None:
                 collector.poll()
             elif post is not None and driving:
