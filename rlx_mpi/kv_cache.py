@@ -34,9 +34,9 @@ block: a row admitted takes its own blocks for its prompt and new tokens (SET op
 a cached prefix is attached by table entry (ATTACH: no copy), and a prompt block the row completes
 becomes the cached block as it is (SAVE names the row's own block: nothing to copy). So rows of
 different lengths share the pool by what they use. Reads go through the table: a decode step's
-kernels gather a row's blocks into a contiguous scratch and attend over it with the same kernel
-as a slot row (`kernels.attention`'s paged-rows note: bit for bit the slot cache's numbers), a
-prefill chunk gathers the positions before it (`_prefill_paged`). Window layers (``window:W``, a
+kernels read a row's blocks in place, in the slot row's order (`kernels.attention`'s paged-rows
+note: bit for bit the slot cache's numbers), a prefill chunk gathers the positions before it
+(`_prefill_paged`). Window layers (``window:W``, a
 model's sliding layers) keep their rings and copy blocks as the prefix-cache note says: their
 memory is bounded by the window, but their pool uses the same block ids (as many blocks), so the
 driver pages only models without them (`GenerateDriver._paged`).
