@@ -35,8 +35,9 @@ a cached prefix is attached by table entry (ATTACH: no copy), and a prompt block
 becomes the cached block as it is (SAVE names the row's own block: nothing to copy). So rows of
 different lengths share the pool by what they use. Reads go through the table: a decode step's
 kernels read a row's blocks in place, in the slot row's order (`kernels.attention`'s paged-rows
-note: bit for bit the slot cache's numbers), a prefill chunk gathers the positions before it
-(`_prefill_paged`). Window layers (``window:W``, a
+note: bit for bit the slot cache's numbers), and so do a prefill chunk's, gathering each (row, kv
+head) where it is attended (`kernels.attend`'s ``before``); MLA's latents are gathered whole
+(`_prefill_paged`, by `kernels.blocks`). Window layers (``window:W``, a
 model's sliding layers) keep their rings and copy blocks as the prefix-cache note says: their
 memory is bounded by the window, but their pool uses the same block ids (as many blocks), so the
 driver pages only models without them (`GenerateDriver._paged`).
@@ -55,7 +56,7 @@ import numpy as np
 from .errors import ConfigError
 
 __all__ = ["KvSpec", "LayerCache", "PagedCache", "PoolLayer", "prefill_kv", "block_pool_caches", "copy_blocks",
-           "prefix_cacheable", "paged_caches", "ATTACH", "SAVE", "SET"]
+           "prefix_cacheable", "paged_caches", "paged_before", "ATTACH", "SAVE", "SET"]
 
 # block ops (the prefix-cache and block-table notes): ATTACH a cached block to a row (a table entry; a
 # ring layer copies it into the slot), SAVE a row's block as the cached block (a ring layer copies it
@@ -152,7 +153,7 @@ def paged_caches(caches: list[LayerCache], specs: list[KvSpec], rows: int, max_s
 
 def prefill_kv(cache: LayerCache | PagedCache | None, spec: KvSpec, k: np.ndarray, v: np.ndarray, slots: np.ndarray,
                lengths: np.ndarray, start: int = 0, saves: np.ndarray | None = None,
-               pool: "PoolLayer | None" = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+               pool: "PoolLayer | None" = None, gather: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Store a prefill chunk's keys and say what its queries attend to.
 
     k, v (B, nkv, T, hs) at positions start..start+T-1; row b's real tokens are the first
@@ -163,10 +164,12 @@ def prefill_kv(cache: LayerCache | PagedCache | None, spec: KvSpec, k: np.ndarra
     Windowed under ``window:W``; padded queries see only real keys before them and are ignored.
     ``saves`` (m, 3): (row b, block j, pool id): block j of row b, complete once this chunk is in,
     is copied into ``pool`` first (the prefix-cache note), before the chunk can overwrite a ring.
+    A `PagedCache` with ``gather=False``: keys and values are the chunk's alone, and the positions
+    before it are left in the blocks for `kernels.attend`'s ``before`` (`paged_before`).
     """
     B, _, T, _ = k.shape
     if isinstance(cache, PagedCache):  # through the block table; a saved block is the row's own already
-        return _prefill_paged(cache, k, v, slots, lengths, start)
+        return _prefill_paged(cache, k, v, slots, lengths, start, gather)
     if saves is not None and len(saves) and pool is not None:
         _save_blocks(cache, pool, k, v, slots, start, saves)
     keys, values, q_pos = k, v, np.broadcast_to(np.arange(T), (B, T))
@@ -189,24 +192,30 @@ def prefill_kv(cache: LayerCache | PagedCache | None, spec: KvSpec, k: np.ndarra
 
 
 def _prefill_paged(cache: PagedCache, k: np.ndarray, v: np.ndarray, slots: np.ndarray, lengths: np.ndarray,
-                   start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+                   start: int, gather: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """`prefill_kv` of a paged full-attention layer: positions 0..start-1 gathered through the
-    table (the same keys in the same order as a slot row's, so `kernels.attend` sums them alike),
-    then the chunk's real positions written to the row's blocks."""
+    table (the same keys in the same order as a slot row's, so `kernels.attend` sums them alike;
+    not with ``gather=False``), then the chunk's real positions written to the row's blocks."""
+    from .kernels.blocks import gather_blocks, scatter_blocks
+
     B, _, T, _ = k.shape
-    keys, values, q_pos = k, v, np.broadcast_to(np.arange(T), (B, T))
-    if start:
-        cols = cache.columns(slots, np.broadcast_to(np.arange(start), (B, start)))  # (B, start)
-        keys = np.concatenate([cache.k[0][:, cols].transpose(1, 0, 2, 3), k], axis=2)  # (B, nkv, start + T, hs)
-        values = np.concatenate([cache.v[0][:, cols].transpose(1, 0, 2, 3), v], axis=2)
-        q_pos = np.broadcast_to(start + np.arange(T), (B, T))
-    for b in range(B):
-        n = min(T, int(lengths[b]) - start)  # this row's real tokens in the chunk
-        if n > 0:
-            cols = cache.columns(slots[b:b + 1], (start + np.arange(n))[None])[0]
-            cache.k[0][:, cols] = k[b, :, :n]
-            cache.v[0][:, cols] = v[b, :, :n]
+    keys, values, q_pos = k, v, np.broadcast_to(start + np.arange(T), (B, T))
+    k, v = np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32)
+    if start and gather:  # (B, nkv, start + T, hs)
+        keys = gather_blocks(cache.k[0], cache.table, slots, cache.size, start, k)
+        values = gather_blocks(cache.v[0], cache.table, slots, cache.size, start, v)
+    counts = np.asarray(lengths, np.int64)[:B] - start  # each row's real tokens in the chunk
+    scatter_blocks(cache.k[0], cache.table, slots, cache.size, start, counts, k)
+    scatter_blocks(cache.v[0], cache.table, slots, cache.size, start, counts, v)
     return keys, values, q_pos, 0
+
+
+def paged_before(cache: LayerCache | PagedCache | None, slots: np.ndarray, start: int) -> tuple | None:
+    """`kernels.attend`'s ``before`` for a chunk from ``start`` of a paged layer's rows (None: a
+    slot cache, or the chunk is the rows' beginning)."""
+    if not isinstance(cache, PagedCache) or not start:
+        return None
+    return cache.k[0], cache.v[0], cache.table, slots, cache.size, start
 
 
 def _save_blocks(cache: LayerCache, pool: "PoolLayer", k: np.ndarray, v: np.ndarray, slots: np.ndarray, start: int,

@@ -30,6 +30,68 @@ def _pool_of(ck: np.ndarray, cv: np.ndarray, size: int, rng) -> tuple[np.ndarray
     return pk, pv, table
 
 
+@pytest.mark.parametrize("size, start, T", [(16, 0, 5), (16, 32, 7), (16, 37, 16), (4, 9, 3), (3, 1, 1)])
+def test_block_copies_equal_numpy_fancy_indexing(size, start, T):
+    """`gather_blocks` / `scatter_blocks` against numpy's indexing through the table (the copies a
+    paged prefill chunk makes): rows in any order, a start inside a block, a chunk crossing blocks,
+    rows with fewer real tokens than the chunk (and none)."""
+    from rlx_mpi.kernels import gather_blocks, scatter_blocks
+
+    rng = np.random.default_rng(size * 100 + start)
+    S, nkv, hs, nb = 4, 3, 5, -(-(start + T) // size) + 1
+    table = rng.permutation(S * nb + 2)[:S * nb].reshape(S, nb).astype(np.int32)
+    pool = rng.standard_normal((nkv, (S * nb + 2) * size, hs)).astype(np.float32)
+    slots = np.array([2, 0, 3])
+    chunk = rng.standard_normal((3, nkv, T, hs)).astype(np.float32)
+
+    def cols(s, pos):
+        return table[s, pos // size].astype(np.int64) * size + pos % size
+
+    want = np.concatenate([np.stack([pool[:, cols(s, np.arange(start))] for s in slots]), chunk], axis=2)
+    np.testing.assert_array_equal(gather_blocks(pool, table, slots, size, start, chunk), want)
+    counts = np.array([T, T - 1, -2])  # the last row has no real token in this chunk
+    ref = pool.copy()
+    for b, s in enumerate(slots):
+        n = max(0, counts[b])
+        ref[:, cols(s, start + np.arange(n))] = chunk[b, :, :n]
+    scatter_blocks(pool, table, slots, size, start, counts, chunk)
+    np.testing.assert_array_equal(pool, ref)
+    with pytest.raises(ValueError, match="one cache row"):
+        gather_blocks(pool, table, np.array([0, 1, 9]), size, start, chunk)
+    with pytest.raises(ValueError, match="chunk must be float32"):
+        gather_blocks(pool, table, slots, size, start, chunk[:, :2])
+
+
+@pytest.mark.parametrize("start, T, threads", [(16, 7, 1), (37, 13, 2), (100, 1, 2)])
+def test_prefill_attention_through_the_table_equals_the_gathered_keys_bitwise(start, T, threads, monkeypatch):
+    """`attend(..., before=...)` (a paged chunk's earlier positions read per (row, kv head) from
+    the blocks) gives the bits of `attend` over the keys gathered first, with sinks, on 1 and 2
+    threads (kv heads split between them)."""
+    from rlx_mpi.kernels import attend, gather_blocks
+    from rlx_mpi.kernels import attention
+
+    monkeypatch.setattr(attention, "_TEAM_WORK", 1)  # (the team takes even these small shapes)
+    monkeypatch.setattr(attention, "team_size", lambda n: min(n, threads))
+    rng = np.random.default_rng(start)
+    S, nkv, g, hs, size = 3, 2, 3, 8, 16
+    nb = -(-(start + T) // size)
+    table = rng.permutation(S * nb + 2)[:S * nb].reshape(S, nb).astype(np.int32)
+    pk = rng.standard_normal((nkv, (S * nb + 2) * size, hs)).astype(np.float32)
+    pv = rng.standard_normal((nkv, (S * nb + 2) * size, hs + 2)).astype(np.float32)
+    slots = np.array([2, 0])
+    q = rng.standard_normal((2, nkv * g, T, hs)).astype(np.float32)
+    k = rng.standard_normal((2, nkv, T, hs)).astype(np.float32)
+    v = rng.standard_normal((2, nkv, T, hs + 2)).astype(np.float32)
+    q_pos = np.broadcast_to(start + np.arange(T), (2, T))
+    sinks = rng.standard_normal(nkv * g).astype(np.float32)
+    keys, values = gather_blocks(pk, table, slots, size, start, k), gather_blocks(pv, table, slots, size, start, v)
+    want = attend(q, keys, values, q_pos, sinks=sinks)
+    got = attend(q, k, v, q_pos, sinks=sinks, before=(pk, pv, table, slots, size, start))
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="before must be"):
+        attend(q, k, v, q_pos, before=(pk, pv, table, slots, size, 0))
+
+
 @pytest.mark.parametrize("pool", [False, True])
 def test_paged_decode_kernels_equal_the_slot_kernels_bitwise(pool, monkeypatch):
     """`attend_cache` and `decode_attention` (RoPE, the store through the table, attention) on a

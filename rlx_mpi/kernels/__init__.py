@@ -13,6 +13,7 @@
 - ``bits``: float32 <-> bf16 / f16 bit patterns, shared with the wire codecs (rlx_mpi.wire)
 - ``rowdot``: the decode matvecs' dot products as LLVM vector IR (prefetch, 2-row tiles)
 - ``q4gemm``: prefill's q4 products (16 rows and more) on AVX-512 VNNI: int8 activations x 4-bit codes
+- ``blocks``: a prefill chunk's copies through a paged row's block table (gather before, scatter after)
 - ``_fresh``: drops the numba caches when any kernel source changed (numba keys each on its own file)
 
 The ``_`` kernels are ``@numba.njit(cache=True)`` with no validation and no allocation; the
@@ -43,6 +44,7 @@ from .matvec import F32_MATVEC_ROWS, _matvec_float, float_product, matmul_float,
 from .quant import GROUP as Q4_GROUP, VNNI, dequantize_q4, pairs_f32, q4_nbytes, quantize_q4
 from .q4gemm import Q4_GEMM, Q4_GEMM_ROWS, fused_gemm_q4, gemm_q4, matvec_q4
 from ._common import pool_threads
+from .blocks import gather_blocks, scatter_blocks
 from .decode_layer import FORMATS as DECODE_LAYER_FORMATS, decode_layer, warm_up as warm_up_decode_layer
 from .experts import (ACTIVATIONS as EXPERT_ACTIVATIONS, check_stack, experts_decode, fused_experts, lone_rows,
                       route as route_experts, warm_up as warm_up_experts)
@@ -53,7 +55,7 @@ __all__ = ["rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_cache", 
            "warm_up_lowp", "experts_decode", "lone_rows", "route_experts", "fused_experts", "check_stack", "warm_up_experts",
            "EXPERT_ACTIVATIONS",
            "INT8_GROUPS", "int8_block", "Q4_GROUP", "VNNI", "pairs_f32", "quantize_q4", "dequantize_q4", "matvec_q4", "q4_nbytes",
-           "gemm_q4", "fused_gemm_q4", "Q4_GEMM", "Q4_GEMM_ROWS"]
+           "gemm_q4", "fused_gemm_q4", "Q4_GEMM", "Q4_GEMM_ROWS", "gather_blocks", "scatter_blocks"]
 
 
 def warm_up() -> None:
@@ -74,6 +76,9 @@ def warm_up() -> None:
         decode_attention(np.ones((1, 8), np.float32), 4, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32),
                          kv.copy(), kv.copy(), np.zeros(1, np.int64), np.full(1, 3), q_norm=norm, k_norm=norm,
                          table=np.zeros((1, 3), np.int32), size=3)  # a paged cache (attention's paged-rows note)
+    pool, table, kv4 = np.zeros((1, 6, 2), np.float32), np.zeros((1, 2), np.int32), np.ones((1, 1, 2, 2), np.float32)
+    scatter_blocks(pool, table, np.zeros(1, np.int64), 3, 1, np.full(1, 2), kv4)  # a paged prefill chunk
+    gather_blocks(pool, table, np.zeros(1, np.int64), 3, 1, kv4)
     matvec_f32(np.ones((1, 2), np.float32), np.ones((3, 2), np.float32))
     matmul_float(np.ones((F32_MATVEC_ROWS + 1, 2), np.float32), np.ones((9, 2), np.float32))  # prefill's tiles
 

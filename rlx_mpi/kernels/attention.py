@@ -15,6 +15,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from .blocks import _gather_run
 from ._common import ERR, FAST, check_f32, pool_threads, run_parts, team_size
 from .matvec import F32_MATVEC_ROWS, _main_cols, _tail, _tile_stub
 from .rowdot import _FLANES, TILE_W, WIDE_ROWS, _rows_of
@@ -703,7 +704,7 @@ _NO_SINKS = np.empty(0, np.float32)
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray | None = None,
            window: int = 0, *, scale: float | None = None, softcap: float = 0.0,
-           sinks: np.ndarray | None = None) -> np.ndarray:
+           sinks: np.ndarray | None = None, before: tuple | None = None) -> np.ndarray:
     """Scaled dot-product attention of ``q`` over the keys ``k``/values ``v`` (grouped-query).
 
     q (B, nh, T, hs); k, v (B, nkv, S, hs) with nh a multiple of nkv (query head h reads kv
@@ -719,6 +720,12 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray | None
     head that joins every softmax denominator of the head and carries no value (GPT-OSS's
     attention sinks: softmax over [scores, sink], the sink's share dropped). v may be narrower or
     wider than q and k (B, nkv, S, hv): y is then (B, T, nh, hv) (MLA's value heads).
+
+    ``before`` = (pool_k, pool_v, table, slots, size, start): paged rows (the paged-rows note), whose
+    positions 0..start-1 are in the pools (nkv, blocks x size, hs / hv) through table[slots[b]]
+    (int32), and k, v hold positions start.. only (S = start + their length). Each (row, kv head)
+    is gathered into a scratch of the thread where it is attended (`blocks`: the same keys in the
+    same order, so the bits of the gathered arrays'), not into (B, nkv, S, hs) arrays first.
     """
     B, nh, T, hs = q.shape
     nkv, S = k.shape[1], k.shape[2]
@@ -728,6 +735,8 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray | None
     for name, a in (("q", q), ("k", k), ("v", v)):
         if a.dtype != np.float32:
             raise TypeError(f"attend: {name} is {a.dtype}; pass float32 (a.astype(np.float32))")
+    pk, pv, table, slots, size, start = _NO_PAGES if before is None else _paged_before(before, k, v)
+    S += max(start, 0)
     pos = _positions(q_pos, B, T, S)
     window, scale = int(max(window, 0)), np.float32(hs ** -0.5 if scale is None else scale)
     y = np.empty((B, T, nh, v.shape[3]), np.float32)
@@ -735,26 +744,55 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray | None
     q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))  # (the kernels read rows of (T, hs) / (S, hs))
     n = team_size(nkv if T * S >= _TEAM_WORK else 1)  # kv heads over the rank's threads (the team note)
     cuts = [nkv * i // n for i in range(n + 1)]
-    run_parts(_attend_heads, [(q, k, v, np.ascontiguousarray(pos), window, scale, np.float32(softcap), sinks, a, b, y)
-                              for a, b in zip(cuts, cuts[1:])])
+    run_parts(_attend_heads, [(q, k, v, pk, pv, table, slots, size, start, np.ascontiguousarray(pos), window, scale,
+                               np.float32(softcap), sinks, a, b, y) for a, b in zip(cuts, cuts[1:])])
     return y
 
 
+_NO_PAGES = (np.empty((0, 0, 0), np.float32), np.empty((0, 0, 0), np.float32), np.empty((0, 0), np.int32),
+             np.empty(0, np.int64), 1, -1)  # `attend` without ``before``
+
+
+def _paged_before(before: tuple, k: np.ndarray, v: np.ndarray) -> tuple:
+    """`attend`'s ``before``, checked: what `_attend_heads` takes."""
+    pk, pv, table, slots, size, start = before
+    B, nkv = k.shape[:2]
+    slots = np.ascontiguousarray(slots, np.int64)
+    if (pk.dtype != np.float32 or pv.dtype != np.float32 or pk.shape[::2] != (nkv, k.shape[3])
+            or pv.shape[::2] != (nkv, v.shape[3]) or pk.shape[1] != pv.shape[1] or table.dtype != np.int32
+            or table.ndim != 2 or slots.shape != (B,) or not 0 < start <= size * table.shape[1]
+            or not (pk.flags.c_contiguous and pv.flags.c_contiguous and table.flags.c_contiguous)):
+        raise ValueError(f"attend: before must be float32 pools ({nkv}, positions, width) of k and v, an int32 "
+                         f"table, {B} slots, a block size and 0 < start <= the table's positions; got pools "
+                         f"{pk.dtype} {pk.shape} / {pv.shape}, table {table.dtype} {table.shape}, slots {slots.shape}, "
+                         f"size {size}, start {start}")
+    return pk, pv, table, slots, int(size), int(start)
+
+
 @numba.njit(cache=True, nogil=True, error_model=ERR)
-def _attend_heads(q, k, v, pos, window, scale, softcap, sinks, kv0, kv1, y):
+def _attend_heads(q, k, v, pk, pv, table, slots, size, start, pos, window, scale, softcap, sinks, kv0, kv1, y):
     """Every query of kv heads kv0..kv1-1's groups, one at a time (`_attend_one`): q (B, nh, T, hs),
-    k (B, nkv, S, hs), v (B, nkv, S, hv), pos (B, T) -> y (B, T, nh, hv)."""
+    k (B, nkv, S, hs), v (B, nkv, S, hv), pos (B, T) -> y (B, T, nh, hv). ``start`` >= 0: paged rows
+    (`attend`'s ``before``), whose keys and values are positions 0..start-1 through the table, then
+    k and v's (S = start + their length), gathered into a scratch per (row, kv head)."""
     B, nh, T, _ = q.shape
-    nkv, S = k.shape[1], k.shape[2]
+    nkv, S = k.shape[1], k.shape[2] + max(start, 0)
     g = nh // nkv
     srow = np.empty(max(S, 1), np.float32)
     sc = np.empty((_QB, max(S, 1)), np.float32)
     acc = np.empty((_QB, y.shape[3]), np.float32)
     los, his = np.empty(_QB, np.int64), np.empty(_QB, np.int64)
     peaks, tot = np.empty(_QB, np.float32), np.empty(_QB, np.float32)
+    rows = S if start >= 0 else 0
+    kbuf, vbuf = np.empty((rows, k.shape[3]), np.float32), np.empty((rows, v.shape[3]), np.float32)
     for b in range(B):
         for kh in range(kv0, kv1):
-            keys, values = k[b, kh], v[b, kh]
+            if start >= 0:  # a paged row: its blocks, then the chunk, in order (`blocks`)
+                _gather_run(pk[kh], table[slots[b]], size, start, k[b, kh], kbuf)
+                _gather_run(pv[kh], table[slots[b]], size, start, v[b, kh], vbuf)
+                keys, values = kbuf, vbuf
+            else:
+                keys, values = k[b, kh], v[b, kh]
             for i in range(g):
                 h = kh * g + i
                 sink = sinks[h] if sinks.shape[0] > 0 else np.float32(np.nan)

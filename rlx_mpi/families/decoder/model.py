@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 
 from ... import kernels
-from ...kv_cache import KvSpec, LayerCache, PagedCache, PoolLayer, prefill_kv
+from ...kv_cache import KvSpec, LayerCache, PagedCache, PoolLayer, paged_before, prefill_kv
 from . import mla, moe, ops
 from .arch import Arch
 from .weights import Experts, LayerWeights, Linear, Mlp
@@ -84,11 +84,12 @@ class KvStep:
         """A prefill chunk (or, without a cache, a whole prefix): store its k, v (B, nkv, T, hs)
         and attend q (B, nh, T, hs) over the chunk: (B, T, nh, hs)."""
         cache = self.caches[self.layer] if self.caches is not None else None
+        before = paged_before(cache, self.slots, self.start)  # (a paged row's earlier blocks: read where they are)
         keys, values, q_pos, window = prefill_kv(cache, self.specs[self.layer], k, v, self.slots, self.lengths,
-                                                 self.start, self.saves, self.pool_layer())
+                                                 self.start, self.saves, self.pool_layer(), gather=before is None)
         if model_window:  # the chunk attends to itself: the model's own window applies
             window = min(window, model_window) if window else model_window
-        return kernels.attend(q, keys, values, q_pos, window, scale=scale, softcap=softcap, sinks=sinks)
+        return kernels.attend(q, keys, values, q_pos, window, scale=scale, softcap=softcap, sinks=sinks, before=before)
 
     def attend_decode(self, qkv: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray,
                       step_rows: int | None = None) -> np.ndarray:
