@@ -1,5 +1,5 @@
 """The block table's cost at decode (issue 33): a decode step's attention over a paged cache (a row's
-blocks gathered into a contiguous scratch, then the slot kernel's arithmetic: attention.py's
+blocks read in place through its table, with the slot kernel's arithmetic: attention.py's
 paged-rows note) against the slot cache, in one process, the same rows and the same numbers.
 
     python bench/bench_paged.py [--positions 2048] [--batches 1,8] [--heads 16 --kv-heads 4 --head-dim 64]
@@ -9,7 +9,7 @@ Method: ``--batches`` rows at ``--positions`` positions each (the medium preset'
 the slot cache (rows, nkv, positions, hs) and the same keys in a pool of scrambled blocks of 16
 through a block table; each round times one `kernels.decode_attention` (RoPE, the store, the
 attention) of each, alternating which goes first; the report is the median of each and the ratio
-paged / slot (1.00: the gather costs nothing). The outputs must be equal bit for bit.
+paged / slot (1.00: the table costs nothing). The outputs must be equal bit for bit.
 """
 
 from __future__ import annotations
