@@ -199,8 +199,8 @@ def _prefill_paged(cache: PagedCache, k: np.ndarray, v: np.ndarray, slots: np.nd
     from .kernels.blocks import gather_blocks, scatter_blocks
 
     B, _, T, _ = k.shape
+    k, v = np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32)  # (one copy, attend's too)
     keys, values, q_pos = k, v, np.broadcast_to(start + np.arange(T), (B, T))
-    k, v = np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32)
     if start and gather:  # (B, nkv, start + T, hs)
         keys = gather_blocks(cache.k[0], cache.table, slots, cache.size, start, k)
         values = gather_blocks(cache.v[0], cache.table, slots, cache.size, start, v)
