@@ -34,6 +34,40 @@ def test_a_rows_product_never_depends_on_the_rows_beside_it_or_the_threads(preci
         kernels.set_threads(before)
 
 
+@pytest.mark.parametrize("block", [64, 32, 16])  # int8's own blocks; a checkpoint's Q8_0 and Q6_K groups
+def test_int8_tiles_give_each_row_its_lone_row_bits(block):
+    """`_matvec_int8` of R rows (the ROWS x I8_TILE_W tile, ROWS-row groups, lone rows, the
+    activation quantisation split over the pool from _ACT_BLOCK rows) equals each row alone, bit for
+    bit, on 1 and 2 threads, with N not a whole number of tiles in any chunk; and float64 numpy of
+    the dequantised weights within the int16 activations' rounding."""
+    from rlx_mpi.kernels import lowp
+
+    rng = np.random.default_rng(block)
+    n, k = 71, 7 * block if block != 64 else 1056  # 1056: 16 blocks and a short last one
+    nb = -(-k // block)
+    q = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    s = (rng.random((n, nb)) * 0.02 + 0.001).astype(np.float32)
+    x = rng.standard_normal((150, k)).astype(np.float32)
+    before = kernels.pool_threads()
+    try:
+        kernels.set_threads(1)
+        alone = np.empty((150, n), np.float32)
+        for r in range(150):
+            lowp._matvec_int8(x[r:r + 1], q, s, alone[r:r + 1], 1)
+        wf = q.astype(np.float64) * np.repeat(s.astype(np.float64), block, axis=1)[:, :k]
+        want = x.astype(np.float64) @ wf.T
+        assert np.abs(alone - want).max() < 1e-4 * np.abs(want).max()
+        for threads in (1, 2):
+            kernels.set_threads(threads)
+            for rows in (4, 5, 12, 63, 64, 65, 150):
+                for chunks in (1, 3, 8):
+                    got = np.empty((rows, n), np.float32)
+                    lowp._matvec_int8(x[:rows], q, s, got, chunks)
+                    assert (got == alone[:rows]).all(), (block, threads, rows, chunks)
+    finally:
+        kernels.set_threads(before)
+
+
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "f16"])
 def test_prefill_panels_give_each_row_its_decode_matvec_bits(monkeypatch, fmt):
     """Prefill's product (`matmul_float`: rowdot's panels, PANEL_ROWS x PANEL_W, the sums stored as

@@ -21,9 +21,11 @@ when any kernel source changed, or lowp.py, matvec.py and decode_layer.py would 
 
 ``row_dots_i8(w, n, x, r0, ws, xs, blocks, ahead)`` -> a tuple of ROWS float32: for each activation
 row r0 .. r0+ROWS-1, the sum over the first ``blocks`` blocks of weight row n of
-``(w[n, block] . x[r, block] in int32) * ws[n, b] * xs[r, b]``. w (N, K) int8, x (R, K) int16,
-ws (N, nb) and xs (R, nb) float32, all C-contiguous (typing refuses any other layout); the
-caller keeps n < N, r0 + ROWS <= R and blocks * INT8_BLOCK <= K (no bounds checks here).
+``((w[n, block] . x[r, block] in int32) * xs[r, b]) * ws[n, b]`` (lane-wise: the int8 tile note).
+w (N, K) int8, x (R, K) int16, ws (N, nb) and xs (R, nb) float32, all C-contiguous (typing
+refuses any other layout); the caller keeps n < N, r0 + ROWS <= R and blocks * INT8_BLOCK <= K
+(no bounds checks here). ``row_tile_i8``: the same for weight rows n .. n+I8_TILE_W-1 at once,
+``sums[j * ROWS + i]`` = row n+j against activation row r0+i.
 
 Note: why IR and not a numba loop. Written as numba loops (lowp.py's history), LLVM vectorised
 each 64-weight block to 128-bit ``vpmaddwd`` (it picks the width from the int32 multiply's cost)
@@ -103,11 +105,35 @@ LLVM's own loop (4 accumulators), 2-3 rows and a chunk's last weight row 2 accum
 one; prefill took our broadcast GEMM (one chain per element over all columns) or OpenBLAS, and bf16
 rounded the activations for 1-3 rows only: one row's logits changed with the batch it shared.
 bf16 on a BF16_DOT CPU now rounds every row's activations (the bf16 dot note). The int8 products
-(`_make`) take the same fused multiply-add and lane tree for 1 and ROWS rows. Measured: decode
+(`_make`) take the same fused multiply-add and lane tree for 1 and ROWS rows and the tile
+(the int8 tile note). Measured: decode
 unchanged (0.97-0.98x at batch 1, in process); prefill's products 0.79-0.93x the broadcast GEMM
 they replace (128 rows, 64-byte aligned: _common's alignment note; docs/invariance.md) with the
 6 x 4 wide tile, 1.03-1.07x (K = 1024) and 0.82x (K = 2816) at 128 rows, 0.86-0.95x / 0.79x
 at 512 (against OpenBLAS) with the 8 x 3 panels that replaced it (matvec.py's panel note).
+
+Note: the int8 tile (issue 36). Prefill's int8 products took `row_dots_i8`: 4 activation rows
+against one weight row, 8 int32 lanes (256-bit ``vpmaddwd``), which re-read 2 bytes of activations
+from L2 per multiply-add and ran at ~72 GFLOP/s on 1 thread at 512 rows against the 105-110 of
+dequantised tiles through OpenBLAS it replaced (0.73x for a whole 512-token prefill). Now, on
+AVX512BW, a block's int32 sums take 16 lanes (`_int_lanes`: one 512-bit ``vpmaddwd`` of 32 int16
+per step, a 64-weight block in two steps, the second an ``llvm.x86.avx512.vpdpwssd`` where VNNI is
+there: LLVM keeps it fused or splits it by its own cost model; the int32 sums are exact either
+way), each lane is converted, multiplied by the activation row's block scale and added to its
+float32 lane by one fused multiply-add with the weight row's scale; prefill takes ROWS x
+I8_TILE_W (4 x 3) of these at once (12 accumulators; the weights' sign-extension shared by 4 rows,
+each activation vector by 3 weight rows), decode the same elements 1 and ROWS rows at a time.
+Every path computes a row's element by the same lanes, so a row's bits still do not depend on
+its neighbours; they did change against the 8-lane kernel (a different lane split of the same
+exact block sums: within the int16 rounding). The per-block work per (row, weight row) is now
+6 vector operations per 64 multiply-adds (two ``vpmaddwd``, an add, a conversion, a multiply, an
+FMA): the core's two vector ports bound it at ~21 multiply-adds a cycle. Measured (2-core Xeon,
+AVX-512 VNNI, kernel alone, K = 1024 -> 2048 / 5632, 2816 -> 1024, 512 rows): 1 thread 72 -> 97-107
+GFLOP/s (OpenBLAS tiles 104-112), 2 threads ~178 (OpenBLAS ~150-164); the activations' int16
+rounding is split over the pool from _ACT_BLOCK rows (it took 1.5-4 ms serially). Whole model
+(`bench/bench_invariance.py`, int8, old = before invariance, old / new time): prefill 512 0.73 ->
+0.98 (1 thread), 0.91 -> 1.26 (2 threads); prefill 128 1.64 / 1.47; decode at batch 1 1.03 / 1.03,
+8 prompts 1.05 / 1.10.
 """
 
 from __future__ import annotations
@@ -162,7 +188,21 @@ def _rows_of(context, builder, n, n_type, r, r_type):
     return intp, row, context.cast(builder, n, n_type, types.intp), context.cast(builder, r, r_type, types.intp)
 
 
-def _make(rows: int, block: int = INT8_BLOCK):
+def _int_lanes(block: int) -> int:
+    """int32 (and float32) lanes of the int8 products' accumulators for blocks of ``block``
+    weights: 16 where numba compiles for AVX512BW (one 512-bit ``vpmaddwd`` of 32 int16), else 8,
+    never more than half a block (the int8 tile note)."""
+    return min(16 if _target_has("avx512bw") else _HALF, block // 2)
+
+
+def _splat(builder, value, lanes: int):
+    """<lanes x float> holding ``value`` in every lane."""
+    t = ir.VectorType(value.type, lanes)
+    v = builder.insert_element(ir.Constant(t, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, _idx([0] * lanes))
+
+
+def _make(rows: int, block: int = INT8_BLOCK, wrows: int = 1):
     @intrinsic
     def row_dots(typingctx, w, n, x, r0, ws, xs, blocks, ahead):
         arrays = (w, x, ws, xs)
@@ -170,44 +210,60 @@ def _make(rows: int, block: int = INT8_BLOCK):
             return None
         if (w.dtype, x.dtype, ws.dtype, xs.dtype) != (types.int8, types.int16, types.float32, types.float32):
             return None
-        sig = types.UniTuple(types.float32, rows)(w, n, x, r0, ws, xs, blocks, ahead)
+        sig = types.UniTuple(types.float32, rows * wrows)(w, n, x, r0, ws, xs, blocks, ahead)
 
         def codegen(context, builder, signature, args):
             wt, nt, xt, rt, wst, xst, bt, at = signature.args
             w_, n_, x_, r_, ws_, xs_, b_, a_ = args
             intp, row, n_, r_ = _rows_of(context, builder, n_, nt, r_, rt)
             a_ = context.cast(builder, a_, at, types.intp)
-            wp, wsp = row(wt, w_, n_), row(wst, ws_, n_)
+            half = _int_lanes(block)  # int32 / float32 lanes; 2 * half int16 products a step
+            lanes = 2 * half
+            wps = [row(wt, w_, builder.add(n_, intp(j))) for j in range(wrows)]
+            wsps = [row(wst, ws_, builder.add(n_, intp(j))) for j in range(wrows)]
             xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
             xsps = [row(xst, xs_, builder.add(r_, intp(i))) for i in range(rows)]
-            vi8, vi16 = ir.VectorType(ir.IntType(8), _LANES), ir.VectorType(ir.IntType(16), _LANES)
-            vi32, hi32 = ir.VectorType(_I32, _LANES), ir.VectorType(_I32, _HALF)
-            hf32 = ir.VectorType(ir.FloatType(), _HALF)
-            even, odd = _idx(range(0, _LANES, 2)), _idx(range(1, _LANES, 2))
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(hf32, [0.0] * _HALF)) for _ in range(rows)]
+            vi8, vi16 = ir.VectorType(ir.IntType(8), lanes), ir.VectorType(ir.IntType(16), lanes)
+            vi32, hi32 = ir.VectorType(_I32, lanes), ir.VectorType(_I32, half)
+            hf32 = ir.VectorType(ir.FloatType(), half)
+            even, odd = _idx(range(0, lanes, 2)), _idx(range(1, lanes, 2))
+            dpw = None
+            if half == 16 and _target_has("avx512vnni"):  # vpdpwssd: int16 pairs summed into int32, no saturation
+                dpw = cgutils.get_or_insert_function(builder.module, ir.FunctionType(hi32, [hi32, vi16, vi16]),
+                                                     "llvm.x86.avx512.vpdpwssd.512")
+                madd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(hi32, [vi16, vi16]),
+                                                      "llvm.x86.avx512.pmaddw.d.512")
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(hf32, [0.0] * half)) for _ in range(rows)]
+                    for _ in range(wrows)]
             nb = context.cast(builder, b_, bt, types.intp)
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
                 base = builder.mul(b, intp(block))
-                _prefetch(builder, wp, builder.add(base, a_))  # a block is one 64-byte line (or less)
-                isums = [ir.Constant(hi32, [0] * _HALF)] * rows
-                for j in range(block // _LANES):
-                    off = builder.add(base, intp(j * _LANES))
-                    wv = builder.load(builder.bitcast(builder.gep(wp, [off]), vi8.as_pointer()), align=1)
-                    w32 = builder.sext(wv, vi32)
+                for wp in wps:
+                    _prefetch(builder, wp, builder.add(base, a_))  # a block is one 64-byte line (or less)
+                isums = [[ir.Constant(hi32, [0] * half)] * rows for _ in range(wrows)]
+                for j in range(block // lanes):
+                    off = builder.add(base, intp(j * lanes))
+                    wvs = [builder.sext(builder.load(builder.bitcast(builder.gep(wp, [off]), vi8.as_pointer()), align=1),
+                                        vi16 if dpw else vi32) for wp in wps]
                     for i in range(rows):
                         xv = builder.load(builder.bitcast(builder.gep(xps[i], [off]), vi16.as_pointer()), align=2)
-                        p = builder.mul(w32, builder.sext(xv, vi32))
-                        pair = builder.add(builder.shuffle_vector(p, p, even), builder.shuffle_vector(p, p, odd))
-                        isums[i] = builder.add(isums[i], pair)
-                wscale = builder.load(builder.gep(wsp, [b]))
-                for i in range(rows):
-                    s = builder.fmul(wscale, builder.load(builder.gep(xsps[i], [b])))
-                    sv = builder.insert_element(ir.Constant(hf32, ir.Undefined), s, ir.Constant(_I32, 0))
-                    sv = builder.shuffle_vector(sv, sv, _idx([0] * _HALF))
-                    f = builder.sitofp(isums[i], hf32)
-                    builder.store(_fma(builder, f, sv, builder.load(accs[i])), accs[i])  # (the invariance note)
-            sums = _reduce_lanes(builder, [builder.load(a) for a in accs], _HALF)
+                        x32 = xv if dpw else builder.sext(xv, vi32)
+                        for m in range(wrows):
+                            if dpw:  # the same exact int32 sums, the add fused (the int8 tile note)
+                                isums[m][i] = (builder.call(dpw, [isums[m][i], wvs[m], xv]) if j else
+                                               builder.call(madd, [wvs[m], xv]))
+                                continue
+                            p = builder.mul(wvs[m], x32)
+                            pair = builder.add(builder.shuffle_vector(p, p, even), builder.shuffle_vector(p, p, odd))
+                            isums[m][i] = builder.add(isums[m][i], pair)
+                xsvs = [_splat(builder, builder.load(builder.gep(xsps[i], [b])), half) for i in range(rows)]
+                for m in range(wrows):
+                    wsv = _splat(builder, builder.load(builder.gep(wsps[m], [b])), half)
+                    for i in range(rows):
+                        f = builder.fmul(builder.sitofp(isums[m][i], hf32), xsvs[i])  # (the int8 tile note)
+                        builder.store(_fma(builder, f, wsv, builder.load(accs[m][i])), accs[m][i])  # (the invariance note)
+            sums = _reduce_lanes(builder, [builder.load(accs[m][i]) for m in range(wrows) for i in range(rows)], half)
             return context.make_tuple(builder, signature.return_type, sums)
 
         return sig, codegen
@@ -222,6 +278,8 @@ row_dot_i8 = _make(1)  # the rows left over after steps of ROWS
 # as they are (lowp's int8 note)
 row_dots_i8_32, row_dot_i8_32 = _make(ROWS, 32), _make(1, 32)
 row_dots_i8_16, row_dot_i8_16 = _make(ROWS, 16), _make(1, 16)
+I8_TILE_W = 3  # weight rows of prefill's int8 tile (ROWS x I8_TILE_W; the int8 tile note)
+row_tile_i8, row_tile_i8_32 = _make(ROWS, INT8_BLOCK, I8_TILE_W), _make(ROWS, 32, I8_TILE_W)
 
 
 def _target_has(feature: str) -> bool:
