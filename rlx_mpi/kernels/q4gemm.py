@@ -51,6 +51,17 @@ old / new, > 1 faster): whole decode step batch 1 0.85x, 8 prompts 1.34x; prefil
 1.3-2x faster on matrices that stay in cache. Prefetch variants for `_direct` (none, the next
 block, two or four blocks, into L2 only) did not close the streamed batch-1 gap (none: 0.79x;
 on a quiet moment, 1 thread: the 66 matrices 0.90-0.92x at 1 row, 1.5x at 8 rows).
+Then (issue 36: batch 1 still paid 7-10 %) `_direct` takes two passes over a block: the first
+reads its 16 rows one after the other, as stored (one stream, where reading 64 bytes of each
+row a step made 16 short streams of 512-1408 bytes), and keeps each step's ``vpdpbusd`` sums in
+``pbuf`` (L1); the second turns them into the 16 rows' lanes group by group as before (the same
+int32 sums: the same bits). The first pass asks for the next block's line into L2
+(``prefetcht1``): into L1 the requests queued behind each other while the second pass ran.
+Measured (2-core Xeon, quiet, 24 copies of medium's four q4 matrices, 177 MB, 1 row, 1 thread,
+old = the lane-wise kernel before invariance; old / new time): one pass 0.86x; two passes with the
+L1 prefetch 0.90-0.91x; with the L2 prefetch one block ahead 0.97-1.09x (two or four blocks ahead
+1.01-1.05x). The whole batch-1 decode step (`bench/ab_decode.py`, 7 rounds): 1.06x / 1.10x on 1
+thread, 1.19x on 2 (0.89x / 0.93x before).
 """
 
 from __future__ import annotations
@@ -184,7 +195,7 @@ def _pair_add(builder, a, b, la, lb, want):
 
 
 @intrinsic
-def _direct(typingctx, w, sm, xq, xs, n0, m0, tout, ahead):
+def _direct(typingctx, w, sm, xq, xs, n0, m0, tout, ahead, pbuf):
     """``_tile`` of one activation row m0 for a whole block of 16 weight rows n0.. (w: the codes
     as uint32), read as stored (no `_repack`; ``ahead``: bytes past each code read to ask for, the
     next block's), per 4 groups each row's 64 bytes of codes take two ``vpdpbusd`` (lanes: group,
@@ -197,14 +208,15 @@ def _direct(typingctx, w, sm, xq, xs, n0, m0, tout, ahead):
             and isinstance(xq, types.Array) and xq.ndim == 2 and xq.layout == "C" and xq.dtype == types.int8
             and isinstance(xs, types.Array) and xs.ndim == 2 and xs.layout == "C" and xs.dtype == types.float32
             and isinstance(tout, types.Array) and tout.ndim == 2 and tout.layout == "C"
-            and tout.dtype == types.float32):
+            and tout.dtype == types.float32
+            and isinstance(pbuf, types.Array) and pbuf.ndim == 2 and pbuf.layout == "C" and pbuf.dtype == types.int32):
         return None
     half = sm.dtype == types.uint16
-    sig = types.void(w, sm, xq, xs, n0, m0, tout, ahead)
+    sig = types.void(w, sm, xq, xs, n0, m0, tout, ahead, pbuf)
 
     def codegen(context, builder, signature, args):
-        wt, st, xt, xst, nt, mt, ot, at = signature.args
-        w_, sm_, xq_, xs_, n_, m_, to_, a_ = args
+        wt, st, xt, xst, nt, mt, ot, at = signature.args[:8]
+        w_, sm_, xq_, xs_, n_, m_, to_, a_ = args[:8]
 
         def intp(v):
             return context.get_constant(types.intp, v)
@@ -216,7 +228,6 @@ def _direct(typingctx, w, sm, xq, xs, n0, m0, tout, ahead):
         n_, m_ = context.cast(builder, n_, nt, types.intp), context.cast(builder, m_, mt, types.intp)
         a_ = context.cast(builder, a_, at, types.intp)
         i8p = ir.IntType(8).as_pointer()
-        wps = [builder.bitcast(row(wt, w_, builder.add(n_, intp(l))), i8p) for l in range(LANES)]
         sps = [row(st, sm_, builder.add(n_, intp(l))) for l in range(LANES)]
         xp, xsp = row(xt, xq_, m_), row(xst, xs_, m_)
         sa = context.make_array(st)(context, builder, sm_)
@@ -236,23 +247,31 @@ def _direct(typingctx, w, sm, xq, xs, n0, m0, tout, ahead):
             v = builder.insert_element(ir.Constant(f16, ir.Undefined), builder.load(ptr), ir.Constant(_I32, 0))
             return builder.shuffle_vector(v, v, splat16)
 
-        with cgutils.for_range(builder, steps) as loop:
+        pb = context.make_array(signature.args[8])(context, builder, args[8])
+        pbase = builder.bitcast(pb.data, i16.as_pointer())  # pbuf[l * steps + q]: row l's step q, 16 int32
+        with cgutils.for_range(builder, intp(LANES)) as rows_loop:  # pass 1: the block row by row, as stored
+            l = rows_loop.index
+            wrow = builder.bitcast(row(wt, w_, builder.add(n_, l)), i8p)
+            with cgutils.for_range(builder, steps) as loop:
+                q = loop.index
+                boff = builder.mul(q, intp(64))
+                _prefetch(builder, wrow, builder.add(boff, a_), 2)
+                cv = builder.load(builder.bitcast(builder.gep(wrow, [boff]), v64.as_pointer()), align=1)
+                # the activations: dword 2k of the 4 groups' 128 bytes pairs with lane k's low nibbles, 2k+1 high
+                xoff = builder.mul(q, intp(128))
+                xa = builder.load(builder.bitcast(builder.gep(xp, [xoff]), i16.as_pointer()), align=1)
+                xb = builder.load(builder.bitcast(builder.gep(xp, [builder.add(xoff, intp(64))]), i16.as_pointer()),
+                                  align=1)
+                xlo = builder.bitcast(builder.shuffle_vector(xa, xb, _idx(range(0, 32, 2))), v64)
+                xhi = builder.bitcast(builder.shuffle_vector(xa, xb, _idx(range(1, 32, 2))), v64)
+                # lanes (group, dword): its 4 even columns' codes, then its 4 odd columns'
+                pv = builder.call(dp, [builder.call(dp, [zero_i, builder.and_(cv, low), xlo]),
+                                       builder.lshr(cv, four), xhi])
+                builder.store(pv, builder.gep(pbase, [builder.add(builder.mul(l, steps), q)]), align=4)
+        with cgutils.for_range(builder, steps) as loop:  # pass 2: per 4 groups, the 16 rows' sums as lanes
             q = loop.index
-            boff = builder.mul(q, intp(64))
-            lo, hi = [], []
-            for l in range(LANES):
-                _prefetch(builder, wps[l], builder.add(boff, a_))
-                cv = builder.load(builder.bitcast(builder.gep(wps[l], [boff]), v64.as_pointer()), align=1)
-                lo.append(builder.and_(cv, low))  # lanes (group, dword): its 4 even columns' codes
-                hi.append(builder.lshr(cv, four))  # its 4 odd columns'
-            # the activations: dword 2k of the 4 groups' 128 bytes pairs with lane k's low nibbles, 2k+1 high
-            xoff = builder.mul(q, intp(128))
-            xa = builder.load(builder.bitcast(builder.gep(xp, [xoff]), i16.as_pointer()), align=1)
-            xb = builder.load(builder.bitcast(builder.gep(xp, [builder.add(xoff, intp(64))]), i16.as_pointer()),
-                              align=1)
-            xlo = builder.bitcast(builder.shuffle_vector(xa, xb, _idx(range(0, 32, 2))), v64)
-            xhi = builder.bitcast(builder.shuffle_vector(xa, xb, _idx(range(1, 32, 2))), v64)
-            p = [builder.call(dp, [builder.call(dp, [zero_i, lo[l], xlo]), hi[l], xhi]) for l in range(LANES)]
+            p = [builder.load(builder.gep(pbase, [builder.add(builder.mul(intp(l), steps), q)]), align=4)
+                 for l in range(LANES)]
             # int32 sums, exact in any order: (row, group, dword) -> (row, group) -> lanes = rows per group
             lab = [[(l, k // 4, k % 4) for k in range(LANES)] for l in range(LANES)]
             v, vl = [], []
@@ -460,12 +479,13 @@ def _blocks(c32, sm, xq, xs, out, b0, b1, r0, r1):  # out[r0:r1, 16 b0 : 16 b1] 
     sdm = np.empty((2 * groups, LANES), np.float32)
     tout = np.empty((TILE_M, LANES), np.float32)
     direct = r1 - r0 < 4 and groups % 4 == 0  # decode's 1-3 rows (the decode note)
+    pbuf = np.empty((LANES * (groups // 4 if direct else 0), LANES), np.int32)  # `_direct`'s row-by-row sums
     for b in range(b0, b1):
         n0 = b * LANES
         nv = min(LANES, N - n0)
         if direct and nv == LANES:
             for m in range(r0, r1):
-                _direct(c32, sm, xq, xs, n0, m, tout, LANES * 4 * c32.shape[1])
+                _direct(c32, sm, xq, xs, n0, m, tout, LANES * 4 * c32.shape[1], pbuf)
                 for l in range(LANES):
                     out[m, n0 + l] = tout[0, l]
             continue

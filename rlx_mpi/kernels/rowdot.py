@@ -165,13 +165,13 @@ def _hsum(builder, v, width: int):  # <width x float> -> float, pairwise
 AHEAD_BYTES = 16384  # how far past the weights being read row_dots asks for the next ones (the prefetch note)
 
 
-def _prefetch(builder, ptr, index) -> None:
+def _prefetch(builder, ptr, index, locality: int = 3) -> None:
     """Ask for the cache line holding ptr[index] (a read, kept in every level): a hint that
     never faults, so an index past the array's end is harmless."""
     i8p = ir.IntType(8).as_pointer()
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
                                         "llvm.prefetch.p0i8")
-    builder.call(fn, [builder.bitcast(builder.gep(ptr, [index]), i8p), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+    builder.call(fn, [builder.bitcast(builder.gep(ptr, [index]), i8p), ir.Constant(_I32, 0), ir.Constant(_I32, locality),
                       ir.Constant(_I32, 1)])
 
 
