@@ -69,7 +69,8 @@ def test_int8_tiles_give_each_row_its_lone_row_bits(block):
 
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "f16"])
-def test_prefill_panels_give_each_row_its_decode_matvec_bits(monkeypatch, fmt):
+@pytest.mark.parametrize("k", [1061, 3301])  # 3301: column blocks (matvec.py's column blocks note), bf16's too
+def test_prefill_panels_give_each_row_its_decode_matvec_bits(monkeypatch, fmt, k):
     """Prefill's product (`matmul_float`: rowdot's panels, PANEL_ROWS x PANEL_W, the sums stored as
     vectors; matvec.py's panel note) of R rows equals decode's matvec of each row alone, bit for
     bit, for R around and far past the panel's rows, K past the weight block's reach and not a
@@ -80,7 +81,7 @@ def test_prefill_panels_give_each_row_its_decode_matvec_bits(monkeypatch, fmt):
     from rlx_mpi.kernels.rowdot import PANEL_ROWS, PANEL_W, STEP
 
     rng = np.random.default_rng(36)
-    k, n = 1061, 70  # 1061 = 33 steps of 32 + 5 (AVX2: 66 of 16 + 5); 70 = 23 panels of 3 + 1, one block + 6
+    n = 70  # 1061 = 33 steps of 32 + 5 (AVX2: 66 of 16 + 5), 3301 = 103 + 5; 70 = 23 panels of 3 + 1, one block + 6
     assert k % STEP and n % PANEL_W and n > matvec.BLOCK_ROWS
     w32 = rng.standard_normal((n, k)).astype(np.float32)
     if fmt == "bf16":

@@ -12,11 +12,12 @@ from numba.extending import overload
 
 from ._common import ERR, aligned, check_f32, pool_threads, run_parts
 from .bits import as_f32, f16_exact, pack_bf16
-from .rowdot import (AHEAD_BYTES, BF16_DOT, BF16_PANELS, BF16_TILES, DP_STEP, FLOAT_TILES, PANEL_ROWS, PANEL_SUMS, PANEL_W,
-                     PANELS, ROWS, STEP, TILE_W, WIDE_TILES, prefetch_l2)
+from .rowdot import (AHEAD_BYTES, BF16_DOT, BF16_PANEL_PARTS, BF16_PANELS, BF16_TILES, DP_STEP, FLOAT_TILES, PANEL_ROWS, PANEL_SUMS, PANEL_W,
+                     PANEL_PARTS, PANEL_STATE, PANELS, ROWS, STEP, TILE_W, WIDE_TILES, prefetch_l2)
 
 __all__ = ["matvec_f32", "matmul_float", "float_product", "F32_MATVEC_ROWS", "BLOCK_ROWS"]
 
+COL_BLOCK_BYTES = 4096  # an activation row's bytes per column block (the column blocks note)
 PF_BLOCK_BYTES = 1 << 18  # weight blocks up to this size have the next one prefetched into L2 (the panel note)
 BLOCK_ROWS = 64  # weight rows a product walks for each group of activation rows (256 kB at K = 1024 f32: L2)
 
@@ -49,7 +50,7 @@ def _tail_typed(w, n, x, xb, r, k0):
         def dot(w, n, x, xb, r, k0):
             acc = np.float32(0.0)
             for k in range(k0, w.shape[1]):
-                acc += as_f32(np.uint32(xb[r, k]) << np.uint32(16)) * _weight(w, n, k)
+                acc += xb[r, k] * _weight(w, n, k)
             return acc
         return dot
 
@@ -72,20 +73,32 @@ def _main_cols_typed(w, k):
 
 
 def _operand(x, w):
-    """The activations as ``w``'s tiles read them: bf16 bits of x (nearest even, `bits.pack_bf16`)
-    for bf16 weights on a BF16_DOT CPU, every row (rowdot's bf16 dot note); else an empty array."""
+    """The activations as ``w``'s tiles read them: for bf16 weights on a BF16_DOT CPU, every row
+    of x rounded to bf16 (nearest even, `bits.pack_bf16`; rowdot's bf16 dot note) as float32,
+    each whole DP_STEP of columns laid out as its 16 odd columns, then its 16 even ones (rowdot's
+    bf16 FMA note), the columns past them in order (`_tail`'s); else an empty array."""
 
 
 @overload(_operand)
 def _operand_typed(x, w):
     if w.dtype == types.uint16 and BF16_DOT:
         def pack(x, w):
-            xb = np.empty(x.shape, np.uint16)
-            for r in range(x.shape[0]):
-                pack_bf16(x[r], xb[r])
+            R, K = x.shape
+            xb = np.empty((R, K), np.float32)
+            bits = np.empty(K, np.uint16)
+            main = K - K % DP_STEP
+            half = DP_STEP // 2
+            for r in range(R):
+                pack_bf16(x[r], bits)
+                for c in range(0, main, DP_STEP):
+                    for l in range(half):
+                        xb[r, c + l] = as_f32(np.uint32(bits[c + 2 * l + 1]) << np.uint32(16))
+                        xb[r, c + half + l] = as_f32(np.uint32(bits[c + 2 * l]) << np.uint32(16))
+                for k in range(main, K):
+                    xb[r, k] = as_f32(np.uint32(bits[k]) << np.uint32(16))
             return xb
         return pack
-    return lambda x, w: np.empty((0, 0), np.uint16)
+    return lambda x, w: np.empty((0, 0), np.float32)
 
 
 def _tile_stub(rows: int, wrows: int, wide: int = 0):
@@ -188,7 +201,16 @@ def _span(x, xb, w, out, n0, n1, ahead, r0=0):
 # Part of the 6 x 4 tile's loss was its rows past the last whole group (128 = 21 x 6 + 2): they
 # took decode's narrow tiles, which read the weight block again for two rows; the last group now
 # overlaps the one before instead.
-# bf16 on an AVX512-BF16 CPU is bound by vdpbf16ps (the tile alone in L1: 105 GFLOP/s, about 2
+# Column blocks (issue 36): with rows longer than 1.5 x 4 kB of activations (f32 K > 1536: the
+# 2816-column down projection) a group's 8 activation rows (90 kB at K = 2816) no longer fit L1
+# beside the panel's weights, and every step read them from L2: 105-131 GFLOP/s against ~160 at
+# K = 1024. `_span_cols` takes 1024 columns at a time through every panel of the weight block,
+# the panels' accumulators parked in a small buffer between column blocks (rowdot's
+# `_make_panel_part`: the same fused multiply-adds in the same order, so the same bits; tested).
+# Measured (quiet, 1 thread, 512 rows, 6 copies of the weight): K = 2816 125-128 -> 162-167
+# GFLOP/s (0.79x -> 0.88x of OpenBLAS); 2 kB blocks were slower (153 against 163 at K = 1024 when
+# blocked), so K = 1024 stays unblocked.
+# bf16 on an AVX512-BF16 CPU was bound by vdpbf16ps (now fused multiply-adds: rowdot's bf16 FMA note) (the tile alone in L1: 105 GFLOP/s, about 2
 # cycles an instruction on this CPU), below what OpenBLAS made of dequantized float32 tiles at
 # 512 rows (110-115): the 6 x 4 tile 0.82-0.83x at 512 rows, 0.93-1.21x at 128.
 
@@ -224,6 +246,82 @@ def _panel(m, w, n, x, xb, r, k, sums, ahead):
         _pn_1(w, n, x, xb, r, k, sums, ahead)
 
 
+def _part_stub(wrows: int):
+    """``p(w, n, x, xb, r, k0, k1, state, sums, first, last, ahead)``: rowdot's panel part of
+    PANEL_ROWS x wrows for w's kind (as `_panel_stub`)."""
+    flt, bf = PANEL_PARTS[wrows], BF16_PANEL_PARTS.get(wrows)
+
+    def p(w, n, x, xb, r, k0, k1, state, sums, first, last, ahead):
+        pass
+
+    @overload(p, inline="always")
+    def typed(w, n, x, xb, r, k0, k1, state, sums, first, last, ahead):
+        if bf is not None and w.dtype == types.uint16:
+            return lambda w, n, x, xb, r, k0, k1, state, sums, first, last, ahead: bf(
+                w, n, xb, r, k0, k1, state, sums, first, last, ahead)
+        return lambda w, n, x, xb, r, k0, k1, state, sums, first, last, ahead: flt(
+            w, n, x, r, k0, k1, state, sums, first, last, ahead)
+
+    return p
+
+
+_pp_1, _pp_2, _pp_3 = (_part_stub(m) for m in (1, 2, 3))
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR, inline="always")
+def _part(m, w, n, x, xb, r, k0, k1, state, sums, first, last, ahead):
+    """The panel part of m (1 .. PANEL_W) weight rows from n: one dispatch for every width."""
+    if m == 3:
+        _pp_3(w, n, x, xb, r, k0, k1, state, sums, first, last, ahead)
+    elif m == 2:
+        _pp_2(w, n, x, xb, r, k0, k1, state, sums, first, last, ahead)
+    else:
+        _pp_1(w, n, x, xb, r, k0, k1, state, sums, first, last, ahead)
+
+
+def _col_block(w):
+    """Columns of a column block (the column blocks note): 4 kB of an activation row."""
+
+
+@overload(_col_block, inline="always")
+def _col_block_typed(w):
+    cols = COL_BLOCK_BYTES // 4  # (float32 activations on every path)
+    return lambda w: cols
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _span_cols(x, xb, w, out, n0, n1, ahead, k, cb):
+    """`_span_wide` in column blocks of cb (the column blocks note): per weight block, per group
+    of PANEL_ROWS activation rows, per column block, every panel of the block, its accumulators
+    parked between blocks (rowdot's `_make_panel_part`: the panel's bits)."""
+    r_len = x.shape[0]
+    groups = -(-r_len // PANEL_ROWS)
+    tail = k < w.shape[1]
+    sums = np.empty(PANEL_SUMS, np.float32)
+    state = np.empty((-(-BLOCK_ROWS // PANEL_W), PANEL_STATE), np.float32)
+    nkb = -(-k // cb)
+    for b0 in range(n0, n1, BLOCK_ROWS):
+        b1 = min(n1, b0 + BLOCK_ROWS)
+        for g in range(groups):
+            r = min(g * PANEL_ROWS, r_len - PANEL_ROWS)
+            for c in range(nkb):
+                k0 = c * cb
+                k1 = min(k, k0 + cb)
+                last = c == nkb - 1
+                n = b0
+                p = 0
+                while n < b1:
+                    m = min(PANEL_W, b1 - n)
+                    _part(m, w, n, x, xb, r, k0, k1, state[p], sums, c == 0, last, ahead if g == 0 else 0)
+                    if last:
+                        for j in range(m):
+                            for i in range(PANEL_ROWS):
+                                s = sums[j * PANEL_ROWS + i]
+                                out[r + i, n + j] = s + _tail(w, n + j, x, xb, r + i, k) if tail else s
+                    n += m
+                    p += 1
+
+
 @numba.njit(cache=True, nogil=True, error_model=ERR)
 def _span_wide(x, xb, w, out, n0, n1, ahead):
     """`_span` for many rows: blocks of BLOCK_ROWS weight rows (read from memory once, prefetched
@@ -238,6 +336,10 @@ def _span_wide(x, xb, w, out, n0, n1, ahead):
         return
     groups = -(-r_len // PANEL_ROWS)
     k = _main_cols(w, x.shape[1])
+    cb = _col_block(w)
+    if k > cb + cb // 2:  # long rows: column blocks (the column blocks note)
+        _span_cols(x, xb, w, out, n0, n1, ahead, k, cb)
+        return
     tail = k < w.shape[1]
     sums = np.empty(PANEL_SUMS, np.float32)
     K = w.shape[1]

@@ -93,6 +93,23 @@ model: top-1 agreement 0.989 (0.988 before), mean KL 4.4e-5 (2.9e-5 before; llam
 4.5e-5 on its own 1016 positions). The tile (4+ rows) keeps float32 activations: the rows'
 products are exact in the bf16 weights, as prefill's are.
 
+Note: the bf16 FMA (issue 36). ``vdpbf16ps`` ran at ~2 cycles an instruction on the 2-core Xeon
+VM, so prefill's bf16 panels topped out at ~114 GFLOP/s against the ~160 OpenBLAS made of
+dequantised float32 tiles (0.69-0.70x at 512 rows). `_dp_steps` now takes the same operations
+with float32 fused multiply-adds: a bf16 pair in a 32-bit lane is two exact float32 values (the
+odd column: the lane AND 0xFFFF0000; the even one: the lane shifted left 16), a bf16 x bf16
+product is exact in float32, so ``fma(odd_w, odd_x, acc)`` then ``fma(even_w, even_x, acc)`` is
+``vdpbf16ps``'s lane, rounded as it rounds (nearest even, each add once), except that it keeps
+subnormals where the instruction flushes them. The activations are laid out once per product
+(matvec's `_operand`: per 32 columns the 16 odd, then the 16 even, as float32), so a step loads
+them with no shuffle; each weight vector is split once for every activation row of the tile.
+Every path (decode's tiles, prefill's panels and their column-block parts) takes these steps, so
+a row's bits still do not depend on its neighbours. Measured (quiet, 1 thread, medium's four
+products, old = dequantised tiles through OpenBLAS): 114 -> 133 GFLOP/s splitting the
+activations in registers, 154-179 laid out beforehand: 1.38-1.48x at 128 rows, 0.97-1.20x at
+512; whole model (`bench/bench_invariance.py`, old = before invariance): bf16 prefill 512 0.82 ->
+0.98x (1 thread), 0.93 -> 1.10x (2), prefill 128 1.38x / 1.66x, decode 1.10-1.19x.
+
 Note: invariance (issue 36, docs/invariance.md). A row's product must not depend on the rows
 beside it, the row count's path or the threads. Every float tile (`FLOAT_TILES`, `WIDE_TILES`,
 `BF16_TILES`; any rows x weight rows) computes each element the same way: one accumulator of
@@ -347,9 +364,10 @@ def _float_tile_types(w, x) -> bool:
 
 
 def _dp_tile_types(w, x) -> bool:
-    """Whether (w, x) are what the bf16 x bf16 tiles take: 2-D C arrays of bf16 bits (uint16)."""
+    """Whether (w, x) are what the bf16 x bf16 tiles take: 2-D C arrays, w bf16 bits (uint16), x
+    bf16 values as float32 in matvec's `_operand` layout."""
     return (all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, x))
-            and (w.dtype, x.dtype) == (types.uint16, types.uint16))
+            and (w.dtype, x.dtype) == (types.uint16, types.float32))
 
 
 def _tile_rows(context, builder, signature, args, rows: int, wrows: int):
@@ -465,13 +483,18 @@ class _BFloat(ir.Type):
 
 def _dp_steps(builder, intp, wps, xps, accs, k0, k1, ahead, prefetch: bool) -> None:
     """The bf16 x bf16 tiles' loop over columns k0 .. k1 (both multiples of DP_STEP): each step
-    one ``llvm.x86.avx512bf16.dpbf16ps.512`` per (weight row, activation row), 32 products summed
-    into the 16 float32 lanes of ``accs[j][i]`` (allocas); with ``prefetch`` each weight row's
-    line ``ahead`` elements further on is asked for (the prefetch note)."""
-    v32, bf32 = ir.VectorType(ir.IntType(16), DP_STEP), ir.VectorType(_BFloat(), DP_STEP)
+    32 columns, as ``vdpbf16ps`` orders them (lane l: columns 2l + 1, then 2l) but by two fused
+    multiply-adds per (weight row, activation row) into the 16 float32 lanes of ``accs[j][i]``
+    (allocas; the bf16 FMA note); with ``prefetch`` each weight row's line ``ahead`` elements
+    further on is asked for (the prefetch note)."""
+    i32 = ir.VectorType(_I32, 16)
     f16 = ir.VectorType(ir.FloatType(), 16)
-    dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f16, [f16, bf32, bf32]),
-                                        "llvm.x86.avx512bf16.dpbf16ps.512")
+    high = ir.Constant(i32, [-65536] * 16)  # 0xFFFF0000: the odd column's bf16, as a float32
+    sixteen = ir.Constant(i32, [16] * 16)
+
+    def halves(v):  # <16 x i32> of bf16 pairs -> (odd columns, even columns) as float32, exact
+        return builder.bitcast(builder.and_(v, high), f16), builder.bitcast(builder.shl(v, sixteen), f16)
+
     steps = builder.sdiv(builder.sub(k1, k0), intp(DP_STEP))
     with cgutils.for_range(builder, steps) as loop:
         off = builder.add(k0, builder.mul(loop.index, intp(DP_STEP)))
@@ -479,13 +502,13 @@ def _dp_steps(builder, intp, wps, xps, accs, k0, k1, ahead, prefetch: bool) -> N
         for wp in wps:  # a step is one 64-byte line of each weight row
             if prefetch:
                 _prefetch(builder, wp, builder.add(off, ahead))
-            wv = builder.load(builder.bitcast(builder.gep(wp, [off]), v32.as_pointer()), align=2)
-            wvs.append(builder.bitcast(wv, bf32))
-        for i, xp in enumerate(xps):
-            xv = builder.bitcast(builder.load(builder.bitcast(builder.gep(xp, [off]), v32.as_pointer()), align=2), bf32)
-            for j, wv in enumerate(wvs):
+            wvs.append(halves(builder.load(builder.bitcast(builder.gep(wp, [off]), i32.as_pointer()), align=2)))
+        for i, xp in enumerate(xps):  # the activations: a step's 16 odd columns, then its 16 even ones
+            xo = builder.load(builder.bitcast(builder.gep(xp, [off]), f16.as_pointer()), align=4)
+            xe = builder.load(builder.bitcast(builder.gep(xp, [builder.add(off, intp(16))]), f16.as_pointer()), align=4)
+            for j, (wo, we) in enumerate(wvs):
                 a = accs[j][i]
-                builder.store(builder.call(dp, [builder.load(a), wv, xv]), a)
+                builder.store(_fma(builder, we, xe, _fma(builder, wo, xo, builder.load(a))), a)
 
 
 def _make_bf16(rows: int, wrows: int):
@@ -567,11 +590,73 @@ def _make_panel(rows: int, wrows: int, dp: bool = False):
     return panel
 
 
+def _make_panel_part(rows: int, wrows: int, dp: bool = False):
+    """`_make_panel` over the columns k0 .. k1 only (matvec.py's column blocks note):
+    ``part(w, n, x, r0, k0, k1, state, sums, first, last, ahead)`` starts its accumulators at zero
+    (``first``) or from ``state`` (1-D float32, wrows * rows * lanes: where the part before left
+    them), runs the same steps, and then reduces them into ``sums`` as the panel does (``last``) or
+    stores them back into ``state``. The parts of k0 = 0 .. k in order give the panel's bits: the
+    same fused multiply-adds in the same order, the accumulators only parked in memory between."""
+    lanes = 16 if dp else _FLANES
+
+    @intrinsic
+    def part(typingctx, w, n, x, r0, k0, k1, state, sums, first, last, ahead):
+        if not (_dp_tile_types(w, x) if dp else _float_tile_types(w, x)):
+            return None
+        for a in (state, sums):
+            if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == types.float32):
+                return None
+        sig = types.none(w, n, x, r0, k0, k1, state, sums, first, last, ahead)
+
+        def codegen(context, builder, signature, args):
+            intp, _, wps, xps = _tile_rows(context, builder, signature, args, rows, wrows)
+            k0_, k1_, a_ = (context.cast(builder, args[i], signature.args[i], types.intp) for i in (4, 5, 10))
+            first_, last_ = (context.cast(builder, args[i], signature.args[i], types.boolean) for i in (8, 9))
+            vt = ir.VectorType(ir.FloatType(), lanes)
+            zero = ir.Constant(vt, [0.0] * lanes)
+            st = context.make_array(signature.args[6])(context, builder, args[6])
+            vp = vt.as_pointer()
+            slots = [[builder.bitcast(builder.gep(st.data, [intp((j * rows + i) * lanes)]), vp) for i in range(rows)]
+                     for j in range(wrows)]
+            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(rows)] for _ in range(wrows)]
+            with builder.if_then(builder.not_(first_)):
+                for j in range(wrows):
+                    for i in range(rows):
+                        builder.store(builder.load(slots[j][i], align=4), accs[j][i])
+            wdtype = signature.args[0].dtype
+            with builder.if_else(builder.icmp_signed(">", a_, intp(0))) as (far, near):
+                for block, prefetch in ((far, True), (near, False)):
+                    with block:
+                        if dp:
+                            _dp_steps(builder, intp, wps, xps, accs, k0_, k1_, a_, prefetch)
+                        else:
+                            _float_steps(builder, intp, wdtype, wps, xps, accs, k0_, k1_, a_, prefetch)
+            with builder.if_else(last_) as (done, park):
+                with done:
+                    vecs = _reduce_vectors(builder, [builder.load(accs[j][i]) for j in range(wrows) for i in range(rows)],
+                                           lanes)
+                    out = context.make_array(signature.args[7])(context, builder, args[7])
+                    for m, v in enumerate(vecs):
+                        builder.store(v, builder.bitcast(builder.gep(out.data, [intp(m * lanes)]), vp), align=4)
+                with park:
+                    for j in range(wrows):
+                        for i in range(rows):
+                            builder.store(builder.load(accs[j][i]), slots[j][i], align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return part
+
+
 # Prefill's panels (matvec.py's panel note): PANEL_ROWS activation rows x 1..PANEL_W weight rows
 PANEL_ROWS, PANEL_W = (8, 3) if _FLANES == 16 else (WIDE_ROWS, TILE_W)  # AVX-512: 24 of 32 registers; AVX2: the 3 x 3 tile
 PANEL_SUMS = -(-PANEL_ROWS * PANEL_W // _FLANES) * _FLANES  # floats a panel stores: whole vectors
 PANELS = {w: _make_panel(PANEL_ROWS, w) for w in range(1, PANEL_W + 1)}
 BF16_PANELS = {w: _make_panel(PANEL_ROWS, w, dp=True) for w in range(1, PANEL_W + 1)} if BF16_DOT else {}
+PANEL_PARTS = {w: _make_panel_part(PANEL_ROWS, w) for w in range(1, PANEL_W + 1)}
+BF16_PANEL_PARTS = {w: _make_panel_part(PANEL_ROWS, w, dp=True) for w in range(1, PANEL_W + 1)} if BF16_DOT else {}
+PANEL_STATE = PANEL_W * PANEL_ROWS * 16  # floats of a part's parked accumulators (16 lanes at most)
 
 
 @intrinsic
