@@ -455,30 +455,11 @@ WIDE_TILES = {(p, w): _make_float(WIDE_ROWS, w, prefetch=p) for p in (True, Fals
 # -- bf16 x bf16 dot products (AVX512-BF16) ------------------------------------------------------
 
 
-def _llvm_at_least(major: int) -> bool:
-    from llvmlite import binding
-
-    return binding.llvm_version_info[0] >= major
-
-
-# vdpbf16ps: the bf16 decode of 1-3 activation rows (the bf16 dot note). The intrinsic takes bfloat
-# vectors from LLVM 17 on (i32 pairs before); checked here on LLVM 22, so older LLVMs (numba < 0.62)
-# keep the widening path rather than risk a signature LLVM refuses.
-BF16_DOT = _target_has("avx512bf16") and _llvm_at_least(20)
-DP_STEP = 32  # bf16 columns per step of the bf16 tiles: one 512-bit vdpbf16ps
-
-
-class _BFloat(ir.Type):
-    """LLVM's ``bfloat`` (llvmlite.ir has no such type; its IR is text, so the name suffices)."""
-
-    def _to_string(self) -> str:
-        return "bfloat"
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _BFloat)
-
-    def __hash__(self) -> int:
-        return hash("bfloat")
+# The bf16 x bf16 products of every row (the bf16 dot and bf16 FMA notes), on CPUs with AVX512-BF16:
+# where llama.cpp's bf16 rounds the activations too. The steps are float32 FMAs (any AVX-512 CPU could
+# take them); other CPUs keep the widening path, float32 activations.
+BF16_DOT = _target_has("avx512bf16")
+DP_STEP = 32  # bf16 columns per step of the bf16 tiles: 16 lanes of bf16 pairs
 
 
 def _dp_steps(builder, intp, wps, xps, accs, k0, k1, ahead, prefetch: bool) -> None:
@@ -514,9 +495,8 @@ def _dp_steps(builder, intp, wps, xps, accs, k0, k1, ahead, prefetch: bool) -> N
 def _make_bf16(rows: int, wrows: int):
     @intrinsic
     def row_dots_bf16(typingctx, w, n, x, r0, k, ahead):
-        """`FLOAT_TILES`' tile for bf16 bits (uint16) on both sides, k a multiple of DP_STEP: each
-        step one ``llvm.x86.avx512bf16.dpbf16ps.512`` per (weight row, activation row), 32 products
-        summed into 16 float32 lanes. Only where BF16_DOT (LLVM cannot select it elsewhere)."""
+        """`FLOAT_TILES`' tile for bf16 weights (uint16 bits) against `_operand`'s bf16-rounded
+        activations, k a multiple of DP_STEP: `_dp_steps` (the bf16 FMA note). Only where BF16_DOT."""
         if not _dp_tile_types(w, x):
             return None
         sig = types.UniTuple(types.float32, wrows * rows)(w, n, x, r0, k, ahead)
