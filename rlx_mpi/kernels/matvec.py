@@ -17,6 +17,7 @@ from .rowdot import (AHEAD_BYTES, BF16_DOT, BF16_PANEL_PARTS, BF16_PANELS, BF16_
 
 __all__ = ["matvec_f32", "matmul_float", "float_product", "F32_MATVEC_ROWS", "BLOCK_ROWS"]
 
+X_BLOCK_BYTES = 1 << 19  # activations a row block holds (the row blocks note)
 COL_BLOCK_BYTES = 4096  # an activation row's bytes per column block (the column blocks note)
 PF_BLOCK_BYTES = 1 << 18  # weight blocks up to this size have the next one prefetched into L2 (the panel note)
 BLOCK_ROWS = 64  # weight rows a product walks for each group of activation rows (256 kB at K = 1024 f32: L2)
@@ -210,6 +211,15 @@ def _span(x, xb, w, out, n0, n1, ahead, r0=0):
 # Measured (quiet, 1 thread, 512 rows, 6 copies of the weight): K = 2816 125-128 -> 162-167
 # GFLOP/s (0.79x -> 0.88x of OpenBLAS); 2 kB blocks were slower (153 against 163 at K = 1024 when
 # blocked), so K = 1024 stays unblocked.
+# Row blocks (issue 36): each weight block runs against every group of activation rows, so at
+# 512 rows x 1024 columns (2 MB of activations beside a 256 kB weight block in a 2 MB L2) every
+# block streamed them from L3: 160 GFLOP/s against 173-178 at 128-256 rows. `matmul_float` now
+# hands the team X_BLOCK_BYTES of activation rows at a time (128 rows at K = 1024; weights read
+# once per row block, from L3), where column blocks leave the rows whole (K <= 1536). Every
+# element is still one panel's chain, so the same bits (tested). Measured (quiet, in process,
+# alternating, 4 copies of each weight, old = whole rows): 1 thread, 512 rows, K = 1024 160 ->
+# 175-177 GFLOP/s (256 kB blocks: 165-167); 256 rows 173 -> 176; 2 threads 316-319 -> 319-337;
+# at K = 2816 row blocks cost 9-17 % on top of column blocks, so none there.
 # bf16 on an AVX512-BF16 CPU was bound by vdpbf16ps (now fused multiply-adds: rowdot's bf16 FMA note) (the tile alone in L1: 105 GFLOP/s, about 2
 # cycles an instruction on this CPU), below what OpenBLAS made of dequantized float32 tiles at
 # 512 rows (110-115): the 6 x 4 tile 0.82-0.83x at 512 rows, 0.93-1.21x at 128.
@@ -392,7 +402,16 @@ def matmul_float(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     parts = max(1, min(pool_threads(), N // (2 * TILE_W)))
     cuts = [N * p // parts for p in range(parts + 1)]
     ahead = AHEAD_BYTES // w.itemsize
-    run_parts(_span_wide, [(x, xb, w, out, a, b, ahead) for a, b in zip(cuts, cuts[1:]) if b > a])
+    R = x.shape[0]
+    span = R  # row blocks for rows that column blocks leave whole (the row blocks note)
+    if 4 * x.shape[1] <= COL_BLOCK_BYTES + COL_BLOCK_BYTES // 2:
+        span = max(4 * PANEL_ROWS, X_BLOCK_BYTES // (4 * x.shape[1]) // PANEL_ROWS * PANEL_ROWS)
+    r0 = 0
+    while r0 < R:
+        r1 = R if R - r0 < span + span // 2 else r0 + span
+        run_parts(_span_wide, [(x[r0:r1], xb[r0:r1] if xb.size else xb, w, out[r0:r1], a, b, ahead)
+                               for a, b in zip(cuts, cuts[1:]) if b > a])
+        r0 = r1
     return out
 
 
