@@ -12,7 +12,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ._common import ERR, PARALLEL, check_f32
+from ._common import ERR, PARALLEL, aligned_empty, check_f32
 from .bits import as_f32
 
 __all__ = ["rms_norm", "silu_mul_", "swiglu", "rope"]
@@ -69,7 +69,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     check_f32("rms_norm weight", weight)
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm: weight shape {weight.shape} does not match x's last axis {x.shape[-1]}")
-    out = np.empty_like(x)
+    out = aligned_empty(x.shape, np.float32)  # (a product's input: no aligning copy, _common's alignment note)
     _rms_norm(x.reshape(-1, x.shape[-1]), weight, np.float32(eps), out.reshape(-1, x.shape[-1]))
     return out
 
@@ -89,7 +89,7 @@ def swiglu(gu: np.ndarray) -> np.ndarray:
     check_f32("swiglu", gu)
     if gu.ndim == 0 or gu.shape[-1] % 2:
         raise ValueError(f"swiglu: the last axis must be [gate | up] of even width, got {gu.shape}")
-    out = np.empty((*gu.shape[:-1], gu.shape[-1] // 2), np.float32)
+    out = aligned_empty((*gu.shape[:-1], gu.shape[-1] // 2), np.float32)  # (the down projection's input)
     _swiglu(gu.reshape(-1, gu.shape[-1]), out.reshape(-1, out.shape[-1]))
     return out
 

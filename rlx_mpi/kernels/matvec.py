@@ -10,7 +10,7 @@ import numpy as np
 from numba.core import types
 from numba.extending import overload
 
-from ._common import ERR, aligned, check_f32, pool_threads, run_parts
+from ._common import ERR, aligned, aligned_empty, check_f32, pool_threads, run_parts
 from .bits import as_f32, f16_exact, pack_bf16
 from .rowdot import (AHEAD_BYTES, BF16_DOT, BF16_PANEL_PARTS, BF16_PANELS, BF16_TILES, DP_STEP, FLOAT_TILES, PANEL_ROWS, PANEL_SUMS, PANEL_W,
                      PANEL_PARTS, PANEL_STATE, PANELS, ROWS, STEP, TILE_W, WIDE_TILES, prefetch_l2)
@@ -396,7 +396,7 @@ def matmul_float(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     the team does (`run_parts`: no numba pool spinning beside attention's team), each element the
     same as `_matvec_float` gives (the invariance note)."""
     x = aligned(x)  # (the alignment note in _common.py; w is its owner's to align)
-    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    out = aligned_empty((x.shape[0], w.shape[0]), np.float32)  # (often the next product's input)
     xb = aligned(_operand_nogil(x, w))
     N = w.shape[0]
     parts = max(1, min(pool_threads(), N // (2 * TILE_W)))
