@@ -284,11 +284,12 @@ def test_gemma3_converts_and_completes_as_transformers(tmp_path, gemma3):
             np.testing.assert_allclose([v for _, v in got["top"]], [v for _, v in step["top"]], atol=LOGPROB_TOL)
 
 
-def _teacher_forced(stage, completions) -> tuple[int, int, float]:
-    """(positions whose top-1 is the reference's, positions, largest |log-prob difference| of
-    the reference's top-1): prompt + reference tokens in one forward, each step's row scored."""
+def _teacher_forced(stage, completions) -> tuple[int, int, float, float]:
+    """(positions whose top-1 is the reference's, positions, largest and mean |log-prob
+    difference| of the reference's top-1): prompt + reference tokens in one forward, each step's
+    row scored."""
     agree = total = 0
-    worst = 0.0
+    worst = err = 0.0
     for c in completions:
         logits = stage.forward(np.array([c["prompt_ids"] + c["new_tokens"]]))[0].astype(np.float64)
         for i, step in enumerate(c["steps"]):
@@ -297,17 +298,22 @@ def _teacher_forced(stage, completions) -> tuple[int, int, float]:
             top = step["top"][0][0]
             agree += int(np.argmax(lp) == top)
             worst = max(worst, abs(lp[top] - step["top"][0][1]))
+            err += abs(lp[top] - step["top"][0][1])
             total += 1
-    return agree, total, worst
+    return agree, total, worst, err / max(total, 1)
 
 
 def test_gemma3_q4_rank_on_the_kept_groups(tmp_path, gemma3):
     """``precision = "q4"`` on Gemma 3's converted Q4_K_M (Q4_K groups held as they are, its Q5_0 /
     Q6_K tensors as int8 groups), teacher-forced over the fixture's 16 completion steps against
-    transformers (which dequantizes the same file): measured 14 / 16 top-1 and a log-prob moved by
-    up to 0.72. Most of that is the LM head: the file's embedding is stored as floats (the quant
-    contract), and a q4 rank quantizes it to q4 at load, which Gemma's tied 262144 x 640 head
-    does not take well; held as int8 instead, 16 / 16 and 0.19 (int8 precision: 16 / 16, 0.09)."""
+    transformers (which dequantizes the same file): measured 13-14 / 16 top-1 and a log-prob moved
+    by up to 0.69-0.77 (mean 0.16-0.18). Most of that is the LM head: the file's embedding is stored
+    as floats (the quant contract), and a q4 rank quantizes it to q4 at load, which Gemma's tied
+    262144 x 640 head does not take well; held as int8 instead, 16 / 16 and 0.12-0.22 (int8
+    precision: 16 / 16, 0.09). The top-1 count moves with any float32 rounding change upstream (q4
+    rounds each layer's activations to int8, so a last-bit change can move a value a whole step):
+    the 16-lane int8 sums of issue 36 took it from 14 to 13 (the flipped step's reference margin is
+    0.28 log-prob; its mean error fell 0.18 -> 0.16), so the mean error is bounded too."""
     from rlx_mpi import checkpoint as ck
     from rlx_mpi.families import family_for_model_type, get_family
     from rlx_mpi.families.decoder.weights import make_linear
@@ -325,8 +331,8 @@ def test_gemma3_q4_rank_on_the_kept_groups(tmp_path, gemma3):
         stage = family.build_stage(cfg, src, range(cfg.num_hidden_layers), True, True, precision="q4")
         embed = src.read("embed_tokens")
     assert stage.embed_tokens.precision == "q4" and stage.head is stage.embed_tokens
-    agree, total, worst = _teacher_forced(stage, ref["completions"])
-    assert total == 16 and agree >= 14 and worst <= 0.9, (agree, total, worst)
+    agree, total, worst, mean = _teacher_forced(stage, ref["completions"])
+    assert total == 16 and agree >= 13 and worst <= 0.9 and mean <= 0.25, (agree, total, worst, mean)
     stage.embed_tokens = stage.head = make_linear(embed, "int8")
-    agree, total, worst = _teacher_forced(stage, ref["completions"])
-    assert agree == total and worst <= 0.3, (agree, total, worst)
+    agree, total, worst, mean = _teacher_forced(stage, ref["completions"])
+    assert agree == total and worst <= 0.3 and mean <= 0.06, (agree, total, worst, mean)
