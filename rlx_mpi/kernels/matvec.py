@@ -220,9 +220,10 @@ def _span(x, xb, w, out, n0, n1, ahead, r0=0):
 # alternating, 4 copies of each weight, old = whole rows): 1 thread, 512 rows, K = 1024 160 ->
 # 175-177 GFLOP/s (256 kB blocks: 165-167); 256 rows 173 -> 176; 2 threads 316-319 -> 319-337;
 # at K = 2816 row blocks cost 9-17 % on top of column blocks, so none there.
-# bf16 on an AVX512-BF16 CPU was bound by vdpbf16ps (now fused multiply-adds: rowdot's bf16 FMA note) (the tile alone in L1: 105 GFLOP/s, about 2
+# bf16 on an AVX512-BF16 CPU was bound by vdpbf16ps (the tile alone in L1: 105 GFLOP/s, about 2
 # cycles an instruction on this CPU), below what OpenBLAS made of dequantized float32 tiles at
-# 512 rows (110-115): the 6 x 4 tile 0.82-0.83x at 512 rows, 0.93-1.21x at 128.
+# 512 rows (110-115): the 6 x 4 tile 0.82-0.83x at 512 rows, 0.93-1.21x at 128. Its steps are
+# now float32 fused multiply-adds in the same order (rowdot's bf16 FMA note).
 
 
 def _panel_stub(wrows: int):

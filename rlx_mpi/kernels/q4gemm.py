@@ -201,7 +201,9 @@ def _direct(typingctx, w, sm, xq, xs, n0, m0, tout, ahead, pbuf):
     next block's), per 4 groups each row's 64 bytes of codes take two ``vpdpbusd`` (lanes: group,
     dword), the 16 rows' int32 lanes are added and transposed into one vector per group (lanes:
     weight rows), the scales and minimums transposed likewise; then per group the tile's float
-    operations in its order, so the same bits (the decode note). Needs groups % 4 == 0."""
+    operations in its order, so the same bits (the decode note). The codes are read in a first
+    pass row by row, their ``vpdpbusd`` sums kept in ``pbuf`` (int32, (16 x groups / 4, 16)).
+    Needs groups % 4 == 0."""
     if not (isinstance(w, types.Array) and w.ndim == 2 and w.layout == "C" and w.dtype == types.uint32
             and isinstance(sm, types.Array) and sm.ndim == 2 and sm.layout == "C"
             and sm.dtype in (types.uint16, types.float32)

@@ -183,8 +183,9 @@ AHEAD_BYTES = 16384  # how far past the weights being read row_dots asks for the
 
 
 def _prefetch(builder, ptr, index, locality: int = 3) -> None:
-    """Ask for the cache line holding ptr[index] (a read, kept in every level): a hint that
-    never faults, so an index past the array's end is harmless."""
+    """Ask for the cache line holding ptr[index] (a read; ``locality`` 3: kept in every level,
+    2: from L2 on, ``prefetcht1``): a hint that never faults, so an index past the array's end is
+    harmless."""
     i8p = ir.IntType(8).as_pointer()
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
                                         "llvm.prefetch.p0i8")
@@ -524,6 +525,28 @@ BF16_TILES = {(r, w): _make_bf16(r, w) for r in (1, ROWS, WIDE_ROWS) for w in ra
 # -- prefill's panels: the tiles with their sums stored as vectors ------------------------------
 
 
+def _panel_steps(builder, intp, wdtype, wps, xps, accs, k0, k1, a_, dp: bool) -> None:
+    """A panel's steps over columns k0 .. k1: with the weights prefetched ``a_`` on where a_ > 0,
+    without where 0 (`_dp_steps` for bf16 x bf16, else `_float_steps`)."""
+    with builder.if_else(builder.icmp_signed(">", a_, intp(0))) as (far, near):
+        for block, prefetch in ((far, True), (near, False)):
+            with block:
+                if dp:
+                    _dp_steps(builder, intp, wps, xps, accs, k0, k1, a_, prefetch)
+                else:
+                    _float_steps(builder, intp, wdtype, wps, xps, accs, k0, k1, a_, prefetch)
+
+
+def _panel_sums(context, builder, intp, accs, aty, arr, lanes: int) -> None:
+    """Reduce a panel's accumulators (`_reduce_vectors`) and store the vectors as they are into
+    the 1-D float32 array ``arr`` (of type ``aty``): sum j * rows + i at that index."""
+    vecs = _reduce_vectors(builder, [builder.load(a) for row_accs in accs for a in row_accs], lanes)
+    out = context.make_array(aty)(context, builder, arr)
+    vp = ir.VectorType(ir.FloatType(), lanes).as_pointer()
+    for m, v in enumerate(vecs):
+        builder.store(v, builder.bitcast(builder.gep(out.data, [intp(m * lanes)]), vp), align=4)
+
+
 def _make_panel(rows: int, wrows: int, dp: bool = False):
     """Prefill's tile (matvec.py's panel note): ``panel(w, n, x, r0, k, sums, ahead)`` runs the
     steps of `_make_float` (``dp``: `_make_bf16`) over the first k columns of weight rows
@@ -549,20 +572,8 @@ def _make_panel(rows: int, wrows: int, dp: bool = False):
             k_, a_ = (context.cast(builder, args[i], signature.args[i], types.intp) for i in (4, 6))
             zero = ir.Constant(ir.VectorType(ir.FloatType(), lanes), [0.0] * lanes)
             accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(rows)] for _ in range(wrows)]
-            wdtype = signature.args[0].dtype
-            with builder.if_else(builder.icmp_signed(">", a_, intp(0))) as (far, near):
-                for block, prefetch in ((far, True), (near, False)):
-                    with block:
-                        if dp:
-                            _dp_steps(builder, intp, wps, xps, accs, intp(0), k_, a_, prefetch)
-                        else:
-                            _float_steps(builder, intp, wdtype, wps, xps, accs, intp(0), k_, a_, prefetch)
-            vecs = _reduce_vectors(builder, [builder.load(accs[j][i]) for j in range(wrows) for i in range(rows)],
-                                   lanes)
-            st = context.make_array(signature.args[5])(context, builder, args[5])
-            vec = ir.VectorType(ir.FloatType(), lanes).as_pointer()
-            for m, v in enumerate(vecs):
-                builder.store(v, builder.bitcast(builder.gep(st.data, [intp(m * lanes)]), vec), align=4)
+            _panel_steps(builder, intp, signature.args[0].dtype, wps, xps, accs, intp(0), k_, a_, dp)
+            _panel_sums(context, builder, intp, accs, signature.args[5], args[5], lanes)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -603,21 +614,10 @@ def _make_panel_part(rows: int, wrows: int, dp: bool = False):
                 for j in range(wrows):
                     for i in range(rows):
                         builder.store(builder.load(slots[j][i], align=4), accs[j][i])
-            wdtype = signature.args[0].dtype
-            with builder.if_else(builder.icmp_signed(">", a_, intp(0))) as (far, near):
-                for block, prefetch in ((far, True), (near, False)):
-                    with block:
-                        if dp:
-                            _dp_steps(builder, intp, wps, xps, accs, k0_, k1_, a_, prefetch)
-                        else:
-                            _float_steps(builder, intp, wdtype, wps, xps, accs, k0_, k1_, a_, prefetch)
+            _panel_steps(builder, intp, signature.args[0].dtype, wps, xps, accs, k0_, k1_, a_, dp)
             with builder.if_else(last_) as (done, park):
                 with done:
-                    vecs = _reduce_vectors(builder, [builder.load(accs[j][i]) for j in range(wrows) for i in range(rows)],
-                                           lanes)
-                    out = context.make_array(signature.args[7])(context, builder, args[7])
-                    for m, v in enumerate(vecs):
-                        builder.store(v, builder.bitcast(builder.gep(out.data, [intp(m * lanes)]), vp), align=4)
+                    _panel_sums(context, builder, intp, accs, signature.args[7], args[7], lanes)
                 with park:
                     for j in range(wrows):
                         for i in range(rows):
