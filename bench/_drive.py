@@ -1,4 +1,4 @@
-"""Warm forwards through the real stack: start-up once, then ``--reps`` `Cluster.drive` calls.
+"""Warm forwards through the real stack: start-up once, then ``--reps`` `drivers.run.drive` calls.
 
     mpiexec -n N python bench/_drive.py JOB.toml --reps 4 --out RUNS.json
 
@@ -21,7 +21,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    from rlx_mpi.cluster import Cluster
+    from rlx_mpi.cluster.start import Cluster
+    from rlx_mpi.drivers.run import drive
 
     cx = Cluster.from_path(args.job)
     ids = cx.load_inputs(None)
@@ -30,7 +31,7 @@ def main() -> None:
     cx.build()
     runs = []
     for i in range(args.reps + 1):
-        run = cx.drive(ids)
+        run = drive(cx, ids)
         if run is not None:
             runs.append({**run.to_dict(), "cold": i == 0})
     if runs:

@@ -33,7 +33,7 @@ from mpi4py import MPI
 
 from _machine import add_common_args, fmt_table, header, loadavg, machine, pct, quiet_gate, save_json
 from rlx_mpi import ReduceKind, all_reduce
-from rlx_mpi.faults import RankContext
+from rlx_mpi.lifecycle.faults import RankContext
 
 VARIANTS = ("deadline", "blocking", "raw")
 

@@ -168,7 +168,7 @@ def main() -> None:
     from threadpoolctl import threadpool_limits
 
     from rlx_mpi import kernels
-    from rlx_mpi.checkpoint import H5ParamSource
+    from rlx_mpi.model.checkpoint import H5ParamSource
     from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
     from rlx_mpi.families import convert_hf
 

@@ -84,7 +84,7 @@ def main() -> None:
         ckpt = Path(args.checkpoint) if args.checkpoint else folder / f"{args.preset}.h5"
         if not args.checkpoint:
             ensure_checkpoint(ckpt, args.preset)
-        from rlx_mpi.checkpoint import read_header
+        from rlx_mpi.model.checkpoint import read_header
         from rlx_mpi.families import get_family
 
         family, text = read_header(ckpt)

@@ -170,7 +170,7 @@ def gguf_weight_bytes(gguf_python: str, path: Path) -> float:
 
 def q4_resident_fraction(ckpt: Path) -> float:
     """Our q4 stage's resident weight bytes over the float32 bytes of the same tensors."""
-    from rlx_mpi.checkpoint import H5ParamSource, read_header
+    from rlx_mpi.model.checkpoint import H5ParamSource, read_header
     from rlx_mpi.families import get_family
 
     family_name, config_json = read_header(ckpt)

@@ -106,9 +106,9 @@ def _bytes_read(stages: dict, touched: float) -> float:
 
 
 def main() -> None:
-    from rlx_mpi.checkpoint import H5ParamSource
+    from rlx_mpi.model.checkpoint import H5ParamSource
     from rlx_mpi.families import get_family
-    from rlx_mpi.kv_cache import KvSpec
+    from rlx_mpi.model.kv_cache import KvSpec
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kind", default="mixtral", choices=["mixtral", "deepseek", "gpt_oss", "qwen3"])

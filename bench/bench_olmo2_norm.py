@@ -29,8 +29,8 @@ from mpi4py import MPI
 
 from _machine import add_common_args, fmt_table, header, loadavg, machine, quiet_gate, save_json
 from rlx_mpi import ReduceKind, all_reduce
-from rlx_mpi.checkpoint import part_bounds
-from rlx_mpi.faults import RankContext
+from rlx_mpi.model.checkpoint import part_bounds
+from rlx_mpi.lifecycle.faults import RankContext
 from rlx_mpi.families.decoder.model import projection_norm_, rms_norm
 from rlx_mpi.families.decoder.weights import make_linear
 

@@ -50,7 +50,7 @@ def pin(threads: int) -> None:
 
 
 def build(precision: str, ckpt: Path):
-    from rlx_mpi.checkpoint import H5ParamSource
+    from rlx_mpi.model.checkpoint import H5ParamSource
     from rlx_mpi.families.llama import PRESETS
     from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
     from rlx_mpi.families.decoder.arch import expected_shapes

@@ -236,7 +236,7 @@ def main() -> None:
         ckpt = Path(args.checkpoint) if args.checkpoint else (_MEDIUM if _MEDIUM.exists() else folder / "m.h5")
         if not ckpt.exists():
             ensure_checkpoint(ckpt, args.preset)
-        from rlx_mpi.checkpoint import read_header
+        from rlx_mpi.model.checkpoint import read_header
         from rlx_mpi.families import get_family
 
         family, text = read_header(ckpt)

@@ -90,7 +90,7 @@ def _requantize(stage, quantize, head_int8: bool) -> None:
 
 def accuracy(path: str, chunks: int, ctx: int = 256) -> dict:
     from rlx_mpi import kernels
-    from rlx_mpi.checkpoint import H5ParamSource, read_header
+    from rlx_mpi.model.checkpoint import H5ParamSource, read_header
     from rlx_mpi.families import get_family
 
     family_name, config_json = read_header(path)

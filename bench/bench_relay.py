@@ -20,10 +20,10 @@ import numpy as np
 from mpi4py import MPI
 
 from _machine import add_common_args, fmt_table, header, loadavg, machine, pct, quiet_gate, save_json
-from rlx_mpi import transport
-from rlx_mpi.executor import Executor, wire_codec_by_name
-from rlx_mpi.faults import RankContext
-from rlx_mpi.schedule import COMPUTE, POST_RECV, POST_SEND, WAIT_RECV, WAIT_SEND, Action
+from rlx_mpi.comm import transport
+from rlx_mpi.comm.executor import Executor, wire_codec_by_name
+from rlx_mpi.lifecycle.faults import RankContext
+from rlx_mpi.comm.schedule import COMPUTE, POST_RECV, POST_SEND, WAIT_RECV, WAIT_SEND, Action
 
 
 def relay_schedule(rank: int) -> list[Action]:

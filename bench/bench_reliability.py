@@ -19,8 +19,8 @@ import numpy as np
 from mpi4py import MPI
 
 from _machine import add_common_args, header, machine, quiet_gate, save_json
-from rlx_mpi.checkpoint import H5ParamSource
-from rlx_mpi.faults import RankContext, agree, check_finite
+from rlx_mpi.model.checkpoint import H5ParamSource
+from rlx_mpi.lifecycle.faults import RankContext, agree, check_finite
 from rlx_mpi.families.llama import PRESETS
 from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
 from rlx_mpi.families.llama import FAMILY as _LLAMA

@@ -32,7 +32,8 @@ sys.path.insert(0, str(HERE))
 def worker(args) -> None:
     import numpy as np
 
-    from rlx_mpi.cluster import Cluster
+    from rlx_mpi.cluster.start import Cluster
+    from rlx_mpi.drivers.run import drive
     from rlx_mpi.drivers.score import ScoreDriver, ScoreOptions, plan_rounds
 
     class Flags:
@@ -57,7 +58,7 @@ def worker(args) -> None:
     cx = Cluster.start(args.job, driver)
     runs, scores = [], []
     for i in range(args.reps + 1):
-        r = cx.drive(driver.ids)
+        r = drive(cx, driver.ids)
         s = cx.run(driver)
         if cx.is_root and i > 0:
             runs.append(r.tokens_per_s)

@@ -30,8 +30,8 @@ import numpy as np
 from mpi4py import MPI
 
 from _machine import add_common_args, fmt_table, header, loadavg, machine, pct, quiet_gate, save_json
-from rlx_mpi import transport
-from rlx_mpi.faults import RankContext
+from rlx_mpi.comm import transport
+from rlx_mpi.lifecycle.faults import RankContext
 
 VARIANTS = ("ours", "raw", "raw-nb")
 

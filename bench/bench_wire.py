@@ -18,7 +18,7 @@ import time
 import numpy as np
 from _machine import add_common_args, fmt_table, header, machine, pct, save_json, wait_quiet
 
-from rlx_mpi import wire
+from rlx_mpi.comm import wire
 
 
 def _time(fn, inner: int) -> float:

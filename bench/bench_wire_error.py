@@ -34,8 +34,8 @@ def main() -> None:
     ap.add_argument("--mpiexec", default=default_mpiexec())
     ap.add_argument("--json")
     args = ap.parse_args()
-    from rlx_mpi.executor import wire_error_bound
-    from rlx_mpi.wire import get_codec
+    from rlx_mpi.comm.executor import wire_error_bound
+    from rlx_mpi.comm.wire import get_codec
 
     ckpt = Path(f"/tmp/rlx_bench_{args.preset}.h5")
     ensure_checkpoint(ckpt, args.preset)

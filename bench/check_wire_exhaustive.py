@@ -15,7 +15,7 @@ import warnings
 
 import numpy as np
 
-from rlx_mpi import wire
+from rlx_mpi.comm import wire
 
 
 def main() -> int:

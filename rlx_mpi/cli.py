@@ -40,7 +40,7 @@ class _Parser(argparse.ArgumentParser):
     (`launch.refuse`, which also ends an MPMD launch whose other ranks accepted theirs)."""
 
     def error(self, message: str):
-        from .launch import UsageError
+        from .lifecycle.launch import UsageError
 
         raise UsageError(self.format_usage(), f"{self.prog}: {message}; see {self.prog} --help")
 
@@ -221,7 +221,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from .shards import merge
+    from .io.shards import merge
 
     done = merge(args.out, args.shards)
     print(f"merge: {done['rows']} rows of {done['shards']} shards in {args.out}")
@@ -235,7 +235,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_score(args) -> int:
-    from .cluster import Cluster
+    from .cluster.start import Cluster
     from .drivers.score import ScoreDriver
 
     driver = ScoreDriver(args)
@@ -249,7 +249,7 @@ def cmd_score(args) -> int:
 
 def _on_the_cluster(args, driver) -> int:
     """The shared start-up, the driver's work and its report (`cluster.py`, `drivers/`)."""
-    from .cluster import Cluster
+    from .cluster.start import Cluster
 
     cx = Cluster.start(args.job, driver, debug=args.debug, log_dir=args.log_dir)
     if cx is None:  # nothing left to do (a batch file's failed lines still give its exit code)
@@ -259,7 +259,7 @@ def _on_the_cluster(args, driver) -> int:
 
 def cmd_trace(args) -> int:
     """Summarise a trace file and, with --png, draw it."""
-    from .trace import gantt_png, load_trace, summary
+    from .io.trace import gantt_png, load_trace, summary
 
     doc = load_trace(args.trace)
     print(summary(doc))
@@ -302,7 +302,7 @@ def cmd_init_model(args) -> int:
 
 
 def cmd_compile_kernels(args) -> int:
-    from .precompile import compile_report
+    from .drivers.precompile import compile_report
 
     print("\n".join(compile_report()))
     return 0
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None, *, supervise: bool = False) -> int:
     """Parse ``argv`` and run its command through `launch.run` (MPI commands under the MPI
     lifecycle); ``supervise`` (the console script's choice) forks each MPI rank under its
     supervisor (`rlx_mpi.supervisor`). Returns the exit code."""
-    from . import launch
+    from .lifecycle import launch
 
     try:
         args = _parser().parse_args(argv)
@@ -343,7 +343,7 @@ def entry() -> None:
         code = 0
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: a traceback from each says nothing
         code = 130
-    from . import supervisor
+    from .lifecycle import supervisor
 
     supervisor.done()  # the normal end: any other end of a rank is a fault its supervisor reports
     sys.exit(code)

@@ -22,9 +22,8 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 from .errors import ConfigError
 from . import rules
-from .kv_cache import KvSpec
 from .rules import WIRE_FORMATS
-from .supervisor import DEFAULT_STARTUP_TIMEOUT_S
+from .rules import DEFAULT_STARTUP_TIMEOUT_S
 
 __all__ = ["PlacementPolicy", "Precision", "ModelSection", "RunSection",
            "PlacementSection", "RankOverride", "GenerateSection", "JobConfig", "load_job", "parse_job",
@@ -61,6 +60,39 @@ class Precision(str, enum.Enum):
         return {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "int8": 1.0 + 4.0 / 64, "q4": 0.5 + 4.0 / 32}[self.value]
 
 
+
+
+
+@dataclass(frozen=True)
+class KvSpec:
+    """A parsed ``kv_cache`` setting: ``none``, ``full`` or ``window:W``."""
+
+    policy: str = "full"  # "none" | "full" | "window"
+    window: int = 0  # W, only with policy "window"
+
+    @classmethod
+    def parse(cls, text: object, where: str) -> "KvSpec":
+        if isinstance(text, str):
+            if text in ("none", "full"):
+                return cls(text)
+            head, _, tail = text.partition(":")
+            if head == "window" and tail.isdigit() and int(tail) > 0:
+                return cls("window", int(tail))
+        raise ConfigError(where, f"got {text!r}", 'expected "none", "full" or "window:W" with W >= 1 (e.g. "window:256")')
+
+    def __str__(self) -> str:
+        return f"window:{self.window}" if self.policy == "window" else self.policy
+
+    @property
+    def recompute(self) -> bool:
+        """True when decode steps must recompute the prefix (no cache)."""
+        return self.policy == "none"
+
+    def cache_len(self, max_seq: int) -> int:
+        """Positions a cache row holds for sequences of up to ``max_seq`` tokens."""
+        if self.policy == "none":
+            return 0
+        return min(self.window, max_seq) if self.policy == "window" else max_seq
 
 
 @dataclass(frozen=True)

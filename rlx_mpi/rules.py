@@ -4,7 +4,7 @@ Each function raises the project's error (`errors.py`: one line ``<where>: <what
 code 2) naming ``where``, the flag or job-file key the value came from; the caller chooses
 ``where``, the rule chooses the words. Rules of one input only (a job file's key range, an
 output path) live beside that input (`config.py`, `outputs.py`); the start-up deadline's
-default is `supervisor.DEFAULT_STARTUP_TIMEOUT_S`; preset names are `families.require_preset`.
+default is `DEFAULT_STARTUP_TIMEOUT_S` below; preset names are `families.require_preset`.
 
 Note: numpy-free and import-light, so `config.py` and `cli.py` use it before a rank is known
 to have a working numpy.
@@ -18,7 +18,9 @@ from .errors import ConfigError, InputError
 
 __all__ = ["PRECISIONS", "WIRE_FORMATS", "precision_name", "tp_divides_ranks", "stages_fit_layers",
            "manual_ranges_tile", "seq_fits", "ids_array", "microbatches_fit", "int_at_least", "at_most",
-           "token_in_vocab", "LOGPROBS_MAX", "replicas_value", "replicas_divide"]
+           "token_in_vocab", "LOGPROBS_MAX", "replicas_value", "replicas_divide", "DEFAULT_STARTUP_TIMEOUT_S"]
+
+DEFAULT_STARTUP_TIMEOUT_S = 600.0  # [run] startup_timeout_s: the one default (also before the job file is read)
 
 PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")  # how a rank holds its weights (config.Precision)
 _PRECISION_ALIASES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # numpy-style spellings

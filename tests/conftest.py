@@ -142,7 +142,7 @@ def write_job(dir, name: str = "job.toml", **sections) -> Path:
 
 _WARM_NUMBA = (  # two halves of about equal compile time (cold: 28 s together, 48 s one after the other)
     """
-from rlx_mpi import kernels, wire
+from rlx_mpi import kernels; from rlx_mpi.comm import wire
 from rlx_mpi.families.decoder import ops
 kernels.warm_up(); ops.warm_up(); wire.warm_up(); kernels.warm_up_decode_layer("f32")
 kernels.warm_up_experts("f32")  # every MoE family's routing and decode (the MPI tests run them in f32)

@@ -24,12 +24,12 @@ import signal
 import time
 from pathlib import Path
 
-from rlx_mpi import checkpoint
+from rlx_mpi.model import checkpoint
 from rlx_mpi.families.llama import FAMILY as LLAMA
 from rlx_mpi.families.llama import PRESETS
 from rlx_mpi.families.decoder.family import random_tensors as _random_tensors
 from rlx_mpi.families import register_family
-from rlx_mpi.stage import Stage
+from rlx_mpi.model.stage import Stage
 
 __all__ = ["FaultyFamily", "FaultyStage", "write_checkpoint", "NAME"]
 

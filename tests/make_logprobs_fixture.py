@@ -1,5 +1,5 @@
 """Make tests/fixtures/logprobs_torch.npz: torch.log_softmax of random float32 logits (the
-reference for rlx_mpi.sampling.logprobs). Run with /work/torchvenv/bin/python."""
+reference for rlx_mpi.engine.sampling.logprobs). Run with /work/torchvenv/bin/python."""
 import sys
 import numpy as np
 import torch

@@ -1,5 +1,5 @@
 """Make ``tests/fixtures/score_hf_tiny_llama.npz``: transformers' teacher-forced log-likelihood
-of ``hf_tiny_llama``'s input ids, the reference for `rlx_mpi.scoring`.
+of ``hf_tiny_llama``'s input ids, the reference for `rlx_mpi.io.scoring`.
 
 Run once, by hand, in the torch venv: ``/work/torchvenv/bin/python tests/make_score_fixture.py``.
 Saves the per-token log-probs ``token_logprobs`` (B, T-1) = log_softmax(logits)[t-1, ids[t]]
@@ -20,7 +20,7 @@ model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
 ids = torch.from_numpy(np.load(os.path.join(src, "input_ids.npy")))
 with torch.no_grad():
     out = model(ids, labels=ids)
-# the per-token values from logits.npy itself (what the tests feed rlx_mpi.scoring), the loss
+# the per-token values from logits.npy itself (what the tests feed rlx_mpi.io.scoring), the loss
 # from this run of the model (its logits equal logits.npy to float32 rounding)
 logits_ref = torch.from_numpy(np.load(os.path.join(src, "logits.npy")))
 diff = float((out.logits - logits_ref).abs().max())

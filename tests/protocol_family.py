@@ -17,11 +17,11 @@ import time
 
 import numpy as np
 
-from rlx_mpi import checkpoint
+from rlx_mpi.model import checkpoint
 from rlx_mpi.errors import ConfigError, InputError
-from rlx_mpi.placement import ModelCost
+from rlx_mpi.model.cost import ModelCost
 from rlx_mpi.families import register_family
-from rlx_mpi.stage import ModelDims, Stage
+from rlx_mpi.model.stage import ModelDims, Stage
 
 __all__ = ["NAME", "ProtoFamily", "write_checkpoint", "reference", "greedy"]
 

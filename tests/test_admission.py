@@ -1,4 +1,4 @@
-"""The one admission path (`rlx_mpi.admission`) without MPI: lookup, waiting on promised blocks,
+"""The one admission path (`rlx_mpi.engine.admission`) without MPI: lookup, waiting on promised blocks,
 attach/publish/release, and score's per-round plan (`plan_reuse`) replayed against a model of the
 stages' pool: every ATTACH must read the tokens the row has at those positions, saved by an
 earlier microbatch, however small the pool."""
@@ -6,9 +6,9 @@ earlier microbatch, however small the pool."""
 import numpy as np
 import pytest
 
-from rlx_mpi import admission
-from rlx_mpi.block_pool import BlockPool
-from rlx_mpi.kv_cache import ATTACH, SAVE
+from rlx_mpi.engine import admission
+from rlx_mpi.engine.block_pool import BlockPool
+from rlx_mpi.model.kv_cache import ATTACH, SAVE
 
 B = 4  # positions per block: small numbers keep the cases readable
 

@@ -9,14 +9,14 @@ import pytest
 
 pytest.importorskip("tokenizers", reason="the 'text' extra (tokenizers) is not installed")
 
-from rlx_mpi.batch_io import (CHAT_URL, COMPLETIONS_URL, MAX_N, format_result, read_requests,  # noqa: E402
+from rlx_mpi.io.batch_io import (CHAT_URL, COMPLETIONS_URL, MAX_N, format_result, read_requests,  # noqa: E402
                               stop_text)
 from rlx_mpi.errors import InputError  # noqa: E402
-from rlx_mpi.identity import RunIdentity, digest_of, prompt_digest  # noqa: E402
-from rlx_mpi.prompts import Prompt, read_prompts  # noqa: E402
-from rlx_mpi.tokenizer import load_tokenizer  # noqa: E402
-from rlx_mpi.sampling import RowSettings, SamplingParams, prompt_key, sample, sample_id, sample_rows  # noqa: E402
-from rlx_mpi.scheduler import Scheduler  # noqa: E402
+from rlx_mpi.io.identity import RunIdentity, digest_of, prompt_digest  # noqa: E402
+from rlx_mpi.io.prompts import Prompt, read_prompts  # noqa: E402
+from rlx_mpi.io.tokenizer import load_tokenizer  # noqa: E402
+from rlx_mpi.engine.sampling import RowSettings, SamplingParams, prompt_key, sample, sample_id, sample_rows  # noqa: E402
+from rlx_mpi.engine.scheduler import Scheduler  # noqa: E402
 
 LIMITS = dict(vocab_size=512, max_positions=64, max_new_tokens=8)
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
@@ -194,7 +194,7 @@ def test_digests_cover_a_rows_settings_and_stay_as_before_without(tmp_path, tok)
 
 
 def test_the_jobs_seed_is_in_the_identity_once_a_row_samples(monkeypatch):
-    import rlx_mpi.identity as identity
+    import rlx_mpi.io.identity as identity
 
     monkeypatch.setattr(identity, "model_identity", lambda checkpoint: {"family": "llama"})
     greedy = SamplingParams(0.0, 0, 1.0, 7)

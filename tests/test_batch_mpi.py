@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, write_job
-from rlx_mpi.batch_io import CHAT_URL, COMPLETIONS_URL, EXIT_SOME_FAILED
+from rlx_mpi.io.batch_io import CHAT_URL, COMPLETIONS_URL, EXIT_SOME_FAILED
 from rlx_mpi.families import convert_hf
 
 pytestmark = pytest.mark.mpi

@@ -1,11 +1,11 @@
-"""The prefix cache's bookkeeping (`rlx_mpi.block_pool`): hash-chain keys, reference counts,
+"""The prefix cache's bookkeeping (`rlx_mpi.engine.block_pool`): hash-chain keys, reference counts,
 LRU eviction under a full pool. Pure, no MPI."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlx_mpi.block_pool import BlockPool, chain_keys
+from rlx_mpi.engine.block_pool import BlockPool, chain_keys
 
 
 def _fill(pool: BlockPool, tokens) -> list[int]:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli, write_job
-from rlx_mpi.caps import (NodeCaps, cgroup_memory, cpu_share, format_caps, host_memory, launcher_tasks,
+from rlx_mpi.lifecycle.launch import launcher_tasks
+from rlx_mpi.cluster.caps import (NodeCaps, cgroup_memory, cpu_share, format_caps, host_memory,
                           mpi_versions_differ, slurm_memory)
 
 GB = 10**9
@@ -89,7 +90,7 @@ def test_host_memory_takes_the_tightest(tmp_path):
     total, available = host_memory({"SLURM_MEM_PER_NODE": "1024"}, proc, sys_)
     assert total == 2**30 and available <= 2**30
     total, available = host_memory({}, proc, sys_)
-    from rlx_mpi.caps import _meminfo
+    from rlx_mpi.cluster.caps import _meminfo
 
     assert total == min(4 * GB, _meminfo()["MemTotal"]) and available <= 3 * GB
 

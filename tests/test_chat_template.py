@@ -22,8 +22,8 @@ pytest.importorskip("tokenizers", reason="the 'text' extra (tokenizers) is not i
 pytest.importorskip("jinja2", reason="the 'text' extra (jinja2) is not installed")
 
 from rlx_mpi.errors import EXIT_BAD_INPUT, InputError  # noqa: E402
-from rlx_mpi.prompts import read_prompts  # noqa: E402
-from rlx_mpi.tokenizer import eos_ids_beside, load_tokenizer  # noqa: E402
+from rlx_mpi.io.prompts import read_prompts  # noqa: E402
+from rlx_mpi.io.tokenizer import eos_ids_beside, load_tokenizer  # noqa: E402
 
 FAMILIES = Path(__file__).parent / "fixtures" / "families"
 LIMITS = dict(vocab_size=384, max_positions=256, max_new_tokens=8)

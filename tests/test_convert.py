@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 import pytest
 
-from rlx_mpi.checkpoint import H5ParamSource, read_header
+from rlx_mpi.model.checkpoint import H5ParamSource, read_header
 from rlx_mpi.errors import CheckpointError, ConfigError
 from rlx_mpi.families.decoder.arch import Arch as LlamaConfig
 from rlx_mpi.families.decoder.arch import expected_shapes

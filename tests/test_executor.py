@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from rlx_mpi.drivers.run import microbatch_bounds
-from rlx_mpi.executor import Executor
-from rlx_mpi.faults import RankContext
-from rlx_mpi.schedule import forward_schedule
-from rlx_mpi.wire import get_codec
+from rlx_mpi.comm.executor import Executor
+from rlx_mpi.lifecycle.faults import RankContext
+from rlx_mpi.comm.schedule import forward_schedule
+from rlx_mpi.comm.wire import get_codec
 
 
 class MailLink:

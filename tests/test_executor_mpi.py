@@ -122,8 +122,8 @@ def test_protocol_only_family_runs(runs):
 
 @pytest.mark.parametrize("wire", ["bf16", "f16"])
 def test_half_wire_within_bound(runs, ids, f32_one, wire):
-    from rlx_mpi.executor import wire_error_bound
-    from rlx_mpi.wire import get_codec
+    from rlx_mpi.comm.executor import wire_error_bound
+    from rlx_mpi.comm.wire import get_codec
 
     bound = wire_error_bound(get_codec(wire), hops=RANKS - 1)
     for m in (1, 2, 3):
@@ -139,7 +139,7 @@ def test_half_wire_within_bound(runs, ids, f32_one, wire):
 
 def test_trace_one_lane_per_rank_and_gantt(tmp_path, runs):
     from conftest import run_cli
-    from rlx_mpi.trace import bubble, load_trace, spans_from_trace, validate_trace
+    from rlx_mpi.io.trace import bubble, load_trace, spans_from_trace, validate_trace
 
     _, stats, _, d = runs.get("trace")  # --trace d/trace.json, microbatches = 3, wire = bf16
     path = d / "trace.json"

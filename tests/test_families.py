@@ -16,14 +16,14 @@ import pytest
 
 from conftest import TESTS, run_cli
 from rlx_mpi import kernels
-from rlx_mpi.checkpoint import H5ParamSource, part_bounds, read_header, write_checkpoint
+from rlx_mpi.model.checkpoint import H5ParamSource, part_bounds, read_header, write_checkpoint
 from rlx_mpi.errors import CheckpointError, ConfigError
 from rlx_mpi.families import family_for_model_type, get_family
 from rlx_mpi.families.decoder import ops
 from rlx_mpi.families.decoder.arch import Arch
 from rlx_mpi.families.decoder.rope import inv_freq
-from rlx_mpi.kv_cache import KvSpec
-from rlx_mpi.stage import TensorParallel
+from rlx_mpi.model.kv_cache import KvSpec
+from rlx_mpi.model.stage import TensorParallel
 
 FAMILIES = TESTS / "fixtures" / "families"
 CASES = ["llama3", "llama_linear", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope", "gemma2", "mixtral",
@@ -486,10 +486,10 @@ def test_moe_cost_counts_every_expert_bytes_but_topk_flops():
 
 
 def test_mixtral_8x7b_bf16_fits_4_ranks_of_32gb_as_2_stages_tp2():
-    from rlx_mpi.caps import NodeCaps
+    from rlx_mpi.cluster.caps import NodeCaps
     from rlx_mpi.config import PlacementPolicy
-    from rlx_mpi.placement import FitError, plan_placement
-    from rlx_mpi.topology import make_grid
+    from rlx_mpi.cluster.placement import FitError, plan_placement
+    from rlx_mpi.comm.topology import make_grid
 
     cfg = get_family("mixtral").config_from_shape(
         {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336, "vocab": 32000,
@@ -552,10 +552,10 @@ def test_qwen3_235b_plans_on_256_and_512_gb_nodes():
     """bf16 (470 GB of weights): one 512 GB node, or two 256 GB nodes as 2 stages (or 2 x tp 2);
     int8 (~250 GB with its block scales): one node of either size. The KV cache of 4k tokens
     (385 MB per 1k: 94 layers x K and V of 4 x 128, float32) is included."""
-    from rlx_mpi.caps import NodeCaps
+    from rlx_mpi.cluster.caps import NodeCaps
     from rlx_mpi.config import PlacementPolicy
-    from rlx_mpi.placement import FitError, plan_placement
-    from rlx_mpi.topology import make_grid
+    from rlx_mpi.cluster.placement import FitError, plan_placement
+    from rlx_mpi.comm.topology import make_grid
 
     cfg = get_family("qwen3_moe").presets["qwen3-235b-a22b"]
     assert cfg.kv_bytes_per_token() == 94 * 2 * 4 * 128 * 4
@@ -859,7 +859,7 @@ def test_mixed_steps_match_transformers(converted, case):
     of 7 beside it, one pass over the weights per step (`model.MixedKv`); every decode token's
     logits and each chunk's last real token match transformers' full forward (a window layer's
     ring of 8 wraps on both rows). The base class's default (decode, then prefill) agrees."""
-    from rlx_mpi.stage import Stage
+    from rlx_mpi.model.stage import Stage
 
     family, cfg, path = converted(case)
     ref = reference(case)

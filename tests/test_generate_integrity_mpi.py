@@ -25,7 +25,7 @@ import pytest
 
 from conftest import run_cli, write_job
 from helpers import LaunchAhead, in_pairs, pids_matching, rows_of
-from rlx_mpi.identity import meta_path
+from rlx_mpi.io.identity import meta_path
 from rlx_mpi.families import convert_hf
 from rlx_mpi.families.llama import FAMILY as _LLAMA
 from rlx_mpi.families.llama import PRESETS

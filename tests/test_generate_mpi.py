@@ -12,9 +12,9 @@ import pytest
 
 from conftest import kill_tree, run_cli, start_cli, write_job
 from helpers import LaunchAhead, faulty_ckpt, in_pairs, rows_of  # noqa: F401 (a fixture)
-from rlx_mpi.checkpoint import H5ParamSource
-from rlx_mpi.journal import REQUEUE_EXIT
-from rlx_mpi.kv_cache import KvSpec
+from rlx_mpi.model.checkpoint import H5ParamSource
+from rlx_mpi.io.journal import REQUEUE_EXIT
+from rlx_mpi.model.kv_cache import KvSpec
 from rlx_mpi.families.llama import PRESETS
 from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
 from rlx_mpi.families import convert_hf

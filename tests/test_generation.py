@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from rlx_mpi import kernels
-from rlx_mpi.checkpoint import H5ParamSource
+from rlx_mpi.model.checkpoint import H5ParamSource
 from rlx_mpi.errors import ConfigError
-from rlx_mpi.scheduler import DECODE, PREFILL, Scheduler, chunk_start, read_header
-from rlx_mpi.kv_cache import KvSpec
+from rlx_mpi.engine.scheduler import DECODE, PREFILL, Scheduler, chunk_start, read_header
+from rlx_mpi.model.kv_cache import KvSpec
 from rlx_mpi.families.llama import PRESETS
 from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
 from rlx_mpi.families import convert_hf
-from rlx_mpi.sampling import SamplingParams, prompt_key, sample
+from rlx_mpi.engine.sampling import SamplingParams, prompt_key, sample
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -299,7 +299,7 @@ def test_scheduler_mixes_new_rows_chunks_into_the_decoding_rows_steps():
     """With ``mixed``, a row admitted beside a decoding row is prefilled 4 positions per step in
     the decoding row's own steps (MIXED: the decode token first, then the chunk, right-padded);
     the decoding row gets a token every step, the new row only from its last chunk."""
-    from rlx_mpi.scheduler import MIXED, decode_rows
+    from rlx_mpi.engine.scheduler import MIXED, decode_rows
 
     s = Scheduler([(0, "a", (1, 2)), (1, "b", (3, 4)), (2, "c", tuple(range(1, 10)))], groups=1, batch=2,
                   max_new_tokens=4, eos_ids=frozenset({99}), recompute=False, prefill_chunk=4, mixed=True)
@@ -324,7 +324,7 @@ def test_scheduler_bounds_a_mixed_steps_prefill_positions_by_the_chunk():
     """Three rows joining one decoding row share a budget of ``prefill_chunk`` positions a step
     (the rows furthest behind first, at least one), so the decoding row's step never grows past one
     chunk; the three start decoding together once all are prefilled, and every token is kept."""
-    from rlx_mpi.scheduler import MIXED
+    from rlx_mpi.engine.scheduler import MIXED
 
     prompts = [(0, "a", (1,)), (1, "b", (2,)), (2, "c", (3,)), (3, "d", (4,)),
                (4, "e", tuple(range(10, 16))), (5, "f", tuple(range(20, 26))), (6, "g", tuple(range(30, 36)))]
@@ -369,7 +369,7 @@ def test_scheduler_rides_a_new_groups_chunks_in_other_groups_decode_steps():
     """A group whose rows are all new parks while 2 (= stages) other groups decode, and its
     chunks ride in their decode steps, one in flight at a time; with fewer decoding it prefills
     in its own steps (a stage would idle). Every prompt still gets all its tokens, in order."""
-    from rlx_mpi.scheduler import MIXED
+    from rlx_mpi.engine.scheduler import MIXED
 
     prompts = [(0, "a", (1,)), (1, "b", (2,)), (2, "c", (3, 4, 5, 6, 7)), (3, "d", (8, 9, 10, 11, 12, 13))]
     s = Scheduler(prompts, groups=3, batch=1, max_new_tokens=4, eos_ids=frozenset(), recompute=False,
@@ -399,11 +399,11 @@ def test_scheduler_recompute_prefills_whole_sequences():
 def test_planner_sees_the_kv_cache():
     """KV bytes per layer are 2 (K, V) x slots x positions kept x kv width x 4 bytes, and a
     plan that fits without the cache does not fit with it."""
-    from rlx_mpi.caps import NodeCaps
+    from rlx_mpi.cluster.caps import NodeCaps
     from rlx_mpi.config import PlacementPolicy
     from rlx_mpi.errors import FitError
-    from rlx_mpi.placement import kv_cost
-    from rlx_mpi.placement import plan_placement
+    from rlx_mpi.model.cost import kv_cost
+    from rlx_mpi.cluster.placement import plan_placement
 
     cfg = PRESETS["small"]
     slots, seq = 16, 1024
@@ -429,7 +429,7 @@ def test_decode_ring_never_deadlocks(n_stages, groups):
     min(g, stages) stages compute at once: a step's send is waited only when its group sends
     again, so a stage never sits in a rendezvous send while another group is ready for it (with
     the send waited at once, at most two stages computed together however many groups)."""
-    from rlx_mpi.schedule import COMPUTE, decode_ring, simulate
+    from rlx_mpi.comm.schedule import COMPUTE, decode_ring, simulate
 
     rounds = 4
     steps = simulate([decode_ring(s, n_stages, groups, rounds) for s in range(n_stages)])
@@ -534,7 +534,7 @@ def test_logprobs_flag_over_the_job_and_its_bounds(tmp_path):
 
 
 def test_split_batch_gives_every_group_rows_when_few_are_queued():
-    from rlx_mpi.scheduler import split_batch
+    from rlx_mpi.engine.scheduler import split_batch
 
     assert split_batch(8, 2, 8) == 4  # the issue's case: one group of 8 became two of 4
     assert split_batch(9, 2, 8) == 5 and split_batch(4, 2, 4) == 2 and split_batch(1, 4, 8) == 1

@@ -25,7 +25,7 @@ import pytest
 gguf = pytest.importorskip("gguf")  # the [gguf] extra (in [test]): CI always has it
 
 from conftest import run_cli  # noqa: E402
-from rlx_mpi.checkpoint import H5ParamSource, read_header  # noqa: E402
+from rlx_mpi.model.checkpoint import H5ParamSource, read_header  # noqa: E402
 from rlx_mpi.errors import CheckpointError, ConfigError  # noqa: E402
 from rlx_mpi.families import get_family  # noqa: E402
 from rlx_mpi.families.decoder.arch import expected_shapes  # noqa: E402
@@ -390,7 +390,7 @@ def test_cli_converts_and_logs_per_type(tmp_path, good_gguf):
     with h5py.File(out, "r") as f:
         assert f["layers/0/up_proj/codes"].dtype == np.int8 and f["layers/0/q_proj"].attrs["dtype"] == "bfloat16"
     # the tokenizer stored beside it reads back through tokenizer.load_tokenizer: one byte a token here
-    from rlx_mpi.tokenizer import load_tokenizer
+    from rlx_mpi.io.tokenizer import load_tokenizer
 
     tok = load_tokenizer(out)
     assert tok.encode("A b") == [ord("A") - 32, ord(" ") - 32, ord("b") - 32] and tok.decode([33, 66]) == "Ab"

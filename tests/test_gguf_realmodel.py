@@ -137,7 +137,7 @@ def test_q4_1_tensors_are_kept_as_4bit_groups(smollm2, converted):
 
 
 def test_tokenizer_gives_transformers_ids(converted, reference):
-    from rlx_mpi.tokenizer import load_tokenizer
+    from rlx_mpi.io.tokenizer import load_tokenizer
 
     tok = load_tokenizer(converted["q4"])
     for case in reference["texts"]:

@@ -1,4 +1,6 @@
-"""No import cycle inside rlx_mpi: every ``import``/``from ... import`` of a package module,
+"""The layers of rlx_mpi and no import cycle: every package module belongs to one layer of
+`LAYERS` and imports only from its own layer or lower ones (ARCHITECTURE.md draws the same
+table); and no cycle: every ``import``/``from ... import`` of a package module,
 at module level or inside a function (a lazy import is still an edge: it only moves the cycle
 to run time), walked with `ast`. A cycle is what makes a newcomer unable to say which module
 is below which; the fix is to move the shared piece down, not to hide the import."""
@@ -10,14 +12,48 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "rlx_mpi"
 
+# lowest first; a module may import its own layer and the layers before it, never one after
+LAYERS = [
+    ("kernels", ["kernels"]),  # numba kernels: a leaf
+    ("base", ["errors", "rules", "tags", "config", "outputs"]),  # plain data, the rules, the job file
+    ("lifecycle", ["lifecycle"]),  # one rank's life: supervisor, MPI start/end, faults, signals
+    ("comm", ["comm"]),  # bytes between ranks: transport, collectives, schedule, executor, tags
+    ("model", ["model"]),  # the family contract, checkpoint, KV cache, cost
+    ("engine", ["engine"]),  # rows through steps (pure): records, scheduler, admission, sampling
+    ("io", ["io"]),  # files in and out: prompts, tokenizer, journal, identity, stats, trace
+    ("families", ["families"]),  # the decoder and the family modules, the checkpoint readers
+    ("cluster", ["cluster"]),  # start-up every MPI command shares, caps, placement
+    ("drivers", ["drivers"]),  # one module per command
+    ("entry", ["", "cli", "__main__"]),  # the package's lazy names, the command line
+]
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PKG.parent).with_suffix("").parts
+
+def layer_of(name: str) -> int:
+    rest = name.split(".", 1)[1] if "." in name else ""
+    head = rest.split(".", 1)[0]
+    for i, (_, heads) in enumerate(LAYERS):
+        if head in heads:
+            return i
+    raise AssertionError(f"{name} is in no layer of tests/test_imports.py's LAYERS: add it to one")
+
+
+def upward(g: dict[str, set[str]]) -> list[str]:
+    """Every import of a higher layer, as 'module (layer) -> module (layer)'."""
+    out = []
+    for n, deps in sorted(g.items()):
+        for d in sorted(deps):
+            if layer_of(d) > layer_of(n):
+                out.append(f"{n} ({LAYERS[layer_of(n)][0]}) -> {d} ({LAYERS[layer_of(d)][0]})")
+    return out
+
+
+def module_name(path: Path, pkg: Path = PKG) -> str:
+    parts = path.relative_to(pkg.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in PKG.rglob("*.py")}
+def modules(pkg: Path = PKG) -> dict[str, Path]:
+    return {module_name(p, pkg): p for p in pkg.rglob("*.py")}
 
 
 def imports_of(name: str, path: Path, known: set[str], missing: list | None = None) -> set[str]:
@@ -77,9 +113,28 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def graph() -> dict[str, set[str]]:
-    mods = modules()
+def graph(pkg: Path = PKG) -> dict[str, set[str]]:
+    mods = modules(pkg)
     return {n: imports_of(n, p, set(mods)) for n, p in mods.items()}
+
+
+def test_no_layer_imports_a_higher_one():
+    assert upward(graph()) == []
+
+
+def test_a_planted_upward_import_is_caught(tmp_path):
+    """A copy of the package with one module of `comm` importing a driver: the check names it."""
+    import shutil
+
+    copy = tmp_path / "rlx_mpi"
+    shutil.copytree(PKG, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "comm" / "planted.py").write_text("def f():\n    from ..drivers import generate\n")
+    assert upward(graph(copy)) == ["rlx_mpi.comm.planted (comm) -> rlx_mpi.drivers.generate (drivers)"]
+
+
+def test_every_module_has_a_layer():
+    for n in modules():
+        layer_of(n)
 
 
 def test_no_import_cycle():
@@ -96,7 +151,7 @@ def test_every_package_import_names_a_module():
 
 def test_the_walk_sees_relative_and_lazy_imports():
     g = graph()
-    assert "rlx_mpi.families" in g["rlx_mpi.cluster"]  # module level, relative
+    assert "rlx_mpi.families" in g["rlx_mpi.cluster.start"]  # module level, relative
     assert "rlx_mpi.drivers.run" in g["rlx_mpi.cli"]  # inside a function
-    assert "rlx_mpi.transport" in g["rlx_mpi.drivers.run"]  # `from .. import transport`
+    assert "rlx_mpi.comm.transport" in g["rlx_mpi.drivers.run"]  # `from .. import transport`
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]

@@ -19,8 +19,8 @@ import pytest
 
 from helpers import rows_of
 from rlx_mpi.errors import EXIT_BAD_INPUT, InputError
-from rlx_mpi.journal import REQUEUE_EXIT, Journal
-from rlx_mpi.prompts import Prompt
+from rlx_mpi.io.journal import REQUEUE_EXIT, Journal
+from rlx_mpi.io.prompts import Prompt
 
 
 def prompts(n: int, prefix: str = "p") -> list[Prompt]:
@@ -151,7 +151,7 @@ def test_a_file_system_without_locks_is_said_once_at_info_with_its_name(tmp_path
     import errno
     import fcntl
 
-    from rlx_mpi import journal
+    from rlx_mpi.io import journal
 
     def no_lock(fd, op):  # what flock gives on a Lustre mount without -o flock
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
@@ -212,8 +212,8 @@ def test_fsync_at_most_every_sync_s(tmp_path, monkeypatch):
 
 WRITER = textwrap.dedent("""
     import random, sys, time
-    from rlx_mpi.journal import Journal
-    from rlx_mpi.prompts import Prompt
+    from rlx_mpi.io.journal import Journal
+    from rlx_mpi.io.prompts import Prompt
     n, big, every, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     ps = [Prompt(i, f"p{i}", (1,), None) for i in range(n)]
     def row(i):
@@ -344,8 +344,8 @@ def test_a_pipe_is_refused_without_opening_it(tmp_path):
 
 # -- what made the rows (issue 17, finding 2) ------------------------------------------------------
 
-from rlx_mpi.identity import NUMERICS, RunIdentity, meta_path, model_identity  # noqa: E402
-from rlx_mpi.sampling import SamplingParams  # noqa: E402
+from rlx_mpi.io.identity import NUMERICS, RunIdentity, meta_path, model_identity  # noqa: E402
+from rlx_mpi.engine.sampling import SamplingParams  # noqa: E402
 
 
 def ident(ckpt, **kw) -> RunIdentity:
@@ -504,7 +504,7 @@ def test_a_record_that_is_not_ours_is_refused_and_moving_it_aside_resumes(tmp_pa
 def test_a_settled_journal_decides_and_writes_only_after_settle(tmp_path, tiny_ckpt, caplog):
     ps, out = prompts(3), tmp_path / "C.jsonl"
     half_done(out, ps, ident(tiny_ckpt).with_settings(precision="f32"))
-    with caplog.at_level(logging.INFO, logger="rlx_mpi.journal"):
+    with caplog.at_level(logging.INFO, logger="rlx_mpi.io.journal"):
         j = Journal(out, ps, identity=ident(tiny_ckpt), settle=True)
         assert "resuming" not in caplog.text  # nothing said before the decision
         with pytest.raises(ValueError, match="not settled"):
@@ -615,8 +615,8 @@ def test_the_sidecar_never_replaces_an_input(tmp_path):
 # -- settings stated per rank, said per layer (issue 36) ----------------------------------------------
 
 from rlx_mpi.config import parse_job  # noqa: E402
-from rlx_mpi.identity import layout_settings  # noqa: E402
-from rlx_mpi.placement import Assignment  # noqa: E402
+from rlx_mpi.io.identity import layout_settings  # noqa: E402
+from rlx_mpi.cluster.placement import Assignment  # noqa: E402
 
 
 def _plan(*stages, replicas=1):
@@ -682,7 +682,7 @@ def test_a_finished_file_made_another_way_is_not_called_done(tmp_path, tiny_ckpt
 def test_the_tokenizer_and_chat_template_are_part_of_the_identity(tmp_path, tiny_ckpt):
     from types import SimpleNamespace
 
-    from rlx_mpi.identity import beside_settings
+    from rlx_mpi.io.identity import beside_settings
 
     assert beside_settings(None) == {"tokenizer": "none", "chat template": "none"}
     f = tmp_path / "tokenizer.json"

@@ -415,7 +415,7 @@ def test_a_decode_step_checks_its_rows_once_for_every_layer():
     """The slots and positions of a decode step are checked when the step is made (the layers'
     attention then skips the reductions): a bad slot or position is refused there, named."""
     from rlx_mpi.families.decoder.model import KvStep
-    from rlx_mpi.kv_cache import KvSpec, LayerCache
+    from rlx_mpi.model.kv_cache import KvSpec, LayerCache
 
     caches = [LayerCache(3, 2, 8, 4) for _ in range(2)]
     specs = [KvSpec("full")] * 2

@@ -113,7 +113,7 @@ def test_every_rank_stalling_before_mpi_prints_one_line(tmp_path, tiny_ckpt, kin
 def test_the_first_report_claim_is_held_until_its_holder_lets_go():
     """`watcher.first_report`: the first caller on this host and launcher holds the claim; a second is
     told to stay quiet; once the holder is gone (its process dies) the claim is free again."""
-    from rlx_mpi import watcher
+    from rlx_mpi.lifecycle import watcher
 
     first, yes = watcher.first_report()
     try:
@@ -130,7 +130,7 @@ def test_the_first_report_claim_is_held_until_its_holder_lets_go():
 def test_the_start_up_deadline_counts_from_the_process_start():
     """`watcher.launched_at`: this process's start on the monotonic clock, before now and not after the
     test session began (a fork-time clock would be later than the session's start)."""
-    from rlx_mpi import watcher
+    from rlx_mpi.lifecycle import watcher
 
     started = watcher.launched_at()
     assert started <= time.monotonic()

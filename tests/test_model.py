@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from rlx_mpi.checkpoint import H5ParamSource
+from rlx_mpi.model.checkpoint import H5ParamSource
 from rlx_mpi.families.decoder.arch import Arch as LlamaConfig
 from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
 from rlx_mpi.families.llama import FAMILY, PRESETS

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from rlx_mpi.kv_cache import ATTACH, SAVE, SET, KvSpec
+from rlx_mpi.model.kv_cache import ATTACH, SAVE, SET, KvSpec
 
 BS = 16  # block size of these tests (block_pool.BLOCK_SIZE)
 
@@ -165,10 +165,10 @@ def _paged_equals_slots(make, ids: np.ndarray, kv: KvSpec, steps: int) -> None:
 
 def test_a_real_stage_is_bitwise_the_same_paged(tiny_ckpt):
     """The tiny Llama (its decode steps take the fused one-call layer)."""
-    from rlx_mpi.checkpoint import H5ParamSource
+    from rlx_mpi.model.checkpoint import H5ParamSource
     from rlx_mpi.families.decoder.stage import DecoderStage
     from rlx_mpi.families.llama import PRESETS
-    from rlx_mpi.kv_cache import PagedCache
+    from rlx_mpi.model.kv_cache import PagedCache
 
     cfg = PRESETS["tiny"]
 
@@ -190,7 +190,7 @@ def test_latent_and_window_layers_paged(tmp_path, case):
     rings stay slots, copied to and from their own pool) beside paged full layers."""
     from test_families import FAMILIES, build
     from rlx_mpi.families import family_for_model_type
-    from rlx_mpi.kv_cache import LayerCache, PagedCache
+    from rlx_mpi.model.kv_cache import LayerCache, PagedCache
 
     raw = json.loads((FAMILIES / case / "config.json").read_text())
     if case == "gemma3":  # a window of a block or more keeps a pool (kv_cache.prefix_cacheable); the fixture's is 8
@@ -253,8 +253,8 @@ class PagedFakeStage:
 def run_paged(prompts, *, blocks: int | None, size=4, groups=1, batch=3, chunk=4, new=3, mixed=True):
     """Stage 0's loop over a `PagedFakeStage` (``blocks`` None: no pool, slot rows, test_prefix_cache's
     FakeStage): (rows by id, positions computed, scheduler)."""
-    from rlx_mpi.block_pool import BlockPool
-    from rlx_mpi.scheduler import Scheduler
+    from rlx_mpi.engine.block_pool import BlockPool
+    from rlx_mpi.engine.scheduler import Scheduler
     from test_prefix_cache import drive, run
 
     if blocks is None:
@@ -306,8 +306,8 @@ def test_mixed_lengths_admit_more_rows_under_the_same_budget():
 
 
 def test_admission_is_by_blocks():
-    from rlx_mpi.block_pool import BlockPool
-    from rlx_mpi.scheduler import admit_blocks, row_blocks
+    from rlx_mpi.engine.block_pool import BlockPool
+    from rlx_mpi.engine.scheduler import admit_blocks, row_blocks
 
     assert row_blocks(16, 1, 16) == 1 and row_blocks(16, 2, 16) == 2 and row_blocks(1, 16, 16) == 1
     pool = BlockPool(5, 4)

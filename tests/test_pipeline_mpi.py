@@ -15,7 +15,7 @@ import threading
 
 from conftest import TESTS, run_cli, write_job
 from helpers import LaunchAhead
-from rlx_mpi.checkpoint import H5ParamSource
+from rlx_mpi.model.checkpoint import H5ParamSource
 from rlx_mpi.families.llama import PRESETS
 from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
 from rlx_mpi.families import convert_hf

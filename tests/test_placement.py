@@ -8,10 +8,11 @@ import random
 
 import pytest
 
-from rlx_mpi.caps import NodeCaps
+from rlx_mpi.cluster.caps import NodeCaps
 from rlx_mpi.config import PlacementPolicy as P
 from rlx_mpi.errors import ConfigError, FitError
-from rlx_mpi.placement import Assignment, ModelCost, format_plan, plan_placement
+from rlx_mpi.cluster.placement import Assignment, format_plan, plan_placement
+from rlx_mpi.model.cost import ModelCost
 
 GB = 10**9
 

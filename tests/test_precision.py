@@ -9,7 +9,7 @@ import pytest
 
 from helpers import bf16_read
 from rlx_mpi import kernels
-from rlx_mpi.checkpoint import H5ParamSource
+from rlx_mpi.model.checkpoint import H5ParamSource
 from rlx_mpi.families.decoder.arch import expected_shapes
 from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
 from rlx_mpi.families.decoder.weights import Linear, make_linear
@@ -252,7 +252,7 @@ def test_bf16_checkpoint_round_trip(tiny_pair):
 
 
 def test_read_converts_in_blocks(tiny_pair, monkeypatch):
-    import rlx_mpi.checkpoint as ck
+    import rlx_mpi.model.checkpoint as ck
 
     monkeypatch.setattr(ck, "_CONVERT_ROWS_BYTES", 1000)  # many small blocks
     shapes = expected_shapes(PRESETS["tiny"])

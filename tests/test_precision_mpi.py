@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, write_job
-from rlx_mpi.checkpoint import H5ParamSource
+from rlx_mpi.model.checkpoint import H5ParamSource
 from rlx_mpi.families.llama import PRESETS
 from rlx_mpi.families.decoder.stage import DecoderStage as LlamaStage
 

@@ -11,9 +11,9 @@ import zlib
 import numpy as np
 import pytest
 
-from rlx_mpi.block_pool import BlockPool
-from rlx_mpi.kv_cache import ATTACH, SAVE
-from rlx_mpi.scheduler import DECODE, MIXED, Scheduler
+from rlx_mpi.engine.block_pool import BlockPool
+from rlx_mpi.model.kv_cache import ATTACH, SAVE
+from rlx_mpi.engine.scheduler import DECODE, MIXED, Scheduler
 
 
 def _kv(seq) -> int:

@@ -86,7 +86,7 @@ def _attached_equals_chunked(st, ids: np.ndarray, kv, max_seq: int, steps: int) 
     prompt without the pool in the same chunks (a row's numbers still depend on how its positions
     are batched, issue #36: the reference is chunked where the reuse cuts). Slot 2's logits and
     ``steps`` decode steps equal slot 0's bit for bit, and are within 1e-5 of a whole prefill."""
-    from rlx_mpi.kv_cache import ATTACH, SAVE
+    from rlx_mpi.model.kv_cache import ATTACH, SAVE
 
     L = ids.shape[1]
     st.reset(4, max_seq, kv)
@@ -123,10 +123,10 @@ def test_block_copies_keep_a_real_stage_row_bitwise(tiny_ckpt, kv):
     ring has lost positions 0..15 by the end of its prefill, the attaching row's ring must hold
     the last 24 of the 32 (the decode steps go past the window). A window shorter than a block
     has no pool."""
-    from rlx_mpi.checkpoint import H5ParamSource
+    from rlx_mpi.model.checkpoint import H5ParamSource
     from rlx_mpi.families.decoder.stage import DecoderStage
     from rlx_mpi.families.llama import PRESETS
-    from rlx_mpi.kv_cache import KvSpec
+    from rlx_mpi.model.kv_cache import KvSpec
 
     cfg = PRESETS["tiny"]
     with H5ParamSource(tiny_ckpt) as src:
@@ -141,7 +141,7 @@ def test_latent_attention_pools_its_latents(tmp_path):
     K and V per head: `decoder.mla`) goes through the pool the same way (the families fixture)."""
     from test_families import FAMILIES, build
     from rlx_mpi.families import family_for_model_type
-    from rlx_mpi.kv_cache import KvSpec
+    from rlx_mpi.model.kv_cache import KvSpec
 
     raw = json.loads((FAMILIES / "deepseek_v3" / "config.json").read_text())
     family = family_for_model_type(raw["model_type"])

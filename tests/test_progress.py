@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from rlx_mpi.progress import Progress, format_duration
+from rlx_mpi.lifecycle.progress import Progress, format_duration
 
 
 class Clock:

@@ -8,8 +8,8 @@ import pickle
 import pytest
 
 from rlx_mpi.errors import EXIT_BAD_INPUT, InputError
-from rlx_mpi.prompts import Prompt, read_prompts
-from rlx_mpi.tokenizer import load_tokenizer
+from rlx_mpi.io.prompts import Prompt, read_prompts
+from rlx_mpi.io.tokenizer import load_tokenizer
 
 LIMITS = dict(vocab_size=100, max_positions=32, max_new_tokens=8)
 

@@ -1,4 +1,4 @@
-"""The core goes through the family contract only: a family written to `rlx_mpi.stage.ModelFamily`
+"""The core goes through the family contract only: a family written to `rlx_mpi.model.stage.ModelFamily`
 alone (tests/protocol_family.py, nothing from Llama) plans, converts, makes a random model and
 generates; its ``run`` is in test_executor_mpi.py. Its numbers are checked against naive numpy."""
 
@@ -27,7 +27,7 @@ def test_plan_unknown_family_is_one_line(capsys):
 
 
 def test_init_model_and_convert_pick_the_family(tmp_path, capsys):
-    from rlx_mpi.checkpoint import read_header
+    from rlx_mpi.model.checkpoint import read_header
 
     assert cli.main(["init-model", str(tmp_path / "r.h5"), "--preset", "proto-tiny"]) == 0
     name, cfg = read_header(tmp_path / "r.h5")

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import run_cli, write_job
 from rlx_mpi import kernels
-from rlx_mpi.checkpoint import H5ParamSource, write_checkpoint
+from rlx_mpi.model.checkpoint import H5ParamSource, write_checkpoint
 from rlx_mpi.config import Precision
 from rlx_mpi.errors import CheckpointError, ConfigError
 from rlx_mpi.families.decoder.arch import expected_shapes
@@ -446,7 +446,7 @@ def test_q4_generation_fused_layer_is_the_layer_path(q4_files):
     path's logits bit for bit, and each step is within the activations' rounding of a full forward
     of the same prefix (measured 0.022 on this random model: a rounding flip of one int8 group
     moves what follows; int8's int16 activations 3e-5)."""
-    from rlx_mpi.kv_cache import KvSpec
+    from rlx_mpi.model.kv_cache import KvSpec
 
     prompt = np.random.default_rng(10).integers(0, 512, (1, 8))
     steps = []
@@ -559,7 +559,7 @@ def test_cli_convert_and_init_model_write_q4(tmp_path):
     """``convert --dtype q4`` of a Hugging Face directory and ``init-model --dtype q4`` write the
     contract's groups; a q4 rank reads them as the weights it would quantize at load itself."""
     from conftest import TESTS
-    from rlx_mpi.checkpoint import read_header
+    from rlx_mpi.model.checkpoint import read_header
     from rlx_mpi.families import get_family
 
     src = TESTS / "fixtures" / "families" / "qwen2"  # biases, tied embeddings
@@ -625,9 +625,10 @@ def test_planned_bytes_are_the_loaded_arrays(tmp_path, q4_files, precision, file
     `placement.with_held_scales`) are the loaded stage's arrays' nbytes, to the byte (int()
     of a float product: within 1): a Q4_K_M-like file's float32 pairs and int8 blocks of 16
     (0.75 and 1.25 bytes a weight) included, which the nominal 0.625 of q4 undercounted."""
-    from rlx_mpi.caps import NodeCaps
+    from rlx_mpi.cluster.caps import NodeCaps
     from rlx_mpi.config import PlacementPolicy
-    from rlx_mpi.placement import plan_placement, with_held_scales
+    from rlx_mpi.cluster.placement import plan_placement
+    from rlx_mpi.model.cost import with_held_scales
 
     path = {"mixed": mixed_file(tmp_path, q4_files), "q4": q4_files / "q4_whole.h5"}.get(file)
     if path is None:
@@ -663,7 +664,7 @@ def test_q4_rank_keeps_q8_groups_as_int8_where_unfused(tmp_path, q4_files):
         q_codes, q_sm = src.read_q4("layers/0/q_proj")
     assert np.array_equal(st.blocks[0].qkv.data[:64], q_codes) and np.array_equal(st.blocks[0].qkv.scale[:64], q_sm)
     assert np.isfinite(st.forward(np.array([[3, 1, 4, 1, 5]]))).all()
-    from rlx_mpi.kv_cache import KvSpec
+    from rlx_mpi.model.kv_cache import KvSpec
 
     steps = []
     for fused in (st._fused_rows, 0):  # the one-call decode layer types each product by its weight

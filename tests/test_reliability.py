@@ -18,7 +18,7 @@ import pytest
 from conftest import toml_text
 from rlx_mpi.config import parse_job
 from rlx_mpi.errors import CheckpointError, ConfigError, DeadlineExpired, RankFault, WriteFailed
-from rlx_mpi.faults import RankContext, bounded, check_finite
+from rlx_mpi.lifecycle.faults import RankContext, bounded, check_finite
 from rlx_mpi.families.llama import PRESETS
 from rlx_mpi.families.decoder.arch import Arch as LlamaConfig
 from rlx_mpi.outputs import check_output, check_outputs, write_output
@@ -99,7 +99,7 @@ def test_devices_and_fifos_are_written_through(tmp_path):
 
 def test_unreadable_checkpoint_says_permission_denied(tmp_path, monkeypatch):
     """Not "cannot open as HDF5 ... copy it again" (root cannot be denied, so open() is faked)."""
-    from rlx_mpi import checkpoint
+    from rlx_mpi.model import checkpoint
 
     path = tmp_path / "m.h5"
     path.write_bytes(b"x")
@@ -126,7 +126,7 @@ def test_bounded_returns_raises_or_expires():
 
 
 def test_a_start_up_wait_names_startup_timeout_s():
-    from rlx_mpi.faults import wait
+    from rlx_mpi.lifecycle.faults import wait
 
     class Never:
         def Test(self):  # noqa: N802
@@ -194,9 +194,9 @@ def test_job_file_with_a_byte_order_mark_loads(tmp_path):
 
 
 def test_planner_refuses_absurd_layer_counts():
-    from rlx_mpi.caps import NodeCaps
+    from rlx_mpi.cluster.caps import NodeCaps
     from rlx_mpi.config import PlacementPolicy
-    from rlx_mpi.placement import plan_placement
+    from rlx_mpi.cluster.placement import plan_placement
 
     cfg = dataclasses.replace(PRESETS["tiny"], num_hidden_layers=10**7)
     caps = [NodeCaps(rank=0, host="h", local_rank=0, local_size=1, cpus=None, ram_total_bytes=None,
@@ -211,7 +211,7 @@ def test_planner_refuses_absurd_layer_counts():
 
 CHILD = """
 import os, sys, time
-from rlx_mpi import supervisor
+from rlx_mpi.lifecycle import supervisor
 supervisor.supervise()
 what = sys.argv[1]
 if what != "silent":
@@ -225,7 +225,7 @@ if what.endswith("-term"):  # the launcher ends the job: SIGTERM to the supervis
     if what == "code2-term":
         supervisor.exiting(2)
     elif what == "keep2-term":
-        from rlx_mpi import launch
+        from rlx_mpi.lifecycle import launch
         launch._keep_exit_code(2)
     os.kill(os.getppid(), 15); time.sleep(20)
 if what in ("stop", "silent"):
@@ -264,7 +264,7 @@ def test_the_launch_path_imports_no_numpy():
     """Everything a rank runs before and around its supervisor's fork, and the code that
     reports a failure, must work on a node whose numpy (numba, h5py) is broken or hangs on
     import: the package __init__ is lazy (PEP 562), faults imports numpy where it uses it."""
-    code = ("import sys, rlx_mpi, rlx_mpi.cli, rlx_mpi.supervisor, rlx_mpi.faults, rlx_mpi.errors\n"
+    code = ("import sys, rlx_mpi, rlx_mpi.cli, rlx_mpi.lifecycle.supervisor, rlx_mpi.lifecycle.faults, rlx_mpi.errors\n"
             "print(sorted(m for m in ('numpy', 'numba', 'h5py', 'mpi4py') if m in sys.modules))\n"
             "from rlx_mpi import Cluster, all_reduce, RlxError, plan_placement\n"
             "print(sorted(n for n in rlx_mpi.__all__ if not hasattr(rlx_mpi, n)))\n")
@@ -277,7 +277,7 @@ def test_a_launched_rank_lets_openblas_threads_sleep_soon():
     """launch.run sets OPENBLAS_THREAD_TIMEOUT before numpy loads (OpenBLAS reads it then; see
     launch.py's note: its spinning threads slowed the decode steps after a prefill), keeps a
     value the user set, and leaves the variable alone once numpy is loaded (it would be a lie)."""
-    code = ("import os, sys, rlx_mpi.launch as l\n"
+    code = ("import os, sys, rlx_mpi.lifecycle.launch as l\n"
             "l._quiet_blas_threads(); print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))\n")
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
 

@@ -5,12 +5,13 @@ import re
 
 import pytest
 
-from rlx_mpi.caps import NodeCaps
+from rlx_mpi.cluster.caps import NodeCaps
 from rlx_mpi.cli import main
 from rlx_mpi.config import PlacementPolicy, parse_job
 from rlx_mpi.errors import ConfigError, FitError
-from rlx_mpi.placement import ModelCost, plan_grid
-from rlx_mpi.topology import replica_grids
+from rlx_mpi.cluster.placement import plan_grid
+from rlx_mpi.model.cost import ModelCost
+from rlx_mpi.comm.topology import replica_grids
 
 LLAMA3_8B = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--intermediate", "14336",
              "--vocab", "128256", "--dtype", "bfloat16"]
@@ -144,7 +145,7 @@ def test_plan_refuses_replicas_that_do_not_divide(capsys):
 # -- --shard K/N and merge (no MPI: journals written directly) ------------------------------------
 
 def test_shards_are_contiguous_near_equal_parts():
-    from rlx_mpi.shards import parse_shard, shard_range
+    from rlx_mpi.io.shards import parse_shard, shard_range
 
     assert [shard_range(11, k, 3) for k in (1, 2, 3)] == [range(0, 3), range(3, 7), range(7, 11)]
     assert sum((list(shard_range(100, k, 7)) for k in range(1, 8)), []) == list(range(100))
@@ -153,8 +154,8 @@ def test_shards_are_contiguous_near_equal_parts():
         with pytest.raises(ConfigError, match="w: got"):
             parse_shard(bad, "w")
     from rlx_mpi.errors import InputError
-    from rlx_mpi.prompts import Prompt
-    from rlx_mpi.shards import select
+    from rlx_mpi.io.prompts import Prompt
+    from rlx_mpi.io.shards import select
 
     prompts = [Prompt(i, f"q{i}", (i,), None) for i in range(5)]
     part, record = select(prompts, (2, 2), "p.jsonl")
@@ -165,10 +166,10 @@ def test_shards_are_contiguous_near_equal_parts():
 
 
 def _journals(tmp_path, n_shards, rows=10, identity_settings=None, finish=True):
-    from rlx_mpi.identity import RunIdentity
-    from rlx_mpi.journal import Journal
-    from rlx_mpi.prompts import Prompt
-    from rlx_mpi.shards import select
+    from rlx_mpi.io.identity import RunIdentity
+    from rlx_mpi.io.journal import Journal
+    from rlx_mpi.io.prompts import Prompt
+    from rlx_mpi.io.shards import select
 
     prompts = [Prompt(i, f"q{i}", (i, i + 1), None) for i in range(rows)]
     ident = RunIdentity("generate", {"family": "x"}, identity_settings or {"temperature": 0.0})
@@ -184,8 +185,8 @@ def _journals(tmp_path, n_shards, rows=10, identity_settings=None, finish=True):
 
 
 def test_merge_joins_shards_into_the_one_job_file(tmp_path):
-    from rlx_mpi.identity import meta_path
-    from rlx_mpi.shards import merge
+    from rlx_mpi.io.identity import meta_path
+    from rlx_mpi.io.shards import merge
 
     whole, = _journals(tmp_path, 1)
     parts = _journals(tmp_path, 3)
@@ -196,7 +197,7 @@ def test_merge_joins_shards_into_the_one_job_file(tmp_path):
 
 def test_merge_refuses_unfinished_foreign_and_unsharded_inputs(tmp_path):
     from rlx_mpi.errors import InputError
-    from rlx_mpi.shards import merge
+    from rlx_mpi.io.shards import merge
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -214,10 +215,10 @@ def test_merge_refuses_unfinished_foreign_and_unsharded_inputs(tmp_path):
 
 def test_a_shard_output_resumes_only_as_that_shard(tmp_path):
     from rlx_mpi.errors import InputError
-    from rlx_mpi.identity import RunIdentity
-    from rlx_mpi.journal import Journal
-    from rlx_mpi.prompts import Prompt
-    from rlx_mpi.shards import select
+    from rlx_mpi.io.identity import RunIdentity
+    from rlx_mpi.io.journal import Journal
+    from rlx_mpi.io.prompts import Prompt
+    from rlx_mpi.io.shards import select
 
     parts = _journals(tmp_path, 3)
     prompts = [Prompt(i, f"q{i}", (i, i + 1), None) for i in range(10)]

@@ -160,7 +160,7 @@ def test_a_failing_replica_is_named_and_the_rows_written_resume(tmp_path, faulty
 def test_three_shards_merged_are_the_unsharded_output(tmp_path, tiny_ckpt, capsys):
     """score (byte for byte, file and record) and generate (rows but their timings), 3 shards each;
     one shard given twice, a missing one and another run's shard are refused."""
-    from rlx_mpi.identity import meta_path
+    from rlx_mpi.io.identity import meta_path
 
     # --batch 1: every line a microbatch of its own, so a shard's packing is the whole file's
     score = [lambda k=k: launch(tmp_path, tiny_ckpt, "score", 1, 1, tmp_path / f"s{k}.jsonl", "--batch", 1,
@@ -228,7 +228,7 @@ def test_stop_signal_with_replicas_then_resume_on_another_count(tmp_path, tiny_c
     import signal
 
     from conftest import start_cli
-    from rlx_mpi.journal import REQUEUE_EXIT
+    from rlx_mpi.io.journal import REQUEUE_EXIT
 
     # the signal is sent at the first row; rank 0 holds from then until it comes (a step delay was not
     # enough: CI once had all 120 prompts done, "3600 tokens in 0s" on rank 0, before the first row

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlx_mpi.sampling import (SamplingParams, log_softmax, logprob_entries, logprobs, pack_sampled, sample,
+from rlx_mpi.engine.sampling import (SamplingParams, log_softmax, logprob_entries, logprobs, pack_sampled, sample,
                               unpack_sampled)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "logprobs_torch.npz"  # tests/make_logprobs_fixture.py

@@ -3,7 +3,7 @@ rendezvous sends, posts receives ahead, and never reuses a buffer still in fligh
 
 import pytest
 
-from rlx_mpi.schedule import (COMPUTE, POST_RECV, POST_SEND, WAIT_RECV, WAIT_SEND, Action, ScheduleError,
+from rlx_mpi.comm.schedule import (COMPUTE, POST_RECV, POST_SEND, WAIT_RECV, WAIT_SEND, Action, ScheduleError,
                               forward_schedule, format_grid, simulate)
 
 

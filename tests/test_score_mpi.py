@@ -16,8 +16,8 @@ import pytest
 
 from conftest import kill_tree, run_cli, start_cli, write_job
 from helpers import LaunchAhead, rows_of
-from rlx_mpi.identity import meta_path
-from rlx_mpi.journal import REQUEUE_EXIT
+from rlx_mpi.io.identity import meta_path
+from rlx_mpi.io.journal import REQUEUE_EXIT
 
 pytestmark = pytest.mark.mpi
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -74,7 +74,7 @@ def test_a_job_key_turns_it_off_and_a_resume_turns_it_on(tmp_path, tiny_ckpt):
     assert "prefix cache" not in off.stdout
     cut = tmp_path / "cut.jsonl"  # the first 6 rows, as a job stopped after its first round leaves them
     cut.write_text("".join((tmp_path / "off.jsonl").read_text().splitlines(keepends=True)[:6]))
-    from rlx_mpi.identity import meta_path
+    from rlx_mpi.io.identity import meta_path
 
     meta = meta_path(tmp_path / "off.jsonl")
     if meta.exists():

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from rlx_mpi.errors import InputError
-from rlx_mpi.identity import prompt_digest
-from rlx_mpi.journal import Journal
-from rlx_mpi.scoring import (ScorePrompt, gather_logprobs, read_score_prompts, read_summary, score_row, summarize,
+from rlx_mpi.io.identity import prompt_digest
+from rlx_mpi.io.journal import Journal
+from rlx_mpi.io.scoring import (ScorePrompt, gather_logprobs, read_score_prompts, read_summary, score_row, summarize,
                              targets, token_logprobs)
 
 FIX = Path(__file__).parent / "fixtures"
@@ -131,7 +131,7 @@ def test_text_context_gets_the_bos_and_the_continuation_does_not(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers, processors
 
-    from rlx_mpi.tokenizer import load_tokenizer
+    from rlx_mpi.io.tokenizer import load_tokenizer
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "the": 3, "capital": 4, "of": 5, "france": 6, "is": 7, "paris": 8}
     tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rlx_mpi.signals import STOP_SIGNALS, StopRequest
+from rlx_mpi.lifecycle.signals import STOP_SIGNALS, StopRequest
 
 
 def _deliver(sig) -> None:
@@ -85,8 +85,8 @@ def test_sigterm_from_outside_lets_the_loop_finish_its_step_and_exit_with_the_re
     # A real process, a real kill: the loop sees the flag between steps and leaves cleanly.
     script = textwrap.dedent("""
         import sys, time
-        from rlx_mpi.journal import REQUEUE_EXIT
-        from rlx_mpi.signals import StopRequest
+        from rlx_mpi.io.journal import REQUEUE_EXIT
+        from rlx_mpi.lifecycle.signals import StopRequest
         stop = StopRequest().install()
         print("ready", flush=True)
         steps = 0
@@ -112,11 +112,11 @@ def test_sigterm_from_outside_lets_the_loop_finish_its_step_and_exit_with_the_re
 
 RANK_SCRIPT = textwrap.dedent("""
     import os, sys, time
-    from rlx_mpi.faults import supervise
+    from rlx_mpi.lifecycle.faults import supervise
     supervise()  # as the CLI does: the rank runs under its supervisor
     from mpi4py import MPI
-    from rlx_mpi.journal import REQUEUE_EXIT
-    from rlx_mpi.signals import StopRequest
+    from rlx_mpi.io.journal import REQUEUE_EXIT
+    from rlx_mpi.lifecycle.signals import StopRequest
     stop = StopRequest().install()
     rank, folder = MPI.COMM_WORLD.rank, sys.argv[1]
     open(os.path.join(folder, f"ready{rank}"), "w").close()
@@ -165,7 +165,7 @@ def test_a_stop_signal_after_the_work_is_finished_cannot_kill_the_exiting_rank()
     # after the last row, while the rank reports and exits; it must still exit 0, not 143.
     script = textwrap.dedent("""
         import time
-        from rlx_mpi.signals import StopRequest
+        from rlx_mpi.lifecycle.signals import StopRequest
         stop = StopRequest().install()
         stop.restore(finished=True)  # what Cluster.run does when the driver returned
         print("ready", flush=True)

@@ -3,8 +3,8 @@
 import pytest
 
 from rlx_mpi.errors import ConfigError
-from rlx_mpi.schedule import forward_schedule, format_grid
-from rlx_mpi.topology import locate, make_grid
+from rlx_mpi.comm.schedule import forward_schedule, format_grid
+from rlx_mpi.comm.topology import locate, make_grid
 
 
 def test_block_mapping():

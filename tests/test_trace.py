@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from rlx_mpi import trace
+from rlx_mpi.io import trace
 from rlx_mpi.errors import EXIT_BAD_INPUT, ConfigError, InputError
-from rlx_mpi.trace import Span
+from rlx_mpi.io.trace import Span
 
 T0 = 1000.0  # a clock origin far from 0, as perf_counter/monotonic give
 

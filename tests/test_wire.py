@@ -4,7 +4,7 @@ and for f16 also numpy's own float16 cast. Pure: no MPI."""
 import numpy as np
 import pytest
 
-from rlx_mpi import wire
+from rlx_mpi.comm import wire
 from rlx_mpi.errors import EXIT_BAD_INPUT, ConfigError
 
 BF16_MAX = (2 - 2.0**-7) * 2.0**127

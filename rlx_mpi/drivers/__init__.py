@@ -64,7 +64,7 @@ def prefix_cache_on(cx: Any, wanted: bool) -> bool:
     Stage copies blocks (`DecoderStage.reset_prefix`)."""
     if not wanted or not getattr(cx.family, "prefix_cache", False):
         return False
-    from ..block_pool import BLOCK_SIZE
+    from ..engine.block_pool import BLOCK_SIZE
 
     job, cfg = cx.job, cx.model_config
     if any(job.kv_for(r).policy == "none" or 0 < job.kv_for(r).window < BLOCK_SIZE for r in range(cx.world.size)):
@@ -108,7 +108,7 @@ class JournalDriver(Driver):
         """Once placed, rank 0's journal learns the settings stated per rank or acting at the stage
         cuts (`identity.layout_settings`) and decides on the rows already there (agreed), before
         any compute: a resume made another way is refused naming the setting."""
-        from ..identity import layout_settings
+        from ..io.identity import layout_settings
 
         def settle() -> None:
             journal = self.holder.get("journal")

@@ -45,23 +45,23 @@ from typing import Any, Callable
 import numpy as np
 
 from . import JournalDriver, prefix_cache_on
-from .. import rules, transport
+from .. import rules, tags
+from ..comm import transport
 from ..errors import ConfigError
-from ..executor import Executor, wire_codec
-from ..faults import check_output
-from ..batch_io import format_result, is_batch, stop_text
-from ..sampling import (SamplingParams, logprob_entries, logprobs, pack_sampled, prompt_key, sample_id, sample_rows,
-                        unpack_sampled)
-from ..schedule import Action, decode_drain_actions, decode_step_actions
-from ..scheduler import (DECODE, MIXED, STOP, Scheduler, Seq, Step, block_ops, chunk_start, decode_rows, make_header,
-                         read_header, split_batch)
-from ..stats import GenerateResult, StageTiming, peak_rss_bytes
+from ..comm.executor import Executor, wire_codec
+from ..lifecycle.faults import check_output
+from ..io.batch_io import format_result, is_batch, stop_text
+from ..engine.sampling import (SamplingParams, logprob_entries, logprobs, pack_sampled, prompt_key, sample_id,
+                               sample_rows, unpack_sampled)
+from ..comm.schedule import Action, decode_drain_actions, decode_step_actions
+from ..engine.scheduler import (DECODE, MIXED, STOP, Scheduler, Seq, Step, block_ops, chunk_start, decode_rows,
+                                make_header, read_header, split_batch)
+from ..io.stats import GenerateResult, StageTiming, peak_rss_bytes
 
 __all__ = ["GenerateDriver", "GenerateOptions", "DecodeRing", "GenStats", "GenerateResult", "lockstep_fold"]
 
 log = logging.getLogger("rlx_mpi")
 
-_TAG_HEADER, _TAG_OPS, _TAG_HIDDEN = 7, 8, 1000  # tokens return on the hidden tag, in the other direction
 # Note: the prefix cache's pool holds as many positions as this many cache slots (2: a shared
 # prefix of the longest prompt's length and room for the prompts' own blocks to churn, LRU);
 # the planner prices it as that many more slots (`GenerateDriver.cost`).
@@ -219,7 +219,7 @@ class DecodeRing:
     def _drain(self) -> None:
         """Wait on the hidden-state (or token) sends still in flight, before the STOP header."""
         self.ex.run(decode_drain_actions(self.topo.stage, self.n_stages, self.ex.open_sends), lambda m, x: None,
-                    lambda a: None, tag_base=_TAG_HIDDEN, keep_sends=True)
+                    lambda a: None, tag_base=tags.GROUP_HIDDEN[0], keep_sends=True)
 
     # -- stage 0 --------------------------------------------------------------------------------
 
@@ -242,17 +242,18 @@ class DecodeRing:
                 if self.n_stages == 1:
                     step.tokens = out
                     return None
-                self.link.send(step.header, self.topo.next, _TAG_HEADER, f"the step header of group {g}")
+                self.link.send(step.header, self.topo.next, tags.STEP_HEADER, f"the step header of group {g}")
                 if step.ops is not None:
-                    self.link.send(step.ops, self.topo.next, _TAG_OPS, f"the block ops of group {g}")
+                    self.link.send(step.ops, self.topo.next, tags.BLOCK_OPS, f"the block ops of group {g}")
                 return out
 
-            self.ex.run(self._step_actions(g), compute, lambda a: None, tag_base=_TAG_HIDDEN, keep_sends=True)
+            self.ex.run(self._step_actions(g), compute, lambda a: None, tag_base=tags.GROUP_HIDDEN[0], keep_sends=True)
             if self.n_stages > 1:  # post the receive of its tokens now: the last stage's send
                 # then never depends on MPI buffering it (no cycle in the ring under rendezvous)
                 shape = (len(step.rows), 2 + 2 * self.k) if self.lp else (len(step.rows),)
                 step.pending = self.ring.irecv(np.empty(shape, np.int64), self.topo.grid[-1][self.topo.tp_rank],
-                                               _TAG_HIDDEN + g, f"the sampled tokens of group {g}")
+                                               tags.in_range(tags.GROUP_HIDDEN, g, "a group's tokens"),
+                                               f"the sampled tokens of group {g}")  # the hidden tag, upstream
             in_flight.append(step)
 
         for g in range(sched.groups):
@@ -282,7 +283,7 @@ class DecodeRing:
         if self.n_stages > 1:
             self._drain()
             stop = make_header(STOP, 0, 0, [], [], [], [], self.header_size)
-            self.link.send(stop, self.topo.next, _TAG_HEADER, "the stop header")
+            self.link.send(stop, self.topo.next, tags.STEP_HEADER, "the stop header")
         return stopped
 
     # -- stages 1.. -----------------------------------------------------------------------------
@@ -293,31 +294,31 @@ class DecodeRing:
         last = self.stage.last
         while True:
             self.ctx.microbatch = None
-            self.link.recv(header, self.topo.prev, _TAG_HEADER, "the next step header")
+            self.link.recv(header, self.topo.prev, tags.STEP_HEADER, "the next step header")
             kind, g, n, T, _ = read_header(header)
             if kind == STOP:
                 self._drain()
                 if not last:
-                    self.link.send(header, self.topo.next, _TAG_HEADER, "the stop header")
+                    self.link.send(header, self.topo.next, tags.STEP_HEADER, "the stop header")
                 return
             self.ctx.microbatch = g
             hdr = header.copy()
             ops = None
             if block_ops(hdr):  # the prefix cache's copies, in a message of their own after the header
-                ops = self.link.recv(np.empty((block_ops(hdr), 4), np.int64), self.topo.prev, _TAG_OPS,
+                ops = self.link.recv(np.empty((block_ops(hdr), 4), np.int64), self.topo.prev, tags.BLOCK_OPS,
                                      f"the block ops of group {g}")
 
             def compute(_m, x, hdr=hdr, g=g, ops=ops):
                 out = self._compute(hdr, x, ops)
                 if not last:
-                    self.link.send(hdr, self.topo.next, _TAG_HEADER, f"the step header of group {g}")
+                    self.link.send(hdr, self.topo.next, tags.STEP_HEADER, f"the step header of group {g}")
                     if ops is not None:
-                        self.link.send(ops, self.topo.next, _TAG_OPS, f"the block ops of group {g}")
+                        self.link.send(ops, self.topo.next, tags.BLOCK_OPS, f"the block ops of group {g}")
                 return out
 
             # the last stage's send is the int64 tokens back to stage 0: the executor sends
             # non-float32 payloads raw (no codec)
-            self.ex.run(self._step_actions(g), compute, self._recv_spec(hdr), tag_base=_TAG_HIDDEN, keep_sends=True)
+            self.ex.run(self._step_actions(g), compute, self._recv_spec(hdr), tag_base=tags.GROUP_HIDDEN[0], keep_sends=True)
 
 
 def _diverge_hook(rank: int) -> int | None:
@@ -352,7 +353,7 @@ def _lockstep_broken(cx: Any, ring: DecodeRing, when: str) -> None:
     """The first stage's TP ranks made different steps: name which rank has which digest and end
     the job (exit 4) from the stage's first TP rank (the others are ended by its abort)."""
     from ..errors import RankFault
-    from ..faults import wait
+    from ..lifecycle.faults import wait
 
     topo = cx.topology
     mine = np.array([cx.world.rank, ring.lockstep], np.int64)
@@ -413,7 +414,7 @@ class GenerateOptions:
                                  ("--kv-rows", getattr(flags, "kv_rows", None), 0)):
             rules.int_at_least(value, low, f"generate {flag}")
         rules.at_most(flags.logprobs, rules.LOGPROBS_MAX, "generate --logprobs")
-        from ..shards import parse_shard
+        from ..io.shards import parse_shard
 
         shard = parse_shard(getattr(flags, "shard", None), "generate --shard")
         seed = pick(flags.seed, sec.seed if sec.seed is not None else job.run.seed)
@@ -470,10 +471,10 @@ class GenerateDriver(JournalDriver):
 
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; (cache slots, longest sequence), None when all are done."""
-        from ..batch_io import read_requests
-        from ..identity import RunIdentity, beside_settings, unplaced_settings
-        from ..journal import Journal
-        from ..tokenizer import eos_ids_beside, load_tokenizer
+        from ..io.batch_io import read_requests
+        from ..io.identity import RunIdentity, beside_settings, unplaced_settings
+        from ..io.journal import Journal
+        from ..io.tokenizer import eos_ids_beside, load_tokenizer
 
         cx.prepare()
         dims, job, opts = cx.dims, cx.job, self.opts
@@ -488,7 +489,7 @@ class GenerateDriver(JournalDriver):
             if opts.ignore_eos:
                 eos = []
             tokenizer = load_tokenizer(job.model.checkpoint)
-            from ..shards import select
+            from ..io.shards import select
 
             prompts = read_requests(opts.prompts, vocab_size=dims.vocab_size, max_positions=dims.max_positions,
                                     max_new_tokens=opts.max_new_tokens, tokenizer=tokenizer)
@@ -533,7 +534,7 @@ class GenerateDriver(JournalDriver):
     def cost(self, cx: Any) -> Any:
         """The family's cost with the KV term cut to what the ranks' policies keep, as a function of
         the stage count (one group of slots per stage by default: `placement.plan_grid`)."""
-        from ..placement import kv_cost
+        from ..model.cost import kv_cost
 
         specs = [cx.job.kv_for(r) for r in range(cx.world.size)]
         cx.prepare()
@@ -561,7 +562,7 @@ class GenerateDriver(JournalDriver):
 
     def _prefix_pool(self) -> Any:
         """Stage 0's bookkeeping of the pool (None: off)."""
-        from ..block_pool import BLOCK_SIZE, BlockPool
+        from ..engine.block_pool import BLOCK_SIZE, BlockPool
 
         return BlockPool(self.prefix_blocks, BLOCK_SIZE) if self.prefix_blocks else None
 
@@ -603,7 +604,7 @@ class GenerateDriver(JournalDriver):
         # (a family that wraps another's stages may say yes for a stage without the methods: off)
         if self._prefix_cache_on(cx) and all(callable(getattr(cx.stage, m, None))
                                              for m in ("reset_prefix", "block_ops")):
-            from ..block_pool import BLOCK_SIZE
+            from ..engine.block_pool import BLOCK_SIZE
 
             # paged: one pool holds every row's blocks, sized from the KV budget (the rows' slots' positions
             # or --kv-rows', and the prefix pool's), so rows take blocks by what they use (the block-cache note)
@@ -629,9 +630,9 @@ class GenerateDriver(JournalDriver):
         With replicas (`rlx_mpi.replicas`), each replica's stage 0 takes chunks of the pending
         prompts from the shared counter as its slots free, its finished rows go to rank 0 (the
         one writer), and every rank waits for rank 0's end before the stats are gathered."""
-        from ..faults import wait
-        from ..progress import Progress
-        from ..replicas import Collector, ReplicaFeed, RowPost, SharedCounter, wait_for_end
+        from ..lifecycle.faults import wait
+        from ..lifecycle.progress import Progress
+        from ..comm.replicas import Collector, ReplicaFeed, RowPost, SharedCounter, wait_for_end
 
         opts, doc, holder, stop = self.opts, self.doc, self.holder, cx.stop
         topo, job = cx.topology, cx.job
@@ -650,7 +651,7 @@ class GenerateDriver(JournalDriver):
                             ctx=cx.ctx, timeout_s=timeout) if shared and topo.stage == 0 else None)
         decode = None
         if doc["stops"] and topo.stage == 0:  # stop strings end rows on stage 0, which decodes them
-            from ..tokenizer import load_tokenizer
+            from ..io.tokenizer import load_tokenizer
 
             decode = (holder.get("tokenizer") or load_tokenizer(job.model.checkpoint)).decode
         sched = Scheduler([] if feed else items, self.groups, opts.batch,
@@ -751,7 +752,7 @@ class GenerateDriver(JournalDriver):
                 post.beat()
             flag = np.array([1 if stop.requested else 0, ring.lockstep, -ring.lockstep], np.int64)
             if topo.tp > 1:  # the first stage's ranks must stop after the same step, in lockstep
-                from ..collectives import ReduceKind, all_reduce
+                from ..comm.collectives import ReduceKind, all_reduce
 
                 all_reduce(flag, ReduceKind.MAX, comm=topo.tp_comm, timeout_s=timeout, ctx=cx.ctx)
                 if flag[1] != -flag[2]:
@@ -829,7 +830,7 @@ class GenerateDriver(JournalDriver):
         import json
         import sys
 
-        from ..journal import REQUEUE_EXIT
+        from ..io.journal import REQUEUE_EXIT
         from ..outputs import write_output
 
         if result is None:
@@ -856,7 +857,7 @@ class GenerateDriver(JournalDriver):
         last line says how many and where their errors are; 0 otherwise."""
         import sys
 
-        from ..batch_io import EXIT_SOME_FAILED
+        from ..io.batch_io import EXIT_SOME_FAILED
 
         failed = self.doc.get("failed", 0)
         if not failed:

@@ -35,7 +35,7 @@ def _plan_model(args, job):
     if args.hf_config:
         return (*_hf_config_model(args.hf_config), False)
     if job is not None:
-        from ..checkpoint import read_header
+        from ..model.checkpoint import read_header
         from ..families import load_plugins
 
         load_plugins(job.model.plugins, f"{job.path}: [model] plugins")
@@ -73,9 +73,9 @@ def _hf_config_model(path: str):
 
 def plan(args) -> int:
     """Plan ``args`` (the parsed ``plan`` flags) and print the model line, the table and why."""
-    from ..caps import NodeCaps
+    from ..cluster.caps import NodeCaps
     from ..config import PlacementPolicy, load_job
-    from ..placement import format_plan, plan_grid
+    from ..cluster.placement import format_plan, plan_grid
 
     _check_plan_flags(args)
     job = load_job(args.job) if args.job else None
@@ -97,8 +97,8 @@ def plan(args) -> int:
     if not given:  # what `run` would refuse (shape flags carry no limit)
         rules.seq_fits(seq, dims.max_positions, "plan --seq" if args.seq or job is None else f"{job.path}: [run] seq", ConfigError)
     precision = _plan_precision(args.precision or args.dtype, args.ranks, job)
-    from ..kv_cache import KvSpec
-    from ..placement import kv_cost
+    from ..model.kv_cache import KvSpec
+    from ..model.cost import kv_cost
 
     if args.kv_cache is not None:
         kv_specs = [KvSpec.parse(args.kv_cache, "plan --kv-cache")]
@@ -108,7 +108,7 @@ def plan(args) -> int:
     cost = kv_cost(family.cost(cfg, batch, seq), kv_specs, seq)
     if (precision and job is not None and not (given or args.preset or args.hf_config) and hasattr(family, "held_bytes")
             and job.model.checkpoint.is_file()):  # the checkpoint's own storage priced as held (a Q4_K file's pairs)
-        from ..placement import with_held_scales
+        from ..model.cost import with_held_scales
 
         cost = with_held_scales(cost, lambda p: family.held_bytes(cfg, job.model.checkpoint, p), precision)
     per_host = max(1, args.ranks_per_host or tp)

@@ -14,11 +14,12 @@ def probe(args) -> int:
     """Every launched rank's hardware, gathered to rank 0 and printed (``--json``: as JSON)."""
     from mpi4py import MPI
 
-    from .. import transport
-    from ..caps import NodeCaps, format_caps, gather_local_affinity, probe_local
-    from ..faults import RankContext, agree
+    from ..comm import transport
+    from ..cluster.caps import NodeCaps, format_caps, probe_local
+    from ..cluster.start import gather_local_affinity
+    from ..lifecycle.faults import RankContext, agree
 
-    from ..logdir import setup_logging
+    from ..lifecycle.logdir import setup_logging
 
     world = MPI.COMM_WORLD
     setup_logging(world, args.debug, args.log_dir, args.command)

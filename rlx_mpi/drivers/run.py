@@ -21,18 +21,18 @@ from typing import Any
 import numpy as np
 
 from . import Driver, forward_window
-from .. import transport
+from .. import tags
+from ..comm import transport
 from ..errors import RankFault
-from ..executor import Executor, wire_codec
-from ..faults import RankContext, check_output, wait
-from ..schedule import Action, forward_schedule
-from ..stats import ClusterRun, StageTiming, peak_rss_bytes
+from ..comm.executor import Executor, wire_codec
+from ..lifecycle.faults import RankContext, check_output, wait
+from ..comm.schedule import Action, forward_schedule
+from ..io.stats import ClusterRun, StageTiming, peak_rss_bytes
 
-__all__ = ["RunDriver", "forward", "microbatch_bounds", "clock_offset", "trace_document"]
+__all__ = ["RunDriver", "drive", "forward", "microbatch_bounds", "clock_offset", "trace_document"]
 
 log = logging.getLogger("rlx_mpi")
 
-_TAG_REPLICA_LOGITS = 9_001  # another replica's last stage -> rank 0
 
 
 class RunDriver(Driver):
@@ -81,7 +81,7 @@ class RunDriver(Driver):
     def drive(self, cx: Any) -> ClusterRun | None:
         if self.plan_only:
             if cx.is_root:
-                from ..placement import format_plan
+                from ..cluster.placement import format_plan
 
                 print(format_plan(cx.plan_, cx.cost()))
             return None
@@ -91,7 +91,7 @@ class RunDriver(Driver):
         """Rank 0 prints the table and writes the outputs checked at start-up."""
         if run is None:
             return 0
-        from ..logdir import job_id
+        from ..lifecycle.logdir import job_id
         from ..outputs import write_output
 
         run.job_id = job_id()  # the table and the JSON name the Slurm job
@@ -99,7 +99,7 @@ class RunDriver(Driver):
         sys.stdout.flush()
         checked = cx.outputs
         if self.trace:
-            from ..trace import save_trace
+            from ..io.trace import save_trace
 
             doc = trace_document(run)
             write_output(checked["--trace"], lambda tmp: save_trace(doc, tmp))
@@ -116,6 +116,17 @@ class RunDriver(Driver):
 
             write_output(checked["--out"], write, run.output.nbytes)
         return 0
+
+
+def drive(cx: Any, ids: np.ndarray | None = None, *, trace: bool = False):
+    """One forward of ``ids`` [batch, seq] (given on rank 0) through a started `Cluster`, for
+    callers that step through the start-up themselves (bench/_drive.py, docs/api.md): `forward`
+    under `Cluster.run`'s fault handling. `ClusterRun` on rank 0, None on the other ranks."""
+    if cx.stage is None:
+        cx.build()
+    driver = RunDriver("", trace="-" if trace else None)
+    driver.ids = ids
+    return cx.run(driver)
 
 
 def microbatch_bounds(batch: int, microbatches: int) -> list[tuple[int, int]]:
@@ -204,13 +215,13 @@ def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
         logits = np.empty(logits_shape, dtype=np.float32)
         final.recv(logits, topo.output_rank, M, "the logits")
     elif logits is not None and not cx.is_root:
-        final.send(logits, 0, M if topo.replica == 0 else _TAG_REPLICA_LOGITS, "the logits")
+        final.send(logits, 0, M if topo.replica == 0 else tags.REPLICA_LOGITS, "the logits")
     if cx.is_root and topo.n_replicas > 1:  # the other replicas' rows, in batch order
         rows_logits = [logits]
         for r in range(1, topo.n_replicas):
             lo, hi = parts[r]
             part = np.empty((hi - lo,) + tuple(logits_shape[1:]), dtype=np.float32)
-            final.recv(part, topo.replicas[r][-1][0], _TAG_REPLICA_LOGITS, f"the logits of replica {r}")
+            final.recv(part, topo.replicas[r][-1][0], tags.REPLICA_LOGITS, f"the logits of replica {r}")
             rows_logits.append(part)
         logits = np.concatenate(rows_logits)
     total_ms = (time.perf_counter() - sync) * 1e3
@@ -256,16 +267,16 @@ def clock_offset(comm: Any, ctx: RankContext, timeout_s: float, rounds: int = 8)
             continue
         for k in range(rounds):
             if comm.rank == 0:
-                wait(comm.Irecv(empty, source=r, tag=7000 + k), timeout_s, ctx,
+                wait(comm.Irecv(empty, source=r, tag=tags.in_range(tags.CLOCK_PING, k, "a clock probe")), timeout_s, ctx,
                      lambda: f"rank {r}'s clock probe", f"rank {r}")
                 stamp[0] = time.perf_counter()
-                wait(comm.Isend(stamp, dest=r, tag=7100 + k), timeout_s, ctx,
+                wait(comm.Isend(stamp, dest=r, tag=tags.in_range(tags.CLOCK_STAMP, k, "a clock stamp")), timeout_s, ctx,
                      lambda: f"rank {r} to take rank 0's clock", f"rank {r}")
             else:
                 t1 = time.perf_counter()
-                wait(comm.Isend(empty, dest=0, tag=7000 + k), timeout_s, ctx, lambda: "rank 0 to take a clock probe",
+                wait(comm.Isend(empty, dest=0, tag=tags.in_range(tags.CLOCK_PING, k, "a clock probe")), timeout_s, ctx, lambda: "rank 0 to take a clock probe",
                      "rank 0")
-                wait(comm.Irecv(stamp, source=0, tag=7100 + k), timeout_s, ctx, lambda: "rank 0's clock", "rank 0")
+                wait(comm.Irecv(stamp, source=0, tag=tags.in_range(tags.CLOCK_STAMP, k, "a clock stamp")), timeout_s, ctx, lambda: "rank 0's clock", "rank 0")
                 t2 = time.perf_counter()
                 if t2 - t1 < best_rtt:
                     best_rtt, offset = t2 - t1, float(stamp[0]) - (t1 + t2) / 2
@@ -284,7 +295,7 @@ def _spec(cx: Any, batch: int, seq: int, last: bool) -> tuple[tuple[int, ...], n
 def trace_document(run: Any) -> dict:
     """A `ClusterRun` gathered with ``trace=True`` as a Chrome Trace Event object (trace.py):
     one lane per rank, start-up phases and the forward's spans on the barrier-aligned clock."""
-    from ..trace import Span, chrome_trace
+    from ..io.trace import Span, chrome_trace
 
     spans = [Span(int(rank), name, cat, start, dur, args)
              for rank, items in run.spans.items() for name, cat, start, dur, args in items]

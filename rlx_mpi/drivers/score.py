@@ -53,13 +53,14 @@ from typing import Any
 import numpy as np
 
 from . import JournalDriver, forward_window, prefix_cache_on
-from .. import rules, transport
+from .. import rules, tags
+from ..comm import transport
 from ..config import ScoreSection
 from ..errors import ConfigError, RankFault
-from ..executor import Executor, wire_codec
-from ..faults import check_output, wait
-from ..schedule import Action, forward_schedule
-from ..stats import ClusterRun, StageTiming, peak_rss_bytes
+from ..comm.executor import Executor, wire_codec
+from ..lifecycle.faults import check_output, wait
+from ..comm.schedule import Action, forward_schedule
+from ..io.stats import ClusterRun, StageTiming, peak_rss_bytes
 
 __all__ = ["ScoreDriver", "ScoreOptions", "ScoreResult", "Microbatch", "plan_rounds", "DEFAULT_TOKENS"]
 
@@ -72,7 +73,6 @@ DEFAULT_TOKENS = ScoreSection.batch  # --batch: padded tokens per microbatch
 # least the plan's rows, at most REUSE_ROWS_MAX rows): KV for 4 x 2048 positions by default, priced
 # by the planner (`ScoreDriver.cost`). Not measured against other factors yet.
 REUSE_BUDGETS, REUSE_ROWS_MAX = 4, 64
-_TAG_LOGPROBS = 50_000  # last stage -> rank 0, one message per round
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ class ScoreOptions:
             raise ConfigError("score --out", "no output file given", "pass --out FILE or set [score] out")
         rules.int_at_least(flags.batch, 1, "score --batch")
         rules.at_most(flags.batch, 2**31, "score --batch")
-        from ..shards import parse_shard
+        from ..io.shards import parse_shard
 
         return cls(prompts=Path(prompts), out=Path(out), batch=sec.batch if flags.batch is None else flags.batch,
                    sync_s=sec.sync_s, shard=parse_shard(getattr(flags, "shard", None), "score --shard"),
@@ -199,10 +199,10 @@ class ScoreDriver(JournalDriver):
 
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; the rounds on every rank; None when all are done."""
-        from ..identity import RunIdentity, beside_settings, unplaced_settings
-        from ..journal import Journal
-        from ..tokenizer import load_tokenizer
-        from ..scoring import read_score_prompts
+        from ..io.identity import RunIdentity, beside_settings, unplaced_settings
+        from ..io.journal import Journal
+        from ..io.tokenizer import load_tokenizer
+        from ..io.scoring import read_score_prompts
 
         cx.prepare()
         dims, job, opts = cx.dims, cx.job, self.opts
@@ -211,7 +211,7 @@ class ScoreDriver(JournalDriver):
             if not cx.is_root:
                 return None
             tokenizer = load_tokenizer(job.model.checkpoint)
-            from ..shards import select
+            from ..io.shards import select
 
             prompts = read_score_prompts(opts.prompts, vocab_size=dims.vocab_size, max_positions=dims.max_positions,
                                          tokenizer=tokenizer)
@@ -247,7 +247,7 @@ class ScoreDriver(JournalDriver):
         slots a microbatch's rows attach into and the pool, priced as generate prices its cache."""
         if not self._reuse(cx):
             return cx.cost()
-        from ..placement import kv_cost
+        from ..model.cost import kv_cost
 
         from .generate import PREFIX_POOL_ROWS
 
@@ -279,7 +279,7 @@ class ScoreDriver(JournalDriver):
              lambda: "every rank to say whether its stage keeps a prefix cache", "some rank")
         if not able[0]:
             return
-        from ..block_pool import BLOCK_SIZE
+        from ..engine.block_pool import BLOCK_SIZE
 
         from .generate import PREFIX_POOL_ROWS
 
@@ -306,8 +306,8 @@ class ScoreDriver(JournalDriver):
 
     def drive(self, cx: Any) -> ScoreResult | None:
         """Every round's forward on every rank; the `ScoreResult` on rank 0 (None elsewhere)."""
-        from ..progress import Progress
-        from ..scoring import gather_logprobs, score_row
+        from ..lifecycle.progress import Progress
+        from ..io.scoring import gather_logprobs, score_row
 
         job, topo, stage, a, stop = cx.job, cx.topology, cx.stage, cx.assignment, cx.stop
         timeout = job.run.timeout_s
@@ -329,7 +329,7 @@ class ScoreDriver(JournalDriver):
         counts = {"done": 0, "scored": 0, "padded": 0, "tokens": 0, "microbatches": 0, "reused": 0}
         pool = None  # the prefix cache's bookkeeping, the same on every rank of a replica (`admission`)
         if self.prefix_blocks:
-            from ..block_pool import BLOCK_SIZE, BlockPool
+            from ..engine.block_pool import BLOCK_SIZE, BlockPool
 
             pool = BlockPool(self.prefix_blocks, BLOCK_SIZE)
         per_round = max(job.run.microbatches, 2 * topo.n_stages)
@@ -355,7 +355,7 @@ class ScoreDriver(JournalDriver):
         def reuse_plan(lines: list[int]) -> list[tuple[Microbatch, int, np.ndarray]]:
             """The round's microbatches under the prefix cache (`admission.plan_reuse`): each as a
             Microbatch (length = start + width), its first computed position and its block ops."""
-            from ..admission import plan_reuse
+            from ..engine.admission import plan_reuse
 
             plan = plan_reuse([(k, tuple(pending[k][2]), pending[k][3]) for k in lines], pool, self.opts.batch,
                               per_round, self.reuse_rows, MIN_TOKENS)
@@ -373,7 +373,7 @@ class ScoreDriver(JournalDriver):
             lps = np.empty(n, np.float32) if keeps or (cx.is_root and topo.replica == 0) else None
             recv = None
             if cx.is_root and not keeps:  # posted first: the last stage's send never waits on buffering
-                recv = final.irecv(lps, topo.output_rank, _TAG_LOGPROBS, "the log-probs of a round")
+                recv = final.irecv(lps, topo.output_rank, tags.SCORE_LOGPROBS, "the log-probs of a round")
 
             def recv_spec(act: Action):
                 mb, start, _ = plan[act.microbatch]
@@ -415,7 +415,7 @@ class ScoreDriver(JournalDriver):
             if recv is not None:
                 recv.wait()
             elif keeps and not cx.is_root and topo.replica == 0:  # (another replica's go as rows: `RowPost`)
-                final.send(lps, 0, _TAG_LOGPROBS, "the log-probs of a round")
+                final.send(lps, 0, tags.SCORE_LOGPROBS, "the log-probs of a round")
             return lps, where
 
         def stop_now(claimed: int = -1) -> tuple[bool, int]:
@@ -448,7 +448,7 @@ class ScoreDriver(JournalDriver):
         wait(cx.world.Ibarrier(), timeout, cx.ctx, lambda: "every rank to start scoring", "some rank")
         post = collector = counter = claim = None
         if shared:
-            from ..replicas import Collector, RowPost, SharedCounter
+            from ..comm.replicas import Collector, RowPost, SharedCounter
 
             counter = SharedCounter(cx.world, cx.ctx, timeout)
             heads = topo.stage == 0 and topo.tp_rank == 0  # claims the rounds of its replica
@@ -500,7 +500,7 @@ class ScoreDriver(JournalDriver):
                 break
         mine_wall = time.perf_counter() - t0
         if shared:
-            from ..replicas import RowPost, wait_for_end
+            from ..comm.replicas import RowPost, wait_for_end
 
             if claim is not None:
                 counter.take(claim)
@@ -556,7 +556,7 @@ class ScoreDriver(JournalDriver):
 
     def report(self, cx: Any, result: ScoreResult | None) -> int:
         """Rank 0 prints the table and the file's summary, writes --json; 75 when stopped by a signal."""
-        from ..journal import REQUEUE_EXIT
+        from ..io.journal import REQUEUE_EXIT
         from ..outputs import write_output
 
         if not cx.is_root:
@@ -587,7 +587,7 @@ class ScoreDriver(JournalDriver):
         return 0
 
     def summary(self):
-        from ..scoring import read_summary
+        from ..io.scoring import read_summary
 
         return read_summary(self.opts.out)
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint import write_checkpoint
+from ..model.checkpoint import write_checkpoint
 from ..errors import CheckpointError, ConfigError
 from .decoder.arch import expected_shapes
 

@@ -30,7 +30,7 @@ from typing import BinaryIO, Iterator
 
 import numpy as np
 
-from ..checkpoint import write_checkpoint
+from ..model.checkpoint import write_checkpoint
 from ..errors import CheckpointError, ConfigError
 from .decoder.arch import Arch, expected_shapes
 

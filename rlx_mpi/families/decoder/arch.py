@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 
 from ...errors import CheckpointError
-from ...placement import ModelCost
+from ...model.cost import ModelCost
 
 __all__ = ["Arch", "ACTIVATIONS", "ROPE_TYPES", "QK_NORM_SCOPES", "ROUTINGS", "expected_shapes"]
 

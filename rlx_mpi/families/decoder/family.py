@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 
 from ...errors import CheckpointError, ConfigError, InputError
-from ...placement import ModelCost
-from ...stage import ModelDims, ParamSource, TensorParallel
+from ...model.cost import ModelCost
+from ...model.stage import ModelDims, ParamSource, TensorParallel
 from .arch import Arch, expected_shapes
 
 __all__ = ["DecoderFamily", "random_tensors"]
@@ -91,7 +91,7 @@ class DecoderFamily:
             raise ConfigError(where, e.what, "fix the shape flags") from None
 
     def init_random(self, path: str | os.PathLike, cfg: Arch, *, seed: int = 0, dtype: str = "float32") -> None:
-        from ...checkpoint import write_checkpoint
+        from ...model.checkpoint import write_checkpoint
 
         from .weights import q4_tensor
 
@@ -114,7 +114,7 @@ class DecoderFamily:
     def held_bytes(self, cfg: Arch, checkpoint, precision: str) -> int:
         """The whole model's resident weight bytes on a rank of ``precision``, from the checkpoint's
         storage (`weights.held_bytes`; only attributes are read): the planner's measured prices."""
-        from ...checkpoint import H5ParamSource
+        from ...model.checkpoint import H5ParamSource
         from .weights import held_bytes
 
         with H5ParamSource(checkpoint, expected_shapes(cfg)) as src:

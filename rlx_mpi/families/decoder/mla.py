@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from ... import kernels
-from ...kv_cache import PagedCache, prefill_kv
+from ...model.kv_cache import PagedCache, prefill_kv
 from . import ops
 from .arch import Arch
 from .weights import LayerWeights, MlaWeights

@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 
 from ... import kernels
-from ...kv_cache import KvSpec, LayerCache, PagedCache, PoolLayer, paged_before, prefill_kv
+from ...model.kv_cache import KvSpec, LayerCache, PagedCache, PoolLayer, paged_before, prefill_kv
 from . import mla, moe, ops
 from .arch import Arch
 from .weights import Experts, LayerWeights, Linear, Mlp

@@ -20,11 +20,11 @@ from __future__ import annotations
 import numpy as np
 
 from ... import kernels
-from ...checkpoint import part_bounds
-from ...collectives import ReduceKind, all_reduce, world_ranks
-from ...kv_cache import (ATTACH, SAVE, SET, KvSpec, LayerCache, block_pool_caches, copy_blocks, paged_caches,
-                         prefix_cacheable)
-from ...stage import ParamSource, Stage, TensorParallel
+from ...model.checkpoint import part_bounds
+from ...comm.collectives import ReduceKind, all_reduce, world_ranks
+from ...model.kv_cache import (ATTACH, SAVE, SET, KvSpec, LayerCache, block_pool_caches, copy_blocks, paged_caches,
+                               prefix_cacheable)
+from ...model.stage import ParamSource, Stage, TensorParallel
 from . import model, ops
 from .arch import Arch
 from .rope import Rope
@@ -333,7 +333,7 @@ class DecoderStage(Stage):
             return local
         from mpi4py import MPI
 
-        from ...faults import RankContext, wait
+        from ...lifecycle.faults import RankContext, wait
 
         B, T, _ = local.shape
         V = self.cfg.vocab_size
