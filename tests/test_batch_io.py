@@ -16,6 +16,7 @@ from rlx_mpi.io.identity import RunIdentity, digest_of, prompt_digest  # noqa: E
 from rlx_mpi.io.prompts import Prompt, read_prompts  # noqa: E402
 from rlx_mpi.io.tokenizer import load_tokenizer  # noqa: E402
 from rlx_mpi.engine.sampling import RowSettings, SamplingParams, prompt_key, sample, sample_id, sample_rows  # noqa: E402
+from rlx_mpi.engine.records import Request  # noqa: E402
 from rlx_mpi.engine.scheduler import Scheduler  # noqa: E402
 
 LIMITS = dict(vocab_size=512, max_positions=64, max_new_tokens=8)
@@ -259,8 +260,8 @@ def run_scheduler(items, tokens_of, **kw):
 
 
 def test_rows_end_at_their_own_max_tokens_and_stop_strings(tok):
-    items = [(0, "a", (1, 2), {"max_new_tokens": 2}), (1, "b", (3,), {}),
-             (2, "c", (4,), {"stop": ["w12"], "max_new_tokens": 9}), (3, "d", (5,), {"stop": ["w13 w14"]})]
+    items = [Request(0, "a", (1, 2), max_new_tokens=2), Request(1, "b", (3,)),
+             Request(2, "c", (4,), stop=("w12",), max_new_tokens=9), Request(3, "d", (5,), stop=("w13 w14",))]
     done = run_scheduler(items, lambda r: 10 + len(r.new), decode=tok.decode)
     assert done[(0, 0)].new == [10, 11] and done[(0, 0)].finish_reason == "length"
     assert done[(1, 0)].new == [10, 11, 12, 13, 14] and done[(1, 0)].finish_reason == "length"  # the job's 5
@@ -269,7 +270,7 @@ def test_rows_end_at_their_own_max_tokens_and_stop_strings(tok):
 
 
 def test_samples_of_one_request_draw_with_their_own_keys():
-    items = [(0, "a", (1,), {"key": sample_id("a", j), "sample": j}) for j in range(3)]
+    items = [Request(0, "a", (1,), sample=j, draw_id=sample_id("a", j)) for j in range(3)]
     keys = {}
     run_scheduler(items, lambda r: keys.setdefault(r.sample, r.key) and 1)
     assert keys[0] == prompt_key("a") and len(set(keys.values())) == 3
@@ -314,8 +315,8 @@ def test_stop_strings_across_byte_level_bpe_tokens(tmp_path):
     qwen = load_tokenizer(tmp_path / "m.h5")
     reply = qwen.encode("Hello world, this is a test.", add_special_tokens=False)
     (p,) = read(tmp_path, qwen, cmpl("q", prompt="Say", stop=[", this is"], logprobs=0), vocab_size=qwen.vocab_size)
-    own = {"stop": list(p.settings.stop), "max_new_tokens": len(reply)}
-    done = run_scheduler([(0, "q", p.tokens, own)], lambda r: reply[len(r.new)], decode=qwen.decode)
+    row = Request(0, "q", tuple(p.tokens), stop=tuple(p.settings.stop), max_new_tokens=len(reply))
+    done = run_scheduler([row], lambda r: reply[len(r.new)], decode=qwen.decode)
     row = done[(0, 0)]
     assert row.finish_reason == "stop" and qwen.decode(row.new).endswith(", this is")
     assert ", this is" not in qwen.decode(row.new[:-1])  # the first token that completed it

@@ -13,7 +13,8 @@ import pytest
 
 from rlx_mpi.engine.block_pool import BlockPool
 from rlx_mpi.model.kv_cache import ATTACH, SAVE
-from rlx_mpi.engine.scheduler import DECODE, MIXED, Scheduler
+from rlx_mpi.engine.records import Request
+from rlx_mpi.engine.scheduler import DECODE, MIXED, Scheduler, as_request
 
 
 def _kv(seq) -> int:
@@ -66,7 +67,7 @@ def run(prompts, *, pool: BlockPool | None, groups=1, batch=3, chunk=4, mixed=Tr
     """Stage 0's loop (`DecodeRing.drive`) over a `FakeStage`: (rows by id, positions computed, scheduler)."""
     s = Scheduler(prompts, groups=groups, batch=batch, max_new_tokens=new, eos_ids=frozenset(), recompute=False,
                   prefill_chunk=chunk, mixed=mixed, stages=stages, pool=pool)
-    max_seq = max(len(p[2]) for p in prompts) + new
+    max_seq = max(len(as_request(p).tokens) for p in prompts) + new
     stage = FakeStage(groups * batch, max_seq, pool.capacity if pool else 0, pool.size if pool else 1)
     return drive(s, stage, groups), stage.computed, s
 
@@ -121,10 +122,10 @@ def test_n_samples_of_one_prompt_share_its_prefill():
     """A batch request's n samples are n rows of the same tokens: one prefills, the others attach
     every full block of it but the last position's (its logits are sampled per row)."""
     tokens = tuple(range(1, 19))  # 18 tokens: 4 full blocks of 4
-    prompts = [(0, "r", tokens, {"key": f"r/{j}", "sample": j}) for j in range(4)]
+    prompts = [Request(0, "r", tokens, sample=j, draw_id=f"r/{j}") for j in range(4)]
     _, computed, s = run(prompts, pool=BlockPool(16, 4), batch=4)
     assert s.reused == 3 * 16
-    prompts = [(0, "r", tokens[:16], {"key": f"r/{j}", "sample": j}) for j in range(3)]  # a whole number of blocks
+    prompts = [Request(0, "r", tokens[:16], sample=j, draw_id=f"r/{j}") for j in range(3)]  # a whole number of blocks
     _, computed, s = run(prompts, pool=BlockPool(16, 4), batch=4)
     assert s.reused == 2 * 12  # the last block is recomputed: the last position must be
 

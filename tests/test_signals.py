@@ -189,7 +189,7 @@ def test_a_stop_signal_after_the_work_is_finished_cannot_kill_the_exiting_rank()
 def test_cluster_run_ignores_stop_signals_once_the_driver_returned(handlers):
     """Cluster.run restores with ``finished`` only when drive returned: SIGTERM is then ignored;
     a driver that raised goes through report_and_abort, and its handlers are put back."""
-    from rlx_mpi import cluster as cluster_mod
+    from rlx_mpi.cluster import start as cluster_mod
 
     class Driver:
         stop_signals = True

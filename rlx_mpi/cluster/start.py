@@ -399,11 +399,11 @@ class Cluster:
         precision = self.job.precision_for(self.world.rank).value
         if precision == "f32":
             return {}
-        import inspect
-
-        if "precision" not in inspect.signature(self.family.build_stage).parameters:
+        known = tuple(getattr(self.family, "precisions", ("f32",)))  # (declared: `ModelFamily.precisions`)
+        if precision not in known:
+            only = "float32 stages only" if known == ("f32",) else f"stages of {', '.join(known)} only"
             raise ConfigError(f"{self.job.path}: precision", f"rank {self.world.rank} asks for {precision} but model "
-                              f"family {self.family.name!r} builds float32 stages only", 'use precision = "f32"')
+                              f"family {self.family.name!r} builds {only}", 'use precision = "f32"')
         return {"precision": precision}
 
     def load_inputs(self, path: str | os.PathLike | None) -> np.ndarray | None:

@@ -44,11 +44,10 @@ def forward_window(cx: Any, command: str) -> int:
     window = kv.window if kv.policy == "window" else 0
 
     def check() -> None:
-        import inspect
-
         from ..errors import ConfigError
+        from ..model.stage import caps_of
 
-        if window and "window" not in inspect.signature(cx.stage.forward).parameters:
+        if window and not caps_of(cx.stage).forward_window:
             raise ConfigError(f"{cx.job.path}: [run] kv_cache", f"{kv} is a sliding-window model, and family "
                               f"{cx.family.name!r} cannot apply a window in its forward ({command} would "
                               "compute another model than generate)", 'use kv_cache = "full" for this family')

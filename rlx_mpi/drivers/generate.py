@@ -34,7 +34,6 @@ waits for its receiver (the decode-ring note in schedule.py).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections import deque
@@ -51,11 +50,11 @@ from ..errors import ConfigError
 from ..comm.executor import Executor, wire_codec
 from ..lifecycle.faults import check_output
 from ..io.batch_io import format_result, is_batch, stop_text
-from ..engine.sampling import (SamplingParams, logprob_entries, logprobs, pack_sampled, prompt_key, sample_id,
-                               sample_rows, unpack_sampled)
+from ..model.stage import caps_of
+from ..engine.records import INDEX, KEY, LENGTH, Request, RowState, RowTable, StepHeader
+from ..engine.sampling import SamplingParams, logprob_entries, logprobs, pack_sampled, sample_id, unpack_sampled
 from ..comm.schedule import Action, decode_drain_actions, decode_step_actions
-from ..engine.scheduler import (DECODE, MIXED, STOP, Scheduler, Seq, Step, block_ops, chunk_start, decode_rows,
-                                make_header, read_header, split_batch)
+from ..engine.scheduler import DECODE, MIXED, STOP, Scheduler, Seq, Step, split_batch
 from ..io.stats import GenerateResult, StageTiming, peak_rss_bytes
 
 __all__ = ["GenerateDriver", "GenerateOptions", "DecodeRing", "GenStats", "GenerateResult", "lockstep_fold"]
@@ -104,7 +103,9 @@ class DecodeRing:
                  names: dict[int, str] | None = None, per_key: dict[int, SamplingParams] | None = None,
                  with_logprobs: bool = False):
         self.cx, self.params, self.header_size = cx, params, header_size
-        self.per_key = per_key or {}  # prompt key -> a row's own sampling (batch requests' settings)
+        own = per_key or {}  # prompt key -> a row's own sampling (batch requests' settings), every pending row
+        # the live rows' state, born and freed by the headers' events (`records.RowTable`)
+        self.rows = RowTable(lambda key: RowState(key, own.get(key)))
         self.k = k_logprobs  # top alternatives per token
         # False: tokens alone travel back; True: `pack_sampled` rows of 2 + 2K (K may be 0)
         self.lp = with_logprobs or k_logprobs > 0
@@ -138,15 +139,17 @@ class DecodeRing:
     def _compute(self, header: np.ndarray, x: np.ndarray, ops: np.ndarray | None = None) -> np.ndarray:
         """This stage's part of a step; on the last stage the sampled tokens (n,) int64. ``ops``: the
         step's prefix-cache block ops (attaches before it, saves after: `kv_cache.copy_blocks`)."""
-        kind, _, n, T, rows = read_header(header)
-        slots, lengths, start = rows[:, 0].copy(), rows[:, 1].copy(), chunk_start(header)
+        h = StepHeader(header)
+        self.rows.on_header(h)  # (every stage: the rows admitted in this step, those ended before it)
+        kind, n, start = h.kind, h.n, h.start
+        slots, lengths = h.slots.copy(), h.lengths.copy()
         t0 = time.perf_counter()
         if ops is not None:
             self.stage.block_ops(ops, before=True)
         if kind == DECODE:
             out = self.stage.decode(x, slots, lengths)
         elif kind == MIXED:  # decode rows and a prefill chunk in one step (the scheduler's MIXED note)
-            out = self.stage.mixed(x, slots, lengths, decode_rows(header), start)
+            out = self.stage.mixed(x, slots, lengths, h.n_decode, start)
         elif start:  # a later chunk (a Stage without ``start`` is never given one: see drive)
             out = self.stage.prefill(x, slots, lengths, start=start)
         else:
@@ -164,15 +167,16 @@ class DecodeRing:
         if not self.stage.last:
             self._check_hidden(out, header)
             return out
-        self._check_logits(out, rows)
-        tokens = sample_rows(out, rows[:, 2], rows[:, 3], self.params, self.per_key)
+        self._check_logits(out, h.rows)
+        tokens = self.rows.sample(out, h, self.params)  # (each row's processor, then its own draw)
         if self.lp:
             tokens = pack_sampled(tokens, *logprobs(out, tokens, self.k))
         st.sample_s += time.perf_counter() - t1
         return tokens
 
     def _row_name(self, row: np.ndarray) -> str:
-        return f"new token {int(row[3])} of prompt {self.names.get(int(row[2]), f'key {int(row[2])}')}"
+        key = int(row[KEY])
+        return f"new token {int(row[INDEX])} of prompt {self.names.get(key, f'key {key}')}"
 
     def _check_logits(self, logits: np.ndarray, rows: np.ndarray) -> None:
         """Nothing is sampled from a non-finite logit: the job ends (exit 4) naming the prompts.
@@ -189,25 +193,27 @@ class DecodeRing:
         each row's real tokens, by the step's layout (the scheduler's header)."""
         if self.topo.tp_rank != 0:
             return
-        kind, _, n, T, rows = read_header(header)
+        h = StepHeader(header)
+        kind, n, T, rows = h.kind, h.n, h.T, h.rows
 
         def parts():
             if kind == DECODE:  # (n, 1, C)
                 return ((self._row_name(r), out[b]) for b, r in enumerate(rows))
-            start = chunk_start(header)
+            start = h.start
             if kind == MIXED:  # (1, nd + rows x T, C): the decode rows' tokens, then each chunk
-                nd = decode_rows(header)
+                nd = h.n_decode
                 views = [out[0, b] for b in range(nd)]
-                views += [out[0, nd + j * T:nd + j * T + min(T, int(rows[nd + j, 1]) - start)] for j in range(n - nd)]
+                views += [out[0, nd + j * T:nd + j * T + min(T, int(rows[nd + j, LENGTH]) - start)] for j in range(n - nd)]
                 return zip((self._row_name(r) for r in rows), views)
-            return ((self._row_name(r), out[b, :min(T, int(r[1]) - start)]) for b, r in enumerate(rows))
+            return ((self._row_name(r), out[b, :min(T, int(r[LENGTH]) - start)]) for b, r in enumerate(rows))
 
         check_output(out, self.topo.stage, self.ctx, parts, "hidden state")
 
     def _recv_spec(self, header: np.ndarray) -> Callable[[Action], tuple]:
-        kind, _, n, T, _ = read_header(header)
+        h = StepHeader(header)
+        kind, n, T = h.kind, h.n, h.T
         if kind == MIXED:  # the token rows back to back: decode rows, then each row's chunk
-            nd = decode_rows(header)
+            nd = h.n_decode
             return lambda a: ((1, nd + (n - nd) * T, self.hidden), np.float32)
         return lambda a: ((n, T, self.hidden), np.float32)
 
@@ -280,9 +286,10 @@ class DecodeRing:
             for g in range(sched.groups):  # (None for a group in flight) a parked group whose chunk
                 issue(g)                   # rode in this step, now decoding (the riding note)
         self.ctx.microbatch = None
+        stop = sched.stop_header()  # (the rows ended since the last step: no state is left behind)
+        self.rows.on_header(StepHeader(stop))
         if self.n_stages > 1:
             self._drain()
-            stop = make_header(STOP, 0, 0, [], [], [], [], self.header_size)
             self.link.send(stop, self.topo.next, tags.STEP_HEADER, "the stop header")
         return stopped
 
@@ -295,8 +302,10 @@ class DecodeRing:
         while True:
             self.ctx.microbatch = None
             self.link.recv(header, self.topo.prev, tags.STEP_HEADER, "the next step header")
-            kind, g, n, T, _ = read_header(header)
+            h = StepHeader(header)
+            kind, g = h.kind, h.group
             if kind == STOP:
+                self.rows.on_header(h)
                 self._drain()
                 if not last:
                     self.link.send(header, self.topo.next, tags.STEP_HEADER, "the stop header")
@@ -304,8 +313,8 @@ class DecodeRing:
             self.ctx.microbatch = g
             hdr = header.copy()
             ops = None
-            if block_ops(hdr):  # the prefix cache's copies, in a message of their own after the header
-                ops = self.link.recv(np.empty((block_ops(hdr), 4), np.int64), self.topo.prev, tags.BLOCK_OPS,
+            if h.n_ops:  # the prefix cache's copies, in a message of their own after the header
+                ops = self.link.recv(np.empty((h.n_ops, 4), np.int64), self.topo.prev, tags.BLOCK_OPS,
                                      f"the block ops of group {g}")
 
             def compute(_m, x, hdr=hdr, g=g, ops=ops):
@@ -431,18 +440,17 @@ class GenerateOptions:
                    eos_where="generate --eos-id" if flags.eos_id is not None else f"{job.path}: [generate] eos_id")
 
 
-def _items(p: Any, opts: GenerateOptions) -> list:
-    """A pending prompt's scheduler items, one per sample: [index, id, tokens, its own limits]
-    (the scheduler's per-row note); a prompt without settings of its own has none."""
+def _requests(p: Any, opts: GenerateOptions) -> list[Request]:
+    """A pending prompt's rows, one `records.Request` per sample (the scheduler's per-row note);
+    a prompt without settings of its own is one row of the job's."""
     s = p.settings
+    tokens = tuple(p.tokens)
     if s is None:
-        return [[p.index, p.id, list(p.tokens), {}]]
+        return [Request(p.index, p.id, tokens)]
     limit = p.request["max_new_tokens"] if p.request else (s.max_tokens or opts.max_new_tokens)
     q = s.params(opts.sampling)
-    own: dict = {"max_new_tokens": limit, "stop": list(s.stop)}
-    if q != opts.sampling:  # (rows that sample as the job does keep the batched path: `sampling.sample_rows`)
-        own["params"] = [q.temperature, q.top_k, q.top_p, q.seed]
-    return [[p.index, p.id, list(p.tokens), {**own, "key": sample_id(p.id, j), "sample": j}] for j in range(s.n)]
+    own = q if q != opts.sampling else None  # (rows that sample as the job does keep the batched path)
+    return [Request(p.index, p.id, tokens, j, sample_id(p.id, j), limit, tuple(s.stop), own) for j in range(s.n)]
 
 
 class GenerateDriver(JournalDriver):
@@ -504,8 +512,9 @@ class GenerateDriver(JournalDriver):
             self.holder.update(journal=journal, tokenizer=tokenizer, prompts=prompts)
             if not journal.pending:  # nothing to place or compute: check what can be known without a plan
                 journal.check_done(**unplaced_settings(job, "generate"))
-            pending = [item for p in journal.pending if p.error is None for item in _items(p, opts)]
-            longest = max((len(p[2]) + p[3].get("max_new_tokens", opts.max_new_tokens) for p in pending), default=1)
+            rows = [r for p in journal.pending if p.error is None for r in _requests(p, opts)]
+            longest = max((len(r.tokens) + (r.max_new_tokens or opts.max_new_tokens) for r in rows), default=1)
+            pending = [r.to_wire() for r in rows]  # (plain JSON: the broadcast below)
             failed = [p.index for p in journal.pending if p.error is not None]
             return {"pending": pending, "total": len(prompts), "eos": eos, "max_seq": longest,
                     "first": shard["lines"][0] if shard else 0,  # (a shard's prompts are renumbered from 0)
@@ -601,15 +610,13 @@ class GenerateDriver(JournalDriver):
                                   "generate needs a family whose Stage implements reset, prefill and decode") from None
 
         self.kv_bytes = cx.agree(reset, "allocating the KV cache")
-        # (a family that wraps another's stages may say yes for a stage without the methods: off)
-        if self._prefix_cache_on(cx) and all(callable(getattr(cx.stage, m, None))
-                                             for m in ("reset_prefix", "block_ops")):
+        caps = caps_of(cx.stage)
+        if self._prefix_cache_on(cx) and caps.prefix_cache:
             from ..engine.block_pool import BLOCK_SIZE
 
             # paged: one pool holds every row's blocks, sized from the KV budget (the rows' slots' positions
             # or --kv-rows', and the prefix pool's), so rows take blocks by what they use (the block-cache note)
-            paged = (self._paged(cx) and "paged" in inspect.signature(cx.stage.reset_prefix).parameters
-                     and "start" in inspect.signature(cx.stage.prefill).parameters)  # (stage 0 then keeps the pool)
+            paged = self._paged(cx) and caps.paged and caps.chunked_prefill  # (stage 0 then keeps the pool)
             rows = PREFIX_POOL_ROWS + ((self.opts.kv_rows or self.groups * self.opts.batch) if paged else 0)
             blocks = -(-rows * cx.seq // BLOCK_SIZE)
 
@@ -639,11 +646,12 @@ class GenerateDriver(JournalDriver):
         kv = job.kv_for(cx.world.rank)
         recompute = any(job.kv_for(r).recompute for r in range(cx.world.size))
         timeout = job.run.timeout_s
-        # a family's Stage written before chunked prefill (no ``start``) prefills whole prompts, and
-        # one without ``mixed`` (not a `Stage` subclass) never gets a MIXED step
-        chunk_ok = "start" in inspect.signature(cx.stage.prefill).parameters
+        # a stage that does not declare chunked prefill (`model.stage.StageCaps`) prefills whole
+        # prompts and never gets a MIXED step
+        caps = caps_of(cx.stage)
+        chunk_ok = caps.chunked_prefill
         chunk = opts.prefill_chunk if chunk_ok else 0
-        items = [(i, pid, tuple(t), own) for i, pid, t, own in doc["pending"]]
+        items = [Request.from_wire(d) for d in doc["pending"]]
         shared = topo.n_replicas > 1
         wait(cx.world.Ibarrier(), timeout, cx.ctx, lambda: "every rank to start generating", "some rank")
         counter = SharedCounter(cx.world, cx.ctx, timeout) if shared else None
@@ -656,13 +664,12 @@ class GenerateDriver(JournalDriver):
             decode = (holder.get("tokenizer") or load_tokenizer(job.model.checkpoint)).decode
         sched = Scheduler([] if feed else items, self.groups, opts.batch,
                           opts.max_new_tokens, frozenset(doc["eos"]), recompute, prefill_chunk=chunk,
-                          mixed=callable(getattr(cx.stage, "mixed", None)), stages=topo.n_stages, feed=feed,
+                          mixed=chunk_ok, stages=topo.n_stages, feed=feed,
                           decode=decode, pool=self._prefix_pool() if topo.stage == 0 and chunk_ok else None,
                           paged=self.paged)
-        names = {prompt_key(own.get("key", pid)): f"{pid!r} (prompt {doc.get('first', 0) + i + 1} of "
-                 f"{opts.prompts.name})" for i, pid, _, own in doc["pending"]}
-        per_key = {prompt_key(own["key"]): SamplingParams(*own["params"]) for _, _, _, own in doc["pending"]
-                   if "params" in own}
+        names = {r.key: f"{r.id!r} (prompt {doc.get('first', 0) + r.index + 1} of {opts.prompts.name})"
+                 for r in items}
+        per_key = {r.key: r.sampling for r in items if r.sampling is not None}
         k = min(max(opts.logprobs, doc["top_logprobs"]), cx.dims.vocab_size)  # (a request's top_logprobs too)
         ring = DecodeRing(cx, opts.sampling, sched.header_size, k_logprobs=k, names=names, per_key=per_key,
                           with_logprobs=doc["logprobs"])
@@ -671,7 +678,7 @@ class GenerateDriver(JournalDriver):
         texts = {i: p.text for i, p in prompt_of.items()}
         samples: dict[int, dict[int, dict]] = {}  # rank 0: a batch request's finished samples, until all n are
         # (requests, not rows: a request of n > 1 is n rows; its failed lines are written below)
-        done_before = doc["total"] - len({i for i, *_ in doc["pending"]}) - len(doc["failed_now"])
+        done_before = doc["total"] - len({r.index for r in items}) - len(doc["failed_now"])
         progress = Progress(doc["total"], done_before, interval_s=opts.progress_s) if cx.is_root else None
         counts = {"done": 0, "tokens": 0}
         per_replica = {r: {"rows": 0, "tokens": 0} for r in range(topo.n_replicas)}

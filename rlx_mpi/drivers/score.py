@@ -264,17 +264,16 @@ class ScoreDriver(JournalDriver):
 
     def ready(self, cx: Any) -> None:
         """With the prefix cache: every stage's slots and pool (agreed; a stage without them: off)."""
-        import inspect
-
         from mpi4py import MPI
+
+        from ..model.stage import caps_of
 
         self.prefix_blocks = 0
         if not self._reuse(cx):  # (the job's answer: the same on every rank)
             return
-        # a family that wraps another's stages may say yes for a stage without the methods: off
-        # on every rank if any stage lacks them (every rank plans the microbatches alike)
-        able = np.array([all(callable(getattr(cx.stage, m, None)) for m in ("reset", "reset_prefix", "block_ops"))
-                         and "every" in inspect.signature(cx.stage.prefill).parameters], np.int32)
+        # off on every rank if any stage does not declare it (every rank plans the microbatches alike)
+        caps = caps_of(cx.stage)
+        able = np.array([caps.prefix_cache and caps.score_every], np.int32)
         wait(cx.world.Iallreduce(MPI.IN_PLACE, able, op=MPI.MIN), cx.job.run.startup_timeout_s, cx.ctx,
              lambda: "every rank to say whether its stage keeps a prefix cache", "some rank")
         if not able[0]:

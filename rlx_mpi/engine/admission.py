@@ -48,11 +48,13 @@ class Held:
     next_block: int = 0
 
 
-def lookup(pool: BlockPool, tokens: tuple, cap: int, keys: list | None = None) -> tuple[list, list, bytes | None]:
-    """(keys, ids, waits_for): the hash-chain ``keys`` of ``tokens``' full blocks, the ``ids`` of the
-    cached blocks they begin with (at most ``cap``), and the promised key of the next block when a
-    sequence admitted before is computing it (then wait for it: None otherwise)."""
-    keys = pool.keys(tokens) if keys is None else keys
+def lookup(pool: BlockPool, tokens: tuple, cap: int, keys: list | None = None,
+           salt: bytes = b"") -> tuple[list, list, bytes | None]:
+    """(keys, ids, waits_for): the hash-chain ``keys`` of ``tokens``' full blocks (from ``salt``: a
+    row's `records.Request.kv_salt`), the ``ids`` of the cached blocks they begin with (at most
+    ``cap``), and the promised key of the next block when a sequence admitted before is computing it
+    (then wait for it: None otherwise)."""
+    keys = pool.keys(tokens, salt) if keys is None else keys
     ids = pool.match(tokens, keys)[:cap]
     waits = keys[len(ids)] if len(ids) < cap and keys[len(ids)] in pool.promised else None
     return keys, ids, waits

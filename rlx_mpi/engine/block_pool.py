@@ -52,8 +52,13 @@ __all__ = ["BlockPool", "chain_keys", "BLOCK_SIZE"]
 BLOCK_SIZE = 16
 
 
-def chain_keys(tokens, size: int, prev: bytes = b"") -> list[bytes]:
-    """The hash-chain keys of the full blocks of ``tokens``: key j covers tokens 0..(j+1)*size-1."""
+def chain_keys(tokens, size: int, salt: bytes = b"") -> list[bytes]:
+    """The hash-chain keys of the full blocks of ``tokens``: key j covers tokens 0..(j+1)*size-1.
+
+    The chain starts from ``salt``: everything besides the tokens that changes a row's KV (an
+    adapter: `records.Request.kv_salt`), so rows of different salts never share a block. The
+    empty salt keeps the keys of before (the chain's root is empty)."""
+    prev = b"" if not salt else hashlib.blake2b(b"rlx-kv-salt\x00" + salt, digest_size=16).digest()
     keys = []
     for j in range(len(tokens) // size):
         h = hashlib.blake2b(prev, digest_size=16)
@@ -87,8 +92,8 @@ class BlockPool:
         self.hits = 0  # positions attached from the pool
         self.evictions = 0
 
-    def keys(self, tokens) -> list[bytes]:
-        return chain_keys(tokens, self.size)
+    def keys(self, tokens, salt: bytes = b"") -> list[bytes]:
+        return chain_keys(tokens, self.size, salt)
 
     def match(self, tokens, keys: list[bytes] | None = None) -> list[int]:
         """Ids of the cached blocks that begin ``tokens``, in order (the longest cached prefix)."""

@@ -87,14 +87,14 @@ from . import admission
 from .admission import admit_blocks, row_blocks  # noqa: F401 (the block budget: admission's)
 from .block_pool import BlockPool
 from ..model.kv_cache import ATTACH, SAVE, SET
-from .sampling import prompt_key
+from .records import Request, StepHeader
 
 __all__ = ["PREFILL", "DECODE", "STOP", "MIXED", "ATTACH", "SAVE", "Seq", "Step", "Scheduler", "make_header",
-           "read_header", "chunk_start", "decode_rows", "block_ops", "split_batch", "row_blocks", "admit_blocks"]
+           "read_header", "chunk_start", "decode_rows", "block_ops", "split_batch", "row_blocks", "admit_blocks",
+           "as_request"]
 
 PREFILL, DECODE, STOP, MIXED = 1, 2, 3, 4
-# header: kind, group, rows, T, start, decode rows, block ops; then per row: slot, length|position, key, token index
-_HEAD, _ROW = 7, 4
+# the step header's fields and its per-row columns: `records.StepHeader` (the row lifecycle note there)
 _LOOKAHEAD = 64  # queued prompts looked at for a free slot while those before them wait (`Scheduler._admit_next`)
 
 
@@ -106,7 +106,7 @@ class Seq:
     id: str
     prompt: tuple[int, ...]
     slot: int
-    key: int  # prompt_key(id): seeds its draws
+    key: int  # its request's key (`records.Request.key`): seeds its draws, names it in step headers
     new: list[int] = field(default_factory=list)
     logprobs: list[tuple] = field(default_factory=list)  # per new token (chosen_lp, top_ids, top_lp) with --logprobs
     prefilled: bool = False
@@ -123,6 +123,8 @@ class Seq:
     next_block: int = 0  # its prompt's blocks before this one are cached or published (the rest it promised)
     table: list[int] = field(default_factory=list)  # paged: the pool block of each of its positions' blocks
     own: list[int] = field(default_factory=list)  # paged: its blocks not (yet) cached, given back when it ends
+    request: Request | None = None  # the record it was admitted from
+    announced: bool = False  # a step header has told the stages it is admitted (the row lifecycle)
 
     @property
     def length(self) -> int:
@@ -154,30 +156,23 @@ class Step:
         return decode_rows(self.header)
 
 
-def make_header(kind: int, group: int, T: int, slots, lengths, keys, index, size: int, start: int = 0,
-                n_decode: int = 0, n_ops: int = 0) -> np.ndarray:
-    h = np.zeros(size, np.int64)
-    n = len(slots)
-    h[:_HEAD] = (kind, group, n, T, start, n_decode, n_ops)
-    rows = h[_HEAD:_HEAD + _ROW * n].reshape(n, _ROW)
-    rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3] = slots, lengths, keys, index
-    return h
+make_header = StepHeader.make
 
 
 def read_header(h: np.ndarray) -> tuple[int, int, int, int, np.ndarray]:
-    """(kind, group, n, T, rows (n, 4)); a prefill chunk's start is `chunk_start`."""
-    kind, group, n, T = (int(v) for v in h[:4])
-    return kind, group, n, T, h[_HEAD:_HEAD + _ROW * n].reshape(n, _ROW)
+    """(kind, group, n, T, rows (n, `records.ROW`)); the rest by name: `records.StepHeader`."""
+    v = StepHeader(h)
+    return v.kind, v.group, v.n, v.T, v.rows
 
 
 def chunk_start(h: np.ndarray) -> int:
     """A prefill step's first position (0 unless it is a later chunk of a chunked prefill)."""
-    return int(h[4])
+    return StepHeader(h).start
 
 
 def decode_rows(h: np.ndarray) -> int:
     """A MIXED step's decode rows (its first rows; the others prefill a chunk)."""
-    return int(h[5])
+    return StepHeader(h).n_decode
 
 
 def split_batch(rows: int, groups: int, batch: int) -> int:
@@ -197,7 +192,16 @@ def split_batch(rows: int, groups: int, batch: int) -> int:
 
 def block_ops(h: np.ndarray) -> int:
     """How many block ops (rows of 4 int64) follow the header in a message of their own."""
-    return int(h[6])
+    return StepHeader(h).n_ops
+
+
+def as_request(item: Request | tuple) -> Request:
+    """A queued prompt as its record; a bare ``(index, id, tokens)`` (tests, benches) is a row of
+    the job's settings."""
+    if isinstance(item, Request):
+        return item
+    index, pid, tokens = item
+    return Request(int(index), str(pid), tuple(int(t) for t in tokens))
 
 
 def _next_chunk(fresh: list[Seq], budget: int = 0) -> tuple[list[Seq], int]:
@@ -235,7 +239,7 @@ class Scheduler:
     least ``stages`` of them decode (the riding note).
     """
 
-    def __init__(self, prompts: list[tuple[int, str, tuple[int, ...]]], groups: int, batch: int,
+    def __init__(self, prompts: list[Request], groups: int, batch: int,
                  max_new_tokens: int, eos_ids: frozenset[int], recompute: bool, prefill_chunk: int = 0,
                  mixed: bool = False, stages: int = 1, feed: Any = None,
                  decode: Callable[[list[int]], str] | None = None, pool: BlockPool | None = None,
@@ -254,13 +258,16 @@ class Scheduler:
         self.riding = [False] * groups  # a chunk of the group is in flight in another group's step
         self.issued = [False] * groups  # the group's own step is in flight
         self.turns = 0  # turns taken (a row's cohort)
-        self.queue = deque(prompts)
+        self.queue = deque(as_request(p) for p in prompts)
         self.feed = feed  # () -> more prompts as ``prompts``, [] when there are no more (replicas share a list)
         self.groups, self.batch = groups, batch
         self.max_new_tokens, self.eos_ids, self.recompute = max_new_tokens, frozenset(eos_ids), recompute
         self.rows: list[list[Seq | None]] = [[None] * batch for _ in range(groups)]
         self.stopping = False
-        self.header_size = _HEAD + _ROW * batch * (2 if self.mixed else 1)  # (a step may carry a rider's rows)
+        # a step may carry a rider's rows; room for the keys of every slot's row ending before it
+        self.ended_room = groups * batch
+        self.header_size = StepHeader.size(batch * (2 if self.mixed else 1), self.ended_room)
+        self._ended: deque[int] = deque()  # keys of rows ended, not yet told in a header (the row lifecycle)
         self.prefill_steps = 0  # steps that carried prefill positions (MIXED ones too)
         self.gaps = array("d")  # seconds between a row's decode tokens (`token_gaps_ms`): 8 bytes each
 
@@ -287,11 +294,10 @@ class Scheduler:
                 return r
         return None
 
-    def _admit(self, item: tuple, g: int, slot: int) -> Seq | None:
+    def _admit(self, item: Request, g: int, slot: int) -> Seq | None:
         """A queued prompt as the row of ``slot``, its cached prefix attached; None (it waits) when
         the next block it could attach is being computed by a row admitted before (promised)."""
-        index, pid, tokens, *extra = item
-        tokens = tuple(tokens)
+        tokens = item.tokens
         keys, ids = [], []
         pool = self.pool
         if pool is not None:  # (the shared admission path: `admission`)
@@ -300,22 +306,21 @@ class Scheduler:
                 return None  # (still waiting: no new hashing or matching)
             # at least the last position is computed: its logits are sampled
             keys, ids, waits = admission.lookup(pool, tokens, (len(tokens) - 1) // pool.size,
-                                                memo[1] if memo is not None and memo[0] is item else None)
+                                                memo[1] if memo is not None and memo[0] is item else None,
+                                                salt=item.kv_salt)
             if waits is not None:
                 self._waiting[id(item)] = (item, keys, waits)
                 return None
             self._waiting.pop(id(item), None)
-        own = extra[0] if extra else {}  # a row's own limits (`GenerateDriver`: batch requests)
         blocks: list[int] = []
         if self.paged:
-            got = admit_blocks(pool, ids, len(tokens), own.get("max_new_tokens", 0) or self.max_new_tokens)
+            got = admit_blocks(pool, ids, len(tokens), item.max_new_tokens or self.max_new_tokens)
             if got is None:  # (its blocks do not fit yet: it waits for rows to end; its keys kept)
                 self._waiting[id(item)] = (item, keys, None)
                 return None
             blocks = got
-        r = Seq(index, pid, tokens, slot, prompt_key(own.get("key", pid)), start=time.perf_counter(),
-                cohort=self.turns, max_new_tokens=own.get("max_new_tokens", 0), stop=tuple(own.get("stop", ())),
-                sample=own.get("sample", 0))
+        r = Seq(item.index, item.id, tokens, slot, item.key, start=time.perf_counter(), cohort=self.turns,
+                max_new_tokens=item.max_new_tokens, stop=item.stop, sample=item.sample, request=item)
         self.prompt_tokens += len(tokens)
         if pool is not None:
             held, ops = admission.attach(pool, keys, ids, slot, acquired=self.paged)  # (admit_blocks acquired them)
@@ -343,7 +348,7 @@ class Scheduler:
                 r.next_block = held.next_block
         if ops:
             step.ops = np.array(ops, np.int64).reshape(-1, 4)
-            step.header[6] = len(ops)
+            step.header[6] = len(ops)  # (`records.StepHeader.n_ops`)
 
     def _release(self, r: Seq) -> None:
         """A row that ended: its references dropped, its promises withdrawn."""
@@ -387,9 +392,7 @@ class Scheduler:
             self.riding[h] = True
             return self._mixed(g, live, chunk, start)
         ids = np.array([[r.new[-1]] for r in live], np.int64)  # (n, 1): the newest token
-        header = make_header(DECODE, g, 1, [r.slot for r in live], [r.length - 1 for r in live],
-                             [r.key for r in live], [len(r.new) for r in live], self.header_size)
-        return Step(DECODE, g, live, ids, header)
+        return Step(DECODE, g, live, ids, self._header(DECODE, g, 1, live, [r.length - 1 for r in live]))
 
     def _decoding_groups(self, g: int) -> int:
         """How many groups other than ``g`` have rows decoding (each will issue steps again)."""
@@ -413,8 +416,7 @@ class Scheduler:
         if chunk:
             T = min(T, chunk)
         ids = _fill_chunk(np.zeros((len(rows), T), np.int64), seqs, start)
-        header = make_header(PREFILL, g, T, [r.slot for r in rows], [len(s) for s in seqs],
-                             [r.key for r in rows], [len(r.new) for r in rows], self.header_size, start)
+        header = self._header(PREFILL, g, T, rows, [len(s) for s in seqs], start)
         self.prefill_steps += 1
         return Step(PREFILL, g, rows, ids, header, start=start)
 
@@ -427,10 +429,24 @@ class Scheduler:
         ids[:nd] = [r.new[-1] for r in decoding]
         _fill_chunk(ids[nd:].reshape(len(rows), T), seqs, start)  # (a view of ids)
         both = decoding + rows
-        header = make_header(MIXED, g, T, [r.slot for r in both], [r.length - 1 for r in decoding] + list(map(len, seqs)),
-                             [r.key for r in both], [len(r.new) for r in both], self.header_size, start, nd)
+        header = self._header(MIXED, g, T, both, [r.length - 1 for r in decoding] + list(map(len, seqs)), start, nd)
         self.prefill_steps += 1
         return Step(MIXED, g, both, ids[None], header, start=start)
+
+    def _header(self, kind: int, g: int, T: int, rows: list[Seq], lengths: list[int], start: int = 0,
+                n_decode: int = 0) -> np.ndarray:
+        """A step's header: its rows (those not yet announced flagged admitted) and the keys of the
+        rows ended since the last header, as many as it has room for (the row lifecycle note)."""
+        admitted = [not r.announced for r in rows]
+        for r in rows:
+            r.announced = True
+        ended = [self._ended.popleft() for _ in range(min(len(self._ended), self.ended_room))]
+        return make_header(kind, g, T, [r.slot for r in rows], lengths, [r.key for r in rows],
+                           [len(r.new) for r in rows], self.header_size, start, n_decode, admitted=admitted, ended=ended)
+
+    def stop_header(self) -> np.ndarray:
+        """The STOP header, with the keys of the rows ended since the last step's header."""
+        return self._header(STOP, 0, 0, [], [])
 
     def complete(self, step: Step, tokens: np.ndarray, logprobs: tuple | None = None) -> list[Seq]:
         """Append each row's new token (and its ``logprobs``: `sampling.logprobs`' arrays, one
@@ -458,6 +474,7 @@ class Scheduler:
             if r.finish_reason:
                 self.rows[g][r.slot - g * self.batch] = None
                 self._release(r)
+                self._ended.append(r.key)
                 done.append(r)
         return done
 

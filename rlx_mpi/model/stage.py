@@ -31,7 +31,7 @@ import numpy as np
 
 from .cost import ModelCost
 
-__all__ = ["ParamSource", "Stage", "ModelFamily", "ModelDims", "TensorParallel"]
+__all__ = ["ParamSource", "Stage", "StageCaps", "caps_of", "ModelFamily", "ModelDims", "TensorParallel"]
 
 
 class ParamSource(Protocol):
@@ -61,6 +61,18 @@ class TensorParallel:
     timeout_s: float = 60.0  # deadline of each collective
 
 
+@dataclass(frozen=True)
+class StageCaps:
+    """What a stage does beyond `forward` and whole-prompt generation, declared by its family
+    (`Stage.caps`); the drivers read this record and never inspect a method's signature."""
+
+    chunked_prefill: bool = False  # ``prefill(..., start=)`` and ``mixed`` (`Stage`'s default: decode, then prefill)
+    prefix_cache: bool = False  # ``reset_prefix`` and ``block_ops``: the prefix cache's blocks
+    paged: bool = False  # ``reset_prefix(..., paged=)``: rows read their blocks through block tables
+    score_every: bool = False  # ``prefill(..., every=)``: every position's logits (score under the prefix cache)
+    forward_window: bool = False  # ``forward(x, window=)``: a sliding window in `run`'s forward
+
+
 class Stage(abc.ABC):
     """What one rank computes for its layer range.
 
@@ -73,6 +85,7 @@ class Stage(abc.ABC):
     layers: range
     first: bool
     last: bool
+    caps: StageCaps = StageCaps()  # what it does beyond the basics; a family's stage declares its own
 
     @abc.abstractmethod
     def forward(self, x: np.ndarray) -> np.ndarray:
@@ -140,6 +153,7 @@ class ModelFamily(Protocol):
     name: str  # the checkpoint's ``family`` attribute
     hf_model_types: tuple[str, ...]  # Hugging Face ``model_type`` values `convert_hf` takes; () for none
     presets: Mapping[str, Any]  # random-model configs by name (init-model, [model] preset, plan --preset)
+    precisions: tuple[str, ...]  # what ``build_stage(precision=)`` takes; a family without it: f32 only
 
     def load_config(self, config_json: str, where: str) -> Any:
         """The config stored in a checkpoint's header; `CheckpointError` naming ``where`` if invalid."""
@@ -192,3 +206,9 @@ class ModelFamily(Protocol):
         for deadlines of the TP collectives; a stage may ignore it). For a rank whose precision
         is not f32 it is also called with ``precision=`` ("bf16" | "f16" | "int8" | "q4"); a family
         without that keyword is refused for such ranks."""
+
+
+def caps_of(stage: Any) -> StageCaps:
+    """A stage's declared `StageCaps` (none for a stage written only to the Protocol's methods)."""
+    caps = getattr(stage, "caps", None)
+    return caps if isinstance(caps, StageCaps) else StageCaps()

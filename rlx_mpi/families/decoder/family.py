@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 
 from ...errors import CheckpointError, ConfigError, InputError
+from ... import rules
 from ...model.cost import ModelCost
 from ...model.stage import ModelDims, ParamSource, TensorParallel
 from .arch import Arch, expected_shapes
@@ -24,6 +25,7 @@ class DecoderFamily:
     """A `rlx_mpi.stage.ModelFamily` over `Arch`; ``name`` is the checkpoint's ``family``."""
 
     prefix_cache = True  # its Stage keeps a prefix cache's pool and copies blocks (`DecoderStage.reset_prefix`)
+    precisions = rules.PRECISIONS  # build_stage(precision=) takes every one (`decoder.weights`)
 
     def __init__(self, name: str, hf_model_types: tuple[str, ...], arch_from_hf: Callable[[dict, str], Arch],
                  hf_names: Callable[[Arch], dict], presets: Mapping[str, Arch] | None = None,

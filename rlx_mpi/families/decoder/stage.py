@@ -24,7 +24,7 @@ from ...model.checkpoint import part_bounds
 from ...comm.collectives import ReduceKind, all_reduce, world_ranks
 from ...model.kv_cache import (ATTACH, SAVE, SET, KvSpec, LayerCache, block_pool_caches, copy_blocks, paged_caches,
                                prefix_cacheable)
-from ...model.stage import ParamSource, Stage, TensorParallel
+from ...model.stage import ParamSource, Stage, StageCaps, TensorParallel
 from . import model, ops
 from .arch import Arch
 from .rope import Rope
@@ -58,6 +58,8 @@ class DecoderStage(Stage):
     (but for the decode products' own rounding: int8's to int16 blocks, bf16's few rows to bf16
     where the CPU multiplies bf16 pairs; `kernels.rowdot`).
     """
+
+    caps = StageCaps(chunked_prefill=True, prefix_cache=True, paged=True, score_every=True, forward_window=True)
 
     def __init__(self, cfg: Arch, source: ParamSource, layers: range, first: bool, last: bool,
                  tp: TensorParallel = TensorParallel(), ctx=None, precision: str = "f32"):
