@@ -32,6 +32,8 @@ class NodeCaps:
     gflops: float | None = None  # measured float32 matmul speed, when asked for
     mpi_library: str | None = None  # first line of MPI_Get_library_version
     job_id: str | None = None  # SLURM_JOB_ID, when launched by Slurm
+    arithmetic: str | None = None  # what its products run: amx | avx512 | avx2 | generic (`kernels.isa`)
+    isa: str | None = None  # one line: that, what the CPU offers and why (`kernels.isa.Isa.describe`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -267,7 +269,20 @@ def probe_local(rank: int, local_rank: int, local_size: int, ckpt: str | os.Path
         gflops=_measure_pinned(share) if gflops else None,
         mpi_library=mpi_library(),
         job_id=os.environ.get("SLURM_JOB_ID") or None,
+        **_arithmetic(),
     )
+
+
+def _arithmetic() -> dict:
+    """This rank's arithmetic (`kernels.isa.detect`: CPU flags, and Linux's AMX permission)."""
+    from ..errors import ConfigError
+    from ..kernels.isa import ENV, detect
+
+    try:
+        isa = detect()
+    except ValueError as e:
+        raise ConfigError(f"environment {ENV}", str(e), f"unset {ENV} or set it to one of the levels named") from None
+    return {"arithmetic": isa.products, "isa": isa.describe()}
 
 
 # Launchers announce the size of the job they started; an MPI world of 1 beside one of these
@@ -294,16 +309,20 @@ def format_caps(caps: list[NodeCaps]) -> str:
     def gb(n: int | None) -> str:
         return "?" if n is None else f"{n / 1e9:.2f}"
 
-    head = ("rank", "host", "local", "cpus", "ram_GB", "avail_GB", "devices", "ckpt", "GFLOP/s", "mpi")
+    head = ("rank", "host", "local", "cpus", "ram_GB", "avail_GB", "devices", "ckpt", "GFLOP/s", "arith", "mpi")
     rows = [head] + [(str(c.rank), c.host, f"{c.local_rank}/{c.local_size}", "?" if c.cpus is None else str(c.cpus),
                       gb(c.ram_total_bytes), gb(c.ram_available_bytes), ",".join(c.devices),
                       {None: "-", True: "ok", False: "NO"}[c.ckpt_readable],
-                      "-" if c.gflops is None else f"{c.gflops:.1f}", _short_mpi(c.mpi_library)) for c in caps]
+                      "-" if c.gflops is None else f"{c.gflops:.1f}", c.arithmetic or "?",
+                      _short_mpi(c.mpi_library)) for c in caps]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     jobs = sorted({c.job_id for c in caps if c.job_id})
     if jobs:
         lines.append(f"slurm job {', '.join(jobs)}")
+    for isa in sorted({c.isa for c in caps if c.isa}):  # (one line per kind of host)
+        ranks = ",".join(str(c.rank) for c in caps if c.isa == isa)
+        lines.append(f"arithmetic of ranks {ranks}: {isa}")
     warning = mpi_versions_differ(caps)
     if warning:
         lines.append(f"warning: {warning}")

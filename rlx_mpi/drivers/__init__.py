@@ -112,6 +112,6 @@ class JournalDriver(Driver):
         def settle() -> None:
             journal = self.holder.get("journal")
             if journal is not None:
-                journal.settle(**layout_settings(cx.job, cx.plan_, self.command))
+                journal.settle(**layout_settings(cx.job, cx.plan_, self.command, cx.caps))
 
         cx.agree(settle, "checking the rows already in the output")

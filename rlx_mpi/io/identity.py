@@ -198,7 +198,7 @@ def beside_settings(tokenizer: Any) -> dict:
     return {"tokenizer": tok, "chat template": tmpl}
 
 
-def layout_settings(job: Any, plan: Sequence[Any], command: str = "generate") -> dict:
+def layout_settings(job: Any, plan: Sequence[Any], command: str = "generate", caps: Sequence[Any] = ()) -> dict:
     """The settings that change rows but are stated per rank or act where the stages are cut,
     said per layer so that they do not depend on the layout (see the module's note).
 
@@ -207,22 +207,32 @@ def layout_settings(job: Any, plan: Sequence[Any], command: str = "generate") ->
     every layer has the same, else ``"0:12 int8, 12:24 f32"``), and the wire codec where it
     rounds: ``"f32"`` when it is lossless or no stage is cut, else ``"bf16 before layers 12"``.
     ``score`` keeps no cache, so only a window is a different model there (none = full).
+    With ``caps`` (every rank's `NodeCaps`), also ``"arithmetic"``: what each layer's products
+    run (`kernels.isa`: amx / avx512 / ...), since a row's bits depend on it (docs/invariance.md:
+    one job, one result per machine), so a resume on hosts of another arithmetic is refused.
     """
     prec: dict[int, set] = {}
     kv: dict[int, set] = {}
+    arith: dict[int, set] = {}
+    by_rank = {c.rank: c.arithmetic for c in caps if getattr(c, "arithmetic", None)}
     replicas: dict[int, list] = {}
     for a in plan:
         p = {job.precision_for(r).value for r in a.ranks}
         k = {_kv_name(job.kv_for(r), command) for r in a.ranks}
+        ar = {by_rank[r] for r in a.ranks if r in by_rank}
         for layer in a.layers:
             prec.setdefault(layer, set()).update(p)
             kv.setdefault(layer, set()).update(k)
+            arith.setdefault(layer, set()).update(ar)
         replicas.setdefault(a.replica, []).append(a)
     cuts = sorted({tuple(sorted(a.layers.start for a in rep if a.stage > 0)) for rep in replicas.values()})
     wire = job.run.wire
     wires = sorted({"f32" if wire == "f32" or not c else f"{wire} before layers {', '.join(map(str, c))}"
                     for c in cuts}) or ["f32"]
-    return {"precision": _by_layer(prec), "kv_cache": _by_layer(kv), "wire": " / ".join(wires)}
+    out = {"precision": _by_layer(prec), "kv_cache": _by_layer(kv), "wire": " / ".join(wires)}
+    if by_rank and all(arith.values()):
+        out["arithmetic"] = _by_layer(arith)
+    return out
 
 
 def unplaced_settings(job: Any, command: str = "generate") -> dict:

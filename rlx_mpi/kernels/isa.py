@@ -93,6 +93,13 @@ class Isa:
     reason: str  # why ``used`` is what it is, and the permission's answer where asked
     forced: str | None = None  # RLX_MPI_ARITHMETIC's value when it lowered ``used``
 
+    @property
+    def products(self) -> str:
+        """What the products really run today: the offered level capped at KERNELS. A forced
+        ``used`` below it is not yet applied (the offered-and-used note), so the run identity
+        records this, not ``used``."""
+        return min(self.offered, KERNELS, key=_rank)
+
     def describe(self) -> str:
         """One line: ``avx512 (offered amx: AMX detected, no AMX kernels yet)``."""
         return f"{self.used} (offered {self.offered}: {self.reason})"
