@@ -230,8 +230,9 @@ def cmd_merge(args) -> int:
 
 def cmd_generate(args) -> int:
     from .drivers.generate import GenerateDriver
+    from .lifecycle.hooks import TestHooks
 
-    return _on_the_cluster(args, GenerateDriver(args))
+    return _on_the_cluster(args, GenerateDriver(args, hooks=TestHooks.from_env()))  # (hooks: tests only)
 
 
 def cmd_score(args) -> int:

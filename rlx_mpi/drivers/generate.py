@@ -49,9 +49,11 @@ from ..comm import transport
 from ..errors import ConfigError
 from ..comm.executor import Executor, wire_codec
 from ..lifecycle.faults import check_output
+from ..lifecycle.hooks import NO_HOOKS, TestHooks
 from ..io.batch_io import format_result, is_batch, stop_text
 from ..model.stage import caps_of
 from ..engine.records import INDEX, KEY, LENGTH, Request, RowState, RowTable, StepHeader
+from ..engine.ring import run_ring
 from ..engine.sampling import SamplingParams, logprob_entries, logprobs, pack_sampled, sample_id, unpack_sampled
 from ..comm.schedule import Action, decode_drain_actions, decode_step_actions
 from ..engine.scheduler import DECODE, MIXED, STOP, Scheduler, Seq, Step, split_batch
@@ -101,7 +103,7 @@ class DecodeRing:
 
     def __init__(self, cx: Any, params: SamplingParams, header_size: int, *, k_logprobs: int = 0,
                  names: dict[int, str] | None = None, per_key: dict[int, SamplingParams] | None = None,
-                 with_logprobs: bool = False):
+                 with_logprobs: bool = False, hooks: TestHooks = NO_HOOKS):
         self.cx, self.params, self.header_size = cx, params, header_size
         own = per_key or {}  # prompt key -> a row's own sampling (batch requests' settings), every pending row
         # the live rows' state, born and freed by the headers' events (`records.RowTable`)
@@ -129,8 +131,8 @@ class DecodeRing:
         self.hidden = cx.dims.hidden_size
         self.stats = GenStats()
         self.lockstep = 0  # stage 0: `lockstep_fold` of every completed step
-        self._diverge = _diverge_hook(cx.world.rank)
-        self._step_delay = _step_delay_hook()
+        self.hooks = hooks
+        self._diverge = hooks.diverge_step(cx.world.rank)
 
     @property
     def n_stages(self) -> int:
@@ -230,68 +232,58 @@ class DecodeRing:
     # -- stage 0 --------------------------------------------------------------------------------
 
     def drive(self, sched: Scheduler, on_done: Callable[[list[Seq]], None], stop_now: Callable[[], bool]) -> bool:
-        """Stage 0: issue steps for every group, complete them as tokens return, until the
-        prompts are done or a stop is requested. Returns True if it stopped early."""
-        in_flight: deque[Step] = deque()
-        stopped = False
-
-        def issue(g: int) -> None:
-            step = sched.next_step(g)
-            if step is None:
-                return
-            self.ctx.microbatch = g
-            if self._step_delay:
-                time.sleep(self._step_delay)
-
-            def compute(_m, _x):
-                out = self._compute(step.header, step.ids, step.ops)
-                if self.n_stages == 1:
-                    step.tokens = out
-                    return None
-                self.link.send(step.header, self.topo.next, tags.STEP_HEADER, f"the step header of group {g}")
-                if step.ops is not None:
-                    self.link.send(step.ops, self.topo.next, tags.BLOCK_OPS, f"the block ops of group {g}")
-                return out
-
-            self.ex.run(self._step_actions(g), compute, lambda a: None, tag_base=tags.GROUP_HIDDEN[0], keep_sends=True)
-            if self.n_stages > 1:  # post the receive of its tokens now: the last stage's send
-                # then never depends on MPI buffering it (no cycle in the ring under rendezvous)
-                shape = (len(step.rows), 2 + 2 * self.k) if self.lp else (len(step.rows),)
-                step.pending = self.ring.irecv(np.empty(shape, np.int64), self.topo.grid[-1][self.topo.tp_rank],
-                                               tags.in_range(tags.GROUP_HIDDEN, g, "a group's tokens"),
-                                               f"the sampled tokens of group {g}")  # the hidden tag, upstream
-            in_flight.append(step)
-
-        for g in range(sched.groups):
-            issue(g)
-        while in_flight:
-            step = in_flight.popleft()
-            if step.tokens is None:  # the ring: tokens from the last stage
-                self.ctx.microbatch = step.group
-                step.pending.wait()
-                step.tokens = step.pending.buf
-            if self.topo.tp > 1:  # the TP lockstep digest (one scheduler alone has nothing to agree with)
-                if self._diverge is not None and self.stats.steps >= self._diverge:  # a test's forced mismatch
-                    step.tokens, self._diverge = step.tokens.copy(), None
-                    step.tokens.flat[0] ^= 1
-                self.lockstep = lockstep_fold(self.lockstep, step.header, step.tokens)
-            if self.lp:
-                tokens, *lps = unpack_sampled(step.tokens)
-                on_done(sched.complete(step, tokens, tuple(lps)))
-            else:
-                on_done(sched.complete(step, step.tokens))
-            if not sched.stopping and stop_now():
-                sched.stopping = stopped = True
-            issue(step.group)
-            for g in range(sched.groups):  # (None for a group in flight) a parked group whose chunk
-                issue(g)                   # rode in this step, now decoding (the riding note)
+        """Stage 0: the pure ring loop (`engine.ring.run_ring`) with this rank as its pipe, until
+        the prompts are done or a stop is requested. Returns True if it stopped early."""
+        stopped = run_ring(sched, self, on_done, stop_now)
         self.ctx.microbatch = None
-        stop = sched.stop_header()  # (the rows ended since the last step: no state is left behind)
-        self.rows.on_header(StepHeader(stop))
+        return stopped
+
+    # the pipe of `run_ring` (`engine.ring.Pipe`): stage 0's part of a step, and its moves over MPI
+
+    def issue(self, step: Step) -> None:
+        g = step.group
+        self.ctx.microbatch = g
+        if self.hooks.step_delay_s:
+            time.sleep(self.hooks.step_delay_s)
+
+        def compute(_m, _x):
+            out = self._compute(step.header, step.ids, step.ops)
+            if self.n_stages == 1:
+                step.tokens = out
+                return None
+            self.link.send(step.header, self.topo.next, tags.STEP_HEADER, f"the step header of group {g}")
+            if step.ops is not None:
+                self.link.send(step.ops, self.topo.next, tags.BLOCK_OPS, f"the block ops of group {g}")
+            return out
+
+        self.ex.run(self._step_actions(g), compute, lambda a: None, tag_base=tags.GROUP_HIDDEN[0], keep_sends=True)
+        if self.n_stages > 1:  # post the receive of its tokens now: the last stage's send
+            # then never depends on MPI buffering it (no cycle in the ring under rendezvous)
+            shape = (len(step.rows), 2 + 2 * self.k) if self.lp else (len(step.rows),)
+            step.pending = self.ring.irecv(np.empty(shape, np.int64), self.topo.grid[-1][self.topo.tp_rank],
+                                           tags.in_range(tags.GROUP_HIDDEN, g, "a group's tokens"),
+                                           f"the sampled tokens of group {g}")  # the hidden tag, upstream
+
+    def tokens(self, step: Step) -> tuple[np.ndarray, tuple | None]:
+        if step.tokens is None:  # the ring: tokens from the last stage
+            self.ctx.microbatch = step.group
+            step.pending.wait()
+            step.tokens = step.pending.buf
+        if self.topo.tp > 1:  # the TP lockstep digest (one scheduler alone has nothing to agree with)
+            if self._diverge is not None and self.stats.steps >= self._diverge:  # a test's forced mismatch
+                step.tokens, self._diverge = step.tokens.copy(), None
+                step.tokens.flat[0] ^= 1
+            self.lockstep = lockstep_fold(self.lockstep, step.header, step.tokens)
+        if self.lp:
+            tokens, *lps = unpack_sampled(step.tokens)
+            return tokens, tuple(lps)
+        return step.tokens, None
+
+    def close(self, stop_header: np.ndarray) -> None:
+        self.rows.on_header(StepHeader(stop_header))  # (the rows ended since the last step: no state is left)
         if self.n_stages > 1:
             self._drain()
-            self.link.send(stop, self.topo.next, tags.STEP_HEADER, "the stop header")
-        return stopped
+            self.link.send(stop_header, self.topo.next, tags.STEP_HEADER, "the stop header")
 
     # -- stages 1.. -----------------------------------------------------------------------------
 
@@ -328,34 +320,6 @@ class DecodeRing:
             # the last stage's send is the int64 tokens back to stage 0: the executor sends
             # non-float32 payloads raw (no codec)
             self.ex.run(self._step_actions(g), compute, self._recv_spec(hdr), tag_base=tags.GROUP_HIDDEN[0], keep_sends=True)
-
-
-def _diverge_hook(rank: int) -> int | None:
-    """``RLX_MPI_TEST_TP_DIVERGE=RANK:STEP``: world rank RANK flips a bit of the first token of its
-    STEP-th step (counted from 1), as a scheduler gone out of lockstep would (tests only)."""
-    import os
-
-    spec = os.environ.get("RLX_MPI_TEST_TP_DIVERGE", "")
-    who, _, step = spec.partition(":")
-    return int(step or 1) if who.strip().isdigit() and int(who) == rank else None
-
-
-def _step_delay_hook() -> float:
-    """``RLX_MPI_TEST_STEP_DELAY_S=SECONDS``: stage 0 sleeps before issuing each step, so a test's
-    signal lands mid-run however fast the host is (tests only)."""
-    import os
-
-    return float(os.environ.get("RLX_MPI_TEST_STEP_DELAY_S", "0") or 0)
-
-
-def _hold_hook() -> int:
-    """``RLX_MPI_TEST_HOLD_S=SECONDS``: once the first row is in the output, rank 0 stops between
-    steps until a stop is requested (at most SECONDS), so a test's signal lands mid-run however
-    fast the other replicas are (tests only; not with TP, whose other ranks would wait on rank 0's
-    all-reduce). Returns 10 ms polls."""
-    import os
-
-    return int(float(os.environ.get("RLX_MPI_TEST_HOLD_S", "0") or 0) * 100)
 
 
 def _lockstep_broken(cx: Any, ring: DecodeRing, when: str) -> None:
@@ -464,8 +428,8 @@ class GenerateDriver(JournalDriver):
     command = "generate"
     decodes = True
 
-    def __init__(self, flags: Any, *, argv_inputs: tuple = ()):
-        self.flags, self.argv_inputs = flags, argv_inputs
+    def __init__(self, flags: Any, *, argv_inputs: tuple = (), hooks: TestHooks = NO_HOOKS):
+        self.flags, self.argv_inputs, self.hooks = flags, argv_inputs, hooks
         self.opts: GenerateOptions | None = None
         self.doc: dict = {}
         self.holder: dict = {}  # rank 0: journal, tokenizer, prompts
@@ -672,7 +636,7 @@ class GenerateDriver(JournalDriver):
         per_key = {r.key: r.sampling for r in items if r.sampling is not None}
         k = min(max(opts.logprobs, doc["top_logprobs"]), cx.dims.vocab_size)  # (a request's top_logprobs too)
         ring = DecodeRing(cx, opts.sampling, sched.header_size, k_logprobs=k, names=names, per_key=per_key,
-                          with_logprobs=doc["logprobs"])
+                          with_logprobs=doc["logprobs"], hooks=self.hooks)
         journal, tokenizer = holder.get("journal"), holder.get("tokenizer")
         prompt_of = {p.index: p for p in holder.get("prompts", [])}
         texts = {i: p.text for i, p in prompt_of.items()}
@@ -742,7 +706,7 @@ class GenerateDriver(JournalDriver):
                                                            for rep in topo.replicas[1:]}, on_rows)
                      if shared and cx.is_root else None)
 
-        hold = [_hold_hook() if journal is not None else 0]
+        hold = [self.hooks.hold_polls if journal is not None else 0]
 
         def stop_now(final: bool = False) -> bool:
             if hold[0] and journal.done:  # a test's hold: rank 0 waits for the stop once a row is written

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 from .. import rules
 from ..config import Precision
 
-__all__ = ["ModelCost", "kv_cost", "with_held_scales"]
+__all__ = ["ModelCost", "kv_cost", "with_held_scales", "StepCost", "step_cost", "Machine"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,10 @@ class ModelCost:
     held_scales: tuple[tuple[str, float], ...] = ()  # (precision, resident weight bytes / the float32
     # bytes priced), measured from the checkpoint's storage (`with_held_scales`); a precision not
     # listed is priced at Precision.bytes_per_param / 4
+    attn_flops_per_pos: float = 0.0  # attention FLOPs of one token and one position it attends, one layer
+    dense_flops_per_token: float = 0.0  # one layer's FLOPs of a token but attention (0: not told, then
+    # `step_cost` takes layer_flops_per_token, which prices every token's attention at the full seq)
+    hidden_size: int = 0  # the hidden state's width (what a stage sends a token; 0: not told)
 
     def under_tp(self, tp: int) -> "ModelCost":
         """The whole stage's bytes when its ``tp`` ranks split the layers: every rank holds the
@@ -95,3 +99,58 @@ def kv_cost(cost: ModelCost, specs: list, max_seq: int) -> ModelCost:
     """
     kept = max(s.cache_len(max_seq) for s in specs)
     return dataclasses.replace(cost, kv_bytes_per_layer=cost.kv_bytes_per_layer * kept // max_seq)
+
+
+# -- the price of one step ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What one step costs one stage (all its TP ranks together; `per_rank` divides by tp)."""
+
+    flops: float  # dense products (each position x every layer's weights) + attention by context
+    weight_bytes: float  # weights read: each layer's once per step, whatever the rows (the decode note)
+    kv_bytes: float  # cache read: every attended position's K and V, each layer
+    send_bytes: float  # the hidden state to the next stage (or the tokens back: 8 a row)
+    allreduce_bytes: float  # under tp: two all-reduces of the positions' hidden state a layer
+
+    def seconds(self, m: "Machine", tp: int = 1) -> float:
+        """Time on one rank of ``m`` when the stage is ``tp`` ranks: compute or memory, whichever
+        binds, plus what its links move (the all-reduce's ring moves 2 (tp-1)/tp of its bytes)."""
+        compute = self.flops / tp / (m.gflops * 1e9)
+        memory = (self.weight_bytes + self.kv_bytes) / tp / (m.gbps * 1e9)
+        reduce = self.allreduce_bytes * 2 * (tp - 1) / tp / (m.link_gbps * 1e9) if tp > 1 else 0.0
+        return max(compute, memory) + reduce + self.send_bytes / (m.link_gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """One rank's rates: dense float GFLOP/s, memory GB/s (weights streamed), link GB/s."""
+
+    gflops: float = 100.0
+    gbps: float = 20.0
+    link_gbps: float = 5.0
+
+
+def step_cost(cost: ModelCost, layers: int, contexts: Sequence[tuple[int, int]], *, last: bool,
+              weight_scale: float = 1.0) -> StepCost:
+    """Price one step of ``layers`` layers (a stage's) for rows given as ``(positions, start)``:
+    a decode row is ``(1, its position)``, a prefill chunk ``(T, start)``. Each position attends to
+    every position before it and itself; the last stage turns one position a row into logits.
+
+    E.g. a decode step of 8 rows at position 511: ``step_cost(c, L, [(1, 511)] * 8, last=True)``;
+    a 512-token prefill: ``[(512, 0)]``. Bytes of weights scale with ``weight_scale`` (a rank
+    holding bf16 weights reads half the float32 bytes priced)."""
+    positions = sum(t for t, _ in contexts)
+    attended = sum(t * start + t * (t + 1) / 2 for t, start in contexts)  # sum over positions of (pos + 1)
+    dense = cost.dense_flops_per_token or cost.layer_flops_per_token
+    flops = layers * (positions * dense + attended * cost.attn_flops_per_pos)
+    kv_pos = cost.kv_bytes_per_layer / max(1, cost.tokens)  # one position's K and V, one layer
+    rows = len(contexts)
+    if last:
+        flops += rows * cost.head_flops_per_token
+    weights = layers * cost.layer_bytes * weight_scale + (cost.head_bytes * weight_scale if last else 0.0)
+    hidden = cost.hidden_size * 4.0
+    return StepCost(flops=flops, weight_bytes=weights, kv_bytes=layers * attended * kv_pos,
+                    send_bytes=8.0 * rows if last else positions * hidden,
+                    allreduce_bytes=layers * 2 * positions * hidden)

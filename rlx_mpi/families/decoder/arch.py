@@ -406,6 +406,9 @@ class Arch:
             shared_end_bytes=embed if self.tie_word_embeddings else 0,  # the stage holds one matrix for both
             kv_heads=kv_heads,
             kv_weight_bytes=replicated * weight_bytes,  # MLA: the latent's (and q's) down-projections
+            attn_flops_per_pos=attn_flops / max(1, seq),
+            dense_flops_per_token=2.0 * self.layer_params(active=True),
+            hidden_size=h,
         )
 
 
