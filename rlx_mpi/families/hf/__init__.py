@@ -30,9 +30,9 @@ from typing import BinaryIO, Iterator
 
 import numpy as np
 
-from ..model.checkpoint import write_checkpoint
-from ..errors import CheckpointError, ConfigError
-from .decoder.arch import Arch, expected_shapes
+from ...model.checkpoint import write_checkpoint
+from ...errors import CheckpointError, ConfigError
+from ..decoder.arch import Arch, expected_shapes
 
 __all__ = ["copy_tokenizer", "convert", "read_hf_config", "standard_names", "fused_expert_names", "text_tower",
            "TEXT_TOWERS", "Source", "TOKENIZER_FILES", "sizes", "rope_fields", "refuse_if", "sliding_windows",
@@ -424,7 +424,7 @@ def rope_fields(raw: dict, where: str, allowed: tuple[str, ...] = ("default", "l
                                   "expected a positive integer")
         out["rope_original_max_positions"] = orig
     if kind == "longrope":
-        from .decoder.rope import attention_factor
+        from ..decoder.rope import attention_factor
 
         out["rope_short_factor"] = tuple(float(f) for f in get("short_factor"))
         out["rope_long_factor"] = tuple(float(f) for f in get("long_factor"))
@@ -440,7 +440,7 @@ def _yarn_fields(params: dict, raw: dict, where: str, key: str, original: int) -
     """yarn's `Arch` fields as transformers' ``_compute_yarn_parameters`` reads them (GPT-OSS,
     DeepSeek-V3): factor (else max_position_embeddings / original), the cos/sin attention factor
     (given, else from mscale / mscale_all_dim), beta_fast / beta_slow, truncate."""
-    from .decoder.rope import yarn_mscale
+    from ..decoder.rope import yarn_mscale
 
     factor = params.get("factor")
     factor = _positive(factor if factor is not None else (raw.get("max_position_embeddings") or 2048) / original,
@@ -675,7 +675,7 @@ def convert(family, hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, d
         if packed:  # until such weights are resident, say what the checkpoint holds instead
             logging.getLogger(__name__).warning("%s: %d %s tensors (%s, ...) are dequantized to %s at convert",
                                                 hf_dir, len(packed), kind, packed[0], dtype)
-    from .decoder.weights import q4_tensor
+    from ..decoder.weights import q4_tensor
 
     with contextlib.ExitStack() as stack:
         write_checkpoint(out_path, family.name, cfg.to_json(), _tensors(plan, stack), dtype=dtype,

@@ -40,9 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from ..model.checkpoint import write_checkpoint
-from ..errors import CheckpointError, ConfigError
-from .decoder.arch import expected_shapes
+from ...model.checkpoint import write_checkpoint
+from ...errors import CheckpointError, ConfigError
+from ..decoder.arch import expected_shapes
 
 __all__ = ["QuantGroups", "ConvertReport", "EXACT_TYPES", "ARCHITECTURES", "open_gguf", "read_metadata",
            "hf_config", "tokenizer_files", "convert_gguf", "quant_groups"]
@@ -620,7 +620,7 @@ def tokenizer_files(meta: dict, vocabulary: bool = True) -> dict[str, str]:
 
 def _write_beside(out_path: Path, files: dict[str, str]) -> list[Path]:
     """``<stem>.<name>`` beside the checkpoint, each through a temporary name (hf.copy_tokenizer's way)."""
-    from .hf import write_through
+    from ..hf import write_through
 
     return [write_through(out_path.with_name(f"{out_path.stem}.{name}"),
                           lambda tmp, text=text: tmp.write_text(text, encoding="utf-8"))
@@ -694,7 +694,7 @@ def convert_gguf(path: str | os.PathLike, out_path: str | os.PathLike, *, dtype:
     ``dequantize``), float tensors stored as ``dtype`` ("q4": float linear weights quantized to q4
     groups, once the q4 precision is in the build), and with ``tokenizer`` its tokenizer,
     chat template and end-of-sequence ids beside it. Returns (family, `Arch`, `ConvertReport`)."""
-    from . import family_for_model_type
+    from .. import family_for_model_type
 
     if dtype not in ("float32", "float16", "bfloat16", "q4"):
         raise ConfigError("dtype", f"{dtype!r} is not a checkpoint dtype", "use float32, float16, bfloat16 or q4")
@@ -897,7 +897,7 @@ def _q4_picker():
     """The q4 precision's choice of tensors a q4 checkpoint quantizes (``weights.q4_tensor``: issue
     #32 part 1); a `ConfigError` in a build without it."""
     try:
-        from .decoder.weights import q4_tensor
+        from ..decoder.weights import q4_tensor
     except ImportError:
         raise ConfigError("convert --dtype", "q4 needs the q4 precision, which this rlx_mpi lacks",
                           "use float32, float16 or bfloat16 (the GGUF's 4-bit tensors are kept as they are)") from None
