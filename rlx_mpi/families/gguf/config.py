@@ -136,7 +136,7 @@ def _rope_scaling(get, arch: str, where: str, tensors: dict) -> dict | None:
                           "supported GGUF RoPE scaling: none, linear (and Phi-3's longrope factors)")
 
 
-# tensors read into the config, not converted (`_rope_tensors`): Phi-3's longrope factors, Llama 3.1's llama3 ones
+# tensors read into the config (`_rope_tensors`): Phi-3's longrope factors, Llama 3.1's llama3 ones
 _IGNORED = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
 
 

@@ -160,7 +160,7 @@ def tokenizer_files(meta: dict, vocabulary: bool = True) -> dict[str, str]:
 
 def _write_beside(out_path: Path, files: dict[str, str]) -> list[Path]:
     """``<stem>.<name>`` beside the checkpoint, each through a temporary name (hf.copy_tokenizer's way)."""
-    from ..hf import write_through
+    from ..hf.converter import write_through
 
     return [write_through(out_path.with_name(f"{out_path.stem}.{name}"),
                           lambda tmp, text=text: tmp.write_text(text, encoding="utf-8"))
