@@ -1,4 +1,4 @@
-"""`rlx-mpi convert MODEL.gguf` (families/gguf.py) on GGUF files written here with the gguf
+"""`rlx-mpi convert MODEL.gguf` (families/gguf/) on GGUF files written here with the gguf
 package's own writer, the way llama.cpp's converter lays them out (its tensor names, llama's
 q/k row permutation, Gemma's ``1 + w`` norms, Phi-3's fused tensors).
 
