@@ -1,6 +1,6 @@
 """The cost of the TP lockstep check (issue 36) against a decode step, in one run.
 
-The check (`drivers.generate.lockstep_fold`'s note) adds, per step of stage 0, one blake2b fold
+The check (`drivers.decode_ring.lockstep_fold`'s note) adds, per step of stage 0, one blake2b fold
 of the step's header and tokens, and widens the stop all-reduce the first stage's TP ranks
 already make every step from one int32 to three int64. This bench measures, on one host:
 
@@ -65,7 +65,7 @@ def main() -> None:
         if MPI.COMM_WORLD.rank == 0:
             print(json.dumps(res))
         return
-    from rlx_mpi.drivers.generate import lockstep_fold
+    from rlx_mpi.drivers.decode_ring import lockstep_fold
 
     header = np.arange(8 + 8 * args.batch, dtype=np.int64)  # about `Scheduler.header_size`
     tokens = np.arange(args.batch, dtype=np.int64)

@@ -136,7 +136,7 @@ def write_mixed(path: Path, n: int, lengths: tuple[int, int], vocab: int) -> Pat
 def mixed(args, job: Path, prompts: Path, folder: Path, ranks: int) -> dict:
     """Case ``mixed``: the slot cache (--no-prefix-cache, --mixed-rows slots) against the block cache
     in the same memory (--kv-rows: --mixed-rows less the prefix pool's 2; --mixed-batch rows a step)."""
-    from rlx_mpi.drivers.generate import PREFIX_POOL_ROWS
+    from rlx_mpi.engine.block_pool import PREFIX_POOL_ROWS
 
     def one(paged: bool) -> dict:
         extra = ("--batch", args.mixed_batch, "--kv-rows", max(1, args.mixed_rows - PREFIX_POOL_ROWS)) if paged \

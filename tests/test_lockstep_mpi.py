@@ -10,7 +10,7 @@ import pytest
 
 from conftest import run_cli, write_job
 from helpers import rows_of
-from rlx_mpi.drivers.generate import lockstep_fold
+from rlx_mpi.drivers.decode_ring import lockstep_fold
 
 pytestmark = pytest.mark.mpi
 

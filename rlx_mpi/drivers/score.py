@@ -249,7 +249,7 @@ class ScoreDriver(JournalDriver):
             return cx.cost()
         from ..model.cost import kv_cost
 
-        from .generate import PREFIX_POOL_ROWS
+        from ..engine.block_pool import PREFIX_POOL_ROWS
 
         specs = [cx.job.kv_for(r) for r in range(cx.world.size)]
         return kv_cost(cx.family.cost(cx.model_config, max(cx.batch, self.reuse_rows + PREFIX_POOL_ROWS), cx.seq),
@@ -280,7 +280,7 @@ class ScoreDriver(JournalDriver):
             return
         from ..engine.block_pool import BLOCK_SIZE
 
-        from .generate import PREFIX_POOL_ROWS
+        from ..engine.block_pool import PREFIX_POOL_ROWS
 
         blocks = -(-PREFIX_POOL_ROWS * cx.seq // BLOCK_SIZE)
 

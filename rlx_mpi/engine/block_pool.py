@@ -44,12 +44,17 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-__all__ = ["BlockPool", "chain_keys", "BLOCK_SIZE"]
+__all__ = ["BlockPool", "chain_keys", "BLOCK_SIZE", "PREFIX_POOL_ROWS"]
 
 # Note: 16 positions, as vLLM's default: a chat template's ~20-token system text already fills a
 # block, and an attach copies a row's consecutive blocks in one strided copy per layer whatever
 # their size (`kv_cache.PoolLayer`). Not measured against other sizes on this code yet.
 BLOCK_SIZE = 16
+
+# Note: the prefix cache's pool holds as many positions as this many cache slots (2: a shared
+# prefix of the longest prompt's length and room for the prompts' own blocks to churn, LRU);
+# the planner prices it as that many more slots (generate's and score's ``cost``).
+PREFIX_POOL_ROWS = 2
 
 
 def chain_keys(tokens, size: int, salt: bytes = b"") -> list[bytes]:

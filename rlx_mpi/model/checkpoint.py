@@ -83,7 +83,7 @@ def write_checkpoint(path: str | os.PathLike, family: str, config_json: str,
             f.attrs["family"] = family
             f.attrs["config"] = config_json
             for name, array in tensors:
-                if hasattr(array, "write_h5"):  # quantized groups (families/gguf.py: the quant contract)
+                if hasattr(array, "write_h5"):  # quantized groups (families/gguf/blocks.py: the quant contract)
                     check_space(tmp, array.nbytes, str(path))
                     array.write_h5(f, name)
                     f.attrs["quantized"] = True  # for plan / probe
