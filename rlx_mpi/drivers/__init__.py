@@ -33,7 +33,60 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Driver", "JournalDriver", "forward_window", "prefix_cache_on"]
+__all__ = ["Driver", "JournalDriver", "forward_window", "prefix_cache_on", "stages_before_plan", "stage_timing",
+           "gather_stats", "end_replicas"]
+
+
+def stages_before_plan(cx: Any) -> int:
+    """The stage count a driver sizes its work for before the plan exists (groups, rounds): the
+    ranks over tp over the replicas the job names (under ``replicas = "auto"`` one replica, and the
+    driver sizes it again once planned, in ``check_plan``)."""
+    p = cx.job.placement
+    return cx.world.size // p.tp // (p.replicas if p.replicas != "auto" else 1)
+
+
+def stage_timing(cx: Any, stats: Any, *, recv_wait_s: float = 0.0, bytes_sent: int | None = None,
+                 wall_s: float | None = None, **extra: Any) -> Any:
+    """This rank's `StageTiming` row from its executor's ``stats`` (`executor.ExecStats`), what
+    every command's table shows; ``recv_wait_s`` adds waits outside the executor (a ring's or the
+    last stage's link), ``extra`` the command's own columns (generate's prefill / decode time)."""
+    from ..io.stats import StageTiming, peak_rss_bytes
+
+    a, topo, job = cx.assignment, cx.topology, cx.job
+    return StageTiming(
+        rank=cx.world.rank, host=cx.ctx.host, stage=a.stage, tp_rank=topo.tp_rank, tp_ranks=a.ranks,
+        layers=a.layers, device=job.override_for(cx.world.rank).device, build_ms=cx.build_ms,
+        forward_ms=stats.compute_s * 1e3, recv_wait_ms=(stats.recv_wait_s + recv_wait_s) * 1e3,
+        send_ms=stats.send_wait_s * 1e3, bytes_sent=stats.bytes_sent if bytes_sent is None else bytes_sent,
+        est_bytes=a.est_bytes, weight_bytes=cx.stage.weight_bytes, peak_rss_bytes=peak_rss_bytes(),
+        pack_ms=stats.pack_s * 1e3, unpack_ms=stats.unpack_s * 1e3,
+        wall_ms=(stats.wall_s if wall_s is None else wall_s) * 1e3, precision=job.precision_for(cx.world.rank).value,
+        replica=topo.replica if topo.n_replicas > 1 else None, **extra)
+
+
+def gather_stats(cx: Any, mine: dict, what: str) -> list | None:
+    """Every rank's ``mine`` on rank 0 (None elsewhere), under the run's deadline staggered by the
+    stage count (a rank still finishing its last step is waited for)."""
+    from ..comm import transport
+
+    timeout = cx.job.run.timeout_s
+    grace = max(1.0, 0.1 * timeout)
+    return transport.gather_json(cx.world, mine, 0, timeout + (cx.topology.n_stages + 1) * grace, cx.ctx, what)
+
+
+def end_replicas(cx: Any, counter: Any, collector: Any, post: Any) -> None:
+    """The replicas' wind-down once this rank's work is done: rank 0's collector takes the other
+    replicas' last rows and tells them the end; another rank says it is done and waits for that
+    end; then the shared counter is freed (`comm.replicas`)."""
+    from ..comm.replicas import RowPost, wait_for_end
+
+    timeout = cx.job.run.timeout_s
+    if collector is not None:
+        collector.finish()
+    else:
+        (post or RowPost(cx.world, cx.ctx, timeout)).done()
+        wait_for_end(cx.world, cx.ctx, timeout)
+    counter.close()
 
 
 def forward_window(cx: Any, command: str) -> int:

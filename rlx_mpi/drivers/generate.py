@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import JournalDriver, prefix_cache_on
+from . import JournalDriver, end_replicas, gather_stats, prefix_cache_on, stage_timing, stages_before_plan
 from .decode_ring import DecodeRing, lockstep_broken
 from .. import rules
 from ..comm import transport
@@ -31,7 +31,7 @@ from ..engine.block_pool import PREFIX_POOL_ROWS
 from ..engine.records import Request
 from ..engine.sampling import SamplingParams, logprob_entries, sample_id
 from ..engine.scheduler import Scheduler, Seq, split_batch
-from ..io.stats import GenerateResult, StageTiming, peak_rss_bytes
+from ..io.stats import GenerateResult, StageTiming
 
 __all__ = ["GenerateDriver", "GenerateOptions", "GenerateResult"]
 
@@ -193,9 +193,7 @@ class GenerateDriver(JournalDriver):
                 if not failed:
                     log.info("all %d prompts of %s are already in %s", doc["total"], opts.prompts, opts.out)
             return None
-        replicas = job.placement.replicas
-        n_stages = cx.world.size // job.placement.tp // (replicas if replicas != "auto" else 1)
-        self.groups = opts.groups or n_stages  # (under replicas = "auto": set again once planned, check_plan)
+        self.groups = opts.groups or stages_before_plan(cx)  # (replicas = "auto": set again in check_plan)
         return self.groups * opts.batch, doc["max_seq"]
 
     def cost(self, cx: Any) -> Any:
@@ -297,7 +295,7 @@ class GenerateDriver(JournalDriver):
         one writer), and every rank waits for rank 0's end before the stats are gathered."""
         from ..lifecycle.faults import wait
         from ..lifecycle.progress import Progress
-        from ..comm.replicas import Collector, ReplicaFeed, RowPost, SharedCounter, wait_for_end
+        from ..comm.replicas import Collector, ReplicaFeed, RowPost, SharedCounter
 
         opts, doc, holder, stop = self.opts, self.doc, self.holder, cx.stop
         topo, job = cx.topology, cx.job
@@ -434,34 +432,20 @@ class GenerateDriver(JournalDriver):
         if shared:
             if feed is not None:
                 feed.close()
-            if collector is not None:
-                collector.finish()
-            else:
-                post.done()
-                wait_for_end(cx.world, cx.ctx, timeout)
-            counter.close()
+            end_replicas(cx, counter, collector, post)
         wall = time.perf_counter() - t0
         if journal is not None:
             journal.close()
             progress.finish()
-        a = cx.assignment
-        st, ex = ring.stats, ring.ex.stats
-        timing = StageTiming(
-            rank=cx.world.rank, host=cx.ctx.host, stage=a.stage, tp_rank=topo.tp_rank, tp_ranks=a.ranks,
-            layers=a.layers, device=job.override_for(cx.world.rank).device, build_ms=cx.build_ms,
-            forward_ms=ex.compute_s * 1e3, recv_wait_ms=(ex.recv_wait_s + ring.ring.recv_wait_s) * 1e3,
-            send_ms=ex.send_wait_s * 1e3, bytes_sent=ex.bytes_sent, est_bytes=a.est_bytes,
-            weight_bytes=cx.stage.weight_bytes, peak_rss_bytes=peak_rss_bytes(), pack_ms=ex.pack_s * 1e3,
-            unpack_ms=ex.unpack_s * 1e3, wall_ms=mine_wall * 1e3, precision=job.precision_for(cx.world.rank).value,
-            kv=str(kv), kv_bytes=self.kv_bytes, prefill_ms=st.prefill_s * 1e3, decode_ms=st.decode_s * 1e3,
-            sample_ms=st.sample_s * 1e3, replica=topo.replica if shared else None)
+        st = ring.stats
+        timing = stage_timing(cx, ring.ex.stats, recv_wait_s=ring.ring.recv_wait_s, wall_s=mine_wall, kv=str(kv),
+                              kv_bytes=self.kv_bytes, prefill_ms=st.prefill_s * 1e3, decode_ms=st.decode_s * 1e3,
+                              sample_ms=st.sample_s * 1e3)
         mine = {"timing": timing.to_dict(), "stopped": bool(stopped) if topo.stage == 0 else False,
                 "signal": stop.signal_name,
                 "prefix": [sched.reused, sched.prompt_tokens] if driving and sched.pool is not None else None,
                 "peak": sched.peak_rows if driving else 0}
-        grace = max(1.0, 0.1 * timeout)
-        rows = transport.gather_json(cx.world, mine, 0, timeout + (topo.n_stages + 1) * grace, cx.ctx,
-                                     "the generation stats")
+        rows = gather_stats(cx, mine, "the generation stats")
         stopped_by = None
         if rows is not None and any(r["stopped"] for r in rows):
             stopped_by = next((r["signal"] for r in rows if r["signal"]), None) or "a stop request"

@@ -20,14 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from . import Driver, forward_window
+from . import Driver, forward_window, gather_stats, stage_timing
 from .. import tags
 from ..comm import transport
 from ..errors import RankFault
 from ..comm.executor import Executor, wire_codec
 from ..lifecycle.faults import RankContext, check_output, wait
 from ..comm.schedule import Action, forward_schedule
-from ..io.stats import ClusterRun, StageTiming, peak_rss_bytes
+from ..io.stats import ClusterRun, StageTiming
 
 __all__ = ["RunDriver", "drive", "forward", "microbatch_bounds", "clock_offset", "trace_document"]
 
@@ -226,23 +226,14 @@ def forward(cx: Any, ids: np.ndarray | None, *, trace: bool = False):
         logits = np.concatenate(rows_logits)
     total_ms = (time.perf_counter() - sync) * 1e3
 
-    st = ex.stats
-    timing = StageTiming(
-        rank=cx.world.rank, host=cx.ctx.host, stage=a.stage, tp_rank=topo.tp_rank, tp_ranks=a.ranks,
-        layers=a.layers, device=job.override_for(cx.world.rank).device, build_ms=cx.build_ms,
-        forward_ms=st.compute_s * 1e3, recv_wait_ms=st.recv_wait_s * 1e3, send_ms=st.send_wait_s * 1e3,
-        bytes_sent=link.bytes_sent, est_bytes=a.est_bytes, weight_bytes=stage.weight_bytes,
-        peak_rss_bytes=peak_rss_bytes(), pack_ms=st.pack_s * 1e3, unpack_ms=st.unpack_s * 1e3,
-        wall_ms=st.wall_s * 1e3, precision=job.precision_for(cx.world.rank).value,
-        replica=topo.replica if topo.n_replicas > 1 else None)
+    timing = stage_timing(cx, ex.stats, bytes_sent=link.bytes_sent)
     doc: dict = {"timing": timing.to_dict()}
     if trace:  # start-up phases (Cluster.start records them) too; all on rank 0's clock, from its sync
         phases = [(name, "startup", t0 - sync, dur, {}) for name, t0, dur in cx.phases]
         sync0 = transport.bcast_json(cx.world, sync, 0, timeout, cx.ctx, "the trace's clock origin")
         shift = sync + offset - sync0  # local time t is t + offset on rank 0's clock
         doc["spans"] = [[n, c, start + shift, dur, args] for n, c, start, dur, args in phases + ex.spans]
-    rows = transport.gather_json(cx.world, doc, 0, timeout + (topo.n_stages + 1) * grace, cx.ctx,
-                                 "the stage timings")
+    rows = gather_stats(cx, doc, "the stage timings")
     if not cx.is_root:
         return None
     run = ClusterRun(timings=[StageTiming.from_dict(r["timing"]) for r in rows], total_forward_ms=total_ms,

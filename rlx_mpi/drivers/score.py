@@ -52,7 +52,8 @@ from typing import Any
 
 import numpy as np
 
-from . import JournalDriver, forward_window, prefix_cache_on
+from . import (JournalDriver, end_replicas, forward_window, gather_stats, prefix_cache_on, stage_timing,
+               stages_before_plan)
 from .. import rules, tags
 from ..comm import transport
 from ..config import ScoreSection
@@ -60,7 +61,7 @@ from ..errors import ConfigError, RankFault
 from ..comm.executor import Executor, wire_codec
 from ..lifecycle.faults import check_output, wait
 from ..comm.schedule import Action, forward_schedule
-from ..io.stats import ClusterRun, StageTiming, peak_rss_bytes
+from ..io.stats import ClusterRun, StageTiming
 
 __all__ = ["ScoreDriver", "ScoreOptions", "ScoreResult", "Microbatch", "plan_rounds", "DEFAULT_TOKENS"]
 
@@ -234,9 +235,7 @@ class ScoreDriver(JournalDriver):
                 self.holder["journal"].close()
                 log.info("all %d lines of %s are already in %s", doc["total"], opts.prompts, opts.out)
             return None
-        replicas = job.placement.replicas
-        n_stages = cx.world.size // job.placement.tp // (replicas if replicas != "auto" else 1)
-        self.rounds = self._rounds(cx, n_stages)  # (under replicas = "auto": again once planned, check_plan)
+        self.rounds = self._rounds(cx, stages_before_plan(cx))  # (replicas = "auto": again in check_plan)
         rows = max(len(mb.lines) for r in self.rounds for mb in r)
         longest = max(mb.length for r in self.rounds for mb in r)
         self.reuse_rows = min(max(rows, REUSE_BUDGETS * opts.batch // longest), REUSE_ROWS_MAX)
@@ -499,35 +498,19 @@ class ScoreDriver(JournalDriver):
                 break
         mine_wall = time.perf_counter() - t0
         if shared:
-            from ..comm.replicas import RowPost, wait_for_end
-
             if claim is not None:
                 counter.take(claim)
-            if collector is not None:
-                collector.finish()
-            else:
-                (post or RowPost(cx.world, cx.ctx, timeout)).done()
-                wait_for_end(cx.world, cx.ctx, timeout)
-            counter.close()
+            end_replicas(cx, counter, collector, post)
         wall = time.perf_counter() - t0
         self.stopped = stopped  # agreed by every rank (stop_now)
         if journal is not None:
             journal.close()
             progress.finish()
-        st = ex.stats
-        timing = StageTiming(
-            rank=cx.world.rank, host=cx.ctx.host, stage=a.stage, tp_rank=topo.tp_rank, tp_ranks=a.ranks,
-            layers=a.layers, device=job.override_for(cx.world.rank).device, build_ms=cx.build_ms,
-            forward_ms=st.compute_s * 1e3, recv_wait_ms=(st.recv_wait_s + final.recv_wait_s) * 1e3,
-            send_ms=st.send_wait_s * 1e3, bytes_sent=link.bytes_sent + final.bytes_sent, est_bytes=a.est_bytes,
-            weight_bytes=stage.weight_bytes, peak_rss_bytes=peak_rss_bytes(), pack_ms=st.pack_s * 1e3,
-            unpack_ms=st.unpack_s * 1e3, wall_ms=st.wall_s * 1e3, precision=job.precision_for(cx.world.rank).value,
-            replica=topo.replica if shared else None)
+        timing = stage_timing(cx, ex.stats, recv_wait_s=final.recv_wait_s, bytes_sent=link.bytes_sent + final.bytes_sent)
         mine = {"timing": timing.to_dict(), "signal": stop.signal_name if stop is not None else None,
                 "stopped": stopped, "rounds": done_rounds, "tokens": counts["tokens"], "padded": counts["padded"],
                 "wall_s": mine_wall, "keeps": keeps, "microbatches": counts["microbatches"], "reused": counts["reused"]}
-        rows = transport.gather_json(cx.world, mine, 0, timeout + (topo.n_stages + 1) * grace, cx.ctx,
-                                     "the score stats")
+        rows = gather_stats(cx, mine, "the score stats")
         stopped = transport.bcast_json(cx.world, any(x["stopped"] for x in rows) if rows else None, 0, timeout,
                                        cx.ctx, "the end of the run") if shared else stopped
         self.stopped = stopped
