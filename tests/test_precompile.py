@@ -27,3 +27,38 @@ def test_compile_kernels_fills_the_cache_a_short_startup_deadline_then_needs(tmp
     assert any(warm.rglob("*.nbi")), "compile-kernels wrote no cache index"
     r = run_cli(["run", job], ranks=1, timeout=120, env={"NUMBA_CACHE_DIR": str(warm)})
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_cache_folder_is_numbas_own_choice_and_stale_caches_there_are_dropped(tmp_path, monkeypatch):
+    """With NUMBA_CACHE_DIR (a site install read-only to its users) numba caches elsewhere than
+    the kernels' __pycache__: `drop_stale` must clean that folder when the sources change."""
+    from pathlib import Path
+
+    import numba.core.config
+
+    from rlx_mpi.kernels import _fresh
+
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    (folder / "k.py").write_text("x = 1\n")
+    monkeypatch.setattr(numba.core.config, "CACHE_DIR", str(tmp_path / "cache"))
+    where = _fresh.cache_dir(folder)
+    assert where is not None and Path(where).parent == tmp_path / "cache" and _fresh.cache_note(folder) is None
+    stale = Path(where) / "k.f-1.py311.nbi"
+    stale.write_text("old")
+    assert _fresh.drop_stale(folder) and not stale.exists()  # first digest: the caches go
+    stale.write_text("new build")
+    assert not _fresh.drop_stale(folder) and stale.exists()  # same sources: kept
+    (folder / "k.py").write_text("x = 2\n")
+    assert _fresh.drop_stale(folder) and not stale.exists()  # a source changed: dropped
+
+
+def test_no_writable_cache_is_named_with_its_fix(tmp_path, monkeypatch):
+    import numba.core.caching
+
+    from rlx_mpi.kernels import _fresh
+
+    monkeypatch.setattr(numba.core.caching.CacheImpl, "_locator_classes", [])
+    assert _fresh.cache_dir(tmp_path) is None and _fresh.drop_stale(tmp_path) is False
+    note = _fresh.cache_note(tmp_path)
+    assert "NUMBA_CACHE_DIR" in note and "rlx-mpi compile-kernels" in note and "every job compiles" in note

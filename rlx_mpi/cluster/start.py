@@ -390,9 +390,15 @@ class Cluster:
             if self.first_on_node:
                 warm(self.model_config, precision, self.topology.tp, decode)
 
+        from ..kernels._fresh import cache_note
+
+        note = cache_note(Path(__file__).parent.parent / "kernels")
+        if note and self.is_root:
+            log.warning("%s", note)
         self.agree(first, "compiling the kernels (the first rank of each node)",
-                   f"{STARTUP_SETTING}; the first job after an install compiles numba's kernels (15-40 s): "
-                   "run `rlx-mpi compile-kernels` once after installing and later jobs load them")
+                   f"{STARTUP_SETTING}; " + (note or "the first job after an install compiles numba's kernels (15-40 "
+                                             "s): run `rlx-mpi compile-kernels` once after installing and later jobs "
+                                             "load them"))
 
     def _precision_kwargs(self) -> dict:
         """``precision=`` for build_stage; omitted at f32 so families without it keep working."""

@@ -9,7 +9,14 @@ rowdot.py: a decode A/B compared old code with old code). `drop_stale` keeps a d
 kernel source beside the caches and deletes the ``*.nbi``/``*.nbc`` files when it differs, under
 a lock, so the ranks of a job starting together delete once and then build or load the same
 caches; a lock held longer than ``wait_s`` (a process stopped inside) is given up on, never
-waited for without end, since this runs at import, before MPI_Init and its deadlines. A folder it cannot write (a read-only install) is left as it is.
+waited for without end, since this runs at import, before MPI_Init and its deadlines.
+
+Note: where the caches are. numba picks the folder itself (`cache_dir`: ``NUMBA_CACHE_DIR`` when
+set, else the ``__pycache__`` beside the kernels when writable, else the user's cache folder),
+and `drop_stale` cleans the folder numba will use: a site install read-only to its users keeps
+its caches under ``NUMBA_CACHE_DIR``, and those must be dropped when stale too. Where no folder is
+writable (a read-only install, no NUMBA_CACHE_DIR, no HOME) numba compiles every kernel in every
+job (~11-40 s); `cache_note` says so and how to fix it, and the start-up's compile step names it.
 """
 
 from __future__ import annotations
@@ -52,10 +59,44 @@ def _lock(f, wait_s: float) -> bool:
             time.sleep(0.05)
 
 
+def _probe() -> None:
+    """(A function of this folder for numba's cache locators to place.)"""
+
+
+def cache_dir(folder: Path) -> Path | None:
+    """The writable folder numba caches this folder's kernels in (the where note), None if none."""
+    source = next(iter(sorted(folder.glob("*.py"))), None)
+    try:
+        from numba.core.caching import CacheImpl
+    except ImportError:
+        return None
+    for cls in CacheImpl._locator_classes if source is not None else ():  # numba's order: NUMBA_CACHE_DIR, in tree, ...
+        try:
+            loc = cls.from_function(_probe, str(source))
+        except Exception:  # (a locator that does not apply here, e.g. IPython's)
+            loc = None
+        if loc is not None:
+            return Path(loc.get_cache_path())
+    return None
+
+
+def cache_note(folder: Path) -> str | None:
+    """None when numba can cache the kernels; else why every job compiles them, and the fix."""
+    if cache_dir(folder) is not None:
+        return None
+    return (f"numba cannot write a cache for the kernels ({folder / '__pycache__'} is read-only, NUMBA_CACHE_DIR "
+            "is unset and there is no writable user cache folder), so every job compiles them (11-40 s): set "
+            "NUMBA_CACHE_DIR to a writable folder (the same path on every node) and run `rlx-mpi compile-kernels` "
+            "once with it")
+
+
 def drop_stale(folder: Path, wait_s: float = 10.0) -> bool:
-    """Delete folder/__pycache__'s numba caches unless they were built from the folder's current
-    sources; True if it deleted them. Waits at most ``wait_s`` for another process doing the same."""
-    cache, digest = folder / "__pycache__", sources_digest(folder)
+    """Delete the numba caches of the folder's kernels (where numba keeps them: `cache_dir`) unless
+    they were built from the folder's current sources; True if it deleted them. Waits at most
+    ``wait_s`` for another process doing the same."""
+    cache, digest = cache_dir(folder), sources_digest(folder)
+    if cache is None:  # nothing numba could write: nothing stale to drop
+        return False
     stamp = cache / STAMP
     if _stamped(stamp, digest):
         return False
