@@ -191,7 +191,8 @@ def _parser() -> argparse.ArgumentParser:
     mg = sub.add_parser("merge", help="join the outputs of generate/score --shard K/N jobs into one file (no MPI)",
                         description="Join the complete outputs of shards 1..N of one run (generate or score with "
                         "--shard K/N) into OUT and its record OUT.meta.json: the file one unsharded job would have "
-                        "written, byte for byte. Refuses shards of different runs, a shard missing, given twice or "
+                        "written (score: byte for byte; generate: the record byte for byte and every row but its "
+                        "\"ms\" timing). Refuses shards of different runs, a shard missing, given twice or "
                         "unfinished, and an OUT that exists or is an input. Example: rlx-mpi merge all.jsonl "
                         "part-*.jsonl")
     mg.add_argument("out", help="the merged output (must not exist)")

@@ -189,6 +189,7 @@ def test_three_shards_merged_are_the_unsharded_output(tmp_path, tiny_ckpt, capsy
     assert meta_path(tmp_path / "s_all.jsonl").read_bytes() == meta_path(tmp_path / "s.jsonl").read_bytes()
     assert merge("g_all.jsonl", "g1.jsonl", "g2.jsonl", "g3.jsonl").returncode == 0
     assert without_ms(rows_of(tmp_path / "g_all.jsonl")) == without_ms(rows_of(tmp_path / "g.jsonl"))
+    assert meta_path(tmp_path / "g_all.jsonl").read_bytes() == meta_path(tmp_path / "g.jsonl").read_bytes()
     before = {p: p.read_bytes() for p in tmp_path.glob("g?.jsonl")}
     for args, needle in ((("bad.jsonl", "g1.jsonl", "g2.jsonl", "g2.jsonl"), "is shard 2/3 again"),
                          (("bad.jsonl", "g1.jsonl", "g3.jsonl"), "shard 2 of 3 missing"),

@@ -3,7 +3,11 @@
 A Slurm job array (``--array=1-N``, ``--shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT``),
 or backfill jobs of any size, each take one part of the prompt file; each writes its own
 resumable output (the same journal as one job); `merge` joins them into the file one job would
-have written, byte for byte, with its sidecar record, so it reads and resumes as that one.
+have written, with its sidecar record, so it reads and resumes as that one. Exactly what is
+equal: a ``score`` output and its record, byte for byte; a ``generate`` output's record byte for
+byte, and every row but its ``ms`` (the milliseconds the row took in the job that made it, which
+no two runs share: the rows' tokens, text, finish reason, log-probs and digests are equal), in
+the same order (tests/test_replicas_mpi.py checks both).
 
 Note: contiguous ranges, not every N-th line. Shard K of N holds prompts
 ``[floor((K-1) n / N), floor(K n / N))`` of the file's n prompts. Each shard's output is then a
