@@ -149,6 +149,19 @@ class JournalDriver(Driver):
     ``self.opts`` has ``prompts`` and ``out``; ``self.flags`` has ``json``."""
 
     stop_signals = True  # finish the step or round, write what is complete, exit 75
+    Options: Any = None  # the command's options record: ``Options.resolve(flags, job)``
+
+    def configure(self, cx: Any) -> None:
+        self.opts = self.Options.resolve(self.flags, cx.job)
+
+    def read_work(self, cx: Any, load: Any) -> dict:
+        """``load()`` on rank 0 (it reads the prompt file and opens the journal) as one agreed step,
+        its document broadcast to every rank as plain JSON: ``self.doc``."""
+        from ..comm import transport
+
+        doc = cx.agree(lambda: load() if cx.is_root else None, "reading the prompts")
+        self.doc = transport.bcast_json(cx.world, doc, 0, cx.job.run.startup_timeout_s, cx.ctx, "the prompts")
+        return self.doc
 
     def outputs(self, cx: Any) -> tuple[list, dict]:
         o = self.opts

@@ -119,6 +119,7 @@ class GenerateDriver(JournalDriver):
     ring. `report` exits with the requeue code when a stop signal ended it early.
     """
 
+    Options = GenerateOptions
     command = "generate"
     decodes = True
 
@@ -132,9 +133,6 @@ class GenerateDriver(JournalDriver):
         self.prefix_blocks = 0  # blocks of the prefix cache's pool on every stage (0: off)
         self.paged = False  # the full layers' rows take the pool's blocks through block tables (`_paged`)
 
-    def configure(self, cx: Any) -> None:
-        self.opts = GenerateOptions.resolve(self.flags, cx.job)
-
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; (cache slots, longest sequence), None when all are done."""
         from ..io.batch_io import read_requests
@@ -145,9 +143,7 @@ class GenerateDriver(JournalDriver):
         cx.prepare()
         dims, job, opts = cx.dims, cx.job, self.opts
 
-        def load() -> dict | None:
-            if not cx.is_root:
-                return None
+        def load() -> dict:  # (rank 0: `read_work`)
             rules.token_in_vocab(opts.eos_id, dims.vocab_size, opts.eos_where, f"give an id in [0, {dims.vocab_size}), "
                                  "or leave it unset to stop at the checkpoint's own (generation_config.json)")
             rules.at_most(opts.logprobs, dims.vocab_size, "generate --logprobs")
@@ -181,8 +177,7 @@ class GenerateDriver(JournalDriver):
                     "top_logprobs": max((p.settings.top_logprobs for p in journal.pending if p.settings), default=0),
                     "stops": any(p.settings and p.settings.stop for p in journal.pending)}
 
-        doc = cx.agree(load, "reading the prompts")
-        self.doc = doc = transport.bcast_json(cx.world, doc, 0, job.run.startup_timeout_s, cx.ctx, "the prompts")
+        doc = self.read_work(cx, load)
         if not doc["pending"]:
             if cx.is_root:
                 journal = self.holder["journal"]

@@ -183,6 +183,7 @@ class ScoreResult:
 class ScoreDriver(JournalDriver):
     """The ``score`` command as a driver of the shared start-up (see `rlx_mpi.drivers`)."""
 
+    Options = ScoreOptions
     command = "score"
 
     def __init__(self, flags: Any, *, argv_inputs: tuple = ()):
@@ -195,9 +196,6 @@ class ScoreDriver(JournalDriver):
         self.reuse_rows = 0  # the prefix cache's slots: rows of a microbatch at most (0: off)
         self.prefix_blocks = 0  # blocks of its pool on every stage
 
-    def configure(self, cx: Any) -> None:
-        self.opts = ScoreOptions.resolve(self.flags, cx.job)
-
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; the rounds on every rank; None when all are done."""
         from ..io.identity import RunIdentity, beside_settings, unplaced_settings
@@ -208,9 +206,7 @@ class ScoreDriver(JournalDriver):
         cx.prepare()
         dims, job, opts = cx.dims, cx.job, self.opts
 
-        def load() -> dict | None:
-            if not cx.is_root:
-                return None
+        def load() -> dict:  # (rank 0: `read_work`)
             tokenizer = load_tokenizer(job.model.checkpoint)
             from ..io.shards import select
 
@@ -228,8 +224,7 @@ class ScoreDriver(JournalDriver):
             pending = [[p.index, p.id, list(p.tokens), p.start] for p in journal.pending]
             return {"pending": pending, "total": len(prompts), "first": shard["lines"][0] if shard else 0}
 
-        doc = cx.agree(load, "reading the prompts")
-        self.doc = doc = transport.bcast_json(cx.world, doc, 0, job.run.startup_timeout_s, cx.ctx, "the prompts")
+        doc = self.read_work(cx, load)
         if not doc["pending"]:
             if cx.is_root:
                 self.holder["journal"].close()

@@ -240,18 +240,22 @@ def _quantize_rows_q8(x, xq, xs):
                 xq[r, odd + j] = np.int8(np.rint(x[r, lo + 2 * j + 1] * inv))
 
 
+def _q4_operands(w, x, sm, xs) -> bool:
+    """The operand types the q4 row-dot intrinsics compile for: C-contiguous 2-D w uint8 codes,
+    x int8 activations, sm uint16 (f16 bits) or float32 scale/minimum pairs, xs float32."""
+    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, x, sm, xs)):
+        return False
+    return (w.dtype, x.dtype, xs.dtype) == (types.uint8, types.int8, types.float32) and \
+        sm.dtype in (types.uint16, types.float32)
+
+
 def _make_q4(rows: int):
     @intrinsic
     def row_dots_q4(typingctx, w, n, x, r0, sm, xs, first, groups, ahead):
         """For activation rows r0 .. r0+rows-1: sum over groups ``first`` .. ``groups`` - 1 of weight row n of
         ``sm_s * xs_d * (codes . xq in int32) + sm_m * xs_sum``. w (N, K/2) uint8, x (R, K) int8 (the
         permuted groups), sm (N, 2nb) uint16 (f16 bits) or float32, xs (R, 2nb) float32."""
-        arrays = (w, x, sm, xs)
-        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays):
-            return None
-        if (w.dtype, x.dtype, xs.dtype) != (types.uint8, types.int8, types.float32):
-            return None
-        if sm.dtype not in (types.uint16, types.float32):
+        if not _q4_operands(w, x, sm, xs):
             return None
         half = sm.dtype == types.uint16
         sig = types.UniTuple(types.float32, rows)(w, n, x, r0, sm, xs, first, groups, ahead)
@@ -332,12 +336,7 @@ def _make_q4_pairs(rows: int):
     def row_dots_q4_pairs(typingctx, w, n, x, r0, sm, xs, pairs, ahead):
         """`row_dots_q4` over the first 2 * ``pairs`` groups, two groups a step in 512-bit vectors
         (PAIRS only: x in the pairs layout, the pairs note)."""
-        arrays = (w, x, sm, xs)
-        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays):
-            return None
-        if (w.dtype, x.dtype, xs.dtype) != (types.uint8, types.int8, types.float32):
-            return None
-        if sm.dtype not in (types.uint16, types.float32):
+        if not _q4_operands(w, x, sm, xs):
             return None
         half = sm.dtype == types.uint16
         sig = types.UniTuple(types.float32, rows)(w, n, x, r0, sm, xs, pairs, ahead)
