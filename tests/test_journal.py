@@ -648,6 +648,27 @@ def test_precision_and_kv_are_said_per_layer_whatever_the_layout(tmp_path):
     assert layout_settings(uniform, _plan(([0], range(0, 8)), replicas=3))["precision"] == "bf16"
 
 
+def test_the_arithmetic_is_said_per_layer_and_a_resume_on_another_is_refused(tmp_path, tiny_ckpt):
+    """Rows are the same bits on one machine kind (docs/invariance.md): the kernels' arithmetic of
+    the ranks holding each layer is part of the identity, so rows made on AMX hosts are not
+    appended to rows made on AVX-512 hosts."""
+    from types import SimpleNamespace as Caps
+
+    job, plan = _job(tmp_path), _plan(([0], range(0, 4)), ([1], range(4, 8)))
+    same = [Caps(rank=0, arithmetic="avx512"), Caps(rank=1, arithmetic="avx512")]
+    mixed = [Caps(rank=0, arithmetic="amx"), Caps(rank=1, arithmetic="avx512")]
+    assert layout_settings(job, plan, "generate", same)["arithmetic"] == "avx512"
+    assert layout_settings(job, plan, "generate", mixed)["arithmetic"] == "0:4 amx, 4:8 avx512"
+    assert "arithmetic" not in layout_settings(job, plan)  # (no caps: not known, not recorded)
+    ps, out = prompts(3), tmp_path / "C.jsonl"
+    half_done(out, ps, ident(tiny_ckpt).with_settings(**layout_settings(job, plan, "generate", same)))
+    j = Journal(out, ps, identity=ident(tiny_ckpt), settle=True)
+    with pytest.raises(InputError, match='made with arithmetic "avx512", this run has arithmetic "0:4 amx, 4:8 '
+                       'avx512"; to resume, rerun with its layers on hosts whose kernels run "avx512"'):
+        j.settle(**layout_settings(job, plan, "generate", mixed))
+    j.close()
+
+
 def test_the_wire_counts_only_where_it_rounds(tmp_path):
     bf16 = _job(tmp_path, {"wire": "bf16"})
     assert layout_settings(bf16, _plan(([0], range(0, 8))))["wire"] == "f32"  # one stage sends nothing

@@ -267,7 +267,9 @@ class Journal:
                 raise InputError(where, f"its record {self.meta} (an older rlx-mpi's) does not say which {name} its "
                                  f"{k} rows were made with; this run has {name} {_show(b)}",
                                  "add --adopt-output to take the rows as made with this run's settings; " + fresh)
-            how = "the checkpoint they were made with" if name.startswith("checkpoint ") else f"{name} {_show(a)}"
+            how = ("the checkpoint they were made with" if name.startswith("checkpoint ") else
+                   f"its layers on hosts whose kernels run {_show(a)} (`rlx-mpi probe` shows each rank's)"
+                   if name == "arithmetic" else f"{name} {_show(a)}")
             raise InputError(where, f"its {k} rows were made with {name} {_show(a)}, this run has {name} "
                              f"{_show(b)}", f"to resume, rerun with {how}; {fresh}")
         for p in self._prompts[:k]:
