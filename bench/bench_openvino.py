@@ -184,7 +184,12 @@ def _fail(proc: subprocess.CompletedProcess) -> str:
         except ValueError:
             return f"killed by signal {-rc}"
     tail = (proc.stderr or "").strip().splitlines()[-3:]
-    return f"exit {rc}: {' | '.join(tail)[-300:]}"
+    return f"exit {rc}: {' / '.join(tail)[-300:]}"
+
+
+def short(err: str) -> str:
+    """An error as the table shows it: the signal, or the exit code (the whole text is in the JSON)."""
+    return err.split(":", 1)[0]
 
 
 def rows_of(path: Path) -> list[dict]:
@@ -392,10 +397,10 @@ def main() -> None:
         r["ratio_paired"] = paired_ratio(*zip(*pairs)) if pairs else None
         proc = [statistics.median(v) for v in (r["ov_process_s"], r["ours_process_s"])]
         if b is None:
-            ov_txt = f"failed ({'; '.join(sorted(set(r['ov_errors'])))})"
+            ov_txt = f"failed ({', '.join(sorted({short(e) for e in r['ov_errors']}))})"
         else:
             ov_txt = f"{b:.1f}" + (f" ({len(r['ov_errors'])} of {args.trials} failed)" if r["ov_errors"] else "")
-        ours_txt = f"{a:.1f}" if a is not None else f"failed ({'; '.join(sorted(set(r['ours_errors'])))})"
+        ours_txt = f"{a:.1f}" if a is not None else f"failed ({', '.join(sorted({short(e) for e in r['ours_errors']}))})"
         ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
         paired = f"{r['ratio_paired']:.2f}" if r["ratio_paired"] else "-"
         ag = r.get("agreement")
@@ -408,6 +413,12 @@ def main() -> None:
     print(f"| tokens/s, in-job, medians of {args.trials} interleaved trial(s) | OpenVINO | rlx-mpi | ratio / paired |")
     print("| --- | --- | --- | --- |")
     print("\n".join(md))
+    failed = [(k, side, e) for k in order for side, errs in (("OpenVINO", res[k]["ov_errors"]),
+                                                            ("rlx-mpi", res[k]["ours_errors"])) for e in sorted(set(errs))]
+    if failed:
+        print("\nruns that failed (the cases compared are the others):")
+        for k, side, e in failed:
+            print(f"  {k}: {side} {e}")
     f32 = [(k, res[k]["agreement"]) for k in order if res[k]["precision"] == "f32" and res[k].get("agreement")]
     if f32:
         print("\ngreedy tokens, OpenVINO f32 against ours f32 (rows identical; positions equal; mean common prefix):")
