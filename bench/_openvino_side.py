@@ -105,8 +105,10 @@ def run(args) -> dict:
     return {"load_s": load_s, "generate_s": gen_s, "rows": len(ids), "prompt_len": int(ids.shape[1]),
             "new": args.new, "new_tokens": sum(len(t) for t in tokens), "tokens": tokens,
             "ttft_ms": float(pm.get_ttft().mean), "tpot_ms": float(pm.get_tpot().mean),
-            "pm_generate_ms": float(pm.get_generate_duration().mean), "pm_num_generated": int(pm.get_num_generated_tokens()),
-            "properties": {k: str(v) for k, v in props.items()}, "scheduler": sc.to_string() if hasattr(sc, "to_string") else None,
+            "pm_generate_ms": float(pm.get_generate_duration().mean),
+            "pm_num_generated": int(pm.get_num_generated_tokens()),
+            "properties": {k: str(v) for k, v in props.items()},
+            "scheduler": sc.to_string() if hasattr(sc, "to_string") else None,
             "eos_token_id": int(cfg.eos_token_id), "versions": versions()}
 
 

@@ -45,7 +45,8 @@ on both sides, all prompts at once (our ``--batch`` = the prompt count; OpenVINO
 - ``job``: 32 prompts x (256 + 32 new): all tokens (prompt + new) / time.
 - ``decode``: batch-1 decode, 32-token prompt + 64 new: ours = 63 / ``decode_ms`` (the decode
   steps of the generate table), OpenVINO = 1000 / its TPOT (the mean time between tokens after
-  the first, from its perf metrics): both the decode steps alone.
+  the first, from its perf metrics): the decode steps alone (TPOT counts its sampler too; our
+  sampling, ``sample_ms``, is apart and well under 1 % of a step).
 - ``batch8``: 8 prompts x (32 + 64 new): new tokens / time.
 - ``score``: ``rlx-mpi score`` of 32 lines x 512 tokens (its tokens/s: positions over the
   scoring loop's time) against OpenVINO's prefill rate (the ``prefill`` case's figure of the same
@@ -58,8 +59,10 @@ compile excluded); each process is launched afresh per case and trial, so both p
 call. The whole-process wall time (launch to exit: start-up, loading, compiling) is kept beside.
 Trials interleave the two sides (the order flips every trial); the table gives the ratio of the
 medians (ours / OpenVINO, > 1: ours faster) and ``paired``, the median of each trial's own ratio.
-A case OpenVINO cannot run (a crash such as the SIGFPE #41 saw at 1 thread bf16) is reported as
-such and the others are compared.
+Each side runs with its own defaults otherwise: our ``prefill_chunk`` (256 positions a step) and
+OpenVINO's unlimited ``max_num_batched_tokens``; --ours-args passes flags to every ``generate``
+(e.g. ``--ours-args="--prefill-chunk 0"``). A case OpenVINO cannot run (a crash such as the
+SIGFPE #41 saw at 1 thread bf16) is reported as such and the others are compared.
 
 Greedy check: on every generate case the rows' new tokens of both sides are compared (identical
 rows, positions equal); at f32 they should agree (a random model's flat logits can flip a near
@@ -75,6 +78,7 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -196,7 +200,8 @@ def rows_of(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def ours(folder: Path, job: Path, prompts: Path, case: str, spec: tuple, t: int, mpiexec: str) -> dict:
+def ours(folder: Path, job: Path, prompts: Path, case: str, spec: tuple, t: int, mpiexec: str,
+         extra: list[str]) -> dict:
     """One ``generate`` (``score``) launch on the first ``t`` cores: its rate, in-job and process
     seconds, and the rows' new tokens."""
     n, plen, new, what = spec
@@ -208,7 +213,7 @@ def ours(folder: Path, job: Path, prompts: Path, case: str, spec: tuple, t: int,
                str(prompts), "--out", str(out), "--json", str(stats), "--no-prefix-cache"]
     else:
         cmd = generate_cmd(1, job, prompts, out, stats, new, n, 1, mpiexec, _cores(t)) + ["--ignore-eos",
-                                                                                         "--no-prefix-cache"]
+                                                                                         "--no-prefix-cache", *extra]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     process_s = time.perf_counter() - t0
@@ -295,6 +300,8 @@ def main() -> None:
     ap.add_argument("--ov-hint", default="f32=f32,bf16=bf16",
                     help="OpenVINO's INFERENCE_PRECISION_HINT per precision (unnamed: the plugin's default)")
     ap.add_argument("--ov-kv", default="f32=f32", help="OpenVINO's KV_CACHE_PRECISION per precision (unnamed: default)")
+    ap.add_argument("--ours-args", default="",
+                    help="more flags for every `rlx-mpi generate` (e.g. \"--prefill-chunk 0\")")
     ap.add_argument("--mpiexec", default=default_mpiexec())
     add_common_args(ap, quiet_wait_s=20.0)
     args = ap.parse_args()
@@ -360,7 +367,8 @@ def main() -> None:
                         for side in sides:
                             wait_quiet(args.quiet, args.quiet_wait)
                             if side == "ours":
-                                got[side] = ours(folder, jobs[prec], prompts[case], case, spec, t, args.mpiexec)
+                                got[side] = ours(folder, jobs[prec], prompts[case], case, spec, t, args.mpiexec,
+                                                 shlex.split(args.ours_args))
                             elif case == "score" and ov_prefill is not None:
                                 got[side] = ov_prefill  # the same trial's prefill: no second run
                             else:
@@ -400,7 +408,8 @@ def main() -> None:
             ov_txt = f"failed ({', '.join(sorted({short(e) for e in r['ov_errors']}))})"
         else:
             ov_txt = f"{b:.1f}" + (f" ({len(r['ov_errors'])} of {args.trials} failed)" if r["ov_errors"] else "")
-        ours_txt = f"{a:.1f}" if a is not None else f"failed ({', '.join(sorted({short(e) for e in r['ours_errors']}))})"
+        ours_txt = (f"{a:.1f}" if a is not None else
+                    f"failed ({', '.join(sorted({short(e) for e in r['ours_errors']}))})")
         ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
         paired = f"{r['ratio_paired']:.2f}" if r["ratio_paired"] else "-"
         ag = r.get("agreement")
@@ -413,8 +422,9 @@ def main() -> None:
     print(f"| tokens/s, in-job, medians of {args.trials} interleaved trial(s) | OpenVINO | rlx-mpi | ratio / paired |")
     print("| --- | --- | --- | --- |")
     print("\n".join(md))
-    failed = [(k, side, e) for k in order for side, errs in (("OpenVINO", res[k]["ov_errors"]),
-                                                            ("rlx-mpi", res[k]["ours_errors"])) for e in sorted(set(errs))]
+    failed = [(k, side, e) for k in order
+              for side, errs in (("OpenVINO", res[k]["ov_errors"]), ("rlx-mpi", res[k]["ours_errors"]))
+              for e in sorted(set(errs))]
     if failed:
         print("\nruns that failed (the cases compared are the others):")
         for k, side, e in failed:
@@ -426,6 +436,7 @@ def main() -> None:
             print(f"  {k}: {ag['identical_rows']}/{ag['rows']}; {ag['positions_equal']:.3f}; "
                   f"{ag['mean_common_prefix']:.1f} of {ag['new_tokens']:.0f}")
     doc = {"machine": info, "loadavg_end": loadavg(), "trials": args.trials, "quick": args.quick,
+           "ours_args": args.ours_args, "argv": sys.argv[1:],
            "preset": args.preset, "vocab": VOCAB, "model": m["config"], "openvino": ov_info,
            "shapes": {c: list(s) for c, s in shapes.items()}, "cases": res}
     save_json(args.json, doc)
