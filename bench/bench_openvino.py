@@ -196,6 +196,14 @@ def short(err: str) -> str:
     return err.split(":", 1)[0]
 
 
+def _launch(cmd: list[str], timeout_s: float = 3600.0) -> subprocess.CompletedProcess | str:
+    """The finished process, or why it did not finish (a timeout): one run is never the whole bench."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"timeout: no exit after {timeout_s:.0f} s"
+
+
 def rows_of(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -215,10 +223,10 @@ def ours(folder: Path, job: Path, prompts: Path, case: str, spec: tuple, t: int,
         cmd = generate_cmd(1, job, prompts, out, stats, new, n, 1, mpiexec, _cores(t)) + ["--ignore-eos",
                                                                                          "--no-prefix-cache", *extra]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    proc = _launch(cmd)
     process_s = time.perf_counter() - t0
-    if proc.returncode:
-        return {"error": _fail(proc), "process_s": process_s}
+    if isinstance(proc, str) or proc.returncode:
+        return {"error": proc if isinstance(proc, str) else _fail(proc), "process_s": process_s}
     st = json.loads(stats.read_text())
     if case == "score":
         return {"rate": st["tokens_per_s"], "in_job_s": st["total_forward_ms"] / 1e3, "process_s": process_s}
@@ -242,10 +250,10 @@ def theirs(folder: Path, py: str, ir: Path, prompts: Path, spec: tuple, t: int, 
     cmd = [*_cores(t), py, str(SIDE), "run", "--model", str(ir), "--prompts", str(prompts), "--new", str(max(new, 1)),
            "--threads", str(t), "--hint", hint, "--kv", kv, "--out", str(out)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    proc = _launch(cmd)
     process_s = time.perf_counter() - t0
-    if proc.returncode or not out.exists():
-        return {"error": _fail(proc), "process_s": process_s}
+    if isinstance(proc, str) or proc.returncode or not out.exists():
+        return {"error": proc if isinstance(proc, str) else _fail(proc), "process_s": process_s}
     doc = json.loads(out.read_text())
     g = doc["generate_s"]
     made = doc["new_tokens"]
@@ -360,7 +368,8 @@ def main() -> None:
                             res[key] = {"case": case, "precision": prec, "threads": t, "ours": [], "ov": [],
                                         "ov_errors": [], "ours_errors": [], "ours_process_s": [],
                                         "ov_process_s": [], "ours_in_job_s": [], "ov_in_job_s": [],
-                                        "ov_setting": {"ir": PREC[prec][2], "hint": hint, "kv": kv}}
+                                        "ov_setting": {"weights": OV_NAME[prec], "ir": PREC[prec][2],
+                                                       "hint": hint, "kv": kv}}
                         r = res[key]
                         sides = ["ours", "ov"] if trial % 2 == 0 else ["ov", "ours"]
                         got = {}
