@@ -211,3 +211,14 @@ def test_a_q4_checkpoint_with_no_precision_runs_at_q4(tmp_path, stored):
         want = DecoderStage(TINY, src, range(8), True, True, precision="q4").forward(ids)
     with h5py.File(out, "r") as f:
         np.testing.assert_allclose(f["logits"][()], want, rtol=0, atol=1e-3 * np.abs(want).max())
+
+
+def test_the_run_identity_records_what_ran_never_auto(tmp_path, stored):
+    """A resume is judged by the precision that ran: the identity's settings take the resolved
+    job, and refuse one whose "auto" was never resolved."""
+    from rlx_mpi.io.identity import unplaced_settings
+
+    job = _job(tmp_path, stored / "q4.h5")
+    with pytest.raises(ValueError, match="not resolved"):
+        unplaced_settings(job)
+    assert unplaced_settings(resolve_precision(job, FAMILY)[0])["precision"] == "q4"
