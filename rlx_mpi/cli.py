@@ -174,7 +174,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="weight precision for the memory estimate, the same as --precision f32|f16|bf16")
     shape.add_argument("--tied", action="store_true", help="LM head shares the embedding matrix")
     pl.add_argument("--precision", help="weight precision in memory: f32 | bf16 | f16 | int8 | q4 for every rank, or a "
-                    "comma list with one per rank (default: the job's [run]/[[rank]] precision, else --dtype's)")
+                    "comma list with one per rank (default: the job's [run]/[[rank]] precision, whose auto is its "
+                    "checkpoint's stored format, else --dtype's)")
     pl.add_argument("--kv-cache", metavar="POLICY", help="KV cache that `generate` keeps: none | full | window:W "
                     "(default: the job's [run]/[[rank]] kv_cache, else full: batch x seq positions per layer)")
 

@@ -43,13 +43,16 @@ class PlacementPolicy(str, enum.Enum):
 class Precision(str, enum.Enum):
     """How a rank holds its weights (activations are always float32): converted at load from
     whatever the checkpoint stores. int8 is symmetric with one float32 scale per 64 weights of a row (kernels.INT8_BLOCK);
-    q4 is 4-bit codes with a float16 scale and minimum per 32 weights of a row (kernels/quant.py)."""
+    q4 is 4-bit codes with a float16 scale and minimum per 32 weights of a row (kernels/quant.py).
+    AUTO (the default) is the checkpoint's stored format (`checkpoint.stored_precision`), made
+    concrete once where the job meets the checkpoint (`JobConfig.resolve_precision`)."""
 
     F32 = "f32"  # the names are rules.PRECISIONS (one list for job files, plan and the planner)
     BF16 = "bf16"
     F16 = "f16"
     INT8 = "int8"
     Q4 = "q4"
+    AUTO = "auto"  # a job file's word only: never reaches the planner or a stage
     FLOAT32 = "f32"  # an alias: the seed's name
 
     @property
@@ -57,6 +60,9 @@ class Precision(str, enum.Enum):
         """Resident bytes per weight (int8: one byte and a 4-byte scale per 64 weights; q4: half a
         byte and a 2-byte scale and minimum per 32, as our quantizer and Q4_0 / Q4_1 hold them;
         a Q4_K checkpoint's float32 pairs take 0.75)."""
+        if self is Precision.AUTO:
+            raise ValueError('precision "auto" has no size until resolved against the checkpoint '
+                             "(JobConfig.resolve_precision)")
         return {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "int8": 1.0 + 4.0 / 64, "q4": 0.5 + 4.0 / 32}[self.value]
 
 
@@ -125,8 +131,10 @@ class RunSection:
     """Deadline for the start-up collectives (probe, plan, weight loading on a slow filesystem)."""
     wire: str = "f32"
     """Format of the hidden states between stages: f32 (exact, no copy) | bf16 | f16 (half the bytes)."""
-    precision: Precision = Precision.F32
-    """f32 | bf16 | f16 | int8 | q4: how every rank holds its weights, unless [[rank]] precision overrides."""
+    precision: Precision = Precision.AUTO
+    """auto | f32 | bf16 | f16 | int8 | q4: how every rank holds its weights, unless [[rank]] precision
+    overrides; auto: as the checkpoint stores them (q4 for a Q4_K_M GGUF's conversion, int8 for a
+    Q8_0's, bf16 for a bf16 conversion, f32 for a float32 one)."""
     kv_cache: KvSpec = KvSpec("full")
     """Generation's KV cache: "none" (recompute the prefix), "full", or "window:W" (sliding-window
     attention over the last W positions: a different model from the checkpoint's)."""
@@ -155,7 +163,7 @@ class RankOverride:
     """World rank this override applies to."""
     device: str = "cpu"
     precision: Precision | None = None
-    """This rank's weight precision; None: the job's [run] precision."""
+    """This rank's weight precision (auto: the checkpoint's stored format); None: the job's [run] precision."""
     kv_cache: KvSpec | None = None
     """This rank's kv_cache instead of [run] kv_cache (the ranks of one stage must agree)."""
 
@@ -247,8 +255,27 @@ class JobConfig:
         return RankOverride(rank=rank)
 
     def precision_for(self, rank: int) -> Precision:
-        """The weight precision of world rank ``rank``: its [[rank]] override, else [run] precision."""
+        """The weight precision of world rank ``rank``: its [[rank]] override, else [run] precision
+        (AUTO until `resolve_precision`; the start-up and ``plan`` resolve it before any use)."""
         return self.override_for(rank).precision or self.run.precision
+
+    @property
+    def asks_auto(self) -> bool:
+        """Does any rank's precision say "auto" (the checkpoint's stored format)?"""
+        return self.run.precision is Precision.AUTO or any(o.precision is Precision.AUTO for o in self.ranks)
+
+    def resolve_precision(self, stored: Precision) -> "JobConfig":
+        """This job with every "auto" precision replaced by ``stored`` (the checkpoint's stored
+        format, `checkpoint.stored_precision`): the same job otherwise, so nothing past the
+        start-up sees "auto"."""
+        if stored is Precision.AUTO:
+            raise ValueError("resolve_precision: the stored format is a concrete precision, not auto")
+        if not self.asks_auto:
+            return self
+        auto = Precision.AUTO
+        run = dataclasses.replace(self.run, precision=stored) if self.run.precision is auto else self.run
+        ranks = tuple(dataclasses.replace(o, precision=stored) if o.precision is auto else o for o in self.ranks)
+        return dataclasses.replace(self, run=run, ranks=ranks)
 
     def check_world(self, world_size: int) -> None:
         """Cross-check the job against the number of ranks actually launched."""
@@ -424,8 +451,8 @@ def _coerce(name: str, type_name: str, value: Any, where: str, job_path: Path) -
     enums = {"PlacementPolicy": PlacementPolicy, "Precision": Precision}
     if t in enums:
         choices = [m.value for m in enums[t]]
-        if t == "Precision":
-            value = rules.precision_name(value, where)
+        if t == "Precision":  # auto, or a precision (rules.PRECISIONS, or a numpy spelling)
+            value = value if value == "auto" else rules.precision_name(value, where, auto=True)
         if value not in choices:
             raise ConfigError(where, f"got {value!r}", f"expected one of {choices}")
         return enums[t](value)

@@ -28,11 +28,14 @@ LOGPROBS_MAX = 20  # generate --logprobs K: top alternatives per token at most (
 WIRE_FORMATS = ("f32", "bf16", "f16")  # wire.py's codecs, named here so the job file is checked without numba
 
 
-def precision_name(value: Any, where: str) -> str:
-    """The canonical precision name of ``value`` (f32 | bf16 | f16 | int8 | q4, or a numpy spelling)."""
+def precision_name(value: Any, where: str, *, auto: bool = False) -> str:
+    """The canonical precision name of ``value`` (f32 | bf16 | f16 | int8 | q4, or a numpy spelling);
+    ``auto``: the caller also takes "auto" (a job file's precision), so the fix names it."""
     name = _PRECISION_ALIASES.get(value, value) if isinstance(value, str) else value
     if name not in PRECISIONS:
-        raise ConfigError(where, f"got {value!r}", f"expected one of {list(PRECISIONS)}")
+        choices = ["auto", *PRECISIONS] if auto else list(PRECISIONS)
+        raise ConfigError(where, f"got {value!r}", f"expected one of {choices}"
+                          + (" (auto: the checkpoint's stored format)" if auto else ""))
     return name
 
 

@@ -90,6 +90,44 @@ def test_precision_per_job_and_per_rank():
 
     job = parse(run={"precision": "bf16"}, rank=[{"rank": 1, "precision": "float32"}, {"rank": 2, "precision": "int8"}])
     assert [job.precision_for(r) for r in range(4)] == [Precision.BF16, Precision.F32, Precision.INT8, Precision.BF16]
-    assert parse().precision_for(0) is Precision.F32 is Precision.FLOAT32
-    with pytest.raises(ConfigError, match="expected one of \\['f32', 'bf16', 'f16', 'int8', 'q4'\\]"):
+    assert Precision.F32 is Precision.FLOAT32
+    with pytest.raises(ConfigError, match="expected one of \\['auto', 'f32', 'bf16', 'f16', 'int8', 'q4'\\]"):
         parse(run={"precision": "fp8"})
+
+
+def test_precision_defaults_to_auto_the_checkpoints_stored_format():
+    """Issue 41 section 4: no precision in the job = the checkpoint's stored format ("auto"),
+    made concrete once (`resolve_precision`) so the planner, the stages and the run identity never
+    see "auto"; a [[rank]] may say auto too, and a concrete precision stays as written."""
+    import dataclasses
+
+    from rlx_mpi.config import Precision
+
+    job = parse()
+    assert job.run.precision is Precision.AUTO and job.precision_for(0) is Precision.AUTO and job.asks_auto
+    assert parse(run={"precision": "auto"}) == job
+    q4 = job.resolve_precision(Precision.Q4)
+    assert q4.precision_for(3) is Precision.Q4 and not q4.asks_auto
+    assert q4 == dataclasses.replace(job, run=dataclasses.replace(job.run, precision=Precision.Q4))  # the same job
+    mixed = parse(run={"precision": "f32"}, rank=[{"rank": 1, "precision": "auto"}, {"rank": 2, "precision": "int8"}])
+    assert mixed.asks_auto
+    got = mixed.resolve_precision(Precision.BF16)
+    assert [got.precision_for(r) for r in range(4)] == [Precision.F32, Precision.BF16, Precision.INT8, Precision.F32]
+    concrete = parse(run={"precision": "int8"})
+    assert concrete.resolve_precision(Precision.Q4) is concrete  # nothing asked for auto
+    with pytest.raises(ValueError, match="no size until resolved"):
+        Precision.AUTO.bytes_per_param
+
+
+@pytest.mark.parametrize("sections, where", [
+    ({"run": {"precision": "q3"}}, "[run] precision"),
+    ({"run": {"precision": 4}}, "[run] precision"),
+    ({"rank": [{"rank": 1, "precision": "Auto"}]}, "[[rank]] #1 precision"),
+])
+def test_a_bad_precision_names_the_key_the_value_and_the_choices(sections, where):
+    with pytest.raises(ConfigError) as e:
+        parse(**sections)
+    line = e.value.line()
+    assert str(JOB) in line and where in line and "got" in line, line
+    assert "expected one of ['auto', 'f32', 'bf16', 'f16', 'int8', 'q4']" in line and "stored format" in line, line
+    assert "\n" not in line

@@ -630,10 +630,14 @@ def _plan(*stages, replicas=1):
 
 
 def _job(tmp_path, run=None, ranks=()):
+    """A job as the start-up hands it on: precision "auto" made concrete (here f32, a float32
+    checkpoint's stored format: `JobConfig.resolve_precision`)."""
+    from rlx_mpi.config import Precision
+
     raw = {"model": {"checkpoint": "m.h5"}, "run": run or {}}
     if ranks:
         raw["rank"] = list(ranks)
-    return parse_job(raw, tmp_path / "job.toml")
+    return parse_job(raw, tmp_path / "job.toml").resolve_precision(Precision.F32)
 
 
 def test_precision_and_kv_are_said_per_layer_whatever_the_layout(tmp_path):

@@ -33,8 +33,8 @@ import numpy as np
 from .. import rules
 from ..comm import transport
 from .caps import NodeCaps, mpi_versions_differ, own_affinity, probe_local
-from ..model.checkpoint import H5ParamSource, read_header
-from ..config import JobConfig, load_job
+from ..model.checkpoint import H5ParamSource, read_header, stored_precision
+from ..config import JobConfig, Precision, load_job
 from ..errors import CheckpointError, ConfigError, FitError, InputError
 from ..lifecycle.faults import STARTUP_SETTING, RankContext, agree, report_and_abort, wait
 from .inputs import check_everywhere, digest, read_ids
@@ -47,7 +47,7 @@ from ..model.stage import ModelDims, Stage, TensorParallel
 from ..io.stats import ClusterRun
 from ..comm.topology import Topology
 
-__all__ = ["Cluster"]
+__all__ = ["Cluster", "resolve_precision"]
 
 log = logging.getLogger("rlx_mpi")
 
@@ -227,6 +227,10 @@ class Cluster:
             family.check_tp(cfg, self.job.placement.tp, f"{self.job.path}: [placement] tp")
             self.job.check_layers(family.cost(cfg, 1, 1).n_layers, self.world.size)
             self.family, self.model_config = family, cfg
+            # precision "auto" made concrete before the plan, the build and the run identity read it
+            self.job, note = resolve_precision(self.job, family)
+            if note:  # (every rank's own log; rank 0's on the terminal)
+                log.info("%s", note)
 
         self.agree(header, "reading the checkpoint header")
         self._agree_inputs_match()
@@ -450,6 +454,23 @@ class Cluster:
         if self.topology is not None and self.topology.replica_comm is not None:
             self.topology.replica_comm.Free()
         self.world.Free()
+
+
+def resolve_precision(job: JobConfig, family: Any) -> tuple[JobConfig, str | None]:
+    """``job`` with its "auto" precisions made the checkpoint's stored format
+    (`checkpoint.stored_precision`), and the line that says so (None when the job asks for no
+    auto). A stored format the family does not build (its declared ``precisions``) runs at f32."""
+    if not job.asks_auto:
+        return job, None
+    ckpt = job.model.checkpoint
+    stored, _how = stored_precision(ckpt)
+    known = tuple(getattr(family, "precisions", ("f32",)))
+    if stored in known:
+        return job.resolve_precision(Precision(stored)), \
+            f"precision auto -> {stored} (the checkpoint's stored format: {ckpt})"
+    return job.resolve_precision(Precision.F32), \
+        (f"precision auto -> f32 (the checkpoint {ckpt} stores {stored}, which model family "
+         f"{getattr(family, 'name', '?')!r} does not build)")
 
 
 def _shared_type() -> int:

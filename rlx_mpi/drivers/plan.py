@@ -96,7 +96,9 @@ def plan(args) -> int:
     seq = args.seq or (job.run.seq if job else (2048 if given else min(2048, dims.max_positions)))
     if not given:  # what `run` would refuse (shape flags carry no limit)
         rules.seq_fits(seq, dims.max_positions, "plan --seq" if args.seq or job is None else f"{job.path}: [run] seq", ConfigError)
-    precision = _plan_precision(args.precision or args.dtype, args.ranks, job)
+    flag = args.precision or args.dtype
+    job, auto_note = _resolve_auto(job, family, given or bool(args.preset or args.hf_config), flag)
+    precision = _plan_precision(flag, args.ranks, job)
     from ..model.kv_cache import KvSpec
     from ..model.cost import kv_cost
 
@@ -125,6 +127,8 @@ def plan(args) -> int:
     held = ",".join(dict.fromkeys(precision)) if precision else "f32"
     shape = ((f"{len(grid.replicas)} replicas x " if len(grid.replicas) > 1 else "") + f"{grid.n_stages} stage"
              + ("s" if grid.n_stages != 1 else "") + f" x tp {tp}")
+    if auto_note:
+        print(auto_note)
     print(f"model: {family.describe(cfg)}; {held} weights; "
           f"batch {batch} x seq {seq}; kv cache {_kv_text(kv_specs)}; policy {policy.value}; "
           f"{args.ranks} ranks = {shape}")
@@ -135,6 +139,26 @@ def plan(args) -> int:
 
 def _kv_text(specs) -> str:
     return ",".join(dict.fromkeys(str(s) for s in specs))
+
+
+def _resolve_auto(job, family, elsewhere: bool, flag: str | None):
+    """(job, the line saying what "auto" became) for ``plan``: the job's "auto" precisions made the
+    stored format of its checkpoint, as the start-up makes them (`cluster.start.resolve_precision`);
+    f32 when the model comes from elsewhere (``elsewhere``: shape flags, --preset, --hf-config) or
+    the checkpoint is not there yet (a preset's, written at f32). No line when the job asks for no
+    auto or --precision / --dtype replaces it."""
+    if job is None or not job.asks_auto or flag is not None:
+        return job, None
+    from ..config import Precision
+
+    ckpt = job.model.checkpoint
+    if not elsewhere and ckpt.is_file():
+        from ..cluster.start import resolve_precision
+
+        return resolve_precision(job, family)
+    why = ("the model comes from the flags, not the job's checkpoint" if elsewhere
+           else f"no checkpoint to read: {ckpt} does not exist yet")
+    return job.resolve_precision(Precision.F32), f"precision auto -> f32 ({why})"
 
 
 def _plan_precision(flag: str | None, ranks: int, job) -> list[str] | None:

@@ -211,6 +211,7 @@ def layout_settings(job: Any, plan: Sequence[Any], command: str = "generate", ca
     run (`kernels.isa`: amx / avx512 / ...), since a row's bits depend on it (docs/invariance.md:
     one job, one result per machine), so a resume on hosts of another arithmetic is refused.
     """
+    _resolved(job)
     prec: dict[int, set] = {}
     kv: dict[int, set] = {}
     arith: dict[int, set] = {}
@@ -238,6 +239,7 @@ def layout_settings(job: Any, plan: Sequence[Any], command: str = "generate", ca
 def unplaced_settings(job: Any, command: str = "generate") -> dict:
     """Those of `layout_settings` known without a plan: precision and kv_cache when no ``[[rank]]``
     overrides them (every layer has the job's), the wire when it is lossless ("f32")."""
+    _resolved(job)
     out = {}
     if not any(o.precision for o in job.ranks):
         out["precision"] = job.run.precision.value
@@ -246,6 +248,13 @@ def unplaced_settings(job: Any, command: str = "generate") -> dict:
     if job.run.wire == "f32":
         out["wire"] = "f32"
     return out
+
+
+def _resolved(job: Any) -> None:
+    """A run is judged by the precision that ran: "auto" must be made the checkpoint's stored
+    format first (`cluster.start.resolve_precision`), never recorded as "auto"."""
+    if getattr(job, "asks_auto", False):
+        raise ValueError('identity: the job\'s precision "auto" is not resolved against the checkpoint yet')
 
 
 def _kv_name(spec: Any, command: str) -> str:

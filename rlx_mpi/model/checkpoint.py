@@ -28,7 +28,11 @@ and ``group_size`` G, holding ``codes`` and ``scale`` (and for q4 ``minimum``):
     q8: codes int8 (N, K); scale float16 or float32 (N, K // G); w = scale * code
 
 computed in float32; K is a multiple of G (else the tensor is stored as floats). The root attr
-``quantized`` is true when any tensor is such a group. ``read`` dequantizes a group to the dtype
+``quantized`` is true when any tensor is such a group. The root attr ``stored_precision`` (files
+written since it was added) names the precision the weights are stored at, a job's ``precision =
+"auto"`` (`stored_precision`): "q4" when any linear weight is a q4 group (a Q4_K_M GGUF's Q6_K
+tensors beside its Q4_K ones included), else "int8" when any is a q8 group, else the float dtype
+("f32" | "f16" | "bf16"). ``read`` dequantizes a group to the dtype
 asked for (a float rank of a q4 file), ``read_q4`` hands a q4 group to a q4 rank as it is.
 Tensor-parallel slices of a group cut rows freely and columns only on group boundaries.
 """
@@ -46,12 +50,14 @@ import numpy as np
 from ..errors import CheckpointError
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "READ_DTYPES", "write_checkpoint", "read_header", "H5ParamSource",
-           "part_bounds"]
+           "part_bounds", "stored_precision"]
 
 FORMAT = "rlx_mpi"
 FORMAT_VERSION = 1
 READ_DTYPES = ("float32", "float16", "bfloat16")  # what read() returns; bfloat16 as uint16 bit patterns
 _CONVERT_ROWS_BYTES = 4 << 20  # a converting read goes through float32 blocks of about this size (peak RSS)
+_FLOAT_PRECISIONS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}  # a stored dtype -> its precision
+_STORED_LOOK = 512  # nodes an older file (no stored_precision attr) is looked through at most
 
 
 def part_bounds(n: int, part: int, parts: int) -> tuple[int, int]:
@@ -76,6 +82,7 @@ def write_checkpoint(path: str | os.PathLike, family: str, config_json: str,
 
     path = Path(os.path.realpath(path))  # a symlink stays a symlink: its target is replaced
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    groups: set[str] = set()  # the kinds of quantized group written ("q4", "q8")
     try:
         with h5py.File(tmp, "w", locking=False) as f:
             f.attrs["format"] = FORMAT
@@ -87,10 +94,12 @@ def write_checkpoint(path: str | os.PathLike, family: str, config_json: str,
                     check_space(tmp, array.nbytes, str(path))
                     array.write_h5(f, name)
                     f.attrs["quantized"] = True  # for plan / probe
+                    groups.add(str(array.quant))
                     continue
                 if dtype == "q4" and quantize(name, np.shape(array)):
                     f.attrs["quantized"] = True
                     _write_q4(f, name, np.ascontiguousarray(array, dtype=np.float32), tmp, str(path))
+                    groups.add("q4")
                     continue
                 if dtype == "bfloat16":  # HDF5 has no bfloat16: its bit patterns as uint16, marked
                     from ..kernels import to_bf16
@@ -102,12 +111,72 @@ def write_checkpoint(path: str | os.PathLike, family: str, config_json: str,
                 ds = f.create_dataset(name, data=data)
                 if dtype == "bfloat16":
                     ds.attrs["dtype"] = "bfloat16"
+            f.attrs["stored_precision"] = _stored_name(groups, _FLOAT_PRECISIONS.get(dtype, "f32"))
         os.replace(tmp, path)
     except OSError as e:  # a full disk, a quota, a read-only mount: one line, no partial file
         raise write_failed(str(path), e) from None
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def _stored_name(groups: set[str], floats: str) -> str:
+    """The precision of a file holding quantized groups of ``groups`` kinds and floats as ``floats``
+    (the module note: any q4 group makes it q4, else any q8 group int8)."""
+    return "q4" if "q4" in groups else "int8" if "q8" in groups else floats
+
+
+def stored_precision(path: str | os.PathLike) -> tuple[str, str]:
+    """(precision, how it was told) of the checkpoint at ``path``: the precision its weights are
+    stored at (the module note), what a job's ``precision = "auto"`` runs at.
+
+    Read from the root attr ``stored_precision``; a file written before it is looked at a bounded
+    number of nodes (`_STORED_LOOK`), layer 0's first (its linear weights are stored as the rest
+    are), so a checkpoint of tens of thousands of tensors is not walked whole."""
+    path = Path(path)
+    with _open(path) as f:
+        attr = f.attrs.get("stored_precision")
+        attr = attr.decode() if isinstance(attr, bytes) else attr
+        quantized = bool(f.attrs.get("quantized", False))
+        if attr in _FLOAT_PRECISIONS.values() and not quantized or attr in ("int8", "q4") and quantized:
+            return attr, "its stored_precision attribute"  # (one that disagrees with quantized: looked at)
+        groups: set[str] = set()
+        floats: list[str] = []
+        looked = 0
+        for node in _nodes(f):
+            looked += 1
+            if isinstance(node, h5py.Group):
+                kind = node.attrs.get("quant")
+                groups.add(kind.decode() if isinstance(kind, bytes) else str(kind))
+            elif node.ndim == 2:  # a linear weight or an embedding (norms are 1-D)
+                floats.append("bfloat16" if _is_bf16(node) else str(node.dtype))
+            if "q4" in groups or (not quantized and floats) or looked >= _STORED_LOOK:
+                break
+    name = _stored_name(groups, _FLOAT_PRECISIONS.get(floats[0], "f32") if floats else "f32")
+    return name, f"{looked} of its tensors (the file predates the stored_precision attribute)"
+
+
+def _nodes(f: h5py.File):
+    """The file's tensors (datasets and quantized groups), layer 0's first, then the others."""
+
+    def walk(node):
+        if isinstance(node, h5py.Dataset) or "quant" in node.attrs:
+            yield node
+            return
+        for key in sorted(node.keys(), key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k)):
+            yield from walk(node[key])
+
+    layers = f.get("layers")
+    first = layers.get("0") if isinstance(layers, h5py.Group) else None
+    if isinstance(first, h5py.Group):
+        yield from walk(first)
+    for key in f.keys():
+        if key != "layers":
+            yield from walk(f[key])
+    if isinstance(layers, h5py.Group):
+        for key in sorted(layers.keys(), key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k)):
+            if key != "0":
+                yield from walk(layers[key])
 
 
 def _write_q4(f: h5py.File, name: str, w: np.ndarray, tmp: Path, where: str) -> None:
