@@ -383,7 +383,7 @@ def _broken_import(e: ImportError) -> RlxError:
 
     name = e.name.split(".")[0] if e.name else None
     if name is None:  # raised inside the module (a broken install): the first frame outside rlx_mpi
-        ours = Path(__file__).resolve().parent
+        ours = Path(__file__).resolve().parent.parent  # (the package: lifecycle/ is one folder in it)
         for frame, _ in traceback.walk_tb(e.__traceback__):
             f = Path(frame.f_code.co_filename)
             if f.is_absolute() and ours not in f.resolve().parents:
