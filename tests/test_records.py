@@ -169,3 +169,44 @@ def test_prefix_keys_start_from_the_rows_salt():
         step = again.next_step(0)
         again.complete(step, np.zeros(StepHeader(step.header).n, np.int64))
     assert again.reused == 12  # the same salt shares the blocks (all but the last position's)
+
+
+def test_a_stage_gets_the_step_as_one_record():
+    """`run_step` hands a `Stage` the whole `StepBatch` (a family may override `Stage.step`); its
+    default, and a stage written only to the Protocol, get the same calls by the step's kind."""
+    from rlx_mpi.model.stage import Stage, StepBatch, run_step
+
+    calls = []
+
+    class Rec:  # only the Protocol's methods (no Stage base)
+        def decode(self, x, slots, pos):
+            calls.append(("decode", slots.tolist(), pos.tolist()))
+            return x
+
+        def prefill(self, x, slots, lengths, start=0):
+            calls.append(("prefill", slots.tolist(), lengths.tolist(), start))
+            return x
+
+        def block_ops(self, ops, before):
+            calls.append(("ops", before))
+
+    class Whole(Stage):
+        layers, first, last, weight_bytes = range(0, 1), True, True, 0
+
+        def forward(self, x):
+            return x
+
+        def step(self, x, batch):
+            calls.append(("whole", batch.kind, batch.keys.tolist()))
+            return x
+
+    h = StepHeader(StepHeader.make(PREFILL, 0, 4, [2, 3], [9, 6], [11, 12], [0, 0], 64, start=4))
+    x = np.zeros((2, 4))
+    run_step(Rec(), x, h.batch(np.zeros((1, 4), np.int64)))
+    assert calls == [("ops", True), ("prefill", [2, 3], [9, 6], 4), ("ops", False)]
+    calls.clear()
+    run_step(Rec(), x, StepHeader(StepHeader.make(DECODE, 0, 1, [5], [7], [1], [3], 64)).batch())
+    assert calls == [("decode", [5], [7])]
+    calls.clear()
+    run_step(Whole(), x, h.batch())
+    assert calls == [("whole", "prefill", [11, 12])] and isinstance(h.batch(), StepBatch)

@@ -46,6 +46,7 @@ from ..engine.sampling import SamplingParams, logprobs, pack_sampled, unpack_sam
 from ..engine.scheduler import DECODE, MIXED, STOP, Scheduler, Seq, Step
 from ..lifecycle.faults import check_output
 from ..lifecycle.hooks import NO_HOOKS, TestHooks
+from ..model.stage import run_step
 
 __all__ = ["DecodeRing", "GenStats", "lockstep_fold", "lockstep_broken"]
 
@@ -125,21 +126,9 @@ class DecodeRing:
         step's prefix-cache block ops (attaches before it, saves after: `kv_cache.copy_blocks`)."""
         h = StepHeader(header)
         self.rows.on_header(h)  # (every stage: the rows admitted in this step, those ended before it)
-        kind, n, start = h.kind, h.n, h.start
-        slots, lengths = h.slots.copy(), h.lengths.copy()
+        kind, n = h.kind, h.n
         t0 = time.perf_counter()
-        if ops is not None:
-            self.stage.block_ops(ops, before=True)
-        if kind == DECODE:
-            out = self.stage.decode(x, slots, lengths)
-        elif kind == MIXED:  # decode rows and a prefill chunk in one step (the scheduler's MIXED note)
-            out = self.stage.mixed(x, slots, lengths, h.n_decode, start)
-        elif start:  # a later chunk (a Stage without ``start`` is never given one: see drive)
-            out = self.stage.prefill(x, slots, lengths, start=start)
-        else:
-            out = self.stage.prefill(x, slots, lengths)
-        if ops is not None:
-            self.stage.block_ops(ops, before=False)
+        out = run_step(self.stage, x, h.batch(ops))  # (the record: `model.stage.StepBatch`)
         t1 = time.perf_counter()
         st = self.stats
         st.steps += 1

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from ..model.stage import StepBatch
 from .sampling import SamplingParams, prompt_key, sample_rows
 
 __all__ = ["Request", "StepHeader", "RowState", "RowTable", "ADMITTED", "HEAD", "ROW"]
@@ -37,6 +38,7 @@ _KIND, _GROUP, _N, _T, _START, _N_DECODE, _N_OPS, _N_ENDED = range(HEAD)
 ROW = 5
 SLOT, LENGTH, KEY, INDEX, FLAGS = range(ROW)  # LENGTH: a prefill row's prompt length, a decode row's position
 ADMITTED = 1  # FLAGS bit: this is the row's first step
+_KIND_NAMES = {1: "prefill", 2: "decode", 4: "mixed"}  # (scheduler's PREFILL, DECODE, MIXED)
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,11 @@ class StepHeader:
 
     def set_kind(self, kind: int) -> None:
         self.h[_KIND] = kind
+
+    def batch(self, ops: np.ndarray | None = None) -> StepBatch:
+        """The step as a stage receives it (`model.stage.StepBatch`), ``ops`` its block ops."""
+        return StepBatch(_KIND_NAMES[self.kind], self.slots.copy(), self.lengths.copy(), self.keys.copy(),
+                         self.index.copy(), self.start, self.n_decode, ops)
 
 
 @dataclass

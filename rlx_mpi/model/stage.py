@@ -31,7 +31,7 @@ import numpy as np
 
 from .cost import ModelCost
 
-__all__ = ["ParamSource", "Stage", "StageCaps", "caps_of", "ModelFamily", "ModelDims", "TensorParallel"]
+__all__ = ["ParamSource", "Stage", "StageCaps", "StepBatch", "run_step", "caps_of", "ModelFamily", "ModelDims", "TensorParallel"]
 
 
 class ParamSource(Protocol):
@@ -73,6 +73,34 @@ class StageCaps:
     forward_window: bool = False  # ``forward(x, window=)``: a sliding window in `run`'s forward
 
 
+@dataclass(frozen=True)
+class StepBatch:
+    """The rows one generate step computes, as a stage receives them (`Stage.step`).
+
+    ``kind``: "prefill" (positions start..start+T-1 of each row, right-padded), "decode" (one token
+    a row) or "mixed" (the first ``n_decode`` rows decode, the others prefill a chunk). Per row:
+    its cache ``slots``, ``lengths`` (a prefill row's prompt length, a decode row's position), its
+    ``keys`` (what names it: `engine.records.Request.key`) and ``index`` (its new tokens so far).
+    ``ops``: the prefix cache's block ops (kind, slot, block index, pool block) (m, 4) int64, made
+    before (attaches) and after (saves) the step; None without. A per-row feature that changes what
+    a stage computes (an adapter) is a field here, never a positional argument."""
+
+    kind: str
+    slots: np.ndarray  # (n,) int64
+    lengths: np.ndarray  # (n,) int64
+    keys: np.ndarray  # (n,) int64
+    index: np.ndarray  # (n,) int64
+    start: int = 0
+    n_decode: int = 0
+    ops: np.ndarray | None = None
+
+
+def run_step(stage: Any, x: np.ndarray, batch: StepBatch) -> np.ndarray:
+    """A step through ``stage``: `Stage.step` (a family may override it), or for a stage written
+    only to the Protocol's methods the same dispatch as `Stage.step`'s default."""
+    return stage.step(x, batch) if isinstance(stage, Stage) else Stage.step(stage, x, batch)
+
+
 class Stage(abc.ABC):
     """What one rank computes for its layer range.
 
@@ -95,6 +123,25 @@ class Stage(abc.ABC):
     @abc.abstractmethod
     def weight_bytes(self) -> int:
         """Bytes of weights this rank holds."""
+
+    def step(self, x: np.ndarray, batch: StepBatch) -> np.ndarray:
+        """One generate step (`StepBatch`): the block ops before, the step's rows by their kind
+        (``decode``, ``mixed``, ``prefill``; a later chunk's ``start`` only to a stage that
+        declares ``caps.chunked_prefill``), the block ops after. A family overrides it to see
+        the whole record (e.g. a row's adapter)."""
+        if batch.ops is not None:
+            self.block_ops(batch.ops, before=True)
+        if batch.kind == "decode":
+            out = self.decode(x, batch.slots, batch.lengths)
+        elif batch.kind == "mixed":  # decode rows and a prefill chunk in one step
+            out = self.mixed(x, batch.slots, batch.lengths, batch.n_decode, batch.start)
+        elif batch.start:
+            out = self.prefill(x, batch.slots, batch.lengths, start=batch.start)
+        else:
+            out = self.prefill(x, batch.slots, batch.lengths)
+        if batch.ops is not None:
+            self.block_ops(batch.ops, before=False)
+        return out
 
     # Generation (``rlx-mpi generate``): optional; a family without it can still ``run``.
     # Rows of a step are cache slots; the last stage returns logits (B, V) of each row's
