@@ -563,7 +563,7 @@ def test_float_matvec_on_a_cpu_without_avx512_takes_8_lane_vectors(tmp_path):
         "        _matvec_float(x, stored, out, 2)\n"
         "        worst = max(worst, float(np.abs(out - x.astype(np.float64) @ w.T.astype(np.float64)).max()))\n"
         "        assert (kernels.matmul_float(x, stored) == out).all()\n"
-        "print(rowdot._FLANES, rowdot.STEP, rowdot.WIDE_ROWS, worst)\n")
+        "print(rowdot.FLANES, rowdot.STEP, rowdot.WIDE_ROWS, worst)\n")
     out = _run_on_haswell(code, tmp_path)
     lanes, step, wide, err = out.split()
     assert (lanes, step, wide) == ("8", "16", "3") and float(err) < 1e-4, out

@@ -18,7 +18,8 @@ from numba.extending import intrinsic
 from .blocks import _gather_run
 from ._common import ERR, FAST, check_f32, pool_threads, run_parts, team_size
 from .matvec import F32_MATVEC_ROWS, _main_cols, _tail, _tile_stub
-from .rowdot import _FLANES, TILE_W, WIDE_ROWS, _rows_of
+from .llvm_ir import FLANES, rows_of
+from .rowdot import TILE_W, WIDE_ROWS
 from .bits import as_f32, bits_of_f32
 from .elementwise import _exp
 
@@ -480,13 +481,13 @@ def _score_tail(keys, j, q, i, k0):  # keys[j, k0:] . q[i, k0:], one column at a
 _QB = WIDE_ROWS  # consecutive queries of one head per block (the block note)
 _score_block = _tile_stub(_QB, TILE_W, 2)  # _QB queries x TILE_W keys: the tile's order for each score
 _score_block1 = _tile_stub(_QB, 1, 2)
-_VVEC = 4 if _FLANES == 16 else 3  # value vectors a key per pass: _QB x _VVEC accumulators in registers
+_VVEC = 4 if FLANES == 16 else 3  # value vectors a key per pass: _QB x _VVEC accumulators in registers
 
 
 def _make_value_sums(rows: int, nvec: int):
     @intrinsic
     def value_sums(typingctx, p, c0, n, values, j0, d0, acc):
-        """acc[r, d0:d0 + nvec * _FLANES] += p[r, c0 + c] * values[j0 + c, d0:...] for c = 0..n-1 in
+        """acc[r, d0:d0 + nvec * FLANES] += p[r, c0 + c] * values[j0 + c, d0:...] for c = 0..n-1 in
         order, r < rows, each term a multiply then an add (as `_attend_one`'s value loop: no fused
         multiply-add, no reordering), the accumulators in registers across the keys. p, values and
         acc float32 2-D C-contiguous; the caller keeps every index in bounds (none checked here)."""
@@ -498,31 +499,31 @@ def _make_value_sums(rows: int, nvec: int):
         def codegen(context, builder, signature, args):
             pt, c0t, nt, vt, j0t, d0t, at = signature.args
             p_, c0_, n_, v_, j0_, d0_, a_ = args
-            intp, row, c0_, j0_ = _rows_of(context, builder, c0_, c0t, j0_, j0t)
+            intp, row, c0_, j0_ = rows_of(context, builder, c0_, c0t, j0_, j0t)
             n_, d0_ = context.cast(builder, n_, nt, types.intp), context.cast(builder, d0_, d0t, types.intp)
-            f = ir.VectorType(ir.FloatType(), _FLANES)
+            f = ir.VectorType(ir.FloatType(), FLANES)
             pps = [builder.gep(row(pt, p_, intp(r)), [c0_]) for r in range(rows)]
             aps = [builder.gep(row(at, a_, intp(r)), [d0_]) for r in range(rows)]
             accs = [[cgutils.alloca_once_value(builder, builder.load(
-                builder.bitcast(builder.gep(aps[r], [intp(u * _FLANES)]), f.as_pointer()), align=4))
+                builder.bitcast(builder.gep(aps[r], [intp(u * FLANES)]), f.as_pointer()), align=4))
                 for u in range(nvec)] for r in range(rows)]
             with cgutils.for_range(builder, n_) as loop:
                 c = loop.index
                 vp = builder.gep(row(vt, v_, builder.add(j0_, c)), [d0_])
-                vvs = [builder.load(builder.bitcast(builder.gep(vp, [intp(u * _FLANES)]), f.as_pointer()), align=4)
+                vvs = [builder.load(builder.bitcast(builder.gep(vp, [intp(u * FLANES)]), f.as_pointer()), align=4)
                        for u in range(nvec)]
                 for r in range(rows):
                     pj = builder.load(builder.gep(pps[r], [c]))
                     pb = builder.insert_element(ir.Constant(f, ir.Undefined), pj, ir.Constant(ir.IntType(32), 0))
-                    pb = builder.shuffle_vector(pb, pb, ir.Constant(ir.VectorType(ir.IntType(32), _FLANES),
-                                                                    [0] * _FLANES))
+                    pb = builder.shuffle_vector(pb, pb, ir.Constant(ir.VectorType(ir.IntType(32), FLANES),
+                                                                    [0] * FLANES))
                     for u in range(nvec):
                         a = accs[r][u]
                         builder.store(builder.fadd(builder.load(a), builder.fmul(pb, vvs[u])), a)  # (no flags)
             for r in range(rows):
                 for u in range(nvec):
                     builder.store(builder.load(accs[r][u]),
-                                  builder.bitcast(builder.gep(aps[r], [intp(u * _FLANES)]), f.as_pointer()), align=4)
+                                  builder.bitcast(builder.gep(aps[r], [intp(u * FLANES)]), f.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -547,7 +548,7 @@ def _sums_block(typingctx, p, c0, n, tot):
     def codegen(context, builder, signature, args):
         pt, c0t, nt, tt = signature.args
         p_, c0_, n_, t_ = args
-        intp, row, c0_, _ = _rows_of(context, builder, c0_, c0t, c0_, c0t)
+        intp, row, c0_, _ = rows_of(context, builder, c0_, c0t, c0_, c0t)
         n_ = context.cast(builder, n_, nt, types.intp)
         tarr = context.make_array(tt)(context, builder, t_)
         tps = [cgutils.get_item_pointer(context, builder, tt, tarr, [intp(r)], wraparound=False) for r in range(_QB)]
@@ -662,14 +663,14 @@ def _attend_block(q, t0, keys, values, lo, hi, scale, softcap, sink, sc, acc, pe
         return
     for r in range(_QB):  # the keys before the shared ones, then those, then the keys after
         _values_one(sc, r, lo[r] - a0, values, lo[r], m0, 0, acc)
-    wide = _VVEC * _FLANES
+    wide = _VVEC * FLANES
     d = 0
     while d + wide <= hv:
         _values_block(sc, m0 - a0, m1 - m0, values, m0, d, acc)
         d += wide
-    while d + _FLANES <= hv:
+    while d + FLANES <= hv:
         _values_block1(sc, m0 - a0, m1 - m0, values, m0, d, acc)
-        d += _FLANES
+        d += FLANES
     if d < hv:
         for r in range(_QB):
             _values_one(sc, r, m0 - a0, values, m0, m1, d, acc)
