@@ -132,8 +132,6 @@ def _rope_row(x, c, sn, eps, norm, out):  # one head: out <- rope(rms_norm?(x));
         out[d + half] = b * c[d + half] + a * sn[d + half]
 
 
-
-
 @numba.njit(cache=True, error_model=ERR)
 def _decode_qkv(qkv, q_dim, cos, sin, q_norm, k_norm, eps, ck, cv, table, size, slots, positions, q):
     """Per row: rope (after the optional per-head norms) into q (B, nh, hs) and into the cache,

@@ -95,7 +95,7 @@ def reduce_vectors(builder, vectors: list, lanes: int) -> list:
     not 16 x 12. Returns ceil(len / lanes) vectors: the sum of input m in lane m % lanes of
     vector m // lanes."""
     f = ir.VectorType(ir.FloatType(), lanes)
-    vs, n = list(vectors), len(vectors)
+    vs = list(vectors)
     group = lanes  # lanes per vector of the list that still belong to one input
     while group > 1:
         if len(vs) % 2:
