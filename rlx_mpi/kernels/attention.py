@@ -1,8 +1,8 @@
 """Scaled dot-product attention (grouped-query, causal or windowed, soft-cap, sinks), each query in
-one fixed order (the invariance note): the one query's arithmetic (`_attend_span`: a row's keys in
-place, a slot row or a paged row's blocks) and a prefill chunk's (`attend`: WIDE_ROWS queries at a
+one fixed order (the invariance note): one query's arithmetic (`_attend_one`, its runs of a row's
+keys read in place shared with a paged row's) and a prefill chunk's (`attend`: WIDE_ROWS queries at a
 time, the block note). A decode step read in place from a KV cache is attention_cache.py's
-(`attend_cache`, `decode_attention`), on `_attend_span`.
+(`attend_cache`, `decode_attention`), on the same runs.
 
 A prefill's kv heads go to the rank's threads in parts (`run_parts`, the team note in
 _common.py). `causal_softmax_` is a plain reference softmax for tests and benches, compiled on
@@ -47,18 +47,19 @@ def _row_max(row):  # max of a non-empty C-contiguous float32 row
     return as_f32(np.uint32(best ^ ((best >> np.int32(31)) & np.int32(0x7FFFFFFF))))
 
 
-# Note: invariance. A query's attention has one arithmetic, `_attend_span`'s, whatever the step: a
+# Note: invariance. A query's attention has one arithmetic, `_attend_one`'s, whatever the step: a
 # decode row alone or beside others, on the calling thread or the pool, inside the fused decode
 # layer or not, its cache a slot row or a paged row's blocks; a prefill query in a chunk of 16 or of
-# 256, beside padded rows or not, run or score or generate. Decode runs `_attend_span` itself
-# (attention_cache.py); prefill runs `_attend_block`, the same operations for WIDE_ROWS queries at
-# once (the block note). Each score is rowdot's float tile over hs (one order: the invariance note
-# there), the softmax's sum and the value sums run over the keys in position order, one float32
-# rounding at a time (no fast-math here, so LLVM cannot reorder them whatever it inlines into), and
-# the values are summed lane-wise over the head's width (independent lanes: vectorised without
-# reordering). Before, prefill took BLAS's blocked products and an online softmax whose rounding
-# depended on the chunk (its query blocks, the key block's length) and decode a fast-math loop: a
-# row's logits depended on the batch and the prefill chunk it shared.
+# 256, beside padded rows or not, run or score or generate. Decode runs `_attend_one` itself (a paged
+# row the same runs of keys a block at a time: attention_cache.py); prefill runs `_attend_block`,
+# the same operations for WIDE_ROWS queries at once (the block note). Each score is rowdot's float
+# tile over hs (one order: the invariance note there), the softmax's sum and the value sums run
+# over the keys in position order, one float32 rounding at a time (no fast-math here, so LLVM
+# cannot reorder them whatever it inlines into), and the values are summed lane-wise over the
+# head's width (independent lanes: vectorised without reordering). Before, prefill took BLAS's
+# blocked products and an online softmax whose rounding depended on the chunk (its query blocks,
+# the key block's length) and decode a fast-math loop: a row's logits depended on the batch and the
+# prefill chunk it shared.
 #
 # Note: float32. `_attend_one` started its running max at ``-np.inf``, a float64: numba then typed
 # the peak, `_exp`'s argument, the softmax's sum and each p_j as float64, so the value sums were
@@ -124,57 +125,47 @@ def _score_tail(keys, j, q, i, k0):  # keys[j, k0:] . q[i, k0:], one column at a
     return _tail(keys, j, q, q, i, k0)
 
 
-_SLOT = np.zeros(1, np.int32)  # a slot row as `_attend_span` reads it: one block (the row's length) at row 0
+@numba.njit(cache=True, nogil=True, error_model=ERR, inline="always")
+def _score_run(keys, r0, n, q, i, k, srow, s0):
+    """srow[s0 + t] <- q[i] . keys[r0 + t] for t < n: a run of a row's keys read in place, TILE_W a
+    call (the tile's order for each: the invariance note), then the columns past k."""
+    t = 0
+    while t + TILE_W <= n:
+        s = _score_tile(keys, r0 + t, q, q, i, k, 0)  # (xb unused: float keys)
+        for u in range(TILE_W):
+            srow[s0 + t + u] = s[u]
+        t += TILE_W
+    while t < n:
+        srow[s0 + t] = _score_tile1(keys, r0 + t, q, q, i, k, 0)[0]
+        t += 1
+    if k < keys.shape[1]:
+        for t in range(n):
+            srow[s0 + t] += _score_tail(keys, r0 + t, q, i, k)
 
 
 @numba.njit(cache=True, nogil=True, error_model=ERR, inline="always")
-def _run(trow, size, lo, hi, blk):
-    """Block blk's visible positions of lo..hi-1 as a run: (first position j0, count, first row)."""
-    j0 = max(lo, blk * size)
-    return j0, min(hi, blk * size + size) - j0, trow[blk] * size + j0 - blk * size
+def _value_run(srow, s0, inv, values, r0, n, y):
+    """y += (srow[s0 + t] * inv) * values[r0 + t] for t < n in order: a multiply then an add per
+    element (no fused multiply-add, no reordering: the invariance note)."""
+    for t in range(n):
+        pj = srow[s0 + t] * inv
+        for d in range(y.shape[0]):
+            y[d] += pj * values[r0 + t, d]
 
 
 @numba.njit(cache=True, nogil=True, error_model=ERR)
-def _attend_span(q, i, keys, values, trow, size, lo, hi, scale, softcap, sink, srow, y):
-    """One query: q[i] (q (n, hs) C-contiguous) over positions lo..hi-1 of a row whose position j
-    is row trow[j // size] * size + j % size of keys / values ((.., hs) / (.., hv)), into y (hv,);
-    sink: the head's sink logit or NaN for none; srow (>= hi - lo,) scratch. A slot row is one
-    block (`_attend_one`), a paged row its blocks through the table (attention_cache's paged-rows
-    note): each block's visible rows are read in place as one run, so a position gets the same
-    operations in the same order either way (tests/test_paged.py checks the bits)."""
-    hv = y.shape[0]
-    for d in range(hv):
+def _attend_one(q, i, keys, values, lo, hi, scale, softcap, sink, srow, y):
+    """One query: q[i] (q (n, hs) C-contiguous) over keys / values (L, hs) / (L, hv) rows lo..hi-1
+    into y (hv,); sink: the head's sink logit or NaN for none; srow (>= hi - lo,) scratch. A paged
+    row's query (attention_cache's `_attend_one_paged`) takes the same runs, a block at a time."""
+    for d in range(y.shape[0]):
         y[d] = 0.0
     if hi <= lo:  # nothing visible: zeros, as before
         return
     k = _main_cols(keys, keys.shape[1])
-    for blk in range(lo // size, (hi - 1) // size + 1):  # the scores, a block's run at a time
-        j0, n, base = _run(trow, size, lo, hi, blk)
-        t = 0
-        while t + TILE_W <= n:  # TILE_W keys a call: the tile's order for each (the invariance note)
-            s = _score_tile(keys, base + t, q, q, i, k, 0)  # (xb unused: float keys)
-            for u in range(TILE_W):
-                srow[j0 - lo + t + u] = s[u]
-            t += TILE_W
-        while t < n:
-            srow[j0 - lo + t] = _score_tile1(keys, base + t, q, q, i, k, 0)[0]
-            t += 1
-        if k < keys.shape[1]:
-            for t in range(n):
-                srow[j0 - lo + t] += _score_tail(keys, base + t, q, i, k)
+    _score_run(keys, lo, hi - lo, q, i, k, srow, 0)
     inv = _softmax_row(srow, hi - lo, scale, softcap, sink)
-    for blk in range(lo // size, (hi - 1) // size + 1):  # the value sums, in position order
-        j0, n, base = _run(trow, size, lo, hi, blk)
-        for t in range(n):
-            pj = srow[j0 - lo + t] * inv
-            for d in range(hv):
-                y[d] += pj * values[base + t, d]
-
-
-@numba.njit(cache=True, nogil=True, error_model=ERR, inline="always")
-def _attend_one(q, i, keys, values, lo, hi, scale, softcap, sink, srow, y):
-    """`_attend_span` over keys / values (L, hs) / (L, hv) rows lo..hi-1 (hi <= L), one block."""
-    _attend_span(q, i, keys, values, _SLOT, keys.shape[0], lo, hi, scale, softcap, sink, srow, y)
+    _value_run(srow, 0, inv, values, lo, hi - lo, y)
 
 
 # -- prefill: WIDE_ROWS queries of a head at once, each query the bits of `_attend_one` ----------

@@ -1,6 +1,6 @@
 """Decode attention read in place from a KV cache: one query per head of each row over the row's
 keys, slot rows (slots, nkv, L, hs) or a paged row's blocks through its table (the paged-rows note),
-both by attention.py's one-query arithmetic (`_attend_span`), so a row's bits do not depend on the
+both by attention.py's one-query arithmetic (`_attend_one`'s runs), so a row's bits do not depend on the
 layout, the step or the threads (attention.py's invariance note). `attend_cache` takes q as it is;
 `decode_attention` applies RoPE (and the per-head norms) to the fused q|k|v projection, stores k
 and v, then attends. A small step's (row, kv head) pairs go to numba's pool (`_attend_kernel`).
@@ -12,8 +12,8 @@ import numba
 import numpy as np
 
 from ._common import ERR, FAST, check_f32, pool_threads
-from .attention import _SLOT, _attend_span, _sinks
-from .matvec import F32_MATVEC_ROWS
+from .attention import _attend_one, _score_run, _sinks, _softmax_row, _value_run
+from .matvec import F32_MATVEC_ROWS, _main_cols
 
 __all__ = ["attend_cache", "decode_attention", "check_cache_rows"]
 
@@ -31,7 +31,7 @@ __all__ = ["attend_cache", "decode_attention", "check_cache_rows"]
 # Note: paged rows (`kv_cache` block-table note). A full-attention layer's cache may be a pool of
 # blocks, (1, nkv, blocks x size, hs) (4-D so that the fused decode layer takes either layout), and
 # a row's position p lives in pool column table[slot, p // size] * size + p % size. A decode query
-# reads its keys and values where they are, block by block through the table (`_attend_span`):
+# reads its keys and values where they are, block by block through the table (`_attend_one_paged`):
 # the same rows of the same values in the same order as a slot row, so a row's numbers are bit for
 # bit those of the slot cache (the invariance note). Measured (bench/bench_prefix.py, 16 shared
 # prompts, 1 rank): 5.67x against the slot cache's --no-prefix-cache run, where gathering each
@@ -39,6 +39,45 @@ __all__ = ["attend_cache", "decode_attention", "check_cache_rows"]
 
 
 _NO_TABLE = np.zeros((0, 0), np.int32)  # slot rows: what the kernels below take for ``table``
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _attend_one_paged(q, i, keys, values, trow, size, hi, scale, softcap, sink, srow, y):
+    """`_attend_one` (lo = 0) over a paged row: position j's key and value are rows
+    trow[j // size] * size + j % size of keys / values (one kv head of the pool: (blocks x size,
+    hs) / (.., hv)). The same runs of keys and values as `_attend_one`'s, a block at a time, so the
+    bits are the slot cache's (tests/test_paged.py); the keys are read where they are, where a
+    gather into a scratch row first copied every visible position of every row at every layer
+    (the paged-rows note)."""
+    for d in range(y.shape[0]):
+        y[d] = 0.0
+    if hi <= 0:
+        return
+    k = _main_cols(keys, keys.shape[1])
+    for blk in range((hi + size - 1) // size):
+        _score_run(keys, trow[blk] * size, min(size, hi - blk * size), q, i, k, srow, blk * size)
+    inv = _softmax_row(srow, hi, scale, softcap, sink)
+    for blk in range((hi + size - 1) // size):
+        _value_run(srow, blk * size, inv, values, trow[blk] * size, min(size, hi - blk * size), y)
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _attend_group(q, keys, values, trow, size, h0, lo, hi, scale, softcap, sinks, scores, y):
+    """One row's kv group: q (nh, hs) heads h0..h0+g-1 over keys/values positions lo..hi-1 into y
+    (nh, hv): a slot row's (L, hs) / (L, hv) rows (trow empty), or a paged row's blocks trow of
+    the pool's (blocks x size, ..) (lo 0); scores (g, >= hi - lo) is scratch; sinks (nh,) or
+    empty: each head's sink logit in its denominator (GPT-OSS)."""
+    g = scores.shape[0]
+    for i in range(g):
+        h = h0 + i
+        sink = sinks[h] if sinks.shape[0] > 0 else np.float32(np.nan)
+        if trow.shape[0] > 0:
+            _attend_one_paged(q, h, keys, values, trow, size, hi, scale, softcap, sink, scores[i], y[h])
+        else:
+            _attend_one(q, h, keys, values, lo, hi, scale, softcap, sink, scores[i], y[h])
+
+
+_NO_ROW = np.empty(0, np.int32)  # a slot row's "table row" (`_attend_group`)
 
 
 @numba.njit(cache=True, nogil=True, error_model=ERR)
@@ -52,27 +91,22 @@ def _visible(ck, table, pos, window, b):
 
 
 @numba.njit(cache=True, nogil=True, error_model=ERR)
-def _attend_group(q, ck, cv, table, size, slots, b, kh, lo, hi, scale, softcap, sinks, scores, y):
-    """Row b's kv head kh: its g query heads (q (B, nh, hs) heads kh * g.., g = scores.shape[0])
-    over positions lo..hi-1 of its cache row into y (B, nh, hv): slot row slots[b] of ck, cv
-    (slots, nkv, L, hs), or with a table the row's blocks in the pool (1, nkv, blocks x size, hs);
-    scores (g, >= hi - lo) is scratch; sinks (nh,) or empty: each head's sink logit in its
-    denominator (GPT-OSS)."""
+def _attend_pair(q, ck, cv, table, size, slots, b, kh, lo, hi, scale, softcap, sinks, scores, y):
+    """Row b's kv head kh over positions lo..hi-1 (`_attend_group`): slot row slots[b] of ck, cv
+    (slots, nkv, L, hs), or with a table (table (0, 0): none) the table's row slots[b] of blocks in
+    the pool (1, nkv, blocks x size, hs)."""
     g = scores.shape[0]
-    for i in range(g):
-        h = kh * g + i
-        sink = sinks[h] if sinks.shape[0] > 0 else np.float32(np.nan)
-        if table.shape[0] > 0:  # the row's blocks through the table (the paged-rows note)
-            _attend_span(q[b], h, ck[0, kh], cv[0, kh], table[slots[b]], size, lo, hi, scale, softcap, sink,
-                         scores[i], y[b, h])
-        else:  # the slot row: one block
-            _attend_span(q[b], h, ck[slots[b], kh], cv[slots[b], kh], _SLOT, ck.shape[2], lo, hi, scale, softcap,
-                         sink, scores[i], y[b, h])
+    if table.shape[0] > 0:
+        _attend_group(q[b], ck[0, kh], cv[0, kh], table[slots[b]], size, kh * g, lo, hi, scale, softcap, sinks,
+                      scores, y[b])
+    else:
+        _attend_group(q[b], ck[slots[b], kh], cv[slots[b], kh], _NO_ROW, size, kh * g, lo, hi, scale, softcap, sinks,
+                      scores, y[b])
 
 
 @numba.njit(cache=True, error_model=ERR)
 def _attend_cache(q, ck, cv, table, size, slots, pos, window, scale, softcap, sinks, y):
-    """q (B, nh, hs) -> y (B, nh, hs) over the cache (`_attend_group`; table (0, 0): slot rows
+    """q (B, nh, hs) -> y (B, nh, hs) over the cache (`_attend_pair`; table (0, 0): slot rows
     ``slots``, keys 0..pos[b], window > 0: the last ``window``; else the table's rows ``slots``,
     keys 0..pos[b]); on the calling thread."""
     B, nh, _ = q.shape
@@ -86,7 +120,7 @@ def _attend_cache(q, ck, cv, table, size, slots, pos, window, scale, softcap, si
     for bk in range(B * nkv):
         b, kh = bk // nkv, bk % nkv
         lo, hi = _visible(ck, table, pos, window, b)
-        _attend_group(q, ck, cv, table, size, slots, b, kh, lo, hi, scale, softcap, sinks, scores, y)
+        _attend_pair(q, ck, cv, table, size, slots, b, kh, lo, hi, scale, softcap, sinks, scores, y)
 
 
 @numba.njit(cache=True, parallel=True, error_model=ERR)
@@ -97,7 +131,7 @@ def _attend_cache_par(q, ck, cv, table, size, slots, pos, window, scale, softcap
         b, kh = bk // nkv, bk % nkv
         lo, hi = _visible(ck, table, pos, window, b)
         scores = np.empty((nh // nkv, max(hi - lo, 1)), np.float32)
-        _attend_group(q, ck, cv, table, size, slots, b, kh, lo, hi, scale, softcap, sinks, scores, y)
+        _attend_pair(q, ck, cv, table, size, slots, b, kh, lo, hi, scale, softcap, sinks, scores, y)
 
 
 def _attend_kernel(rows: int, nkv: int):
