@@ -1,5 +1,5 @@
 """The block table's cost at decode (issue 33): a decode step's attention over a paged cache (a row's
-blocks read in place through its table, with the slot kernel's arithmetic: attention.py's
+blocks read in place through its table, with the slot kernel's arithmetic: attention_cache.py's
 paged-rows note) against the slot cache, in one process, the same rows and the same numbers.
 
     python bench/bench_paged.py [--positions 2048] [--batches 1,8] [--heads 16 --kv-heads 4 --head-dim 64]

@@ -115,7 +115,7 @@ def test_value_and_sum_kernels_against_numpy():
     """The block's value sums and softmax sums: each element one multiply then one add per key in
     key order, float32 (numpy float32 arrays round each operation the same way)."""
     rng = np.random.default_rng(3)
-    n, hv = 37, 2 * attention._VVEC * attention._FLANES
+    n, hv = 37, 2 * attention._VVEC * attention.FLANES
     p = rng.random((_QB, n + 5)).astype(np.float32)
     vals = rng.standard_normal((n + 9, hv)).astype(np.float32)
     acc = rng.standard_normal((_QB, hv)).astype(np.float32)
@@ -124,7 +124,7 @@ def test_value_and_sum_kernels_against_numpy():
         want = want + p[:, 2 + c, None] * vals[4 + c]
     values = numba.njit(lambda p, n, vals, d, acc: attention._values_block(p, 2, n, vals, 4, d, acc))
     values(p, n, vals, 0, acc)
-    values(p, n, vals, attention._VVEC * attention._FLANES, acc)
+    values(p, n, vals, attention._VVEC * attention.FLANES, acc)
     assert (bits(acc) == bits(want)).all()
     tot = rng.random(_QB).astype(np.float32)
     want = tot.copy()

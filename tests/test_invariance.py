@@ -117,7 +117,8 @@ def test_prefill_panels_give_each_row_its_decode_matvec_bits(monkeypatch, fmt, k
 def test_decode_attention_of_a_row_is_the_same_alone_beside_others_and_on_the_pool():
     """`attend_cache` of a row (one query per head over its cache row) is the same bits alone, in
     a step of 5 rows at other positions, on the calling thread and on numba's pool."""
-    from rlx_mpi.kernels.attention import _NO_SINKS, _attend_cache, _attend_cache_par
+    from rlx_mpi.kernels.attention import _NO_SINKS
+    from rlx_mpi.kernels.attention_cache import _NO_TABLE, _attend_cache, _attend_cache_par
 
     rng = np.random.default_rng(9)
     nh, nkv, L, hs = 4, 2, 50, 40
@@ -128,12 +129,12 @@ def test_decode_attention_of_a_row_is_the_same_alone_beside_others_and_on_the_po
     outs = []
     for kernel in (_attend_cache, _attend_cache_par):
         y = np.empty((5, nh, hs), np.float32)
-        kernel(q, ck, cv, slots, pos, 0, np.float32(hs ** -0.5), np.float32(0.0), _NO_SINKS, y)
+        kernel(q, ck, cv, _NO_TABLE, 0, slots, pos, 0, np.float32(hs ** -0.5), np.float32(0.0), _NO_SINKS, y)
         outs.append(y)
         for b in range(5):
             one = np.empty((1, nh, hs), np.float32)
-            kernel(q[b:b + 1], ck, cv, slots[b:b + 1], pos[b:b + 1], 0, np.float32(hs ** -0.5), np.float32(0.0),
-                   _NO_SINKS, one)
+            kernel(q[b:b + 1], ck, cv, _NO_TABLE, 0, slots[b:b + 1], pos[b:b + 1], 0, np.float32(hs ** -0.5),
+                   np.float32(0.0), _NO_SINKS, one)
             assert (one[0] == y[b]).all(), (kernel, b)
     assert (outs[0] == outs[1]).all()
 

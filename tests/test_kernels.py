@@ -355,11 +355,11 @@ def test_attend_cache_against_naive(nh, nkv, hs, window, softcap):
             w = np.exp(s - s.max())
             want[b, 0, h] = (w / w.sum()) @ cv[slot, kh, keys].astype(np.float64)
     np.testing.assert_allclose(got, want, atol=3e-6)
-    from rlx_mpi.kernels import attention  # both variants `_attend_kernel` picks from: equal values
+    from rlx_mpi.kernels import attention, attention_cache  # both variants `_attend_kernel` picks from: equal values
     ys = [np.empty((4, nh, hs), np.float32) for _ in range(2)]
-    for kernel, y in zip((attention._attend_cache, attention._attend_cache_par), ys):
-        kernel(np.ascontiguousarray(q[:, :, 0]), ck, cv, slots, q_pos, window, np.float32(0.3 if softcap else hs ** -0.5),
-               np.float32(softcap), attention._NO_SINKS, y)
+    for kernel, y in zip((attention_cache._attend_cache, attention_cache._attend_cache_par), ys):
+        kernel(np.ascontiguousarray(q[:, :, 0]), ck, cv, attention_cache._NO_TABLE, 0, slots, q_pos, window,
+               np.float32(0.3 if softcap else hs ** -0.5), np.float32(softcap), attention._NO_SINKS, y)
     np.testing.assert_array_equal(ys[0], ys[1])
     np.testing.assert_allclose(ys[0].reshape(got.shape), want, atol=3e-6)
     if not window and not softcap:  # and the same as `attend` over the gathered prefix views
@@ -563,7 +563,7 @@ def test_float_matvec_on_a_cpu_without_avx512_takes_8_lane_vectors(tmp_path):
         "        _matvec_float(x, stored, out, 2)\n"
         "        worst = max(worst, float(np.abs(out - x.astype(np.float64) @ w.T.astype(np.float64)).max()))\n"
         "        assert (kernels.matmul_float(x, stored) == out).all()\n"
-        "print(rowdot._FLANES, rowdot.STEP, rowdot.WIDE_ROWS, worst)\n")
+        "print(rowdot.FLANES, rowdot.STEP, rowdot.WIDE_ROWS, worst)\n")
     out = _run_on_haswell(code, tmp_path)
     lanes, step, wide, err = out.split()
     assert (lanes, step, wide) == ("8", "16", "3") and float(err) < 1e-4, out

@@ -97,10 +97,10 @@ def test_paged_decode_kernels_equal_the_slot_kernels_bitwise(pool, monkeypatch):
     """`attend_cache` and `decode_attention` (RoPE, the store through the table, attention) on a
     paged cache give the slot cache's bits, on the calling thread and on numba's pool, and the
     stored key lands in the row's block."""
-    from rlx_mpi.kernels import attention
+    from rlx_mpi.kernels import attention_cache
     from rlx_mpi.kernels import attend_cache, decode_attention
 
-    monkeypatch.setattr(attention, "pool_threads", lambda: 2 if pool else 1)
+    monkeypatch.setattr(attention_cache, "pool_threads", lambda: 2 if pool else 1)
     rng = np.random.default_rng(1)
     S, nkv, nh, hs, L, size = 3, 2, 6, 8, 48, 4
     ck = rng.standard_normal((S, nkv, L, hs)).astype(np.float32)

@@ -1,9 +1,10 @@
 """numba kernels of a forward, by concern (BLAS does the large matmuls).
 
 - ``elementwise``: rms_norm, silu_mul_ / swiglu, rope and the vectorisable exp behind them
-- ``attention``: blocked attention (`attend`, `attend_workspace_bytes`), decode attention read in
-  place from a KV cache (`attend_cache`; `decode_attention` adds RoPE and the cache write), a
-  reference softmax
+- ``attention``: a query's attention (one arithmetic, read in place from a slot row or a paged row's
+  blocks) and prefill's blocked attention (`attend`, `attend_workspace_bytes`), a reference softmax
+- ``attention_cache``: decode attention read in place from a KV cache, slot rows or a block table
+  (`attend_cache`; `decode_attention` adds RoPE and the cache write)
 - ``matvec``: every float32 / bf16 / f16 product, decode's on the rank's numba threads, prefill's on its
   team, each element in one order whatever the rows (rowdot's invariance note)
 - ``lowp``: bf16 / f16 / int8 / q4 weights, their decode matvecs (bf16's is matvec's) and prefill tiles
@@ -12,6 +13,7 @@
 - ``experts``: a MoE layer's chosen experts at decode in one call, each row alone in its product
 - ``bits``: float32 <-> bf16 / f16 bit patterns, shared with the wire codecs (rlx_mpi.wire)
 - ``rowdot``: the decode matvecs' dot products as LLVM vector IR (prefetch, 2-row tiles)
+- ``llvm_ir``: the LLVM-IR building blocks of rowdot's, quant's and q4gemm's intrinsics (target features, lane sums)
 - ``q4gemm``: prefill's q4 products (16 rows and more) on AVX-512 VNNI: int8 activations x 4-bit codes
 - ``blocks``: a prefill chunk's copies through a paged row's block table (gather before, scatter after)
 - ``_fresh``: drops the numba caches when any kernel source changed (numba keys each on its own file)
@@ -35,8 +37,8 @@ drop_stale(Path(__file__).parent)  # before any cached kernel loads (the note in
 
 from ._common import aligned, aligned_empty, set_threads
 
-from .attention import (_row_max, attend, attend_cache, attend_workspace_bytes, causal_softmax_, check_cache_rows,
-                        decode_attention)
+from .attention import _row_max, attend, attend_workspace_bytes, causal_softmax_
+from .attention_cache import attend_cache, check_cache_rows, decode_attention
 from .elementwise import _exp, rms_norm, rope, silu_mul_, swiglu
 from .lowp import (INT8_BLOCK, INT8_GROUPS, int8_block, matvec_rows, WEIGHT_FORMATS, check_weight, dequant_matmul, dequantize,
                    fused_matvec, from_bf16, int8_blocks, kernel_weight, quantize_int8, to_bf16)
@@ -75,7 +77,7 @@ def warm_up() -> None:
                          kv.copy(), kv.copy(), np.zeros(1, np.int64), np.full(1, 3), q_norm=norm, k_norm=norm)
         decode_attention(np.ones((1, 8), np.float32), 4, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32),
                          kv.copy(), kv.copy(), np.zeros(1, np.int64), np.full(1, 3), q_norm=norm, k_norm=norm,
-                         table=np.zeros((1, 3), np.int32), size=3)  # a paged cache (attention's paged-rows note)
+                         table=np.zeros((1, 3), np.int32), size=3)  # a paged cache (attention_cache's paged-rows note)
     pool, table, kv4 = np.zeros((1, 6, 2), np.float32), np.zeros((1, 2), np.int32), np.ones((1, 1, 2, 2), np.float32)
     scatter_blocks(pool, table, np.zeros(1, np.int64), 3, 1, np.full(1, 2), kv4)  # a paged prefill chunk
     gather_blocks(pool, table, np.zeros(1, np.int64), 3, 1, kv4)

@@ -1,10 +1,12 @@
 """Scaled dot-product attention (grouped-query, causal or windowed, soft-cap, sinks), each query in
-one fixed order (the invariance note), for a prefill chunk (`attend`: WIDE_ROWS queries at a time,
-the block note) and a decode step read in place from a KV cache (`attend_cache`, `decode_attention`).
+one fixed order (the invariance note): one query's arithmetic (`_attend_one`, its runs of a row's
+keys read in place shared with a paged row's) and a prefill chunk's (`attend`: WIDE_ROWS queries at a
+time, the block note). A decode step read in place from a KV cache is attention_cache.py's
+(`attend_cache`, `decode_attention`), on the same runs.
 
 A prefill's kv heads go to the rank's threads in parts (`run_parts`, the team note in
-_common.py); a small decode step's (row, kv head) pairs to numba's pool. `causal_softmax_` is a
-plain reference softmax for tests and benches, compiled on first use only.
+_common.py). `causal_softmax_` is a plain reference softmax for tests and benches, compiled on
+first use only.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from .blocks import _gather_run
-from ._common import ERR, FAST, check_f32, pool_threads, run_parts, team_size
-from .matvec import F32_MATVEC_ROWS, _main_cols, _tail, _tile_stub
-from .rowdot import _FLANES, TILE_W, WIDE_ROWS, _rows_of
+from ._common import ERR, check_f32, run_parts, team_size
+from .matvec import _main_cols, _tail, _tile_stub
+from .llvm_ir import FLANES, rows_of
+from .rowdot import TILE_W, WIDE_ROWS
 from .bits import as_f32, bits_of_f32
 from .elementwise import _exp
 
-__all__ = ["attend", "attend_cache", "decode_attention", "check_cache_rows", "attend_workspace_bytes", "causal_softmax_"]
+__all__ = ["attend", "attend_workspace_bytes", "causal_softmax_"]
 
 
 _TEAM_WORK = 16384  # queries x keys from which `attend` splits its kv heads over the rank's threads
@@ -44,27 +47,19 @@ def _row_max(row):  # max of a non-empty C-contiguous float32 row
     return as_f32(np.uint32(best ^ ((best >> np.int32(31)) & np.int32(0x7FFFFFFF))))
 
 
-# Note: decode. One query per head (T = 1) over a cache takes `attend_cache`: one numba pass
-# per (row, kv head) (split over the rank's numba threads for small steps: `_attend_kernel`) that scores the visible keys of all g query heads of the group while each
-# key row is in registers, takes the softmax and sums g value rows at once. No BLAS call, no
-# block bookkeeping, no temporary but one (g, S) score buffer, and the cache rows are read in
-# place by slot (no gather copy when the step's slots are not consecutive). The blocked path's
-# ~10 numpy/BLAS calls per layer cost more than a decode step's arithmetic. Keys are read from
-# the cache array itself: numba indexing a strided view of it kept the dot products scalar
-# (5-6x slower, measured).
-
-
 # Note: invariance. A query's attention has one arithmetic, `_attend_one`'s, whatever the step: a
 # decode row alone or beside others, on the calling thread or the pool, inside the fused decode
-# layer or not; a prefill query in a chunk of 16 or of 256, beside padded rows or not, run or score
-# or generate. Decode runs `_attend_one` itself; prefill runs `_attend_block`, the same operations
-# for WIDE_ROWS queries at once (the block note). Each score is rowdot's float tile over hs (one
-# order: the invariance note there), the softmax's sum and the value sums run over the keys in
-# position order, one float32 rounding at a time (no fast-math here, so LLVM cannot reorder them
-# whatever it inlines into), and the values are summed lane-wise over the head's width (independent
-# lanes: vectorised without reordering). Before, prefill took BLAS's blocked products and an online
-# softmax whose rounding depended on the chunk (its query blocks, the key block's length) and decode
-# a fast-math loop: a row's logits depended on the batch and the prefill chunk it shared.
+# layer or not, its cache a slot row or a paged row's blocks; a prefill query in a chunk of 16 or of
+# 256, beside padded rows or not, run or score or generate. Decode runs `_attend_one` itself (a paged
+# row the same runs of keys a block at a time: attention_cache.py); prefill runs `_attend_block`,
+# the same operations for WIDE_ROWS queries at once (the block note). Each score is rowdot's float
+# tile over hs (one order: the invariance note there), the softmax's sum and the value sums run
+# over the keys in position order, one float32 rounding at a time (no fast-math here, so LLVM
+# cannot reorder them whatever it inlines into), and the values are summed lane-wise over the
+# head's width (independent lanes: vectorised without reordering). Before, prefill took BLAS's
+# blocked products and an online softmax whose rounding depended on the chunk (its query blocks,
+# the key block's length) and decode a fast-math loop: a row's logits depended on the batch and the
+# prefill chunk it shared.
 #
 # Note: float32. `_attend_one` started its running max at ``-np.inf``, a float64: numba then typed
 # the peak, `_exp`'s argument, the softmax's sum and each p_j as float64, so the value sums were
@@ -121,351 +116,6 @@ def _softmax_row(srow, n, scale, softcap, sink):
     return np.float32(1.0) / total
 
 
-@numba.njit(cache=True, nogil=True, error_model=ERR)
-def _attend_one(q, i, keys, values, lo, hi, scale, softcap, sink, srow, y):
-    """One query: q[i] (q (n, hs) C-contiguous) over keys / values (L, hs) / (L, hv) rows lo..hi-1
-    into y (hv,); sink: the head's sink logit or NaN for none; srow (>= hi - lo,) scratch."""
-    hv = y.shape[0]
-    for d in range(hv):
-        y[d] = 0.0
-    if hi <= lo:  # nothing visible: zeros, as before
-        return
-    k = _main_cols(keys, keys.shape[1])
-    j = lo
-    while j + TILE_W <= hi:  # TILE_W keys a call: the tile's order for each (the invariance note)
-        s = _score_tile(keys, j, q, q, i, k, 0)  # (xb unused: float keys)
-        for t in range(TILE_W):
-            srow[j - lo + t] = s[t]
-        j += TILE_W
-    while j < hi:
-        srow[j - lo] = _score_tile1(keys, j, q, q, i, k, 0)[0]
-        j += 1
-    if k < keys.shape[1]:
-        for j in range(lo, hi):
-            srow[j - lo] += _score_tail(keys, j, q, i, k)
-    n = hi - lo
-    inv = _softmax_row(srow, n, scale, softcap, sink)
-    for j in range(n):
-        pj = srow[j] * inv
-        for d in range(hv):
-            y[d] += pj * values[lo + j, d]
-
-
-@numba.njit(cache=True, nogil=True, error_model=ERR)
-def _attend_group(q, keys, values, h0, lo, hi, scale, softcap, sinks, scores, y):
-    """One row's kv group: q (nh, hs) heads h0..h0+g-1 over keys/values (L, hs) columns lo..hi-1
-    into y (nh, hs); scores (g, >= hi - lo) is scratch; sinks (nh,) or empty: each head's sink
-    logit in its denominator (GPT-OSS)."""
-    g = scores.shape[0]
-    for i in range(g):
-        h = h0 + i
-        sink = sinks[h] if sinks.shape[0] > 0 else np.float32(np.nan)
-        _attend_one(q, h, keys, values, lo, hi, scale, softcap, sink, scores[i], y[h])
-
-
-@numba.njit(cache=True, error_model=ERR)
-def _attend_cache(q, ck, cv, slots, pos, window, scale, softcap, sinks, y):
-    """q (B, nh, hs) -> y (B, nh, hs) over ck, cv (slots, nkv, L, hs) rows ``slots``, keys
-    0..pos[b] (window > 0: pos[b] - window + 1..pos[b]); on the calling thread."""
-    B, nh, _ = q.shape
-    nkv = ck.shape[1]
-    scores = np.empty((nh // nkv, ck.shape[2]), np.float32)
-    for bk in range(B * nkv):
-        b, kh = bk // nkv, bk % nkv
-        lo = max(0, pos[b] - window + 1) if window > 0 else 0
-        hi = min(ck.shape[2], pos[b] + 1)
-        _attend_group(q[b], ck[slots[b], kh], cv[slots[b], kh], kh * (nh // nkv), lo, hi, scale, softcap, sinks,
-                      scores, y[b])
-
-
-@numba.njit(cache=True, parallel=True, error_model=ERR)
-def _attend_cache_par(q, ck, cv, slots, pos, window, scale, softcap, sinks, y):  # as _attend_cache, (row, kv head)
-    B, nh, _ = q.shape  # pairs split over the rank's numba threads
-    nkv = ck.shape[1]
-    for bk in numba.prange(B * nkv):
-        b, kh = bk // nkv, bk % nkv
-        lo = max(0, pos[b] - window + 1) if window > 0 else 0
-        hi = min(ck.shape[2], pos[b] + 1)
-        scores = np.empty((nh // nkv, max(hi - lo, 1)), np.float32)
-        _attend_group(q[b], ck[slots[b], kh], cv[slots[b], kh], kh * (nh // nkv), lo, hi, scale, softcap, sinks,
-                      scores, y[b])
-
-
-# Note: paged rows (`kv_cache` block-table note). A full-attention layer's cache may be a pool of
-# blocks, (1, nkv, blocks x size, hs) (4-D so that the fused decode layer takes either layout), and
-# a row's position p lives in pool column table[slot, p // size] * size + p % size. A decode query
-# reads its keys and values where they are, block by block through the table (`_attend_one_paged`):
-# the same rows of the same values in the same order as a slot row, so a row's numbers are bit for
-# bit those of the slot cache (the invariance note). Measured (bench/bench_prefix.py, 16 shared
-# prompts, 1 rank): 5.67x against the slot cache's --no-prefix-cache run, where gathering each
-# row's blocks into a contiguous scratch at every layer first gave 4.64x.
-
-
-@numba.njit(cache=True, nogil=True, error_model=ERR)
-def _attend_one_paged(q, i, keys, values, trow, size, hi, scale, softcap, sink, srow, y):
-    """`_attend_one` (lo = 0) over a paged row: position j's key and value are rows
-    trow[j // size] * size + j % size of keys / values (one kv head of the pool: (blocks x size,
-    hs) / (.., hv)). Each score, the softmax and the value sums are `_attend_one`'s operations in
-    its order, so the bits are the slot cache's (tests/test_paged.py); the keys are read where they
-    are, where a gather into a scratch row first copied every visible position of every row at
-    every layer (the paged-rows note)."""
-    hv = y.shape[0]
-    for d in range(hv):
-        y[d] = 0.0
-    if hi <= 0:
-        return
-    k = _main_cols(keys, keys.shape[1])
-    for blk in range((hi + size - 1) // size):
-        j0 = blk * size
-        n = min(size, hi - j0)
-        base = trow[blk] * size
-        t = 0
-        while t + TILE_W <= n:
-            s = _score_tile(keys, base + t, q, q, i, k, 0)
-            for u in range(TILE_W):
-                srow[j0 + t + u] = s[u]
-            t += TILE_W
-        while t < n:
-            srow[j0 + t] = _score_tile1(keys, base + t, q, q, i, k, 0)[0]
-            t += 1
-        if k < keys.shape[1]:
-            for t in range(n):
-                srow[j0 + t] += _score_tail(keys, base + t, q, i, k)
-    inv = _softmax_row(srow, hi, scale, softcap, sink)
-    for j in range(hi):
-        pj = srow[j] * inv
-        r = trow[j // size] * size + j % size
-        for d in range(hv):
-            y[d] += pj * values[r, d]
-
-
-@numba.njit(cache=True, nogil=True, error_model=ERR)
-def _attend_group_paged(q, keys, values, trow, size, h0, hi, scale, softcap, sinks, scores, y):
-    """`_attend_group` over a paged row (`_attend_one_paged`): q (nh, hs) heads h0..h0+g-1."""
-    g = scores.shape[0]
-    for i in range(g):
-        h = h0 + i
-        sink = sinks[h] if sinks.shape[0] > 0 else np.float32(np.nan)
-        _attend_one_paged(q, h, keys, values, trow, size, hi, scale, softcap, sink, scores[i], y[h])
-
-
-@numba.njit(cache=True, error_model=ERR)
-def _attend_paged(q, ck, cv, table, size, slots, pos, scale, softcap, sinks, y):
-    """As `_attend_cache` (no window) over a paged cache: row b's keys 0..pos[b] through the
-    block table (the paged-rows note); on the calling thread."""
-    B, nh, _ = q.shape
-    nkv = ck.shape[1]
-    S = 1
-    for b in range(B):
-        S = max(S, pos[b] + 1)
-    scores = np.empty((nh // nkv, S), np.float32)
-    for bk in range(B * nkv):
-        b, kh = bk // nkv, bk % nkv
-        _attend_group_paged(q[b], ck[0, kh], cv[0, kh], table[slots[b]], size, kh * (nh // nkv), pos[b] + 1, scale,
-                            softcap, sinks, scores, y[b])
-
-
-@numba.njit(cache=True, parallel=True, error_model=ERR)
-def _attend_paged_par(q, ck, cv, table, size, slots, pos, scale, softcap, sinks, y):  # as _attend_paged, (row,
-    B, nh, _ = q.shape  # kv head) pairs split over the rank's numba threads
-    nkv = ck.shape[1]
-    for bk in numba.prange(B * nkv):
-        b, kh = bk // nkv, bk % nkv
-        scores = np.empty((nh // nkv, pos[b] + 1), np.float32)
-        _attend_group_paged(q[b], ck[0, kh], cv[0, kh], table[slots[b]], size, kh * (nh // nkv), pos[b] + 1, scale,
-                            softcap, sinks, scores, y[b])
-
-
-def _attend_kernel(rows: int, nkv: int, paged: bool = False):
-    """The decode attention for a step of ``rows`` rows: on numba's pool when the rank has more
-    than one thread and the step is small enough that its projections ran there too (at most
-    F32_MATVEC_ROWS rows: the numba matvecs, no BLAS), else on the calling thread, since
-    numba's pool right after OpenBLAS's made kernels slower (the threads note in _common.py).
-    Measured at 2 threads, medium heads, quiet host: 1.5-1.75x faster at S 64-2048, B 1 and 8.
-    Note: a MIXED step (7 decode rows beside a 64-token chunk, medium f32, 2 threads) took 577
-    ms with its 7 rows' attention on the pool, 390 ms on the calling thread: the pool's spinning
-    workers slowed each OpenBLAS product that followed; ``rows`` is the step's token rows."""
-    par = pool_threads() > 1 and rows * nkv > 1 and rows <= F32_MATVEC_ROWS
-    if paged:
-        return _attend_paged_par if par else _attend_paged
-    return _attend_cache_par if par else _attend_cache
-
-
-@numba.njit(cache=True, error_model=ERR, fastmath=FAST)
-def _rope_row(x, c, sn, eps, norm, out):  # one head: out <- rope(rms_norm?(x)); norm empty: none
-    hs = x.shape[0]
-    half = hs // 2
-    normed = norm.shape[0] > 0
-    scale = np.float32(1.0)
-    if normed:  # Qwen3's per-head RMSNorm, as `_rms_norm` computes it, applied as rope reads x
-        acc = 0.0
-        for d in range(hs):
-            acc += np.float64(x[d]) * x[d]
-        scale = np.float32(1.0 / np.sqrt(acc / hs + eps))
-    for d in range(half):  # as `_rope`
-        a, b = x[d], x[d + half]
-        if normed:
-            a, b = norm[d] * (a * scale), norm[d + half] * (b * scale)
-        out[d] = a * c[d] + (-b) * sn[d]
-        out[d + half] = b * c[d + half] + a * sn[d + half]
-
-
-@numba.njit(cache=True, error_model=ERR)
-def _decode_qkv(qkv, q_dim, cos, sin, q_norm, k_norm, eps, ck, cv, slots, positions, q):
-    """Per row: rope (after the optional per-head norms) into q (B, nh, hs) and into the
-    cache's column positions % L of row slots[b], v as is."""
-    B = qkv.shape[0]
-    nh, hs = q.shape[1], q.shape[2]
-    nkv, L = ck.shape[1], ck.shape[2]
-    for b in range(B):
-        col, slot = positions[b] % L, slots[b]
-        for h in range(nh):
-            _rope_row(qkv[b, h * hs:(h + 1) * hs], cos[b], sin[b], eps, q_norm, q[b, h])
-        for kh in range(nkv):
-            k0 = q_dim + kh * hs
-            v0 = q_dim + (nkv + kh) * hs
-            _rope_row(qkv[b, k0:k0 + hs], cos[b], sin[b], eps, k_norm, ck[slot, kh, col])
-            cv[slot, kh, col, :] = qkv[b, v0:v0 + hs]
-
-
-@numba.njit(cache=True, error_model=ERR)
-def _decode_qkv_paged(qkv, q_dim, cos, sin, q_norm, k_norm, eps, ck, cv, table, size, slots, positions, q):
-    """As `_decode_qkv` into a paged cache (1, nkv, blocks x size, hs): row b's position p goes
-    to column table[slots[b], p // size] * size + p % size (the paged-rows note)."""
-    B = qkv.shape[0]
-    nh, hs = q.shape[1], q.shape[2]
-    nkv = ck.shape[1]
-    for b in range(B):
-        p = positions[b]
-        col = table[slots[b], p // size] * size + p % size
-        for h in range(nh):
-            _rope_row(qkv[b, h * hs:(h + 1) * hs], cos[b], sin[b], eps, q_norm, q[b, h])
-        for kh in range(nkv):
-            k0 = q_dim + kh * hs
-            v0 = q_dim + (nkv + kh) * hs
-            _rope_row(qkv[b, k0:k0 + hs], cos[b], sin[b], eps, k_norm, ck[0, kh, col])
-            cv[0, kh, col, :] = qkv[b, v0:v0 + hs]
-
-
-def check_cache_rows(slots, positions, rows: int, n_slots: int, where: str,
-                     max_positions: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """slots and positions as 1-D int64 arrays of ``rows`` entries, each slot in 0..n_slots-1 and
-    each position >= 0 (and < ``max_positions`` when given: a block table's reach); ValueError
-    naming ``where`` otherwise."""
-    slots, positions = np.asarray(slots, np.int64).reshape(-1), np.asarray(positions, np.int64).reshape(-1)
-    top = max_positions if max_positions is not None else np.iinfo(np.int64).max
-    if slots.shape != (rows,) or positions.shape != (rows,) or (rows and (
-            slots.min() < 0 or slots.max() >= n_slots or positions.min() < 0 or positions.max() >= top)):
-        raise ValueError(f"{where}: slots {slots.tolist()} must lie in 0..{n_slots - 1} and "
-                         f"positions {positions.tolist()} be >= 0" + (f" and < {top}" if max_positions is not None
-                                                                      else "") + f", one each per row ({rows})")
-    return slots, positions
-
-
-def decode_attention(qkv: np.ndarray, q_dim: int, cos: np.ndarray, sin: np.ndarray, cache_k: np.ndarray,
-                     cache_v: np.ndarray, slots: np.ndarray, positions: np.ndarray, *,
-                     q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None, eps: float = 1e-6,
-                     scale: float | None = None, softcap: float = 0.0, rows_checked: bool = False,
-                     step_rows: int | None = None, sinks: np.ndarray | None = None,
-                     table: np.ndarray | None = None, size: int = 0) -> np.ndarray:
-    """A decode step's attention from the fused q|k|v projection, in two numba passes.
-
-    qkv (B, q_dim + 2 * kv_dim): one new token per row (bias already added); cos, sin (B, hs) at
-    each row's position; cache_k, cache_v (slots, nkv, L, hs). Applies the optional per-head
-    RMSNorms (``q_norm``, ``k_norm`` (hs,), Qwen3) and RoPE to q and k, writes k and v into
-    column ``positions[b] % L`` of cache row ``slots[b]`` (a ring when L is a window: see
-    `kv_cache.decode_store`), then attends as `attend_cache` over columns 0..min(p, L - 1).
-    Returns y (B, nh * hs), o_proj's input. The same values as rope + `decode_store` +
-    `attend_cache` in numpy, without their ~25 array operations per layer. ``rows_checked``:
-    slots and positions are what `check_cache_rows` returned (a step checks them once, not per
-    layer: the reductions cost more than a small layer's attention). ``step_rows``: the token rows
-    the step's projections took (default B; more in a MIXED step, whose prefill chunk rides
-    along), which picks the attention's threads (`_attend_kernel`). ``sinks`` (nh,): as `attend`.
-    ``table`` (rows, max blocks) int32 and ``size``: a paged cache (the paged-rows note), cache_k and
-    cache_v (1, nkv, blocks x size, hs), ``slots`` the table's rows; full attention only.
-    """
-    check_f32("decode_attention qkv", qkv)
-    check_f32("decode_attention cache_k", cache_k)
-    check_f32("decode_attention cache_v", cache_v)
-    B, width = qkv.shape
-    nkv, L, hs = cache_k.shape[1:]
-    nh = q_dim // hs
-    if (cache_v.shape != cache_k.shape or q_dim % hs or width != q_dim + 2 * nkv * hs or nh % nkv
-            or cos.shape != (B, hs) or sin.shape != (B, hs)):
-        raise ValueError(f"decode_attention: qkv {qkv.shape} (q_dim {q_dim}), cache {cache_k.shape} / "
-                         f"{cache_v.shape} and cos/sin {cos.shape} / {sin.shape} do not fit")
-    if table is not None:
-        _check_table(table, size, cache_k, "decode_attention")
-    if not rows_checked:
-        slots, positions = check_cache_rows(slots, positions, B, cache_k.shape[0] if table is None else table.shape[0],
-                                            "decode_attention", None if table is None else table.shape[1] * size)
-    none = np.empty(0, np.float32)
-    q = np.empty((B, nh, hs), np.float32)
-    cos, sin = np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
-    q_norm, k_norm = none if q_norm is None else q_norm, none if k_norm is None else k_norm
-    y = np.empty((B, nh, hs), np.float32)
-    scale, softcap = np.float32(hs ** -0.5 if scale is None else scale), np.float32(softcap)
-    rows = B if step_rows is None else step_rows
-    if table is not None:
-        _decode_qkv_paged(qkv, q_dim, cos, sin, q_norm, k_norm, np.float32(eps), cache_k, cache_v, table, size, slots,
-                          positions, q)
-        _attend_kernel(rows, nkv, True)(q, cache_k, cache_v, table, size, slots, positions, scale, softcap,
-                                        _sinks(sinks, nh, "decode_attention"), y)
-        return y.reshape(B, nh * hs)
-    _decode_qkv(qkv, q_dim, cos, sin, q_norm, k_norm, np.float32(eps), cache_k, cache_v, slots, positions, q)
-    _attend_kernel(rows, nkv)(q, cache_k, cache_v, slots, np.minimum(positions, L - 1), 0, scale, softcap,
-                              _sinks(sinks, nh, "decode_attention"), y)
-    return y.reshape(B, nh * hs)
-
-
-def _check_table(table: np.ndarray, size: int, cache_k: np.ndarray, where: str) -> None:
-    """A block table as the paged kernels take it: (rows, max blocks) int32 C-contiguous, ids in the pool."""
-    if (not isinstance(table, np.ndarray) or table.dtype != np.int32 or table.ndim != 2 or not table.flags.c_contiguous
-            or size < 1 or cache_k.shape[0] != 1 or cache_k.shape[2] % size
-            or (table.size and (table.min() < 0 or table.max() >= cache_k.shape[2] // size))):
-        raise ValueError(f"{where}: a block table must be (rows, blocks) int32 C-contiguous with ids in "
-                         f"0..{cache_k.shape[2] // max(size, 1) - 1} of a pool (1, nkv, blocks x {size}, hs); got "
-                         f"{getattr(table, 'dtype', type(table))} {getattr(table, 'shape', '')}, pool {cache_k.shape}")
-
-
-def attend_cache(q: np.ndarray, cache_k: np.ndarray, cache_v: np.ndarray, slots: np.ndarray,
-                 q_pos: np.ndarray, window: int = 0, *, scale: float | None = None,
-                 softcap: float = 0.0, sinks: np.ndarray | None = None, table: np.ndarray | None = None,
-                 size: int = 0) -> np.ndarray:
-    """One decode step's attention, read in place from a KV cache (see the decode note).
-
-    q (B, nh, 1, hs): one query per head of each row; cache_k, cache_v (slots, nkv, L, hs)
-    C-contiguous float32; row b reads cache row ``slots[b]``, keys 0..q_pos[b] (with
-    ``window > 0`` only the last ``window`` of them). ``scale`` and ``softcap`` as `attend`.
-    Returns y (B, 1, nh, hs) float32 C-contiguous, as `attend` does for T = 1. ``table`` and
-    ``size``: a paged cache, as `decode_attention` takes it (no window).
-    """
-    B, nh, T, hs = q.shape
-    if T != 1 or cache_k.ndim != 4 or cache_v.shape != cache_k.shape or cache_k.shape[3] != hs \
-            or nh % cache_k.shape[1]:
-        raise ValueError(f"attend_cache: q {q.shape}, cache {cache_k.shape} / {cache_v.shape} do not fit "
-                         "(B, nh, 1, hs) / (slots, nkv, L, hs) with nh a multiple of nkv")
-    check_f32("attend_cache cache_k", cache_k)
-    check_f32("attend_cache cache_v", cache_v)
-    y = np.empty((B, 1, nh, hs), np.float32)
-    if table is not None:
-        _check_table(table, size, cache_k, "attend_cache")
-        if window > 0:
-            raise ValueError("attend_cache: a paged cache holds full-attention layers only (window 0)")
-        slots, pos = check_cache_rows(slots, q_pos, B, table.shape[0], "attend_cache", table.shape[1] * size)
-        _attend_kernel(B, cache_k.shape[1], True)(
-            np.ascontiguousarray(q, dtype=np.float32).reshape(B, nh, hs), cache_k, cache_v, table, size, slots, pos,
-            np.float32(hs ** -0.5 if scale is None else scale), np.float32(softcap), _sinks(sinks, nh, "attend_cache"),
-            y.reshape(B, nh, hs))
-        return y
-    slots, pos = check_cache_rows(slots, q_pos, B, cache_k.shape[0], "attend_cache")
-    kernel = _attend_kernel(B, cache_k.shape[1])
-    kernel(np.ascontiguousarray(q, dtype=np.float32).reshape(B, nh, hs), cache_k, cache_v, slots, pos,
-           int(max(window, 0)), np.float32(hs ** -0.5 if scale is None else scale), np.float32(softcap),
-           _sinks(sinks, nh, "attend_cache"), y.reshape(B, nh, hs))
-    return y
-
-
 _score_tile = _tile_stub(1, TILE_W)  # TILE_W keys against one query: a query's scores (the invariance note)
 _score_tile1 = _tile_stub(1, 1)
 
@@ -475,18 +125,61 @@ def _score_tail(keys, j, q, i, k0):  # keys[j, k0:] . q[i, k0:], one column at a
     return _tail(keys, j, q, q, i, k0)
 
 
+@numba.njit(cache=True, nogil=True, error_model=ERR, inline="always")
+def _score_run(keys, r0, n, q, i, k, srow, s0):
+    """srow[s0 + t] <- q[i] . keys[r0 + t] for t < n: a run of a row's keys read in place, TILE_W a
+    call (the tile's order for each: the invariance note), then the columns past k."""
+    t = 0
+    while t + TILE_W <= n:
+        s = _score_tile(keys, r0 + t, q, q, i, k, 0)  # (xb unused: float keys)
+        for u in range(TILE_W):
+            srow[s0 + t + u] = s[u]
+        t += TILE_W
+    while t < n:
+        srow[s0 + t] = _score_tile1(keys, r0 + t, q, q, i, k, 0)[0]
+        t += 1
+    if k < keys.shape[1]:
+        for t in range(n):
+            srow[s0 + t] += _score_tail(keys, r0 + t, q, i, k)
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR, inline="always")
+def _value_run(srow, s0, inv, values, r0, n, y):
+    """y += (srow[s0 + t] * inv) * values[r0 + t] for t < n in order: a multiply then an add per
+    element (no fused multiply-add, no reordering: the invariance note)."""
+    for t in range(n):
+        pj = srow[s0 + t] * inv
+        for d in range(y.shape[0]):
+            y[d] += pj * values[r0 + t, d]
+
+
+@numba.njit(cache=True, nogil=True, error_model=ERR)
+def _attend_one(q, i, keys, values, lo, hi, scale, softcap, sink, srow, y):
+    """One query: q[i] (q (n, hs) C-contiguous) over keys / values (L, hs) / (L, hv) rows lo..hi-1
+    into y (hv,); sink: the head's sink logit or NaN for none; srow (>= hi - lo,) scratch. A paged
+    row's query (attention_cache's `_attend_one_paged`) takes the same runs, a block at a time."""
+    for d in range(y.shape[0]):
+        y[d] = 0.0
+    if hi <= lo:  # nothing visible: zeros, as before
+        return
+    k = _main_cols(keys, keys.shape[1])
+    _score_run(keys, lo, hi - lo, q, i, k, srow, 0)
+    inv = _softmax_row(srow, hi - lo, scale, softcap, sink)
+    _value_run(srow, 0, inv, values, lo, hi - lo, y)
+
+
 # -- prefill: WIDE_ROWS queries of a head at once, each query the bits of `_attend_one` ----------
 
 _QB = WIDE_ROWS  # consecutive queries of one head per block (the block note)
 _score_block = _tile_stub(_QB, TILE_W, 2)  # _QB queries x TILE_W keys: the tile's order for each score
 _score_block1 = _tile_stub(_QB, 1, 2)
-_VVEC = 4 if _FLANES == 16 else 3  # value vectors a key per pass: _QB x _VVEC accumulators in registers
+_VVEC = 4 if FLANES == 16 else 3  # value vectors a key per pass: _QB x _VVEC accumulators in registers
 
 
 def _make_value_sums(rows: int, nvec: int):
     @intrinsic
     def value_sums(typingctx, p, c0, n, values, j0, d0, acc):
-        """acc[r, d0:d0 + nvec * _FLANES] += p[r, c0 + c] * values[j0 + c, d0:...] for c = 0..n-1 in
+        """acc[r, d0:d0 + nvec * FLANES] += p[r, c0 + c] * values[j0 + c, d0:...] for c = 0..n-1 in
         order, r < rows, each term a multiply then an add (as `_attend_one`'s value loop: no fused
         multiply-add, no reordering), the accumulators in registers across the keys. p, values and
         acc float32 2-D C-contiguous; the caller keeps every index in bounds (none checked here)."""
@@ -498,31 +191,31 @@ def _make_value_sums(rows: int, nvec: int):
         def codegen(context, builder, signature, args):
             pt, c0t, nt, vt, j0t, d0t, at = signature.args
             p_, c0_, n_, v_, j0_, d0_, a_ = args
-            intp, row, c0_, j0_ = _rows_of(context, builder, c0_, c0t, j0_, j0t)
+            intp, row, c0_, j0_ = rows_of(context, builder, c0_, c0t, j0_, j0t)
             n_, d0_ = context.cast(builder, n_, nt, types.intp), context.cast(builder, d0_, d0t, types.intp)
-            f = ir.VectorType(ir.FloatType(), _FLANES)
+            f = ir.VectorType(ir.FloatType(), FLANES)
             pps = [builder.gep(row(pt, p_, intp(r)), [c0_]) for r in range(rows)]
             aps = [builder.gep(row(at, a_, intp(r)), [d0_]) for r in range(rows)]
             accs = [[cgutils.alloca_once_value(builder, builder.load(
-                builder.bitcast(builder.gep(aps[r], [intp(u * _FLANES)]), f.as_pointer()), align=4))
+                builder.bitcast(builder.gep(aps[r], [intp(u * FLANES)]), f.as_pointer()), align=4))
                 for u in range(nvec)] for r in range(rows)]
             with cgutils.for_range(builder, n_) as loop:
                 c = loop.index
                 vp = builder.gep(row(vt, v_, builder.add(j0_, c)), [d0_])
-                vvs = [builder.load(builder.bitcast(builder.gep(vp, [intp(u * _FLANES)]), f.as_pointer()), align=4)
+                vvs = [builder.load(builder.bitcast(builder.gep(vp, [intp(u * FLANES)]), f.as_pointer()), align=4)
                        for u in range(nvec)]
                 for r in range(rows):
                     pj = builder.load(builder.gep(pps[r], [c]))
                     pb = builder.insert_element(ir.Constant(f, ir.Undefined), pj, ir.Constant(ir.IntType(32), 0))
-                    pb = builder.shuffle_vector(pb, pb, ir.Constant(ir.VectorType(ir.IntType(32), _FLANES),
-                                                                    [0] * _FLANES))
+                    pb = builder.shuffle_vector(pb, pb, ir.Constant(ir.VectorType(ir.IntType(32), FLANES),
+                                                                    [0] * FLANES))
                     for u in range(nvec):
                         a = accs[r][u]
                         builder.store(builder.fadd(builder.load(a), builder.fmul(pb, vvs[u])), a)  # (no flags)
             for r in range(rows):
                 for u in range(nvec):
                     builder.store(builder.load(accs[r][u]),
-                                  builder.bitcast(builder.gep(aps[r], [intp(u * _FLANES)]), f.as_pointer()), align=4)
+                                  builder.bitcast(builder.gep(aps[r], [intp(u * FLANES)]), f.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -547,7 +240,7 @@ def _sums_block(typingctx, p, c0, n, tot):
     def codegen(context, builder, signature, args):
         pt, c0t, nt, tt = signature.args
         p_, c0_, n_, t_ = args
-        intp, row, c0_, _ = _rows_of(context, builder, c0_, c0t, c0_, c0t)
+        intp, row, c0_, _ = rows_of(context, builder, c0_, c0t, c0_, c0t)
         n_ = context.cast(builder, n_, nt, types.intp)
         tarr = context.make_array(tt)(context, builder, t_)
         tps = [cgutils.get_item_pointer(context, builder, tt, tarr, [intp(r)], wraparound=False) for r in range(_QB)]
@@ -662,14 +355,14 @@ def _attend_block(q, t0, keys, values, lo, hi, scale, softcap, sink, sc, acc, pe
         return
     for r in range(_QB):  # the keys before the shared ones, then those, then the keys after
         _values_one(sc, r, lo[r] - a0, values, lo[r], m0, 0, acc)
-    wide = _VVEC * _FLANES
+    wide = _VVEC * FLANES
     d = 0
     while d + wide <= hv:
         _values_block(sc, m0 - a0, m1 - m0, values, m0, d, acc)
         d += wide
-    while d + _FLANES <= hv:
+    while d + FLANES <= hv:
         _values_block1(sc, m0 - a0, m1 - m0, values, m0, d, acc)
-        d += _FLANES
+        d += FLANES
     if d < hv:
         for r in range(_QB):
             _values_one(sc, r, m0 - a0, values, m0, m1, d, acc)
@@ -721,7 +414,7 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray | None
     attention sinks: softmax over [scores, sink], the sink's share dropped). v may be narrower or
     wider than q and k (B, nkv, S, hv): y is then (B, T, nh, hv) (MLA's value heads).
 
-    ``before`` = (pool_k, pool_v, table, slots, size, start): paged rows (the paged-rows note), whose
+    ``before`` = (pool_k, pool_v, table, slots, size, start): paged rows (attention_cache's paged-rows note), whose
     positions 0..start-1 are in the pools (nkv, blocks x size, hs / hv) through table[slots[b]]
     (int32), and k, v hold positions start.. only (S = start + their length). Each (row, kv head)
     is gathered into a scratch of the thread where it is attended (`blocks`: the same keys in the
@@ -854,4 +547,3 @@ def causal_softmax_(scores: np.ndarray, offset: int = 0) -> np.ndarray:
         raise ValueError("causal_softmax_: scores is read-only; pass a writable array")
     _causal_softmax(scores.reshape(-1, scores.shape[-2], scores.shape[-1]), offset)
     return scores
-

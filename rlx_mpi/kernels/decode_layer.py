@@ -32,8 +32,8 @@ from numba.core import types
 from numba.extending import overload
 
 from ._common import ERR
-from .attention import (_NO_SINKS, _attend_cache, _attend_cache_par, _attend_paged, _attend_paged_par, _decode_qkv,
-                        _decode_qkv_paged)
+from .attention import _NO_SINKS
+from .attention_cache import _NO_TABLE, _attend_cache, _attend_cache_par, _decode_qkv
 from .elementwise import _rms_norm, _swiglu
 from .lowp import _matvec_int8
 from .matvec import _matvec_float
@@ -75,19 +75,12 @@ def _decode_layer(h, ln1, ln2, eps, wqkv, sqkv, bqkv, q_dim, cos, sin, q_norm, k
                 qkv[b, j] += bqkv[j]
     q = np.empty((B, nh, hs), np.float32)
     y = np.empty((B, nh, hs), np.float32)
-    if table.shape[0] > 0:  # a paged cache (attention's paged-rows note)
-        _decode_qkv_paged(qkv, q_dim, cos, sin, q_norm, k_norm, eps, ck, cv, table, size, slots, pos, q)
-        if threads > 1 and B * nkv > 1:
-            _attend_paged_par(q, ck, cv, table, size, slots, pos, scale, softcap, _NO_SINKS, y)
-        else:
-            _attend_paged(q, ck, cv, table, size, slots, pos, scale, softcap, _NO_SINKS, y)
+    _decode_qkv(qkv, q_dim, cos, sin, q_norm, k_norm, eps, ck, cv, table, size, slots, pos, q)
+    last = pos if table.shape[0] > 0 else np.minimum(pos, L - 1)  # (slot rows: a ring's columns)
+    if threads > 1 and B * nkv > 1:  # as attention_cache._attend_kernel (rows here are few: the pool's side)
+        _attend_cache_par(q, ck, cv, table, size, slots, last, 0, scale, softcap, _NO_SINKS, y)
     else:
-        _decode_qkv(qkv, q_dim, cos, sin, q_norm, k_norm, eps, ck, cv, slots, pos, q)
-        last = np.minimum(pos, L - 1)
-        if threads > 1 and B * nkv > 1:  # as attention._attend_kernel (rows here are few: the pool's side)
-            _attend_cache_par(q, ck, cv, slots, last, 0, scale, softcap, _NO_SINKS, y)
-        else:
-            _attend_cache(q, ck, cv, slots, last, 0, scale, softcap, _NO_SINKS, y)
+        _attend_cache(q, ck, cv, table, size, slots, last, 0, scale, softcap, _NO_SINKS, y)
     a = np.empty((B, C), np.float32)
     _matvec(y.reshape(B, nh * hs), wo, so, a, min(C, 4 * threads))
     for b in range(B):  # a = h + o(...), as model._add_to
@@ -104,9 +97,6 @@ def _decode_layer(h, ln1, ln2, eps, wqkv, sqkv, bqkv, q_dim, cos, sin, q_norm, k
             out[b, j] += a[b, j]
 
 
-_NO_TABLE = np.zeros((0, 0), np.int32)  # slot rows (`_decode_layer`)
-
-
 def decode_layer(h: np.ndarray, ln1: np.ndarray, ln2: np.ndarray, eps: float, qkv, qkv_scale, qkv_bias, q_dim: int,
                  cos: np.ndarray, sin: np.ndarray, q_norm, k_norm, cache_k: np.ndarray, cache_v: np.ndarray,
                  slots: np.ndarray, positions: np.ndarray, scale: float, softcap: float, o, o_scale, gate_up,
@@ -118,7 +108,7 @@ def decode_layer(h: np.ndarray, ln1: np.ndarray, ln2: np.ndarray, eps: float, qk
     C-contiguous; each weight checked at load (`lowp.check_weight`; float32 for f32, its scale
     None; f16 bits viewed as int16: `lowp.kernel_weight`) and all of one format; slots and positions from `check_cache_rows` (int64, in range);
     ``scale`` the attention's score scale; ``threads`` the pool's (`pool_threads`). ``table`` and
-    ``size``: a paged cache, checked by the caller (`attention.decode_attention` takes the same)."""
+    ``size``: a paged cache, checked by the caller (`attention_cache.decode_attention` takes the same)."""
     none = np.empty(0, np.float32)
     nosc = np.empty((0, 0), np.float32)
     out = np.empty_like(h)

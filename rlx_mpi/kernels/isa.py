@@ -12,7 +12,7 @@ refuses AMX, an AVX2-only host or a bad RLX_MPI_ARITHMETIC. `host_flags()` and
 Note: levels. ``avx512`` is x86-64-v4's set (AVX512 F, BW, CD, DQ, VL, with AVX2 and FMA below
 it), ``avx2`` x86-64-v3's vector part (AVX2, FMA), ``amx`` ``avx512`` plus AMX-TILE, AMX-BF16 and
 AMX-INT8 and the kernel's permission for the tile data (below). The float kernels decide their
-width by rowdot's `_target_has("avx512f")` (the host's LLVM features, or NUMBA_CPU_NAME /
+width by llvm_ir's `target_has("avx512f")` (the host's LLVM features, or NUMBA_CPU_NAME /
 NUMBA_CPU_FEATURES), so a CPU with AVX512F but not BW (Knights Landing, none in service) would
 be called ``avx2`` here while those kernels take 16 lanes.
 

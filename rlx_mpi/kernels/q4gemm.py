@@ -75,11 +75,11 @@ from numba.extending import intrinsic, overload
 from ._common import ERR, check_f32, pool_threads, run_parts
 from .bits import f16_exact
 from .quant import GROUP, _matvec_q4 as _matvec_q4_lanes, check_q4
-from .rowdot import _I32, _idx, _prefetch, _target_has
+from .llvm_ir import I32, idx, prefetch_line, target_has
 
 __all__ = ["matvec_q4", "fused_matvec_q4", "gemm_q4", "fused_gemm_q4", "Q4_GEMM", "Q4_GEMM_ROWS", "TILE_M", "LANES"]
 
-Q4_GEMM = _target_has("avx512vnni") and _target_has("avx512bw")  # 512-bit vpdpbusd
+Q4_GEMM = target_has("avx512vnni") and target_has("avx512bw")  # 512-bit vpdpbusd
 LANES = 16  # weight rows per block: a zmm of int32 / float32 lanes
 TILE_M = 12  # activation rows per tile: 12 int32 and 12 float32 accumulators of AVX-512's 32 registers
 Q4_GEMM_ROWS = 16  # from this many rows a q4 product runs here (fewer: quant.py's decode kernel)
@@ -120,7 +120,7 @@ def _make_tile(rows: int):
             sbase = row(st, sdm_, intp(0))
             xps = [row(xt, xq_, builder.add(m_, intp(i))) for i in range(rows)]
             xsps = [row(xst, xs_, builder.add(m_, intp(i))) for i in range(rows)]
-            v64, i16 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(_I32, LANES)
+            v64, i16 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(I32, LANES)
             f16 = ir.VectorType(ir.FloatType(), LANES)
             dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16, [i16, v64, v64]),
                                                 "llvm.x86.avx512.vpdpbusd.512")
@@ -129,15 +129,15 @@ def _make_tile(rows: int):
             accs = [cgutils.alloca_once_value(builder, ir.Constant(f16, [0.0] * LANES)) for _ in range(rows)]
             low = ir.Constant(v64, [15] * 64)
             four = ir.Constant(v64, [4] * 64)
-            splat16 = _idx([0] * LANES)
+            splat16 = idx([0] * LANES)
 
             def bcast_i32(ptr):  # four int8 at ptr in every lane, as 64 bytes
-                v = builder.load(builder.bitcast(ptr, _I32.as_pointer()), align=1)
-                v = builder.insert_element(ir.Constant(i16, ir.Undefined), v, ir.Constant(_I32, 0))
+                v = builder.load(builder.bitcast(ptr, I32.as_pointer()), align=1)
+                v = builder.insert_element(ir.Constant(i16, ir.Undefined), v, ir.Constant(I32, 0))
                 return builder.bitcast(builder.shuffle_vector(v, v, splat16), v64)
 
             def bcast_f32(ptr):
-                v = builder.insert_element(ir.Constant(f16, ir.Undefined), builder.load(ptr), ir.Constant(_I32, 0))
+                v = builder.insert_element(ir.Constant(f16, ir.Undefined), builder.load(ptr), ir.Constant(I32, 0))
                 return builder.shuffle_vector(v, v, splat16)
 
             with cgutils.for_range(builder, groups) as loop:
@@ -185,7 +185,7 @@ def _shuffle_to(builder, a, b, la, lb, want):
     """The vector holding labels ``want`` (in that lane order) from vectors a, b labelled la, lb."""
     where = {lab: i for i, lab in enumerate(la)}
     where.update({lab: len(la) + i for i, lab in enumerate(lb)})
-    return builder.shuffle_vector(a, b, _idx([where[w] for w in want]))
+    return builder.shuffle_vector(a, b, idx([where[w] for w in want]))
 
 
 def _pair_add(builder, a, b, la, lb, want):
@@ -235,7 +235,7 @@ def _direct(typingctx, w, sm, xq, xs, n0, m0, tout, ahead, pbuf):
         sa = context.make_array(st)(context, builder, sm_)
         sahead = builder.mul(builder.extract_value(sa.strides, 0), intp(LANES))  # the next block's pairs
         steps = builder.udiv(builder.extract_value(sa.shape, 1), intp(8))  # 4 groups a step
-        v64, i16 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(_I32, LANES)
+        v64, i16 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(I32, LANES)
         f16, f8 = ir.VectorType(ir.FloatType(), LANES), ir.VectorType(ir.FloatType(), 8)
         dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16, [i16, v64, v64]),
                                             "llvm.x86.avx512.vpdpbusd.512")
@@ -243,10 +243,10 @@ def _direct(typingctx, w, sm, xq, xs, n0, m0, tout, ahead, pbuf):
         zero_i = ir.Constant(i16, [0] * LANES)
         acc = cgutils.alloca_once_value(builder, ir.Constant(f16, [0.0] * LANES))
         low, four = ir.Constant(v64, [15] * 64), ir.Constant(v64, [4] * 64)
-        splat16 = _idx([0] * LANES)
+        splat16 = idx([0] * LANES)
 
         def bcast_f32(ptr):
-            v = builder.insert_element(ir.Constant(f16, ir.Undefined), builder.load(ptr), ir.Constant(_I32, 0))
+            v = builder.insert_element(ir.Constant(f16, ir.Undefined), builder.load(ptr), ir.Constant(I32, 0))
             return builder.shuffle_vector(v, v, splat16)
 
         pb = context.make_array(signature.args[8])(context, builder, args[8])
@@ -257,15 +257,15 @@ def _direct(typingctx, w, sm, xq, xs, n0, m0, tout, ahead, pbuf):
             with cgutils.for_range(builder, steps) as loop:
                 q = loop.index
                 boff = builder.mul(q, intp(64))
-                _prefetch(builder, wrow, builder.add(boff, a_), 2)
+                prefetch_line(builder, wrow, builder.add(boff, a_), 2)
                 cv = builder.load(builder.bitcast(builder.gep(wrow, [boff]), v64.as_pointer()), align=1)
                 # the activations: dword 2k of the 4 groups' 128 bytes pairs with lane k's low nibbles, 2k+1 high
                 xoff = builder.mul(q, intp(128))
                 xa = builder.load(builder.bitcast(builder.gep(xp, [xoff]), i16.as_pointer()), align=1)
                 xb = builder.load(builder.bitcast(builder.gep(xp, [builder.add(xoff, intp(64))]), i16.as_pointer()),
                                   align=1)
-                xlo = builder.bitcast(builder.shuffle_vector(xa, xb, _idx(range(0, 32, 2))), v64)
-                xhi = builder.bitcast(builder.shuffle_vector(xa, xb, _idx(range(1, 32, 2))), v64)
+                xlo = builder.bitcast(builder.shuffle_vector(xa, xb, idx(range(0, 32, 2))), v64)
+                xhi = builder.bitcast(builder.shuffle_vector(xa, xb, idx(range(1, 32, 2))), v64)
                 # lanes (group, dword): its 4 even columns' codes, then its 4 odd columns'
                 pv = builder.call(dp, [builder.call(dp, [zero_i, builder.and_(cv, low), xlo]),
                                        builder.lshr(cv, four), xhi])
@@ -297,14 +297,14 @@ def _direct(typingctx, w, sm, xq, xs, n0, m0, tout, ahead, pbuf):
             soff = builder.mul(q, intp(8))
             sv = []
             for l in range(LANES):
-                _prefetch(builder, builder.bitcast(builder.gep(sps[l], [soff]), i8p), sahead)
+                prefetch_line(builder, builder.bitcast(builder.gep(sps[l], [soff]), i8p), sahead)
                 if half:
                     h = builder.load(builder.bitcast(builder.gep(sps[l], [soff]), ir.VectorType(ir.HalfType(), 8)
                                                      .as_pointer()), align=2)
                     sv.append(builder.fpext(h, f8))
                 else:
                     sv.append(builder.load(builder.bitcast(builder.gep(sps[l], [soff]), f8.as_pointer()), align=4))
-            cur = [builder.shuffle_vector(sv[2 * a], sv[2 * a + 1], _idx(range(16))) for a in range(8)]
+            cur = [builder.shuffle_vector(sv[2 * a], sv[2 * a + 1], idx(range(16))) for a in range(8)]
             cl = [[(2 * a + t_ // 8, t_ % 8) for t_ in range(16)] for a in range(8)]
             for bit, pairs in ((4, [(a, a + 4) for a in range(4)]), (2, [(a, a + 2) for a in (0, 1, 4, 5)]),
                                (1, [(a, a + 1) for a in (0, 2, 4, 6)])):
@@ -404,12 +404,12 @@ def _transpose16(typingctx, src, n0, j0, dst, ahead):
 
         n_, j_ = context.cast(builder, n_, nt, types.intp), context.cast(builder, j_, jt, types.intp)
         sa, da = context.make_array(st)(context, builder, s_), context.make_array(dt)(context, builder, d_)
-        i32x16 = ir.VectorType(_I32, LANES)
+        i32x16 = ir.VectorType(I32, LANES)
         skip = builder.mul(context.cast(builder, a_, at, types.intp), builder.extract_value(sa.strides, 0))
         rows = []
         for l in range(LANES):
             p = cgutils.get_item_pointer(context, builder, st, sa, [builder.add(n_, intp(l)), j_], wraparound=False)
-            _prefetch(builder, builder.bitcast(p, ir.IntType(8).as_pointer()), skip)
+            prefetch_line(builder, builder.bitcast(p, ir.IntType(8).as_pointer()), skip)
             if st.dtype == types.uint16:  # float16 bits: widened to float32 on load (vcvtph2ps)
                 h = builder.load(builder.bitcast(p, ir.VectorType(ir.HalfType(), LANES).as_pointer()), align=2)
                 v = builder.bitcast(builder.fpext(h, ir.VectorType(ir.FloatType(), LANES)), i32x16)
@@ -422,8 +422,8 @@ def _transpose16(typingctx, src, n0, j0, dst, ahead):
                 if i & h:
                     continue
                 a, b = rows[i], rows[i + h]
-                rows[i] = builder.shuffle_vector(a, b, _idx([c if not c & h else LANES + c - h for c in range(LANES)]))
-                rows[i + h] = builder.shuffle_vector(a, b, _idx([c + h if not c & h else LANES + c for c in range(LANES)]))
+                rows[i] = builder.shuffle_vector(a, b, idx([c if not c & h else LANES + c - h for c in range(LANES)]))
+                rows[i + h] = builder.shuffle_vector(a, b, idx([c + h if not c & h else LANES + c for c in range(LANES)]))
             h //= 2
         for j in range(LANES):
             p = cgutils.get_item_pointer(context, builder, dt, da, [builder.add(j_, intp(j)), intp(0)], wraparound=False)

@@ -70,16 +70,15 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from ._common import ERR, FAST, check_f32, pool_threads
-from .rowdot import AHEAD_BYTES, ROWS, _hsum, _idx, _prefetch, _rows_of, _target_has
+from .llvm_ir import FAST_FLAGS, I32, hsum, idx, prefetch_line, rows_of, target_has
+from .rowdot import AHEAD_BYTES, ROWS
 
 __all__ = ["GROUP", "VNNI", "PAIRS", "check_q4", "q4_groups", "quantize_q4", "dequantize_q4", "pairs_f32",
            "q4_nbytes"]
 
 GROUP = 32  # weights per scale and minimum (the contract's G)
-VNNI = _target_has("avx512vnni") and _target_has("avx512vl")  # vpdpbusd on 256-bit vectors
-PAIRS = VNNI and _target_has("avx512bw")  # two groups a step in 512-bit vectors (the pairs note)
-_I32 = ir.IntType(32)
-_FAST = ("reassoc", "contract")
+VNNI = target_has("avx512vnni") and target_has("avx512vl")  # vpdpbusd on 256-bit vectors
+PAIRS = VNNI and target_has("avx512bw")  # two groups a step in 512-bit vectors (the pairs note)
 
 
 def q4_groups(k: int) -> int:
@@ -263,13 +262,13 @@ def _make_q4(rows: int):
         def codegen(context, builder, signature, args):
             wt, nt, xt, rt, smt, xst, ft, gt, at = signature.args
             w_, n_, x_, r_, sm_, xs_, f_, g_, a_ = args
-            intp, row, n_, r_ = _rows_of(context, builder, n_, nt, r_, rt)
+            intp, row, n_, r_ = rows_of(context, builder, n_, nt, r_, rt)
             a_ = context.cast(builder, a_, at, types.intp)
             wp, smp = row(wt, w_, n_), row(smt, sm_, n_)
             xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
             xsps = [row(xst, xs_, builder.add(r_, intp(i))) for i in range(rows)]
             v16, v32 = ir.VectorType(ir.IntType(8), 16), ir.VectorType(ir.IntType(8), 32)
-            i8x8, f8 = ir.VectorType(_I32, 8), ir.VectorType(ir.FloatType(), 8)
+            i8x8, f8 = ir.VectorType(I32, 8), ir.VectorType(ir.FloatType(), 8)
             accs = [cgutils.alloca_once_value(builder, ir.Constant(f8, [0.0] * 8)) for _ in range(rows)]
             maccs = [cgutils.alloca_once_value(builder, ir.Constant(ir.FloatType(), 0.0)) for _ in range(rows)]
             if VNNI:
@@ -280,11 +279,11 @@ def _make_q4(rows: int):
             with cgutils.for_range(builder, ng) as loop:
                 g = builder.add(loop.index, first_)
                 base = builder.mul(g, intp(16))  # a group's 32 codes are 16 bytes
-                _prefetch(builder, wp, builder.add(base, a_))
+                prefetch_line(builder, wp, builder.add(base, a_))
                 cv = builder.load(builder.bitcast(builder.gep(wp, [base]), v16.as_pointer()), align=1)
                 lo = builder.and_(cv, ir.Constant(v16, [15] * 16))
                 hi = builder.lshr(cv, ir.Constant(v16, [4] * 16))
-                codes = builder.shuffle_vector(lo, hi, _idx(range(32)))  # even columns' codes, then odd ones'
+                codes = builder.shuffle_vector(lo, hi, idx(range(32)))  # even columns' codes, then odd ones'
                 two = builder.mul(g, intp(2))
                 if half:
                     pair = builder.load(builder.bitcast(builder.gep(smp, [two]),
@@ -293,32 +292,32 @@ def _make_q4(rows: int):
                 else:
                     pair = builder.load(builder.bitcast(builder.gep(smp, [two]),
                                                         ir.VectorType(ir.FloatType(), 2).as_pointer()), align=4)
-                s = builder.extract_element(pair, ir.Constant(_I32, 0))
-                m = builder.extract_element(pair, ir.Constant(_I32, 1))
+                s = builder.extract_element(pair, ir.Constant(I32, 0))
+                m = builder.extract_element(pair, ir.Constant(I32, 1))
                 if not VNNI:
-                    c32 = builder.zext(codes, ir.VectorType(_I32, 32))
+                    c32 = builder.zext(codes, ir.VectorType(I32, 32))
                 for i in range(rows):
                     xoff = builder.mul(g, intp(32))
                     xv = builder.load(builder.bitcast(builder.gep(xps[i], [xoff]), v32.as_pointer()), align=1)
                     if VNNI:  # unsigned codes x signed activations, summed by fours into 8 int32 lanes
                         isum = builder.call(dp, [ir.Constant(i8x8, [0] * 8), codes, xv])
                     else:  # the same sums, generic: products in int32, pairs added twice (vpmaddwd on AVX2)
-                        p = builder.mul(c32, builder.sext(xv, ir.VectorType(_I32, 32)))
-                        p = builder.add(builder.shuffle_vector(p, p, _idx(range(0, 32, 2))),
-                                        builder.shuffle_vector(p, p, _idx(range(1, 32, 2))))
-                        isum = builder.add(builder.shuffle_vector(p, p, _idx(range(0, 16, 2))),
-                                           builder.shuffle_vector(p, p, _idx(range(1, 16, 2))))
+                        p = builder.mul(c32, builder.sext(xv, ir.VectorType(I32, 32)))
+                        p = builder.add(builder.shuffle_vector(p, p, idx(range(0, 32, 2))),
+                                        builder.shuffle_vector(p, p, idx(range(1, 32, 2))))
+                        isum = builder.add(builder.shuffle_vector(p, p, idx(range(0, 16, 2))),
+                                           builder.shuffle_vector(p, p, idx(range(1, 16, 2))))
                     d = builder.load(builder.gep(xsps[i], [two]))
                     xsum = builder.load(builder.gep(xsps[i], [builder.add(two, intp(1))]))
-                    f = builder.fmul(s, d, flags=_FAST)
-                    fv = builder.insert_element(ir.Constant(f8, ir.Undefined), f, ir.Constant(_I32, 0))
-                    fv = builder.shuffle_vector(fv, fv, _idx([0] * 8))
-                    acc = builder.fadd(builder.load(accs[i]), builder.fmul(builder.sitofp(isum, f8), fv, flags=_FAST),
-                                       flags=_FAST)
+                    f = builder.fmul(s, d, flags=FAST_FLAGS)
+                    fv = builder.insert_element(ir.Constant(f8, ir.Undefined), f, ir.Constant(I32, 0))
+                    fv = builder.shuffle_vector(fv, fv, idx([0] * 8))
+                    acc = builder.fadd(builder.load(accs[i]), builder.fmul(builder.sitofp(isum, f8), fv, flags=FAST_FLAGS),
+                                       flags=FAST_FLAGS)
                     builder.store(acc, accs[i])
-                    builder.store(builder.fadd(builder.load(maccs[i]), builder.fmul(m, xsum, flags=_FAST), flags=_FAST),
+                    builder.store(builder.fadd(builder.load(maccs[i]), builder.fmul(m, xsum, flags=FAST_FLAGS), flags=FAST_FLAGS),
                                   maccs[i])
-            sums = [builder.fadd(_hsum(builder, builder.load(a), 8), builder.load(ma), flags=_FAST)
+            sums = [builder.fadd(hsum(builder, builder.load(a), 8), builder.load(ma), flags=FAST_FLAGS)
                     for a, ma in zip(accs, maccs)]
             return context.make_tuple(builder, signature.return_type, sums)
 
@@ -344,26 +343,26 @@ def _make_q4_pairs(rows: int):
         def codegen(context, builder, signature, args):
             wt, nt, xt, rt, smt, xst, pt, at = signature.args
             w_, n_, x_, r_, sm_, xs_, p_, a_ = args
-            intp, row, n_, r_ = _rows_of(context, builder, n_, nt, r_, rt)
+            intp, row, n_, r_ = rows_of(context, builder, n_, nt, r_, rt)
             a_ = context.cast(builder, a_, at, types.intp)
             wp, smp = row(wt, w_, n_), row(smt, sm_, n_)
             xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
             xsps = [row(xst, xs_, builder.add(r_, intp(i))) for i in range(rows)]
             v32, v64 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(8), 64)
-            i16, f16, f4 = ir.VectorType(_I32, 16), ir.VectorType(ir.FloatType(), 16), ir.VectorType(ir.FloatType(), 4)
+            i16, f16, f4 = ir.VectorType(I32, 16), ir.VectorType(ir.FloatType(), 16), ir.VectorType(ir.FloatType(), 4)
             accs = [cgutils.alloca_once_value(builder, ir.Constant(f16, [0.0] * 16)) for _ in range(rows)]
             maccs = [cgutils.alloca_once_value(builder, ir.Constant(f4, [0.0] * 4)) for _ in range(rows)]
             dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16, [i16, v64, v64]),
                                                 "llvm.x86.avx512.vpdpbusd.512")
-            spread = _idx([0] * 4 + [2] * 4 + [0] * 4 + [2] * 4)  # lanes' groups: g, g+1 even columns, g, g+1 odd
+            spread = idx([0] * 4 + [2] * 4 + [0] * 4 + [2] * 4)  # lanes' groups: g, g+1 even columns, g, g+1 odd
             with cgutils.for_range(builder, context.cast(builder, p_, pt, types.intp)) as loop:
                 p = loop.index
                 base = builder.mul(p, intp(32))  # two groups' codes: 32 bytes
-                _prefetch(builder, wp, builder.add(base, a_))
+                prefetch_line(builder, wp, builder.add(base, a_))
                 cv = builder.load(builder.bitcast(builder.gep(wp, [base]), v32.as_pointer()), align=1)
                 lo = builder.and_(cv, ir.Constant(v32, [15] * 32))
                 hi = builder.lshr(cv, ir.Constant(v32, [4] * 32))
-                codes = builder.shuffle_vector(lo, hi, _idx(range(64)))  # both groups' even columns, then odd
+                codes = builder.shuffle_vector(lo, hi, idx(range(64)))  # both groups' even columns, then odd
                 four = builder.mul(p, intp(4))
                 if half:
                     pairs = builder.load(builder.bitcast(builder.gep(smp, [four]),
@@ -376,18 +375,18 @@ def _make_q4_pairs(rows: int):
                                                       v64.as_pointer()), align=1)
                     isum = builder.call(dp, [ir.Constant(i16, [0] * 16), codes, xv])
                     xs4 = builder.load(builder.bitcast(builder.gep(xsps[i], [four]), f4.as_pointer()), align=4)
-                    prod = builder.fmul(pairs, xs4, flags=_FAST)  # s0 d0, m0 sum0, s1 d1, m1 sum1
+                    prod = builder.fmul(pairs, xs4, flags=FAST_FLAGS)  # s0 d0, m0 sum0, s1 d1, m1 sum1
                     scale = builder.shuffle_vector(prod, prod, spread)
-                    acc = builder.fadd(builder.load(accs[i]), builder.fmul(builder.sitofp(isum, f16), scale, flags=_FAST),
-                                       flags=_FAST)
+                    acc = builder.fadd(builder.load(accs[i]), builder.fmul(builder.sitofp(isum, f16), scale, flags=FAST_FLAGS),
+                                       flags=FAST_FLAGS)
                     builder.store(acc, accs[i])
-                    builder.store(builder.fadd(builder.load(maccs[i]), prod, flags=_FAST), maccs[i])
+                    builder.store(builder.fadd(builder.load(maccs[i]), prod, flags=FAST_FLAGS), maccs[i])
             sums = []
             for a, ma in zip(accs, maccs):
                 m = builder.load(ma)
-                mins = builder.fadd(builder.extract_element(m, ir.Constant(_I32, 1)),
-                                    builder.extract_element(m, ir.Constant(_I32, 3)), flags=_FAST)
-                sums.append(builder.fadd(_hsum(builder, builder.load(a), 16), mins, flags=_FAST))
+                mins = builder.fadd(builder.extract_element(m, ir.Constant(I32, 1)),
+                                    builder.extract_element(m, ir.Constant(I32, 3)), flags=FAST_FLAGS)
+                sums.append(builder.fadd(hsum(builder, builder.load(a), 16), mins, flags=FAST_FLAGS))
             return context.make_tuple(builder, signature.return_type, sums)
 
         return sig, codegen

@@ -54,7 +54,7 @@ medium decode step's matrices, 789 MB, f32): 1 thread 1.13x at 8 rows, 1.09x at 
 prefetch note).
 
 Note: the vector width. The float dot products were written for AVX2 (8-lane vectors, 16
-registers). Where numba compiles for AVX-512 (`_target_has("avx512f")`) they take 16-lane vectors
+registers). Where numba compiles for AVX-512 (`target_has("avx512f")`) they take 16-lane vectors
 and 32 columns a step (STEP), and prefetch each 64-byte line of a step; elsewhere nothing
 changed. Measured on a 2-core Xeon VM with AVX-512 (medium, whole decode step, `ab_decode.py`
 against 8 lanes, 5-7 rounds): f32 batch 4 1.00-1.01x, 8 1.04x, 16 1.07-1.09x, 32 1.09-1.10x, 64
@@ -66,7 +66,7 @@ the same runs: f32 batch 4-8 0.98-1.04x, 16 1.05x, 32 1.07-1.10x, 64 1.05x; bf16
 16 1.02-1.03x, 32 1.06x.
 
 Note: the prefetch. Every step of a dot product also asks for the weights ``ahead`` elements
-further on (`_prefetch`, LLVM's ``llvm.prefetch``: a hint, never a fault); the callers pass
+further on (`llvm_ir.prefetch_line`, LLVM's ``llvm.prefetch``: a hint, never a fault); the callers pass
 AHEAD_BYTES' worth for a weight row's first group of activation rows and 0 (the line already
 being read) for the others. Timed with the weights in DRAM, a few-row matvec took the time of
 its reads plus the time of its arithmetic, as if the two never overlapped (1 thread, 8 rows,
@@ -113,8 +113,8 @@ activations in registers, 154-179 laid out beforehand: 1.38-1.48x at 128 rows, 0
 Note: invariance (issue 36, docs/invariance.md). A row's product must not depend on the rows
 beside it, the row count's path or the threads. Every float tile (`FLOAT_TILES`, `WIDE_TILES`,
 `BF16_TILES`; any rows x weight rows) computes each element the same way: one accumulator of
-_FLANES lanes (bf16 x bf16: 16), a fused multiply-add per step in column order (``llvm.fma``: not
-left to contraction), the lanes summed by one tree (`_reduce_lanes`, without fast-math flags, so
+FLANES lanes (bf16 x bf16: 16), a fused multiply-add per step in column order (``llvm.fma``: not
+left to contraction), the lanes summed by one tree (`reduce_lanes`, without fast-math flags, so
 LLVM keeps it as written), the columns past the last step added one at a time after
 (matvec.py's `_tail`). Which tile takes an element, which thread's chunk it falls in, and whether
 it is decode's matvec or prefill's `matmul_float` then changes nothing. Before, a lone row took
@@ -159,65 +159,19 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from .llvm_ir import FLANES, I32, fma, idx, prefetch_line, reduce_lanes, reduce_vectors, rows_of, splat, target_has
+
 INT8_BLOCK = 64  # weights per scale (lowp.INT8_BLOCK re-exports this one)
 _LANES = 16  # int16 products per vector step: one 256-bit vpmaddwd
 _HALF = _LANES // 2  # int32 / float32 accumulator lanes
-_FAST = ("reassoc", "contract")
-_I32 = ir.IntType(32)
-
-
-def _idx(values) -> ir.Constant:
-    return ir.Constant(ir.VectorType(_I32, len(values)), list(values))
-
-
-def _hsum(builder, v, width: int):  # <width x float> -> float, pairwise
-    while width > 1:
-        width //= 2
-        lo = builder.shuffle_vector(v, v, _idx(range(width)))
-        hi = builder.shuffle_vector(v, v, _idx(range(width, 2 * width)))
-        v = builder.fadd(lo, hi, flags=_FAST)
-    return builder.extract_element(v, ir.Constant(_I32, 0))
-
-
 AHEAD_BYTES = 16384  # how far past the weights being read row_dots asks for the next ones (the prefetch note)
-
-
-def _prefetch(builder, ptr, index, locality: int = 3) -> None:
-    """Ask for the cache line holding ptr[index] (a read; ``locality`` 3: kept in every level,
-    2: from L2 on, ``prefetcht1``): a hint that never faults, so an index past the array's end is
-    harmless."""
-    i8p = ir.IntType(8).as_pointer()
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
-                                        "llvm.prefetch.p0i8")
-    builder.call(fn, [builder.bitcast(builder.gep(ptr, [index]), i8p), ir.Constant(_I32, 0), ir.Constant(_I32, locality),
-                      ir.Constant(_I32, 1)])
-
-
-def _rows_of(context, builder, n, n_type, r, r_type):
-    """What both kinds of intrinsic start with: an intp constant maker, ``row(array type, array,
-    i)`` -> a pointer to ``array[i, 0]``, and the weight row n and first activation row r as intp."""
-    def intp(v):
-        return context.get_constant(types.intp, v)
-
-    def row(aty, a, i):
-        arr = context.make_array(aty)(context, builder, a)
-        return cgutils.get_item_pointer(context, builder, aty, arr, [i, intp(0)], wraparound=False)
-
-    return intp, row, context.cast(builder, n, n_type, types.intp), context.cast(builder, r, r_type, types.intp)
 
 
 def _int_lanes(block: int) -> int:
     """int32 (and float32) lanes of the int8 products' accumulators for blocks of ``block``
     weights: 16 where numba compiles for AVX512BW (one 512-bit ``vpmaddwd`` of 32 int16), else 8,
     never more than half a block (the int8 tile note)."""
-    return min(16 if _target_has("avx512bw") else _HALF, block // 2)
-
-
-def _splat(builder, value, lanes: int):
-    """<lanes x float> holding ``value`` in every lane."""
-    t = ir.VectorType(value.type, lanes)
-    v = builder.insert_element(ir.Constant(t, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, v, _idx([0] * lanes))
+    return min(16 if target_has("avx512bw") else _HALF, block // 2)
 
 
 def _make(rows: int, block: int = INT8_BLOCK, wrows: int = 1):
@@ -233,7 +187,7 @@ def _make(rows: int, block: int = INT8_BLOCK, wrows: int = 1):
         def codegen(context, builder, signature, args):
             wt, nt, xt, rt, wst, xst, bt, at = signature.args
             w_, n_, x_, r_, ws_, xs_, b_, a_ = args
-            intp, row, n_, r_ = _rows_of(context, builder, n_, nt, r_, rt)
+            intp, row, n_, r_ = rows_of(context, builder, n_, nt, r_, rt)
             a_ = context.cast(builder, a_, at, types.intp)
             half = _int_lanes(block)  # int32 / float32 lanes; 2 * half int16 products a step
             lanes = 2 * half
@@ -242,11 +196,11 @@ def _make(rows: int, block: int = INT8_BLOCK, wrows: int = 1):
             xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
             xsps = [row(xst, xs_, builder.add(r_, intp(i))) for i in range(rows)]
             vi8, vi16 = ir.VectorType(ir.IntType(8), lanes), ir.VectorType(ir.IntType(16), lanes)
-            vi32, hi32 = ir.VectorType(_I32, lanes), ir.VectorType(_I32, half)
+            vi32, hi32 = ir.VectorType(I32, lanes), ir.VectorType(I32, half)
             hf32 = ir.VectorType(ir.FloatType(), half)
-            even, odd = _idx(range(0, lanes, 2)), _idx(range(1, lanes, 2))
+            even, odd = idx(range(0, lanes, 2)), idx(range(1, lanes, 2))
             dpw = None
-            if half == 16 and _target_has("avx512vnni"):  # vpdpwssd: int16 pairs summed into int32, no saturation
+            if half == 16 and target_has("avx512vnni"):  # vpdpwssd: int16 pairs summed into int32, no saturation
                 dpw = cgutils.get_or_insert_function(builder.module, ir.FunctionType(hi32, [hi32, vi16, vi16]),
                                                      "llvm.x86.avx512.vpdpwssd.512")
                 madd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(hi32, [vi16, vi16]),
@@ -258,7 +212,7 @@ def _make(rows: int, block: int = INT8_BLOCK, wrows: int = 1):
                 b = loop.index
                 base = builder.mul(b, intp(block))
                 for wp in wps:
-                    _prefetch(builder, wp, builder.add(base, a_))  # a block is one 64-byte line (or less)
+                    prefetch_line(builder, wp, builder.add(base, a_))  # a block is one 64-byte line (or less)
                 isums = [[ir.Constant(hi32, [0] * half)] * rows for _ in range(wrows)]
                 for j in range(block // lanes):
                     off = builder.add(base, intp(j * lanes))
@@ -275,13 +229,13 @@ def _make(rows: int, block: int = INT8_BLOCK, wrows: int = 1):
                             p = builder.mul(wvs[m], x32)
                             pair = builder.add(builder.shuffle_vector(p, p, even), builder.shuffle_vector(p, p, odd))
                             isums[m][i] = builder.add(isums[m][i], pair)
-                xsvs = [_splat(builder, builder.load(builder.gep(xsps[i], [b])), half) for i in range(rows)]
+                xsvs = [splat(builder, builder.load(builder.gep(xsps[i], [b])), half) for i in range(rows)]
                 for m in range(wrows):
-                    wsv = _splat(builder, builder.load(builder.gep(wsps[m], [b])), half)
+                    wsv = splat(builder, builder.load(builder.gep(wsps[m], [b])), half)
                     for i in range(rows):
                         f = builder.fmul(builder.sitofp(isums[m][i], hf32), xsvs[i])  # (the int8 tile note)
-                        builder.store(_fma(builder, f, wsv, builder.load(accs[m][i])), accs[m][i])  # (the invariance note)
-            sums = _reduce_lanes(builder, [builder.load(accs[m][i]) for m in range(wrows) for i in range(rows)], half)
+                        builder.store(fma(builder, f, wsv, builder.load(accs[m][i])), accs[m][i])  # (the invariance note)
+            sums = reduce_lanes(builder, [builder.load(accs[m][i]) for m in range(wrows) for i in range(rows)], half)
             return context.make_tuple(builder, signature.return_type, sums)
 
         return sig, codegen
@@ -300,61 +254,7 @@ I8_TILE_W = 3  # weight rows of prefill's int8 tile (ROWS x I8_TILE_W; the int8 
 row_tile_i8, row_tile_i8_32 = _make(ROWS, INT8_BLOCK, I8_TILE_W), _make(ROWS, 32, I8_TILE_W)
 
 
-def _target_has(feature: str) -> bool:
-    """Whether numba compiles for a CPU with ``feature`` (an LLVM feature name): the host's
-    features, unless NUMBA_CPU_NAME / NUMBA_CPU_FEATURES name another target."""
-    from llvmlite import binding
-    from numba.core import config
-
-    if config.CPU_FEATURES is not None:
-        return f"+{feature}" in config.CPU_FEATURES.split(",")
-    if config.CPU_NAME not in (None, "host"):
-        return False
-    return bool(binding.get_host_cpu_features().get(feature))
-
-
-_FLANES = 16 if _target_has("avx512f") else 8  # float32 lanes of row_dots' vectors: a zmm or a ymm
-STEP = 2 * _FLANES  # float32 columns per step of row_dots: two vectors
-
-
-def _fma(builder, a, b, c):
-    """a * b + c rounded once (``llvm.fma``): the same bits on every path, where contraction of an
-    fmul and an fadd is the optimiser's choice (the invariance note)."""
-    t = a.type
-    name = f"llvm.fma.v{t.count}f32" if isinstance(t, ir.VectorType) else "llvm.fma.f32"
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(t, [t, t, t]), name)
-    return builder.call(fn, [a, b, c])
-
-
-def _reduce_vectors(builder, vectors: list, lanes: int) -> list:
-    """The lane sums of ``vectors`` (each <lanes x float>), every one by `_hsum`'s tree (lane i
-    with i + lanes/2, then i + lanes/4, ...), taken for many vectors at once: each level pairs two
-    vectors' halves into one vector (2 shuffles and 1 add per pair), so 16 sums cost 45 operations,
-    not 16 x 12. Returns ceil(len / lanes) vectors: the sum of input m in lane m % lanes of
-    vector m // lanes."""
-    f = ir.VectorType(ir.FloatType(), lanes)
-    vs, n = list(vectors), len(vectors)
-    group = lanes  # lanes per vector of the list that still belong to one input
-    while group > 1:
-        if len(vs) % 2:
-            vs.append(ir.Constant(f, [0.0] * lanes))
-        half = group // 2
-        lo_idx = [b + i for b in range(0, lanes, group) for i in range(half)]
-        hi_idx = [b + half + i for b in range(0, lanes, group) for i in range(half)]
-        nxt = []
-        for a, b in zip(vs[0::2], vs[1::2]):
-            lo = builder.shuffle_vector(a, b, _idx(lo_idx + [lanes + i for i in lo_idx]))
-            hi = builder.shuffle_vector(a, b, _idx(hi_idx + [lanes + i for i in hi_idx]))
-            nxt.append(builder.fadd(lo, hi))  # (no fast-math flags: this tree, as written)
-        vs, group = nxt, half
-    # vs[m] lane l holds input m * lanes + l (each level keeps pairs in order)
-    return vs
-
-
-def _reduce_lanes(builder, vectors: list, lanes: int) -> list:
-    """The lane sums of ``vectors`` (`_reduce_vectors`), one float per vector, in order."""
-    vs = _reduce_vectors(builder, vectors, lanes)
-    return [builder.extract_element(vs[i // lanes], ir.Constant(_I32, i % lanes)) for i in range(len(vectors))]
+STEP = 2 * FLANES  # float32 columns per step of row_dots: two vectors
 
 
 def _float_tile_types(w, x) -> bool:
@@ -376,7 +276,7 @@ def _tile_rows(context, builder, signature, args, rows: int, wrows: int):
     to the wrows weight rows from n and the rows activation rows from r0."""
     wt, nt, xt, rt = signature.args[:4]
     w_, n_, x_, r_ = args[:4]
-    intp, row, n_, r_ = _rows_of(context, builder, n_, nt, r_, rt)
+    intp, row, n_, r_ = rows_of(context, builder, n_, nt, r_, rt)
     wps = [row(wt, w_, builder.add(n_, intp(j))) for j in range(wrows)]
     xps = [row(xt, x_, builder.add(r_, intp(i))) for i in range(rows)]
     return intp, row, wps, xps
@@ -384,37 +284,37 @@ def _tile_rows(context, builder, signature, args, rows: int, wrows: int):
 
 def _float_steps(builder, intp, wdtype, wps, xps, accs, k0, k1, ahead, prefetch: bool) -> None:
     """The float tiles' loop over columns k0 .. k1 (both multiples of STEP): each step two vectors
-    of _FLANES columns, each weight vector widened once and fused-multiply-added into the
+    of FLANES columns, each weight vector widened once and fused-multiply-added into the
     accumulator of every (weight row, activation row) in column order (the invariance note).
-    ``accs[j][i]`` are allocas of <_FLANES x float>; with ``prefetch`` every step also asks for
+    ``accs[j][i]`` are allocas of <FLANES x float>; with ``prefetch`` every step also asks for
     the weights ``ahead`` elements further on (the prefetch note)."""
     bf16, f16 = wdtype == types.uint16, wdtype == types.int16
-    f8 = ir.VectorType(ir.FloatType(), _FLANES)
-    w8 = ir.VectorType(ir.IntType(16), _FLANES) if bf16 or f16 else f8
+    f8 = ir.VectorType(ir.FloatType(), FLANES)
+    w8 = ir.VectorType(ir.IntType(16), FLANES) if bf16 or f16 else f8
     steps = builder.sdiv(builder.sub(k1, k0), intp(STEP))
     with cgutils.for_range(builder, steps) as loop:
         base = builder.add(k0, builder.mul(loop.index, intp(STEP)))
-        for wp in wps if prefetch else ():  # a step is 2 * _FLANES weights of each row: 64 or 128 bytes
+        for wp in wps if prefetch else ():  # a step is 2 * FLANES weights of each row: 64 or 128 bytes
             for line in range(0, STEP, 16 if wdtype == types.float32 else 32):  # (f32), 32 or 64 (16-bit): each line
-                _prefetch(builder, wp, builder.add(base, builder.add(ahead, intp(line))))
+                prefetch_line(builder, wp, builder.add(base, builder.add(ahead, intp(line))))
         for u in range(2):
-            off = builder.add(base, intp(u * _FLANES))
+            off = builder.add(base, intp(u * FLANES))
             wvs = []
             for wp in wps:
                 wv = builder.load(builder.bitcast(builder.gep(wp, [off]), w8.as_pointer()),
                                   align=2 if bf16 or f16 else 4)
                 if bf16:  # the float32 with these top 16 bits: exact
-                    wide = builder.zext(wv, ir.VectorType(_I32, _FLANES))
-                    wide = builder.shl(wide, ir.Constant(ir.VectorType(_I32, _FLANES), [16] * _FLANES))
+                    wide = builder.zext(wv, ir.VectorType(I32, FLANES))
+                    wide = builder.shl(wide, ir.Constant(ir.VectorType(I32, FLANES), [16] * FLANES))
                     wv = builder.bitcast(wide, f8)
                 elif f16:  # IEEE half -> float32, exact for every pattern (x86: one vcvtph2ps, F16C)
-                    wv = builder.fpext(builder.bitcast(wv, ir.VectorType(ir.HalfType(), _FLANES)), f8)
+                    wv = builder.fpext(builder.bitcast(wv, ir.VectorType(ir.HalfType(), FLANES)), f8)
                 wvs.append(wv)
             for i, xp in enumerate(xps):
                 xv = builder.load(builder.bitcast(builder.gep(xp, [off]), f8.as_pointer()), align=4)
                 for j, wv in enumerate(wvs):
                     a = accs[j][i]
-                    builder.store(_fma(builder, wv, xv, builder.load(a)), a)
+                    builder.store(fma(builder, wv, xv, builder.load(a)), a)
 
 
 def _make_float(rows: int, wrows: int = 1, prefetch: bool = True):
@@ -428,14 +328,14 @@ def _make_float(rows: int, wrows: int = 1, prefetch: bool = True):
             intp, _, wps, xps = _tile_rows(context, builder, signature, args, rows, wrows)
             k_ = context.cast(builder, args[4], signature.args[4], types.intp)
             a_ = context.cast(builder, args[5], signature.args[5], types.intp)
-            f8 = ir.VectorType(ir.FloatType(), _FLANES)
+            f8 = ir.VectorType(ir.FloatType(), FLANES)
             # one accumulator per (weight row, activation row): the order of every element is the
             # same whatever the tile (the invariance note)
-            accs = [[cgutils.alloca_once_value(builder, ir.Constant(f8, [0.0] * _FLANES)) for _ in range(rows)]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(f8, [0.0] * FLANES)) for _ in range(rows)]
                     for _ in range(wrows)]
             _float_steps(builder, intp, signature.args[0].dtype, wps, xps, accs, intp(0), k_, a_, prefetch)
-            sums = _reduce_lanes(builder, [builder.load(accs[j][i]) for j in range(wrows) for i in range(rows)],
-                                 _FLANES)
+            sums = reduce_lanes(builder, [builder.load(accs[j][i]) for j in range(wrows) for i in range(rows)],
+                                 FLANES)
             return context.make_tuple(builder, signature.return_type, sums)
 
         return sig, codegen
@@ -443,12 +343,12 @@ def _make_float(rows: int, wrows: int = 1, prefetch: bool = True):
     return row_dots
 
 
-TILE_W = 4 if _FLANES == 16 else 3  # weight rows per tile: four where AVX-512's 32 registers hold 16 accumulators
+TILE_W = 4 if FLANES == 16 else 3  # weight rows per tile: four where AVX-512's 32 registers hold 16 accumulators
 # The float products' tiles: FLOAT_TILES[(rows, wrows)] takes weight rows n..n+wrows-1 against activation
 # rows r0..r0+rows-1, ``sums[j * rows + i]`` (the tile note); rows ROWS or 1, wrows 1..TILE_W. Each
 # element of every one is the same chain of fused multiply-adds and the same lane tree.
 FLOAT_TILES = {(r, w): _make_float(r, w) for r in (1, ROWS) for w in range(1, 5)}  # (4 on AVX2 too: compiled, never taken)
-WIDE_ROWS = 6 if _FLANES == 16 else 3  # prefill's tile: 6 x 4 accumulators of AVX-512's 32 registers (3 x 3 of AVX2's 16)
+WIDE_ROWS = 6 if FLANES == 16 else 3  # prefill's tile: 6 x 4 accumulators of AVX-512's 32 registers (3 x 3 of AVX2's 16)
 # (the first group of a weight block prefetches the weights from memory; the others read them from cache)
 WIDE_TILES = {(p, w): _make_float(WIDE_ROWS, w, prefetch=p) for p in (True, False) for w in range(1, 5)}
 
@@ -459,7 +359,7 @@ WIDE_TILES = {(p, w): _make_float(WIDE_ROWS, w, prefetch=p) for p in (True, Fals
 # The bf16 x bf16 products of every row (the bf16 dot and bf16 FMA notes), on CPUs with AVX512-BF16:
 # where llama.cpp's bf16 rounds the activations too. The steps are float32 FMAs (any AVX-512 CPU could
 # take them); other CPUs keep the widening path, float32 activations.
-BF16_DOT = _target_has("avx512bf16")
+BF16_DOT = target_has("avx512bf16")
 DP_STEP = 32  # bf16 columns per step of the bf16 tiles: 16 lanes of bf16 pairs
 
 
@@ -469,7 +369,7 @@ def _dp_steps(builder, intp, wps, xps, accs, k0, k1, ahead, prefetch: bool) -> N
     multiply-adds per (weight row, activation row) into the 16 float32 lanes of ``accs[j][i]``
     (allocas; the bf16 FMA note); with ``prefetch`` each weight row's line ``ahead`` elements
     further on is asked for (the prefetch note)."""
-    i32 = ir.VectorType(_I32, 16)
+    i32 = ir.VectorType(I32, 16)
     f16 = ir.VectorType(ir.FloatType(), 16)
     high = ir.Constant(i32, [-65536] * 16)  # 0xFFFF0000: the odd column's bf16, as a float32
     sixteen = ir.Constant(i32, [16] * 16)
@@ -483,14 +383,14 @@ def _dp_steps(builder, intp, wps, xps, accs, k0, k1, ahead, prefetch: bool) -> N
         wvs = []
         for wp in wps:  # a step is one 64-byte line of each weight row
             if prefetch:
-                _prefetch(builder, wp, builder.add(off, ahead))
+                prefetch_line(builder, wp, builder.add(off, ahead))
             wvs.append(halves(builder.load(builder.bitcast(builder.gep(wp, [off]), i32.as_pointer()), align=2)))
         for i, xp in enumerate(xps):  # the activations: a step's 16 odd columns, then its 16 even ones
             xo = builder.load(builder.bitcast(builder.gep(xp, [off]), f16.as_pointer()), align=4)
             xe = builder.load(builder.bitcast(builder.gep(xp, [builder.add(off, intp(16))]), f16.as_pointer()), align=4)
             for j, (wo, we) in enumerate(wvs):
                 a = accs[j][i]
-                builder.store(_fma(builder, we, xe, _fma(builder, wo, xo, builder.load(a))), a)
+                builder.store(fma(builder, we, xe, fma(builder, wo, xo, builder.load(a))), a)
 
 
 def _make_bf16(rows: int, wrows: int):
@@ -510,7 +410,7 @@ def _make_bf16(rows: int, wrows: int):
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(f16, [0.0] * 16)) for _ in range(rows)]
                     for _ in range(wrows)]
             _dp_steps(builder, intp, wps, xps, accs, intp(0), k_, a_, True)
-            sums = _reduce_lanes(builder, [builder.load(accs[j][i]) for j in range(wrows) for i in range(rows)], 16)
+            sums = reduce_lanes(builder, [builder.load(accs[j][i]) for j in range(wrows) for i in range(rows)], 16)
             return context.make_tuple(builder, signature.return_type, sums)
 
         return sig, codegen
@@ -538,9 +438,9 @@ def _panel_steps(builder, intp, wdtype, wps, xps, accs, k0, k1, a_, dp: bool) ->
 
 
 def _panel_sums(context, builder, intp, accs, aty, arr, lanes: int) -> None:
-    """Reduce a panel's accumulators (`_reduce_vectors`) and store the vectors as they are into
+    """Reduce a panel's accumulators (`reduce_vectors`) and store the vectors as they are into
     the 1-D float32 array ``arr`` (of type ``aty``): sum j * rows + i at that index."""
-    vecs = _reduce_vectors(builder, [builder.load(a) for row_accs in accs for a in row_accs], lanes)
+    vecs = reduce_vectors(builder, [builder.load(a) for row_accs in accs for a in row_accs], lanes)
     out = context.make_array(aty)(context, builder, arr)
     vp = ir.VectorType(ir.FloatType(), lanes).as_pointer()
     for m, v in enumerate(vecs):
@@ -551,13 +451,13 @@ def _make_panel(rows: int, wrows: int, dp: bool = False):
     """Prefill's tile (matvec.py's panel note): ``panel(w, n, x, r0, k, sums, ahead)`` runs the
     steps of `_make_float` (``dp``: `_make_bf16`) over the first k columns of weight rows
     n .. n+wrows-1 and activation rows r0 .. r0+rows-1 and reduces each accumulator by the tiles'
-    tree (`_reduce_vectors`): the same bits as those tiles' sums (the invariance note). The tree
+    tree (`reduce_vectors`): the same bits as those tiles' sums (the invariance note). The tree
     leaves the sums lane by lane in a few vectors, which are stored as they are into ``sums`` (1-D
     float32, PANEL_SUMS long): element ``j * rows + i`` at ``sums[j * rows + i]``, where taking
     24 floats out of registers one by one and returning them as a tuple cost about a quarter of
     a 1024-column tile's time (measured in L1, 1 thread). ``ahead`` > 0: the steps prefetch the
     weights that far on; 0: no prefetch."""
-    lanes = 16 if dp else _FLANES
+    lanes = 16 if dp else FLANES
 
     @intrinsic
     def panel(typingctx, w, n, x, r0, k, sums, ahead):
@@ -588,7 +488,7 @@ def _make_panel_part(rows: int, wrows: int, dp: bool = False):
     them), runs the same steps, and then reduces them into ``sums`` as the panel does (``last``) or
     stores them back into ``state``. The parts of k0 = 0 .. k in order give the panel's bits: the
     same fused multiply-adds in the same order, the accumulators only parked in memory between."""
-    lanes = 16 if dp else _FLANES
+    lanes = 16 if dp else FLANES
 
     @intrinsic
     def part(typingctx, w, n, x, r0, k0, k1, state, sums, first, last, ahead):
@@ -630,8 +530,8 @@ def _make_panel_part(rows: int, wrows: int, dp: bool = False):
 
 
 # Prefill's panels (matvec.py's panel note): PANEL_ROWS activation rows x 1..PANEL_W weight rows
-PANEL_ROWS, PANEL_W = (8, 3) if _FLANES == 16 else (WIDE_ROWS, TILE_W)  # AVX-512: 24 of 32 registers; AVX2: the 3 x 3 tile
-PANEL_SUMS = -(-PANEL_ROWS * PANEL_W // _FLANES) * _FLANES  # floats a panel stores: whole vectors
+PANEL_ROWS, PANEL_W = (8, 3) if FLANES == 16 else (WIDE_ROWS, TILE_W)  # AVX-512: 24 of 32 registers; AVX2: the 3 x 3 tile
+PANEL_SUMS = -(-PANEL_ROWS * PANEL_W // FLANES) * FLANES  # floats a panel stores: whole vectors
 PANELS = {w: _make_panel(PANEL_ROWS, w) for w in range(1, PANEL_W + 1)}
 BF16_PANELS = {w: _make_panel(PANEL_ROWS, w, dp=True) for w in range(1, PANEL_W + 1)} if BF16_DOT else {}
 PANEL_PARTS = {w: _make_panel_part(PANEL_ROWS, w) for w in range(1, PANEL_W + 1)}
@@ -653,11 +553,11 @@ def prefetch_l2(typingctx, a, start, lines):
         base = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
         first = builder.mul(context.cast(builder, args[1], st, types.intp), context.get_constant(types.intp, at.dtype.bitwidth // 8))
         i8p = ir.IntType(8).as_pointer()
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]),
                                             "llvm.prefetch.p0i8")
         with cgutils.for_range(builder, context.cast(builder, args[2], lt, types.intp)) as loop:
             off = builder.add(first, builder.mul(loop.index, context.get_constant(types.intp, 64)))
-            builder.call(fn, [builder.gep(base, [off]), ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+            builder.call(fn, [builder.gep(base, [off]), ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
         return context.get_dummy_value()
 
     return sig, codegen
