@@ -34,7 +34,7 @@ block: a row admitted takes its own blocks for its prompt and new tokens (SET op
 a cached prefix is attached by table entry (ATTACH: no copy), and a prompt block the row completes
 becomes the cached block as it is (SAVE names the row's own block: nothing to copy). So rows of
 different lengths share the pool by what they use. Reads go through the table: a decode step's
-kernels read a row's blocks in place, in the slot row's order (`kernels.attention`'s paged-rows
+kernels read a row's blocks in place, in the slot row's order (`kernels.attention_cache`'s paged-rows
 note: bit for bit the slot cache's numbers), and so do a prefill chunk's, gathering each (row, kv
 head) where it is attended (`kernels.attend`'s ``before``); MLA's latents are gathered whole
 (`_prefill_paged`, by `kernels.blocks`). Window layers (``window:W``, a
