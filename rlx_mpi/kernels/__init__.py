@@ -16,6 +16,7 @@
 - ``llvm_ir``: the LLVM-IR building blocks of rowdot's, quant's and q4gemm's intrinsics (target features, lane sums)
 - ``q4gemm``: prefill's q4 products (16 rows and more) on AVX-512 VNNI: int8 activations x 4-bit codes
 - ``blocks``: a prefill chunk's copies through a paged row's block table (gather before, scatter after)
+- ``isa``: the arithmetic this process's products use (amx | avx512 | avx2 | generic), AMX's Linux permission
 - ``_fresh``: drops the numba caches when any kernel source changed (numba keys each on its own file)
 
 The ``_`` kernels are ``@numba.njit(cache=True)`` with no validation and no allocation; the
