@@ -62,6 +62,8 @@ class GenerateOptions:
     ignore_eos: bool = False  # --ignore-eos: every row runs to its max tokens (fixed-length benchmarks)
     prefix_cache: bool = True  # reuse cached prefix blocks (--no-prefix-cache: off; `block_pool`)
     kv_rows: int = 0  # the KV budget in full-length rows (--kv-rows; 0: groups x batch): the block cache's note
+    structured: Any = None  # --structured: the `constraints.Constraint` of every row that gives none of its own
+    structured_where: str = "generate --structured"
 
     @classmethod
     def resolve(cls, flags: Any, job: Any) -> "GenerateOptions":
@@ -95,20 +97,71 @@ class GenerateOptions:
                    ignore_eos=bool(getattr(flags, "ignore_eos", None) or sec.ignore_eos),
                    prefix_cache=pick(getattr(flags, "prefix_cache", None), sec.prefix_cache),
                    kv_rows=pick(getattr(flags, "kv_rows", None), sec.kv_rows),
+                   **_structured(getattr(flags, "structured", None), sec.structured, job),
                    eos_where="generate --eos-id" if flags.eos_id is not None else f"{job.path}: [generate] eos_id")
+
+
+def _structured(flag: str | None, value: str | None, job: Any) -> dict:
+    """The job-wide constraint (--structured, else [generate] structured): JSON text, or the path of
+    a .json file (the job's key: relative to the job file), holding a structured_outputs object."""
+    import json
+
+    from ..engine.constraints import ConstraintError, parse_structured
+
+    spec, where = (flag, "generate --structured") if flag is not None else (value, f"{job.path}: [generate] structured")
+    if spec is None:
+        return {}
+    text = spec.strip()
+    if not text.startswith("{"):
+        path = Path(text).expanduser()
+        if flag is None and not path.is_absolute():
+            path = Path(job.path).parent / path
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(where, f"{spec!r} is not JSON and cannot be read as a file ({e.strerror})",
+                              "give a structured_outputs object as JSON text, or the path of a .json file holding one")
+        where = f"{where} ({path})"
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(where, f"not JSON ({e})", 'give e.g. {"json": {"type": "object"}}') from None
+    try:
+        c = parse_structured(obj, "the structured_outputs object")
+    except ConstraintError as e:
+        raise ConfigError(where, e.message, "docs/structured-output.md shows each kind") from None
+    return {"structured": c, "structured_where": where}
 
 
 def _requests(p: Any, opts: GenerateOptions) -> list[Request]:
     """A pending prompt's rows, one `records.Request` per sample (the scheduler's per-row note);
-    a prompt without settings of its own is one row of the job's."""
+    a prompt without settings of its own is one row of the job's (and of its constraint)."""
     s = p.settings
     tokens = tuple(p.tokens)
     if s is None:
-        return [Request(p.index, p.id, tokens)]
+        return [Request(p.index, p.id, tokens, constraint=opts.structured)]
     limit = p.request["max_new_tokens"] if p.request else (s.max_tokens or opts.max_new_tokens)
     q = s.params(opts.sampling)
     own = q if q != opts.sampling else None  # (rows that sample as the job does keep the batched path)
-    return [Request(p.index, p.id, tokens, j, sample_id(p.id, j), limit, tuple(s.stop), own) for j in range(s.n)]
+    c = s.constraint if s.constraint is not None else opts.structured
+    return [Request(p.index, p.id, tokens, j, sample_id(p.id, j), limit, tuple(s.stop), own, c) for j in range(s.n)]
+
+
+def grammars_for(tokenizer: Any, vocab_size: int, eos: list[int], where: str, ignore_eos: bool = False) -> Any:
+    """The job's grammar engine (`engine.constraints.Grammars`), or the error that says why a job
+    that asks for structured output cannot have one."""
+    from ..engine.constraints import Grammars
+    from ..errors import InputError
+
+    if not eos:
+        why = "--ignore-eos runs every row past its end" if ignore_eos else \
+            "the checkpoint names no end-of-sequence id (generation_config.json / tokenizer_config.json)"
+        raise ConfigError(where, f"asks for structured output, which ends a row at an end-of-sequence id, but {why}",
+                          "drop --ignore-eos (or [generate] ignore_eos), or give --eos-id")
+    if tokenizer is None:
+        raise InputError(where, "asks for structured output, which needs the checkpoint's tokenizer",
+                         "put the model's tokenizer.json next to the checkpoint (rlx-mpi convert copies it)")
+    return Grammars(Path(tokenizer.path).read_text(encoding="utf-8"), vocab_size, list(eos), where)
 
 
 class GenerateDriver(JournalDriver):
@@ -153,13 +206,28 @@ class GenerateDriver(JournalDriver):
             tokenizer = load_tokenizer(job.model.checkpoint)
             from ..io.shards import select
 
+            grammars: list = []  # (built on the first constraint: llguidance and the tokenizer, once)
+
+            def check_constraint(c: Any, where: str) -> str | None:
+                if not grammars:
+                    grammars.append(grammars_for(tokenizer, dims.vocab_size, eos, where, opts.ignore_eos))
+                return grammars[0].check(c)
+
+            if opts.structured is not None:
+                bad = check_constraint(opts.structured, opts.structured_where)
+                if bad:
+                    raise ConfigError(opts.structured_where, f"its {opts.structured.kind} constraint cannot run: {bad}",
+                                      "fix the schema / grammar (docs/structured-output.md lists what is supported)")
             prompts = read_requests(opts.prompts, vocab_size=dims.vocab_size, max_positions=dims.max_positions,
-                                    max_new_tokens=opts.max_new_tokens, tokenizer=tokenizer)
+                                    max_new_tokens=opts.max_new_tokens, tokenizer=tokenizer,
+                                    check_constraint=check_constraint)
             prompts, shard = select(prompts, opts.shard, str(opts.prompts))
             sampled = any(p.settings and not p.settings.params(opts.sampling).greedy for p in prompts)
             identity = RunIdentity.for_generate(job.model.checkpoint, opts.sampling, opts.max_new_tokens,
                                                 eos_ids=eos, logprobs=opts.logprobs, sampled=sampled)
             identity = identity.with_settings(**beside_settings(tokenizer))  # (+ the layout's: `settle`)
+            if opts.structured is not None:  # (a row's own constraint is in its digest)
+                identity = identity.with_settings(structured=opts.structured.to_json())
             journal = Journal(opts.out, prompts, inputs=(opts.prompts, job.path, job.model.checkpoint,
                                                          *self.argv_inputs), sync_s=opts.sync_s, identity=identity,
                               shard=shard, settle=True, adopt=bool(getattr(self.flags, "adopt_output", False)))
@@ -322,8 +390,10 @@ class GenerateDriver(JournalDriver):
                  for r in items}
         per_key = {r.key: r.sampling for r in items if r.sampling is not None}
         k = min(max(opts.logprobs, doc["top_logprobs"]), cx.dims.vocab_size)  # (a request's top_logprobs too)
+        constraints = {r.key: r.constraint for r in items if r.constraint is not None}
+        masks = self._grammar_masks(cx, constraints) if constraints and cx.stage.last else None
         ring = DecodeRing(cx, opts.sampling, sched.header_size, k_logprobs=k, names=names, per_key=per_key,
-                          with_logprobs=doc["logprobs"], hooks=self.hooks)
+                          with_logprobs=doc["logprobs"], hooks=self.hooks, constraints=constraints, masks=masks)
         journal, tokenizer = holder.get("journal"), holder.get("tokenizer")
         prompt_of = {p.index: p for p in holder.get("prompts", [])}
         texts = {i: p.text for i, p in prompt_of.items()}
@@ -461,6 +531,26 @@ class GenerateDriver(JournalDriver):
                               prefill_steps=sched.prefill_steps, token_gap_ms=sched.token_gaps_ms(), replicas=replicas,
                               prefix_hits=[sum(h[0] for h in hits), sum(h[1] for h in hits)] if hits else None,
                               rows_at_once=sum(r["peak"] for r in rows or []))
+
+    def _grammar_masks(self, cx: Any, constraints: dict) -> Any:
+        """The last stage's grammar masks, every distinct constraint compiled before the first step
+        (agreed: a failure here is one line, not a hang)."""
+        import os
+
+        from ..engine.constraints import GrammarMasks
+        from ..io.tokenizer import load_tokenizer
+
+        def build() -> Any:
+            g = grammars_for(load_tokenizer(cx.job.model.checkpoint), cx.dims.vocab_size, self.doc["eos"],
+                             f"{self.opts.prompts}", self.opts.ignore_eos)
+            for c in {c.key: c for c in constraints.values()}.values():
+                g.matcher(c)  # (compiled once here: off the step path)
+            return GrammarMasks(g, threads=max(1, len(os.sched_getaffinity(0))))
+
+        t0 = time.perf_counter()
+        masks = build()
+        log.debug("structured output: %d grammars compiled in %.2f s", len(masks.g), time.perf_counter() - t0)
+        return masks
 
     def _write_failed(self, indices: list[int]) -> int:
         """Rank 0: the output lines of the requests that cannot run (`batch_io`'s per-line errors)."""
