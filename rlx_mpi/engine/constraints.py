@@ -214,7 +214,11 @@ class Grammars:
         if not eos:
             raise ValueError("structured output needs an end-of-sequence id")
         self.llg = llg
-        self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos))
+        try:
+            self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos))
+        except ValueError as e:  # (a tokenizer llguidance cannot read, or one larger than the model's vocabulary)
+            raise InputError(where, f"llguidance cannot use the checkpoint's tokenizer.json: {_one_line(str(e))}",
+                             "check that tokenizer.json belongs to this checkpoint") from None
         self.vocab_size, self.eos = vocab_size, list(eos)
         self._compiled: dict[str, Any] = {}  # Constraint.key -> a fresh LLMatcher
         self._errors: dict[str, str] = {}

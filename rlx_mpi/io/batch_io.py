@@ -140,7 +140,7 @@ def _our_settings(obj: dict, where: str, tokenizer, check_constraint) -> RowSett
         settings = _settings({k: obj[k] for k in OUR_SETTINGS if k in obj}, COMPLETIONS_URL)
     except _LineError as e:
         what, _, fix = e.message.partition("; ")
-        raise InputError(named, what, fix or None) from None
+        raise InputError(named if e.param in KEYS else where, what, fix or None) from None
     if settings.constraint is not None:
         bad = check_constraint(settings.constraint, named)
         if bad:
