@@ -11,6 +11,7 @@ pipe over MPI (the decode ring's note there).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -236,9 +237,15 @@ class GenerateDriver(JournalDriver):
                 journal.check_done(**unplaced_settings(job, "generate"))
             rows = [r for p in journal.pending if p.error is None for r in _requests(p, opts)]
             longest = max((len(r.tokens) + (r.max_new_tokens or opts.max_new_tokens) for r in rows), default=1)
-            pending = [r.to_wire() for r in rows]  # (plain JSON: the broadcast below)
+            table: dict[str, int] = {}  # each distinct constraint once (a schema shared by many rows)
+            constraints = []
+            for r in rows:
+                if r.constraint is not None and r.constraint.key not in table:
+                    table[r.constraint.key] = len(constraints)
+                    constraints.append(r.constraint.to_json())
+            pending = [r.to_wire(table) for r in rows]  # (plain JSON: the broadcast below)
             failed = [p.index for p in journal.pending if p.error is not None]
-            return {"pending": pending, "total": len(prompts), "eos": eos, "max_seq": longest,
+            return {"pending": pending, "constraints": constraints, "total": len(prompts), "eos": eos, "max_seq": longest,
                     "first": shard["lines"][0] if shard else 0,  # (a shard's prompts are renumbered from 0)
                     "failed_now": failed, "failed": sum(p.error is not None for p in prompts),
                     "logprobs": any(p.settings and p.settings.logprobs for p in journal.pending),
@@ -370,7 +377,10 @@ class GenerateDriver(JournalDriver):
         caps = caps_of(cx.stage)
         chunk_ok = caps.chunked_prefill
         chunk = opts.prefill_chunk if chunk_ok else 0
-        items = [Request.from_wire(d) for d in doc["pending"]]
+        from ..engine.constraints import Constraint
+
+        table = [Constraint.from_json(c) for c in doc.get("constraints", [])]
+        items = [Request.from_wire(d, table) for d in doc["pending"]]
         shared = topo.n_replicas > 1
         wait(cx.world.Ibarrier(), timeout, cx.ctx, lambda: "every rank to start generating", "some rank")
         counter = SharedCounter(cx.world, cx.ctx, timeout) if shared else None

@@ -80,8 +80,9 @@ class Constraint:
 
     @property
     def key(self) -> str:
-        """Canonical JSON text: the grammar cache's key (two spellings of one schema share a grammar)."""
-        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        """Its JSON text, compact: the grammar cache's key. Key order is kept: a schema's property
+        order is the order the answer writes them in, so two orders are two grammars."""
+        return json.dumps(self.to_json(), separators=(",", ":"), ensure_ascii=False)
 
     def grammar(self) -> str:
         """The llguidance grammar text (raises ValueError for a grammar that does not convert)."""

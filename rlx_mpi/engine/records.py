@@ -70,8 +70,10 @@ class Request:
         is the job's (one salt for all); an adapter is the row's own."""
         return b"" if self.adapter is None else b"adapter\x00" + self.adapter.encode("utf-8")
 
-    def to_wire(self) -> dict:
-        """A JSON object for the start-up broadcast (only the fields that differ from the defaults)."""
+    def to_wire(self, constraints: dict[str, int] | None = None) -> dict:
+        """A JSON object for the start-up broadcast (only the fields that differ from the defaults).
+        ``constraints``: a table (`Constraint.key` -> its position in a list the broadcast carries),
+        so a schema shared by many rows travels once; the row then names its position."""
         out: dict = {"index": self.index, "id": self.id, "tokens": list(self.tokens)}
         if self.sample:
             out["sample"] = self.sample
@@ -85,17 +87,21 @@ class Request:
             s = self.sampling
             out["sampling"] = [s.temperature, s.top_k, s.top_p, s.seed]
         if self.constraint is not None:
-            out["constraint"] = self.constraint.to_json()
+            c = self.constraint
+            out["constraint"] = c.to_json() if constraints is None else constraints[c.key]
         if self.adapter is not None:
             out["adapter"] = self.adapter
         return out
 
     @classmethod
-    def from_wire(cls, d: dict) -> "Request":
+    def from_wire(cls, d: dict, constraints: list | None = None) -> "Request":
+        """`to_wire`'s inverse; ``constraints``: the broadcast's table, as Constraints in position order."""
+        c = d.get("constraint")
+        if c is not None:
+            c = constraints[c] if isinstance(c, int) else Constraint.from_json(c)
         return cls(int(d["index"]), str(d["id"]), tuple(int(t) for t in d["tokens"]), int(d.get("sample", 0)),
                    str(d.get("draw_id", "")), int(d.get("max_new_tokens", 0)), tuple(d.get("stop", ())),
-                   SamplingParams(*d["sampling"]) if "sampling" in d else None,
-                   Constraint.from_json(d["constraint"]) if "constraint" in d else None, d.get("adapter"))
+                   SamplingParams(*d["sampling"]) if "sampling" in d else None, c, d.get("adapter"))
 
 
 class StepHeader:
