@@ -27,6 +27,7 @@ from ..comm import transport
 from ..errors import ConfigError
 from ..lifecycle.hooks import NO_HOOKS, TestHooks
 from ..io.batch_io import format_result, is_batch, stop_text
+from ..io.structured import grammars_for, job_constraint, last_stage_masks
 from ..model.stage import caps_of
 from ..engine.block_pool import PREFIX_POOL_ROWS
 from ..engine.records import Request
@@ -98,40 +99,8 @@ class GenerateOptions:
                    ignore_eos=bool(getattr(flags, "ignore_eos", None) or sec.ignore_eos),
                    prefix_cache=pick(getattr(flags, "prefix_cache", None), sec.prefix_cache),
                    kv_rows=pick(getattr(flags, "kv_rows", None), sec.kv_rows),
-                   **_structured(getattr(flags, "structured", None), sec.structured, job),
+                   **job_constraint(getattr(flags, "structured", None), sec.structured, job.path),
                    eos_where="generate --eos-id" if flags.eos_id is not None else f"{job.path}: [generate] eos_id")
-
-
-def _structured(flag: str | None, value: str | None, job: Any) -> dict:
-    """The job-wide constraint (--structured, else [generate] structured): JSON text, or the path of
-    a .json file (the job's key: relative to the job file), holding a structured_outputs object."""
-    import json
-
-    from ..engine.constraints import ConstraintError, parse_structured
-
-    spec, where = (flag, "generate --structured") if flag is not None else (value, f"{job.path}: [generate] structured")
-    if spec is None:
-        return {}
-    text = spec.strip()
-    if not text.startswith("{"):
-        path = Path(text).expanduser()
-        if flag is None and not path.is_absolute():
-            path = Path(job.path).parent / path
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as e:
-            raise ConfigError(where, f"{spec!r} is not JSON and cannot be read as a file ({e.strerror})",
-                              "give a structured_outputs object as JSON text, or the path of a .json file holding one")
-        where = f"{where} ({path})"
-    try:
-        obj = json.loads(text)
-    except ValueError as e:
-        raise ConfigError(where, f"not JSON ({e})", 'give e.g. {"json": {"type": "object"}}') from None
-    try:
-        c = parse_structured(obj, "the structured_outputs object")
-    except ConstraintError as e:
-        raise ConfigError(where, e.message, "docs/structured-output.md shows each kind") from None
-    return {"structured": c, "structured_where": where}
 
 
 def _requests(p: Any, opts: GenerateOptions) -> list[Request]:
@@ -146,23 +115,6 @@ def _requests(p: Any, opts: GenerateOptions) -> list[Request]:
     own = q if q != opts.sampling else None  # (rows that sample as the job does keep the batched path)
     c = s.constraint if s.constraint is not None else opts.structured
     return [Request(p.index, p.id, tokens, j, sample_id(p.id, j), limit, tuple(s.stop), own, c) for j in range(s.n)]
-
-
-def grammars_for(tokenizer: Any, vocab_size: int, eos: list[int], where: str, ignore_eos: bool = False) -> Any:
-    """The job's grammar engine (`engine.constraints.Grammars`), or the error that says why a job
-    that asks for structured output cannot have one."""
-    from ..engine.constraints import Grammars
-    from ..errors import InputError
-
-    if not eos:
-        why = "--ignore-eos runs every row past its end" if ignore_eos else \
-            "the checkpoint names no end-of-sequence id (generation_config.json / tokenizer_config.json)"
-        raise ConfigError(where, f"asks for structured output, which ends a row at an end-of-sequence id, but {why}",
-                          "drop --ignore-eos (or [generate] ignore_eos), or give --eos-id")
-    if tokenizer is None:
-        raise InputError(where, "asks for structured output, which needs the checkpoint's tokenizer",
-                         "put the model's tokenizer.json next to the checkpoint (rlx-mpi convert copies it)")
-    return Grammars(Path(tokenizer.path).read_text(encoding="utf-8"), vocab_size, list(eos), where)
 
 
 class GenerateDriver(JournalDriver):
@@ -401,7 +353,11 @@ class GenerateDriver(JournalDriver):
         per_key = {r.key: r.sampling for r in items if r.sampling is not None}
         k = min(max(opts.logprobs, doc["top_logprobs"]), cx.dims.vocab_size)  # (a request's top_logprobs too)
         constraints = {r.key: r.constraint for r in items if r.constraint is not None}
-        masks = self._grammar_masks(cx, constraints) if constraints and cx.stage.last else None
+        masks = None
+        if constraints:  # (every rank knows: the rows were broadcast) the last stage compiles, agreed
+            masks = cx.agree(lambda: last_stage_masks(job.model.checkpoint, cx.dims.vocab_size, doc["eos"],
+                                                      str(opts.prompts), opts.ignore_eos, constraints.values())
+                             if cx.stage.last else None, "compiling the structured-output grammars")
         ring = DecodeRing(cx, opts.sampling, sched.header_size, k_logprobs=k, names=names, per_key=per_key,
                           with_logprobs=doc["logprobs"], hooks=self.hooks, constraints=constraints, masks=masks)
         journal, tokenizer = holder.get("journal"), holder.get("tokenizer")
@@ -541,26 +497,6 @@ class GenerateDriver(JournalDriver):
                               prefill_steps=sched.prefill_steps, token_gap_ms=sched.token_gaps_ms(), replicas=replicas,
                               prefix_hits=[sum(h[0] for h in hits), sum(h[1] for h in hits)] if hits else None,
                               rows_at_once=sum(r["peak"] for r in rows or []))
-
-    def _grammar_masks(self, cx: Any, constraints: dict) -> Any:
-        """The last stage's grammar masks, every distinct constraint compiled before the first step
-        (agreed: a failure here is one line, not a hang)."""
-        import os
-
-        from ..engine.constraints import GrammarMasks
-        from ..io.tokenizer import load_tokenizer
-
-        def build() -> Any:
-            g = grammars_for(load_tokenizer(cx.job.model.checkpoint), cx.dims.vocab_size, self.doc["eos"],
-                             f"{self.opts.prompts}", self.opts.ignore_eos)
-            for c in {c.key: c for c in constraints.values()}.values():
-                g.matcher(c)  # (compiled once here: off the step path)
-            return GrammarMasks(g, threads=max(1, len(os.sched_getaffinity(0))))
-
-        t0 = time.perf_counter()
-        masks = build()
-        log.debug("structured output: %d grammars compiled in %.2f s", len(masks.g), time.perf_counter() - t0)
-        return masks
 
     def _write_failed(self, indices: list[int]) -> int:
         """Rank 0: the output lines of the requests that cannot run (`batch_io`'s per-line errors)."""
