@@ -180,6 +180,7 @@ def test_grammars_say_why_a_constraint_cannot_run(grammars):
               Constraint("grammar", 'root ::= "x" [0-9]+'), Constraint("json_object", True)):
         assert grammars.check(c) is None, c
     assert "strin" in grammars.check(Constraint("json", {"type": "strin"}))
+    assert "uniqueItems" in grammars.check(Constraint("json", {"type": "array", "uniqueItems": True}))  # unsupported
     assert "regex" in grammars.check(Constraint("regex", "[a-z"))
     assert grammars.check(Constraint("grammar", "root ::= (")) is not None
     n = len(grammars)
