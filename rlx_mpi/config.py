@@ -25,7 +25,7 @@ from . import rules
 from .rules import WIRE_FORMATS
 from .rules import DEFAULT_STARTUP_TIMEOUT_S
 
-__all__ = ["PlacementPolicy", "Precision", "ModelSection", "RunSection",
+__all__ = ["PlacementPolicy", "Precision", "OnRankFailure", "ModelSection", "RunSection",
            "PlacementSection", "RankOverride", "GenerateSection", "JobConfig", "load_job", "parse_job",
            "WIRE_FORMATS"]
 
@@ -38,6 +38,13 @@ class PlacementPolicy(str, enum.Enum):
     COMPUTE = "compute"  # proportional to each stage's measured GFLOP/s
     BALANCED = "balanced"  # minimise the slowest stage's time, every stage within its memory
     MANUAL = "manual"  # explicit ranges from the job file
+
+
+class OnRankFailure(str, enum.Enum):
+    """What the job does when a rank dies mid-run (docs/reliability.md, "When a node dies")."""
+
+    ABORT = "abort"  # end the job naming the rank (today's behaviour, every MPI and launcher)
+    CONTINUE = "continue"  # the survivors carry on (needs an MPI with ULFM: `lifecycle.ulfm`)
 
 
 class Precision(str, enum.Enum):
@@ -129,6 +136,9 @@ class RunSection:
     """Longest any rank waits for another during the run before it names the laggard and aborts."""
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S  # the one default (also before the file is read)
     """Deadline for the start-up collectives (probe, plan, weight loading on a slow filesystem)."""
+    on_rank_failure: OnRankFailure = OnRankFailure.ABORT
+    """abort | continue: when a rank dies, end the job naming it (abort), or let the survivors finish
+    the prompt file (continue; Open MPI 5 under ``mpirun --with-ft ulfm`` only, checked at start-up)."""
     wire: str = "f32"
     """Format of the hidden states between stages: f32 (exact, no copy) | bf16 | f16 (half the bytes)."""
     precision: Precision = Precision.AUTO
@@ -451,7 +461,7 @@ def _coerce(name: str, type_name: str, value: Any, where: str, job_path: Path) -
         return rules.replicas_value(value, where)
     if t == "KvSpec":
         return KvSpec.parse(value, where)
-    enums = {"PlacementPolicy": PlacementPolicy, "Precision": Precision}
+    enums = {"PlacementPolicy": PlacementPolicy, "Precision": Precision, "OnRankFailure": OnRankFailure}
     if t in enums:
         choices = [m.value for m in enums[t]]
         if t == "Precision":  # auto, or a precision (rules.PRECISIONS, or a numpy spelling)

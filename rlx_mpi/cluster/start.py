@@ -34,7 +34,7 @@ from .. import rules
 from ..comm import transport
 from .caps import NodeCaps, mpi_versions_differ, own_affinity, probe_local
 from ..model.checkpoint import H5ParamSource, read_header, stored_precision
-from ..config import JobConfig, Precision, load_job
+from ..config import JobConfig, OnRankFailure, Precision, load_job
 from ..errors import CheckpointError, ConfigError, FitError, InputError
 from ..lifecycle.faults import STARTUP_SETTING, RankContext, agree, report_and_abort, wait
 from .inputs import check_everywhere, digest, read_ids
@@ -105,6 +105,12 @@ class Cluster:
         setup_logging(MPI.COMM_WORLD, debug, log_dir, driver.command)
         cx = cls.from_path(job_path, debug=debug)
         set_finish_timeout(cx.job.run.timeout_s, cx.world.size)
+        if cx.job.run.on_rank_failure is OnRankFailure.CONTINUE:  # refused, one line, without ULFM
+            from ..lifecycle import supervisor, ulfm
+
+            cx.agree(lambda: ulfm.check(cx.world, f"{cx.job.path}: [run] on_rank_failure"),
+                     "checking fault tolerance")
+            supervisor.tolerate()
         cx.phases.append(("start", started, time.perf_counter() - started))
         cx.agree(lambda: driver.configure(cx), "reading the command's options")
 

@@ -339,7 +339,9 @@ def _finish(timeout_s: float, debug: bool) -> None:
 
     from .faults import RankContext, report_and_abort, wait
 
-    world = MPI.COMM_WORLD
+    from . import ulfm
+
+    world = ulfm.survivors or MPI.COMM_WORLD  # (ranks were lost: the survivors meet, `lifecycle.ulfm`)
     if world.size == 1:
         return
     ctx = RankContext(world.rank, world.size, host=socket.gethostname(), debug=debug)

@@ -14,6 +14,8 @@ short lines the rank posts through a pipe:
     ready          MPI is initialised; from here on every wait has its own deadline
     code <n>       the rank's exit code is decided (a failure every rank agreed on); it is ending
     done           the rank reached the normal end of the command (any exit code)
+    tolerate       on_rank_failure = "continue" under ULFM: the rank's death is the survivors' to
+                   report and to survive (`lifecycle.ulfm`'s note); the parent then exits 0 quietly
 
 What the parent makes of them, and how it ends the job naming the rank, is `watcher.py`. This
 module is the rank's side (posting those lines) and the fork.
@@ -46,7 +48,7 @@ from ..rules import DEFAULT_STARTUP_TIMEOUT_S  # (rules imports only errors: sti
 from .watcher import Watcher, cancel_slurm_step, drain, launched_at, rank_from_env, state
 
 __all__ = ["supervise", "active", "post_context", "watch", "entering_mpi", "ready", "done", "default_startup_timeout_s",
-           "stopped_supervisor_s", "exiting", "DEFAULT_STARTUP_TIMEOUT_S", "DEFAULT_STOPPED_SUPERVISOR_S"]
+           "stopped_supervisor_s", "exiting", "tolerate", "DEFAULT_STARTUP_TIMEOUT_S", "DEFAULT_STOPPED_SUPERVISOR_S"]
 
 DEFAULT_STOPPED_SUPERVISOR_S = 10.0  # RLX_MPI_SUPERVISOR_STOP_S: a stopped supervisor ends the job after this
 _EXIT_FAULT = 4  # errors.EXIT_FAULT, without importing the package's heavier modules here
@@ -106,6 +108,11 @@ def ready() -> None:
 def exiting(code: int) -> None:
     """This rank's exit code is decided; a launcher's signal from here on must not change it."""
     _post(f"code {int(code)}")
+
+
+def tolerate() -> None:
+    """The survivors go on without this rank if it dies (ULFM): its supervisor must not end the job."""
+    _post("tolerate")
 
 
 def done() -> None:

@@ -66,6 +66,7 @@ class Watcher:
         self.claim: socket.socket | None = None  # held from the report to the end (`_first_report`)
         self.context, self.in_mpi, self.is_ready, self.is_done = "", False, False, False
         self.decided: int | None = None  # the exit code the rank posted with ``code``
+        self.tolerated = False  # ``tolerate``: a death after MPI start-up is the survivors' to handle
         self.noted: set[int] = set()
         self.pending = b""
 
@@ -150,6 +151,8 @@ class Watcher:
                     self.decided = int(rest)
             elif kind == "done":
                 self.is_done = True
+            elif kind == "tolerate":
+                self.tolerated = True
 
     # -- verdicts --------------------------------------------------------------------------------
 
@@ -188,6 +191,8 @@ class Watcher:
             sig = os.WTERMSIG(status)
             if sig in self.noted:  # sent to us both (the launcher, a Ctrl-C): not this rank's fault
                 return self.decided if self.decided is not None else 128 + sig
+            if self.tolerated and self.is_ready and self.decided is None:
+                return 0  # ULFM: exit 0 so the launcher tells the survivors at once (`lifecycle.ulfm`)
             try:
                 name = signal.Signals(sig).name
             except ValueError:
