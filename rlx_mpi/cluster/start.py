@@ -149,8 +149,14 @@ class Cluster:
             result = driver.drive(self)
             finished = True
             return result
-        except Exception:
-            report_and_abort(self.world, self.ctx, sys.exc_info())
+        except Exception as e:
+            info = sys.exc_info()
+            if self.job.run.on_rank_failure is OnRankFailure.CONTINUE:  # a failure not survived: requeue
+                from ..lifecycle import ulfm
+
+                if ulfm.is_failure(e):
+                    info = (ulfm.Requeue, ulfm.requeue(self.ctx.describe(), self.world, e), info[2])
+            report_and_abort(self.world, self.ctx, info)
             raise
         finally:
             if self.stop is not None:

@@ -24,6 +24,7 @@ from . import JournalDriver, end_replicas, gather_stats, prefix_cache_on, stage_
 from .decode_ring import DecodeRing, lockstep_broken
 from .. import rules
 from ..comm import transport
+from ..config import OnRankFailure
 from ..errors import ConfigError
 from ..lifecycle.hooks import NO_HOOKS, TestHooks
 from ..io.batch_io import format_result, is_batch, stop_text
@@ -335,9 +336,18 @@ class GenerateDriver(JournalDriver):
         items = [Request.from_wire(d, table) for d in doc["pending"]]
         shared = topo.n_replicas > 1
         wait(cx.world.Ibarrier(), timeout, cx.ctx, lambda: "every rank to start generating", "some rank")
-        counter = SharedCounter(cx.world, cx.ctx, timeout) if shared else None
-        feed = (ReplicaFeed(counter, items, opts.batch, leader=topo.tp_rank == 0, tp_comm=topo.tp_comm, tp=topo.tp,
-                            ctx=cx.ctx, timeout_s=timeout) if shared and topo.stage == 0 else None)
+        # on_rank_failure = "continue": replicas outlive a dead rank (`comm.recovery`; tp 1: one leader per stage 0)
+        refill = shared and topo.tp == 1 and job.run.on_rank_failure is OnRankFailure.CONTINUE
+        self.hooks.arm_kill(cx.world.rank)
+        if refill:
+            from ..comm.recovery import RefillCounter, RefillFeed
+
+            counter = RefillCounter(cx.world, cx.ctx, timeout, len(items), cap=4 * len(items) + 64)
+            feed = RefillFeed(counter, items, opts.batch, lambda lo, hi: took(lo, hi)) if topo.stage == 0 else None
+        else:
+            counter = SharedCounter(cx.world, cx.ctx, timeout) if shared else None
+            feed = (ReplicaFeed(counter, items, opts.batch, leader=topo.tp_rank == 0, tp_comm=topo.tp_comm, tp=topo.tp,
+                                ctx=cx.ctx, timeout_s=timeout) if shared and topo.stage == 0 else None)
         decode = None
         if doc["stops"] and topo.stage == 0:  # stop strings end rows on stage 0, which decodes them
             from ..io.tokenizer import load_tokenizer
@@ -372,6 +382,15 @@ class GenerateDriver(JournalDriver):
         replica_of = {rank: r for r, rep in enumerate(topo.replicas or [topo.grid]) for g in rep for rank in g}
         driving = topo.stage == 0 and topo.tp_rank == 0
         post = RowPost(cx.world, cx.ctx, timeout) if shared and not cx.is_root else None
+
+        seen: set[tuple[int, int]] = set()  # rank 0 under refill: rows written (a row computed twice is written once)
+
+        def fresh(index: int, sample: int) -> bool:
+            """Rank 0: not written yet (under refill a row computed twice is written and counted once)."""
+            if (index, sample) in seen:
+                return False
+            seen.add((index, sample))
+            return True
 
         def write(index: int, row: dict) -> None:
             """Rank 0: one finished row into the journal (its text decoded here: the tokenizer is rank 0's);
@@ -413,6 +432,9 @@ class GenerateDriver(JournalDriver):
                     row["sample"] = r.sample
                 out.append((r.index, row))
             if journal is not None:
+                if refill:  # (out follows rows here)
+                    pairs = [(r, o) for r, o in zip(rows, out) if fresh(o[0], o[1].get("sample", 0))]
+                    rows, out = [r for r, _ in pairs], [o for _, o in pairs]
                 for index, row in out:
                     write(index, row)
             elif post is not None and driving and out:  # another replica's rows go to the writer
@@ -421,13 +443,27 @@ class GenerateDriver(JournalDriver):
 
         def on_rows(src: int, msg: dict) -> None:
             rows = msg["rows"]
+            if refill:
+                rows = [(i, row) for i, row in rows if fresh(i, row.get("sample", 0))]
             for index, row in rows:
                 write(index, row)
             taken(replica_of[src], rows, sum(len(row["tokens"]) for _, row in rows))
 
-        collector = (Collector(cx.world, cx.ctx, timeout, {rep[0][0]: [x for g in rep for x in g]
-                                                           for rep in topo.replicas[1:]}, on_rows)
-                     if shared and cx.is_root else None)
+        if refill and cx.is_root:
+            from ..comm.recovery import RecoveringCollector
+
+            collector = RecoveringCollector(cx.world, cx.ctx, timeout, [[x for g in rep for x in g] for rep in topo.replicas],
+                                            counter, items, on_rows, lambda r: (r.index, r.sample) in seen)
+        else:
+            collector = (Collector(cx.world, cx.ctx, timeout, {rep[0][0]: [x for g in rep for x in g]
+                                                               for rep in topo.replicas[1:]}, on_rows)
+                         if shared and cx.is_root else None)
+
+        def took(lo: int, hi: int) -> None:  # (refill: every claim, so rank 0 knows whose rows are whose)
+            if collector is not None:
+                collector.took(topo.replica, lo, hi)
+            else:
+                post._send({"kind": "took", "lo": lo, "hi": hi})
 
         hold = [self.hooks.hold_polls if journal is not None else 0]
 
@@ -456,11 +492,19 @@ class GenerateDriver(JournalDriver):
         if cx.is_root:  # requests that cannot run: their error lines, in order with the others
             counts["done"] += self._write_failed(doc["failed_now"])
         t0 = time.perf_counter()
-        stopped = ring.drive(sched, on_done, stop_now) if topo.stage == 0 else ring.relay()
+        lost = False
+        if refill:
+            stopped, lost = self._rounds(cx, ring, sched, feed, on_done, stop_now, collector, post)
+        else:
+            stopped = ring.drive(sched, on_done, stop_now) if topo.stage == 0 else ring.relay()
         if topo.stage == 0 and topo.tp > 1:  # the steps drained after the last check
             stop_now(final=True)
         mine_wall = time.perf_counter() - t0
-        if shared:
+        if refill:
+            if feed is not None:
+                feed.close()
+            counter.close(lost)
+        elif shared:
             if feed is not None:
                 feed.close()
             end_replicas(cx, counter, collector, post)
@@ -476,6 +520,11 @@ class GenerateDriver(JournalDriver):
                 "signal": stop.signal_name,
                 "prefix": [sched.reused, sched.prompt_tokens] if driving and sched.pool is not None else None,
                 "peak": sched.peak_rows if driving else 0}
+        if lost:  # every live rank: the stats and the end on the survivors (`lifecycle.ulfm`)
+            from ..lifecycle import ulfm
+
+            cx.world = cx.world.Shrink()
+            ulfm.set_survivors(cx.world)
         rows = gather_stats(cx, mine, "the generation stats")
         stopped_by = None
         if rows is not None and any(r["stopped"] for r in rows):
@@ -497,6 +546,45 @@ class GenerateDriver(JournalDriver):
                               prefill_steps=sched.prefill_steps, token_gap_ms=sched.token_gaps_ms(), replicas=replicas,
                               prefix_hits=[sum(h[0] for h in hits), sum(h[1] for h in hits)] if hits else None,
                               rows_at_once=sum(r["peak"] for r in rows or []))
+
+    def _rounds(self, cx: Any, ring: Any, sched: Any, feed: Any, on_done: Any, stop_now: Any, collector: Any,
+                post: Any) -> tuple[bool, bool]:
+        """The replicas' rounds under on_rank_failure = "continue" (`comm.recovery`): run the ring; when
+        it ends, report and wait for rank 0's word (another round, or the end). A replica whose ring
+        fails because a rank of it died stops and says so (``lost``); the others go on. Returns
+        (stopped by a signal, ranks were lost: the world must shrink)."""
+        from ..comm.recovery import MORE, SHRINK, say, wait_for_round
+        from ..comm.replicas import RowPost
+        from ..lifecycle import ulfm
+
+        topo, timeout = cx.topology, cx.job.run.timeout_s
+        post = post or (RowPost(cx.world, cx.ctx, timeout) if not cx.is_root else None)
+        out, stopped = False, False
+        while True:
+            try:
+                stopped = ring.drive(sched, on_done, stop_now) if topo.stage == 0 else ring.relay()
+            except Exception as e:  # (an MPI error: ULFM's word that a rank this one waited for is dead)
+                if not ulfm.is_failure(e):
+                    raise
+                dead = ulfm.failed_ranks(cx.world)
+                if 0 in dead:
+                    raise
+                out = True
+                log.info("replica %d stops: rank(s) %s of the job died", topo.replica, dead)
+                if collector is not None:
+                    collector.failed(dead)
+                else:
+                    say(post, "lost", dead=dead)
+            if collector is not None:
+                word = collector.wait_round(None if out or feed is None else feed.held, stopped or cx.stop.requested)
+            else:
+                if not out:
+                    say(post, "done", **({"held": feed.held} if feed is not None else {}))
+                word = wait_for_round(cx.world, cx.ctx, timeout)
+            if word != MORE:
+                return stopped, word == SHRINK
+            if feed is not None:
+                sched.feed = feed
 
     def _write_failed(self, indices: list[int]) -> int:
         """Rank 0: the output lines of the requests that cannot run (`batch_io`'s per-line errors)."""

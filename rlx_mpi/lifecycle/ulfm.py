@@ -26,9 +26,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, RlxError
 
-__all__ = ["check", "is_failure", "failed_ranks", "survivors", "set_survivors", "LAUNCH_FLAG"]
+__all__ = ["check", "is_failure", "failed_ranks", "survivors", "set_survivors", "Requeue", "requeue", "LAUNCH_FLAG"]
 
 LAUNCH_FLAG = "mpirun --with-ft ulfm"
 
@@ -93,3 +93,23 @@ def failed_ranks(comm: Any) -> list[int]:
         return sorted(MPI.Group.Translate_ranks(group, list(range(group.size)), comm.Get_group()))
     finally:
         group.Free()
+
+
+class Requeue(RlxError):
+    """Ranks died and this job cannot finish without them: end it for a rerun (exit 75, as a stop)."""
+
+    exit_code = 75  # io.journal.REQUEUE_EXIT (not imported here: lifecycle sits below io)
+
+
+def requeue(where: str, comm: Any, exc: BaseException) -> Requeue:
+    """The one line for a failure the survivors cannot carry on from (``continue``'s fallback)."""
+    try:
+        dead = failed_ranks(comm)
+    except Exception:  # the communicator itself is gone: say what MPI said
+        dead = []
+    who = f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))}" if dead else "a rank"
+    why = ("rank 0 holds the output and the prompt counter" if 0 in dead else
+           "no replica can take its work (one pipeline, or not a `generate` with replicas)")
+    return Requeue(where, f"{who} died ({exc.Get_error_string() if hasattr(exc, 'Get_error_string') else exc}) "
+                   f"and the job cannot go on without {'it' if len(dead) <= 1 else 'them'}: {why}",
+                   "the rows finished are in the output; rerun the same command to resume (exit code 75: requeue)")
