@@ -158,7 +158,7 @@ class RecoveringCollector:
 
     def __init__(self, world: Any, ctx: RankContext, timeout_s: float, replicas: list[list[int]],
                  counter: RefillCounter, items: list, on_rows: Callable[[int, dict], None],
-                 written: Callable[[Any], bool]):
+                 written: Callable[[Any], bool], stages: int = 1):
         # replicas: each replica's world ranks, its sending rank (stage 0, tp 0) first
         self.world, self.ctx, self.timeout_s = world, ctx, timeout_s
         self.replicas, self.counter, self.items, self.on_rows, self.written = replicas, counter, items, on_rows, written
@@ -170,9 +170,13 @@ class RecoveringCollector:
         self.dead: set[int] = set()
         self.broken: set[int] = set()
         self.skip: set[int] = set()  # positions past the filled ones that a broken replica held
+        self.settled: set[int] = set()  # positions whose rows went back to the pool (or were skipped)
         self.waiting: set[int] = set()  # ranks (not 0) done with this round (or out, once broken)
         self.heard = {rep[0]: time.monotonic() for rep in replicas}
         self.period = max(0.05, timeout_s / 4)
+        # a silent replica is named after its own ranks' deadlines (the ring's, staggered by stage:
+        # `decode_ring`), so that the rank next to a stuck one names it first
+        self.silence_s = timeout_s + (stages + 2) * max(1.0, 0.1 * timeout_s)
         self.pinged = time.monotonic()
         self.pings: list[tuple[Any, np.ndarray]] = []
         self.warnings: list[str] = []
@@ -235,7 +239,8 @@ class RecoveringCollector:
         if not new:
             return
         self.dead.update(new)
-        hit = sorted({self.replica_of[r] for r in new} - self.broken)
+        of = sorted({self.replica_of[r] for r in new})
+        hit = [i for i in of if i not in self.broken]
         self.broken.update(hit)
         for i in hit:
             self.heard.pop(self.replicas[i][0], None)
@@ -243,7 +248,8 @@ class RecoveringCollector:
         self._refill(lost)
         left = [i for i in range(len(self.replicas)) if i not in self.broken]
         line = (f"rlx-mpi: warning: rank{'s' if len(new) > 1 else ''} {', '.join(map(str, new))} died (replica"
-                f"{'s' if len(hit) > 1 else ''} {', '.join(map(str, hit))}); {len(lost)} unfinished prompt row"
+                f"{'s' if len(of) > 1 else ''} {', '.join(map(str, of))}{'' if hit else ', stopped before'}); "
+                f"{len(lost)} unfinished prompt row"
                 f"{'s' if len(lost) != 1 else ''} go back to the pool; replica{'s' if len(left) != 1 else ''} "
                 f"{', '.join(map(str, left)) or 'none'} left")
         self.warnings.append(line)
@@ -265,8 +271,9 @@ class RecoveringCollector:
         lost = []
         for p in range(count):
             owner = self._owner(p)
-            if owner is not None and owner not in self.broken:
+            if p in self.settled or (owner is not None and owner not in self.broken):
                 continue
+            self.settled.add(p)
             if p >= filled:
                 self.skip.add(p)
                 continue
@@ -318,6 +325,10 @@ class RecoveringCollector:
                 wait(_AllOf([q for q, _ in self.pings]), self.timeout_s, self.ctx, lambda: "every rank to take the end",
                      "some rank")
                 return word
+            if len(self.broken) == len(self.replicas) and not self.complete():
+                raise ulfm.Requeue(self.ctx.describe(), f"every replica lost a rank (ranks {', '.join(map(str, sorted(self.dead)))} "
+                                   "died): no replica is left to finish the prompts", "the rows finished are in the output; "
+                                   "rerun the same command to resume (exit code 75: requeue)")
             for i, rep in enumerate(self.replicas if not stopping else ()):
                 if i in self.broken or not all(r in self.waiting for r in rep if r != 0):
                     continue
@@ -338,9 +349,9 @@ class RecoveringCollector:
             voice = rep[0]
             if i == 0 or i in self.broken or voice in self.waiting:
                 continue
-            if now - self.heard.get(voice, now) > self.timeout_s:
+            if now - self.heard.get(voice, now) > self.silence_s:
                 raise DeadlineExpired(self.ctx.describe(), f"heard nothing from rank {voice} (another replica) for "
-                                      f"{self.timeout_s:.1f} s", f"rank {voice} is stuck, see its output above; if it is "
+                                      f"{self.silence_s:.1f} s", f"rank {voice} is stuck, see its output above; if it is "
                                       "only slow, raise [run] timeout_s")
 
 

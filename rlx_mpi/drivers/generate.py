@@ -453,7 +453,8 @@ class GenerateDriver(JournalDriver):
             from ..comm.recovery import RecoveringCollector
 
             collector = RecoveringCollector(cx.world, cx.ctx, timeout, [[x for g in rep for x in g] for rep in topo.replicas],
-                                            counter, items, on_rows, lambda r: (r.index, r.sample) in seen)
+                                            counter, items, on_rows, lambda r: (r.index, r.sample) in seen,
+                                            stages=topo.n_stages)
         else:
             collector = (Collector(cx.world, cx.ctx, timeout, {rep[0][0]: [x for g in rep for x in g]
                                                                for rep in topo.replicas[1:]}, on_rows)

@@ -12,8 +12,9 @@ and a test that drives a driver in-process passes its own. Each field is off by 
 - ``hold_s`` (``RLX_MPI_TEST_HOLD_S``): once the first row is in the output, rank 0 stops between
   steps until a stop is requested (at most that long), so a test's signal lands mid-run however
   fast the other replicas are (not with TP: its other ranks would wait on rank 0's all-reduce).
-- ``kill_after`` (``RLX_MPI_TEST_KILL=RANK:SECONDS[,RANK:SECONDS]``): world rank RANK SIGKILLs
-  itself that long after its generate run starts (a node dying mid-run), after one stderr line.
+- ``kill_after`` (``RLX_MPI_TEST_KILL=RANK:SECONDS[:STOP][,...]``): world rank RANK SIGKILLs
+  itself (a node dying mid-run), or with ``:STOP`` SIGSTOPs itself (a stuck node), that long after
+  its generate run starts, after one stderr line.
 
 (The pre-MPI faults, ``RLX_MPI_TEST_PREINIT``, act before any object exists: `launch`.)
 """
@@ -36,15 +37,15 @@ class TestHooks:
     tp_diverge: tuple[int, int] | None = None  # (world rank, step from 1)
     step_delay_s: float = 0.0
     hold_s: float = 0.0
-    kill_after: tuple[tuple[int, float], ...] = ()  # (world rank, seconds into the run)
+    kill_after: tuple[tuple[int, float, str], ...] = ()  # (world rank, seconds into the run, "KILL" | "STOP")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "TestHooks":
         env = os.environ if env is None else env
         who, _, step = env.get("RLX_MPI_TEST_TP_DIVERGE", "").partition(":")
         diverge = (int(who), int(step or 1)) if who.strip().isdigit() else None
-        kills = tuple((int(r), float(t)) for r, _, t in (k.partition(":") for k in
-                                                         env.get("RLX_MPI_TEST_KILL", "").split(",") if k.strip()))
+        kills = tuple((int(r), float(t), (how or "KILL").upper()) for r, t, how in
+                      ((k.split(":") + [""])[:3] for k in env.get("RLX_MPI_TEST_KILL", "").split(",") if k.strip()))
         return cls(diverge, float(env.get("RLX_MPI_TEST_STEP_DELAY_S", "0") or 0),
                    float(env.get("RLX_MPI_TEST_HOLD_S", "0") or 0), kills)
 
@@ -55,12 +56,12 @@ class TestHooks:
         import threading
         import time
 
-        for who, seconds in self.kill_after:
+        for who, seconds, how in self.kill_after:
             if who == rank:
-                def die(who=who) -> None:
-                    sys.stderr.write(f"rlx-mpi test: rank {who} kills itself (SIGKILL) at {time.time():.3f}\n")
+                def die(who=who, how=how) -> None:
+                    sys.stderr.write(f"rlx-mpi test: rank {who} kills itself (SIG{how}) at {time.time():.3f}\n")
                     sys.stderr.flush()
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getpid(), getattr(signal, f"SIG{how}"))
 
                 timer = threading.Timer(seconds, die)
                 timer.daemon = True  # (a job that ends first ends it)
