@@ -43,7 +43,8 @@ from ..lifecycle.faults import RankContext, _AllOf, wait
 from ..tags import REPLICA_END as TAG_END, REPLICA_WORK as TAG_WORK
 from .replicas import RowPost
 
-__all__ = ["RefillCounter", "RefillFeed", "RecoveringCollector", "wait_for_round", "MORE", "END", "SHRINK"]
+__all__ = ["RefillCounter", "RefillFeed", "RecoveringCollector", "wait_for_round", "lost_ranks", "say", "MORE", "END",
+           "SHRINK"]
 
 ALIVE, END, SHRINK, MORE = 0, 1, 2, 3  # rank 0's words to a waiting rank (ALIVE, END: `comm.replicas`)
 _COUNT, _FILLED, _HEAD = 0, 1, 2  # window slots: the counter, how many rows were returned; then the list
@@ -364,6 +365,22 @@ def wait_for_round(world: Any, ctx: RankContext, timeout_s: float) -> int:
         wait(req, timeout_s, ctx, lambda: "rank 0 to end the job (the other replicas to finish)", "rank 0")
         if buf[0] != ALIVE:
             return int(buf[0])
+
+
+def lost_ranks(cx: Any, exc: BaseException) -> list[int] | None:
+    """The dead ranks when ``exc`` means this rank's replica lost one, else None (a fault to report).
+
+    ULFM's own error (a peer this rank waited for died), or a deadline that expired while a rank of
+    this replica is dead: with 3 or more stages, a stage not next to the dead rank waits for a live
+    one that stopped, and learns of the death only at its deadline."""
+    if ulfm.is_failure(exc):
+        return ulfm.failed_ranks(cx.world)
+    if isinstance(exc, DeadlineExpired):
+        dead = ulfm.failed_ranks(cx.world)
+        topo = cx.topology
+        mine = {x for g in (topo.replicas[topo.replica] if topo.replicas else topo.grid) for x in g}
+        return dead if mine & set(dead) else None
+    return None
 
 
 def say(post: RowPost, kind: str, **doc: Any) -> None:

