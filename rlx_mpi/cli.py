@@ -244,8 +244,9 @@ def cmd_generate(args) -> int:
 def cmd_score(args) -> int:
     from .cluster.start import Cluster
     from .drivers.score import ScoreDriver
+    from .lifecycle.hooks import TestHooks
 
-    driver = ScoreDriver(args)
+    driver = ScoreDriver(args, hooks=TestHooks.from_env())  # (hooks: tests only)
     cx = Cluster.start(args.job, driver, debug=args.debug, log_dir=args.log_dir)
     if cx is None:  # every line already scored: the summary of the file still ends the job
         if driver.holder.get("journal") is not None:

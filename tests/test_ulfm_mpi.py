@@ -192,3 +192,38 @@ def test_a_stopped_rank_still_ends_the_job_named(tmp_path, tiny_ckpt):
     assert code == 5 and errors and "for rank 3" in errors[0], report
     assert not run.said("rlx-mpi: warning:"), report
     assert not leftovers(tmp_path)
+
+
+LINES = [(f"s{i}", np.random.default_rng(4600 + i).integers(0, 512, int(40 + i % 60)).tolist()) for i in range(300)]
+SCORE_FLAGS = ("--batch", 128)  # many small rounds: the kill lands mid-run
+
+
+def _score_setup(d: Path, ckpt, on_failure: str):
+    job, _, out = setup(d, ckpt, on_failure=on_failure)
+    lines = d / "s.jsonl"
+    lines.write_text("".join(json.dumps({"id": i, "tokens": t}) + "\n" for i, t in LINES))
+    return job, lines, out
+
+
+@ulfm
+def test_score_a_killed_rank_of_replica_1_the_job_finishes_identical(tmp_path, tiny_ckpt):
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    job, lines, out = _score_setup(ref, tiny_ckpt, "abort")
+    p = run_cli(["score", job, "--prompts", lines, "--out", out, *SCORE_FLAGS], ranks=4, timeout=300)
+    assert p.returncode == 0, p.stderr
+    unfailed = out.read_bytes()
+    d = tmp_path / "ft"
+    d.mkdir()
+    job, lines, out = _score_setup(d, tiny_ckpt, "continue")
+    run = Job(["score", job, "--prompts", lines, "--out", out, *SCORE_FLAGS], 4)
+    wait_rows(run.proc, out, 10)
+    killed = _kill(d, 3)
+    code = run.finish()
+    report = f"exit {code}\n--- stderr\n{run.stderr}"
+    warnings = run.said("rlx-mpi: warning:")
+    assert code == 0 and not run.said("rlx-mpi: error:") and len(warnings) == 1, report
+    assert "rank 3 died (replica 1)" in warnings[0] and "round" in warnings[0] and "replica 0 left" in warnings[0], report
+    assert run.when("rlx-mpi: warning:") - killed <= RECOVERY_S, report
+    assert out.read_bytes() == unfailed  # score rows are byte for byte (no timings in them)
+    assert not leftovers(d)

@@ -159,11 +159,12 @@ class RecoveringCollector:
 
     def __init__(self, world: Any, ctx: RankContext, timeout_s: float, replicas: list[list[int]],
                  counter: RefillCounter, items: list, on_rows: Callable[[int, dict], None],
-                 written: Callable[[Any], bool], stages: int = 1):
+                 written: Callable[[Any], bool], stages: int = 1, noun: str = "prompt row"):
         # replicas: each replica's world ranks, its sending rank (stage 0, tp 0) first
         self.world, self.ctx, self.timeout_s = world, ctx, timeout_s
         self.replicas, self.counter, self.items, self.on_rows, self.written = replicas, counter, items, on_rows, written
         self.replica_of = {r: i for i, rep in enumerate(replicas) for r in rep}
+        self.noun = noun  # what a counter position is, for the warning (a prompt row; score: a round)
         self.n = len(items)
         self.returned: list[int] = []  # rank 0's copy of the window's list
         self.claims: dict[int, list[tuple[int, int]]] = {i: [] for i in range(len(replicas))}
@@ -250,8 +251,8 @@ class RecoveringCollector:
         left = [i for i in range(len(self.replicas)) if i not in self.broken]
         line = (f"rlx-mpi: warning: rank{'s' if len(new) > 1 else ''} {', '.join(map(str, new))} died (replica"
                 f"{'s' if len(of) > 1 else ''} {', '.join(map(str, of))}{'' if hit else ', stopped before'}); "
-                f"{len(lost)} unfinished prompt row"
-                f"{'s' if len(lost) != 1 else ''} go back to the pool; replica{'s' if len(left) != 1 else ''} "
+                f"{len(lost)} unfinished {self.noun}{'s' if len(lost) != 1 else ''} go"
+                f"{'es' if len(lost) == 1 else ''} back to the pool; replica{'s' if len(left) != 1 else ''} "
                 f"{', '.join(map(str, left)) or 'none'} left")
         self.warnings.append(line)
         self.lost_at.append({"ranks": new, "replicas": hit, "rows": len(lost), "noticed": time.time()})

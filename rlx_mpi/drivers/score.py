@@ -186,8 +186,8 @@ class ScoreDriver(JournalDriver):
     Options = ScoreOptions
     command = "score"
 
-    def __init__(self, flags: Any, *, argv_inputs: tuple = ()):
-        self.flags, self.argv_inputs = flags, argv_inputs
+    def __init__(self, flags: Any, *, argv_inputs: tuple = (), hooks: Any = None):
+        self.flags, self.argv_inputs, self.hooks = flags, argv_inputs, hooks  # (hooks: tests only, `lifecycle.hooks`)
         self.opts: ScoreOptions | None = None
         self.doc: dict = {}
         self.holder: dict = {}  # rank 0: journal, prompts
@@ -446,6 +446,8 @@ class ScoreDriver(JournalDriver):
         # on_rank_failure = "continue": replicas outlive a dead rank (`comm.recovery`; tp 1: one head per stage 0)
         refill = shared and topo.tp == 1 and job.run.on_rank_failure is OnRankFailure.CONTINUE
         per_replica = [0] * topo.n_replicas
+        if self.hooks is not None:
+            self.hooks.arm_kill(cx.world.rank)
         wait(cx.world.Ibarrier(), timeout, cx.ctx, lambda: "every rank to start scoring", "some rank")
         post = collector = counter = claim = feed = None
         if shared:
@@ -473,7 +475,7 @@ class ScoreDriver(JournalDriver):
                 collector = RecoveringCollector(cx.world, cx.ctx, timeout, [[x for g in rep for x in g]
                                                                             for rep in topo.replicas],
                                                 counter, list(range(len(self.rounds))), on_rows, seen.__contains__,
-                                                stages=topo.n_stages)
+                                                stages=topo.n_stages, noun="round")
             elif cx.is_root:
                 collector = Collector(cx.world, cx.ctx, timeout, {rep[-1][0]: [x for g in rep for x in g]
                                                                   for rep in topo.replicas[1:]}, on_rows)
