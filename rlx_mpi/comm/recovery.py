@@ -130,7 +130,8 @@ class RefillFeed:
     def __call__(self) -> list:
         while True:
             if self.lo >= self.hi:
-                claim, self.claim = self.claim or self.counter.post(self.chunk), None
+                claim = self.claim if self.claim is not None else self.counter.post(self.chunk)
+                self.claim = None
                 self.lo = self.counter.take(claim)
                 self.hi = self.lo + self.chunk
                 self.on_took(self.lo, self.hi)
