@@ -43,8 +43,8 @@ from ..lifecycle.faults import RankContext, _AllOf, wait
 from ..tags import REPLICA_END as TAG_END, REPLICA_WORK as TAG_WORK
 from .replicas import RowPost
 
-__all__ = ["RefillCounter", "RefillFeed", "RecoveringCollector", "wait_for_round", "lost_ranks", "say", "MORE", "END",
-           "SHRINK"]
+__all__ = ["RefillCounter", "RefillFeed", "RecoveringCollector", "wait_for_round", "run_rounds", "lost_ranks", "say",
+           "MORE", "END", "SHRINK"]
 
 ALIVE, END, SHRINK, MORE = 0, 1, 2, 3  # rank 0's words to a waiting rank (ALIVE, END: `comm.replicas`)
 _COUNT, _FILLED, _HEAD = 0, 1, 2  # window slots: the counter, how many rows were returned; then the list
@@ -367,6 +367,39 @@ def wait_for_round(world: Any, ctx: RankContext, timeout_s: float) -> int:
         wait(req, timeout_s, ctx, lambda: "rank 0 to end the job (the other replicas to finish)", "rank 0")
         if buf[0] != ALIVE:
             return int(buf[0])
+
+
+def run_rounds(cx: Any, one_round: Callable[[], bool], again: Callable[[], None], feed: RefillFeed | None,
+               collector: RecoveringCollector | None, post: RowPost | None) -> tuple[bool, bool]:
+    """A replica's rounds (``generate``): ``one_round()`` (its ring: True if a stop signal ended it);
+    when it ends, report and wait for rank 0's word: ``again()`` and another round, or the end. A
+    rank whose round fails because a rank of its replica died stops and says so (``lost``); the
+    others go on. Returns (stopped by a signal, ranks were lost: the world must shrink)."""
+    timeout = cx.job.run.timeout_s
+    post = post or (RowPost(cx.world, cx.ctx, timeout) if not cx.is_root else None)
+    out, stopped = False, False
+    while True:
+        try:
+            stopped = one_round()
+        except Exception as e:  # (an MPI error: ULFM's word that a rank this one waited for is dead)
+            dead = lost_ranks(cx, e)
+            if dead is None or 0 in dead:
+                raise
+            out = True
+            if collector is not None:
+                collector.failed(dead)
+            else:
+                say(post, "lost", dead=dead)
+        if collector is not None:
+            word = collector.wait_round(None if out or feed is None else feed.held,
+                                        stopped or (cx.stop is not None and cx.stop.requested))
+        else:
+            if not out:
+                say(post, "done", **({"held": feed.held} if feed is not None else {}))
+            word = wait_for_round(cx.world, cx.ctx, timeout)
+        if word != MORE:
+            return stopped, word == SHRINK
+        again()
 
 
 def lost_ranks(cx: Any, exc: BaseException) -> list[int] | None:

@@ -495,7 +495,13 @@ class GenerateDriver(JournalDriver):
         t0 = time.perf_counter()
         lost = False
         if refill:
-            stopped, lost = self._rounds(cx, ring, sched, feed, on_done, stop_now, collector, post)
+            from ..comm.recovery import run_rounds
+
+            def again() -> None:  # (another round: stage 0 asks its feed again)
+                sched.feed = feed
+
+            stopped, lost = run_rounds(cx, lambda: ring.drive(sched, on_done, stop_now) if topo.stage == 0 else ring.relay(),
+                                       again, feed, collector, post)
         else:
             stopped = ring.drive(sched, on_done, stop_now) if topo.stage == 0 else ring.relay()
         if topo.stage == 0 and topo.tp > 1:  # the steps drained after the last check
@@ -547,42 +553,6 @@ class GenerateDriver(JournalDriver):
                               prefill_steps=sched.prefill_steps, token_gap_ms=sched.token_gaps_ms(), replicas=replicas,
                               prefix_hits=[sum(h[0] for h in hits), sum(h[1] for h in hits)] if hits else None,
                               rows_at_once=sum(r["peak"] for r in rows or []))
-
-    def _rounds(self, cx: Any, ring: Any, sched: Any, feed: Any, on_done: Any, stop_now: Any, collector: Any,
-                post: Any) -> tuple[bool, bool]:
-        """The replicas' rounds under on_rank_failure = "continue" (`comm.recovery`): run the ring; when
-        it ends, report and wait for rank 0's word (another round, or the end). A replica whose ring
-        fails because a rank of it died stops and says so (``lost``); the others go on. Returns
-        (stopped by a signal, ranks were lost: the world must shrink)."""
-        from ..comm.recovery import MORE, SHRINK, lost_ranks, say, wait_for_round
-        from ..comm.replicas import RowPost
-
-        topo, timeout = cx.topology, cx.job.run.timeout_s
-        post = post or (RowPost(cx.world, cx.ctx, timeout) if not cx.is_root else None)
-        out, stopped = False, False
-        while True:
-            try:
-                stopped = ring.drive(sched, on_done, stop_now) if topo.stage == 0 else ring.relay()
-            except Exception as e:  # (an MPI error: ULFM's word that a rank this one waited for is dead)
-                dead = lost_ranks(cx, e)
-                if dead is None or 0 in dead:
-                    raise
-                out = True
-                log.info("replica %d stops: rank(s) %s of the job died", topo.replica, dead)
-                if collector is not None:
-                    collector.failed(dead)
-                else:
-                    say(post, "lost", dead=dead)
-            if collector is not None:
-                word = collector.wait_round(None if out or feed is None else feed.held, stopped or cx.stop.requested)
-            else:
-                if not out:
-                    say(post, "done", **({"held": feed.held} if feed is not None else {}))
-                word = wait_for_round(cx.world, cx.ctx, timeout)
-            if word != MORE:
-                return stopped, word == SHRINK
-            if feed is not None:
-                sched.feed = feed
 
     def _write_failed(self, indices: list[int]) -> int:
         """Rank 0: the output lines of the requests that cannot run (`batch_io`'s per-line errors)."""
