@@ -99,9 +99,9 @@ def test_a_feed_holds_its_claim_past_the_end_until_rows_come_back():
 
 def test_a_dead_replicas_unwritten_rows_and_unreported_claims_go_back(capsys):
     counter = FakeCounter()
-    written = {0, 1, 2, 4}
     c = RecoveringCollector(None, RankContext(0, 6), 10.0, [[0, 1], [2, 3], [4, 5]], counter, list(range(10)),
-                            lambda src, doc: None, lambda item: item in written)
+                            lambda src, doc: None, lambda item: item)
+    assert all(c.fresh(i) for i in (0, 1, 2, 4)) and not c.fresh(2)  # written (once)
     for replica, lo, hi in ((0, 0, 2), (1, 2, 4), (0, 4, 6), (1, 6, 8), (2, 10, 12)):
         c.took(replica, lo, hi)
     counter.count = 12  # positions 8, 9: claimed, not reported yet (a replica's claim in flight)
@@ -117,7 +117,7 @@ def test_a_dead_replicas_unwritten_rows_and_unreported_claims_go_back(capsys):
     c.took(2, 12, 14)
     c.took(2, 16, 18)
     counter.count = 18
-    written |= {7}
+    c.fresh(7)
     c.failed([4, 5])
     assert counter.ret == [3, 6, 7, 8, 9, -1, -1, -1, 3, 6, 8, 9] and c.broken == {1, 2}
     assert "ranks 4, 5 died (replica 2); 4 unfinished prompt rows go back to the pool; replica 0 left" in \

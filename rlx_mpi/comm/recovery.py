@@ -43,7 +43,7 @@ from ..lifecycle.faults import RankContext, _AllOf, wait
 from ..tags import REPLICA_END as TAG_END, REPLICA_WORK as TAG_WORK
 from .replicas import RowPost
 
-__all__ = ["RefillCounter", "RefillFeed", "RecoveringCollector", "wait_for_round", "run_rounds", "lost_ranks", "say",
+__all__ = ["RefillCounter", "RefillFeed", "RecoveringCollector", "wait_for_round", "refill_feed", "run_rounds", "lost_ranks", "say",
            "MORE", "END", "SHRINK"]
 
 ALIVE, END, SHRINK, MORE = 0, 1, 2, 3  # rank 0's words to a waiting rank (ALIVE, END: `comm.replicas`)
@@ -160,10 +160,12 @@ class RecoveringCollector:
 
     def __init__(self, world: Any, ctx: RankContext, timeout_s: float, replicas: list[list[int]],
                  counter: RefillCounter, items: list, on_rows: Callable[[int, dict], None],
-                 written: Callable[[Any], bool], stages: int = 1, noun: str = "prompt row"):
+                 key: Callable[[Any], Any], stages: int = 1, noun: str = "prompt row"):
         # replicas: each replica's world ranks, its sending rank (stage 0, tp 0) first
         self.world, self.ctx, self.timeout_s = world, ctx, timeout_s
-        self.replicas, self.counter, self.items, self.on_rows, self.written = replicas, counter, items, on_rows, written
+        # key(item): what names an item's output (a row: (index, sample); score: the round); `fresh` keeps them
+        self.replicas, self.counter, self.items, self.on_rows, self.key = replicas, counter, items, on_rows, key
+        self.seen: set = set()
         self.replica_of = {r: i for i, rep in enumerate(replicas) for r in rep}
         self.noun = noun  # what a counter position is, for the warning (a prompt row; score: a round)
         self.n = len(items)
@@ -219,6 +221,17 @@ class RecoveringCollector:
                 self.waiting.add(src)
                 self.failed(doc["dead"])
         self._ping(ALIVE)
+
+    def fresh(self, *key: Any) -> bool:
+        """Not written yet (and from now on written): a row computed twice is written once."""
+        key = key[0] if len(key) == 1 else key
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+    def written(self, item: Any) -> bool:
+        return self.key(item) in self.seen
 
     def took(self, replica: int, lo: int, hi: int) -> None:
         self.claims[replica].append((lo, hi))
@@ -367,6 +380,12 @@ def wait_for_round(world: Any, ctx: RankContext, timeout_s: float) -> int:
         wait(req, timeout_s, ctx, lambda: "rank 0 to end the job (the other replicas to finish)", "rank 0")
         if buf[0] != ALIVE:
             return int(buf[0])
+
+
+def refill_feed(cx: Any, items: list, chunk: int, on_took: Callable[[int, int], None]) -> tuple:
+    """The counter (every rank) and the feed (stage 0, else None) of ``items`` in ``chunk`` claims."""
+    counter = RefillCounter(cx.world, cx.ctx, cx.job.run.timeout_s, len(items), cap=4 * len(items) + 64)
+    return counter, RefillFeed(counter, items, chunk, on_took) if cx.topology.stage == 0 else None
 
 
 def run_rounds(cx: Any, one_round: Callable[[], bool], again: Callable[[], None], feed: RefillFeed | None,

@@ -25,6 +25,7 @@ from .decode_ring import DecodeRing, lockstep_broken
 from .. import rules
 from ..comm import transport
 from ..config import OnRankFailure
+from ..lifecycle.ulfm import shrink as ulfm_shrink
 from ..errors import ConfigError
 from ..lifecycle.hooks import NO_HOOKS, TestHooks
 from ..io.batch_io import format_result, is_batch, stop_text
@@ -340,10 +341,9 @@ class GenerateDriver(JournalDriver):
         refill = shared and topo.tp == 1 and job.run.on_rank_failure is OnRankFailure.CONTINUE
         self.hooks.arm_kill(cx.world.rank)
         if refill:
-            from ..comm.recovery import RefillCounter, RefillFeed
+            from ..comm.recovery import refill_feed
 
-            counter = RefillCounter(cx.world, cx.ctx, timeout, len(items), cap=4 * len(items) + 64)
-            feed = RefillFeed(counter, items, opts.batch, lambda lo, hi: took(lo, hi)) if topo.stage == 0 else None
+            counter, feed = refill_feed(cx, items, opts.batch, lambda lo, hi: took(lo, hi))
         else:
             counter = SharedCounter(cx.world, cx.ctx, timeout) if shared else None
             feed = (ReplicaFeed(counter, items, opts.batch, leader=topo.tp_rank == 0, tp_comm=topo.tp_comm, tp=topo.tp,
@@ -382,15 +382,6 @@ class GenerateDriver(JournalDriver):
         replica_of = {rank: r for r, rep in enumerate(topo.replicas or [topo.grid]) for g in rep for rank in g}
         driving = topo.stage == 0 and topo.tp_rank == 0
         post = RowPost(cx.world, cx.ctx, timeout) if shared and not cx.is_root else None
-
-        seen: set[tuple[int, int]] = set()  # rank 0 under refill: rows written (a row computed twice is written once)
-
-        def fresh(index: int, sample: int) -> bool:
-            """Rank 0: not written yet (under refill a row computed twice is written and counted once)."""
-            if (index, sample) in seen:
-                return False
-            seen.add((index, sample))
-            return True
 
         def write(index: int, row: dict) -> None:
             """Rank 0: one finished row into the journal (its text decoded here: the tokenizer is rank 0's);
@@ -433,7 +424,7 @@ class GenerateDriver(JournalDriver):
                 out.append((r.index, row))
             if journal is not None:
                 if refill:  # (out follows rows here)
-                    pairs = [(r, o) for r, o in zip(rows, out) if fresh(o[0], o[1].get("sample", 0))]
+                    pairs = [(r, o) for r, o in zip(rows, out) if collector.fresh(o[0], o[1].get("sample", 0))]
                     rows, out = [r for r, _ in pairs], [o for _, o in pairs]
                 for index, row in out:
                     write(index, row)
@@ -444,7 +435,7 @@ class GenerateDriver(JournalDriver):
         def on_rows(src: int, msg: dict) -> None:
             rows = msg["rows"]
             if refill:
-                rows = [(i, row) for i, row in rows if fresh(i, row.get("sample", 0))]
+                rows = [(i, row) for i, row in rows if collector.fresh(i, row.get("sample", 0))]
             for index, row in rows:
                 write(index, row)
             taken(replica_of[src], rows, sum(len(row["tokens"]) for _, row in rows))
@@ -453,8 +444,7 @@ class GenerateDriver(JournalDriver):
             from ..comm.recovery import RecoveringCollector
 
             collector = RecoveringCollector(cx.world, cx.ctx, timeout, [[x for g in rep for x in g] for rep in topo.replicas],
-                                            counter, items, on_rows, lambda r: (r.index, r.sample) in seen,
-                                            stages=topo.n_stages)
+                                            counter, items, on_rows, lambda r: (r.index, r.sample), stages=topo.n_stages)
         else:
             collector = (Collector(cx.world, cx.ctx, timeout, {rep[0][0]: [x for g in rep for x in g]
                                                                for rep in topo.replicas[1:]}, on_rows)
@@ -507,14 +497,10 @@ class GenerateDriver(JournalDriver):
         if topo.stage == 0 and topo.tp > 1:  # the steps drained after the last check
             stop_now(final=True)
         mine_wall = time.perf_counter() - t0
-        if refill:
+        if shared:
             if feed is not None:
                 feed.close()
-            counter.close(lost)
-        elif shared:
-            if feed is not None:
-                feed.close()
-            end_replicas(cx, counter, collector, post)
+            counter.close(lost) if refill else end_replicas(cx, counter, collector, post)
         wall = time.perf_counter() - t0
         if journal is not None:
             journal.close()
@@ -528,10 +514,7 @@ class GenerateDriver(JournalDriver):
                 "prefix": [sched.reused, sched.prompt_tokens] if driving and sched.pool is not None else None,
                 "peak": sched.peak_rows if driving else 0}
         if lost:  # every live rank: the stats and the end on the survivors (`lifecycle.ulfm`)
-            from ..lifecycle import ulfm
-
-            cx.world = cx.world.Shrink()
-            ulfm.set_survivors(cx.world)
+            cx.world = ulfm_shrink(cx.world)
         rows = gather_stats(cx, mine, "the generation stats")
         stopped_by = None
         if rows is not None and any(r["stopped"] for r in rows):

@@ -424,14 +424,10 @@ class ScoreDriver(JournalDriver):
                      "some rank")
             return bool(flag[0]), int(flag[1])
 
-        seen: set[int] = set()  # rank 0 under refill: rounds written (a round computed twice is written once)
-
         def write(k_lines: list[int], lps: np.ndarray, where: dict, replica: int = 0, r: int = -1) -> None:
             """Rank 0: a round's rows into the journal, in file order."""
-            if refill:
-                if r in seen:
-                    return
-                seen.add(r)
+            if refill and not collector.fresh(r):  # (a round computed twice is written once)
+                return
             for k in k_lines:
                 lo, hi = where[k]
                 index = pending[k][0]
@@ -474,7 +470,7 @@ class ScoreDriver(JournalDriver):
             if cx.is_root and refill:
                 collector = RecoveringCollector(cx.world, cx.ctx, timeout, [[x for g in rep for x in g]
                                                                             for rep in topo.replicas],
-                                                counter, list(range(len(self.rounds))), on_rows, seen.__contains__,
+                                                counter, list(range(len(self.rounds))), on_rows, lambda r: r,
                                                 stages=topo.n_stages, noun="round")
             elif cx.is_root:
                 collector = Collector(cx.world, cx.ctx, timeout, {rep[-1][0]: [x for g in rep for x in g]
@@ -588,10 +584,9 @@ class ScoreDriver(JournalDriver):
                 "stopped": stopped, "rounds": done_rounds, "tokens": counts["tokens"], "padded": counts["padded"],
                 "wall_s": mine_wall, "keeps": keeps, "microbatches": counts["microbatches"], "reused": counts["reused"]}
         if lost:  # every live rank: the stats and the end on the survivors (`lifecycle.ulfm`)
-            from ..lifecycle import ulfm
+            from ..lifecycle.ulfm import shrink
 
-            cx.world = cx.world.Shrink()
-            ulfm.set_survivors(cx.world)
+            cx.world = shrink(cx.world)
         rows = gather_stats(cx, mine, "the score stats")
         stopped = transport.bcast_json(cx.world, any(x["stopped"] for x in rows) if rows else None, 0, timeout,
                                        cx.ctx, "the end of the run") if shared else stopped

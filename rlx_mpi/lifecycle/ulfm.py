@@ -28,7 +28,7 @@ from typing import Any
 
 from ..errors import ConfigError, RlxError
 
-__all__ = ["check", "is_failure", "failed_ranks", "survivors", "set_survivors", "Requeue", "requeue", "LAUNCH_FLAG"]
+__all__ = ["check", "is_failure", "failed_ranks", "survivors", "set_survivors", "shrink", "Requeue", "requeue", "LAUNCH_FLAG"]
 
 LAUNCH_FLAG = "mpirun --with-ft ulfm"
 
@@ -38,6 +38,12 @@ survivors: Any = None  # the shrunk world, once a rank was lost (see the module'
 def set_survivors(comm: Any) -> None:
     global survivors
     survivors = comm
+
+
+def shrink(comm: Any) -> Any:
+    """The survivors of ``comm`` (collective over them), kept as the communicator the job ends on."""
+    set_survivors(comm.Shrink())
+    return survivors
 
 
 def _enabled_in_env() -> bool:
