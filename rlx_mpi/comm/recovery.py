@@ -196,16 +196,16 @@ class RecoveringCollector:
         while True:
             try:
                 msg = self.world.Improbe(MPI.ANY_SOURCE, TAG_WORK, status)
+                if msg is None:
+                    break
+                src = status.Get_source()
+                buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+                msg.Recv(buf)  # (a large message whose sender died after the probe fails here: its rows are redone)
             except MPI.Exception as e:
                 if not ulfm.is_failure(e):
                     raise
                 self.failed(ulfm.failed_ranks(self.world))
                 continue
-            if msg is None:
-                break
-            src = status.Get_source()
-            buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
-            msg.Recv(buf)
             doc = json.loads(buf.tobytes())
             self.heard[src] = time.monotonic()
             kind = doc["kind"]

@@ -553,6 +553,7 @@ class ScoreDriver(JournalDriver):
             dead = lost_ranks(cx, e) if refill else None
             if dead is None or 0 in dead:
                 raise
+            log.info("replica %d stops (%s): rank(s) %s died", topo.replica, e, dead)
             if collector is not None:
                 collector.failed(dead)
             else:
