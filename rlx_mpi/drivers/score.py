@@ -493,11 +493,12 @@ class ScoreDriver(JournalDriver):
             if not lost:
                 say(notes, "done", **({"held": feed.held} if feed is not None else {}))
             return wait_for_round(cx.world, cx.ctx, timeout)
+
         t0 = time.perf_counter()
         stopped, done_rounds, r = False, 0, -1
         word = None  # refill: rank 0's last word (`comm.recovery`)
         while True:
-          try:  # (refill: a dead rank of this replica ends its passes; the others go on)
+          try:  # (refill: a dead rank of this replica ends its passes; the others go on. Indented by 2 to leave the body as it was)
             if refill:
                 got = feed() if feed is not None else []
                 nxt = got[0] if got else (len(self.rounds) if feed is not None else -1)
