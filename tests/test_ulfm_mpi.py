@@ -227,3 +227,22 @@ def test_score_a_killed_rank_of_replica_1_the_job_finishes_identical(tmp_path, t
     assert run.when("rlx-mpi: warning:") - killed <= RECOVERY_S, report
     assert out.read_bytes() == unfailed  # score rows are byte for byte (no timings in them)
     assert not leftovers(d)
+
+
+@ulfm
+def test_one_pipeline_with_a_dead_rank_requeues_and_the_rerun_is_identical(tmp_path, tiny_ckpt, unfailed):
+    """No replica to spare: exit 75 with every finished row written (the last live rank exits, as
+    Open MPI ends a job 0 when the last live rank calls MPI_Abort: `ulfm.end_if_alone`)."""
+    job, prompts, out = setup(tmp_path, tiny_ckpt, replicas=1)
+    argv = ["generate", job, "--prompts", prompts, "--out", out, *FLAGS]
+    run = Job(argv, 2)
+    wait_rows(run.proc, out, 20)
+    _kill(tmp_path, 1)
+    code = run.finish()
+    report = f"exit {code}\n--- stderr\n{run.stderr}"
+    errors = run.said("rlx-mpi: error:")
+    assert code == 75 and len(errors) == 1 and "rank 1 died" in errors[0] and "no replica" in errors[0], report
+    assert 20 <= len([r for r in whole_rows(out) if r is not None]) < len(PROMPTS)
+    assert not leftovers(tmp_path)
+    assert Job(argv, 2).finish() == 0
+    assert without_ms(whole_rows(out)) == unfailed

@@ -155,7 +155,11 @@ class Cluster:
                 from ..lifecycle import ulfm
 
                 if ulfm.is_failure(e):
+                    from ..lifecycle import supervisor
+
                     info = (ulfm.Requeue, ulfm.requeue(self.ctx.describe(), self.world, e), info[2])
+                    supervisor.exiting(ulfm.Requeue.exit_code)  # (the launcher's kill after the abort keeps it)
+                    ulfm.end_if_alone(self.world, info[1])
             report_and_abort(self.world, self.ctx, info)
             raise
         finally:

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..errors import ConfigError, RlxError
 
-__all__ = ["check", "is_failure", "failed_ranks", "survivors", "set_survivors", "shrink", "Requeue", "requeue", "LAUNCH_FLAG"]
+__all__ = ["check", "is_failure", "failed_ranks", "survivors", "set_survivors", "shrink", "Requeue", "end_if_alone", "requeue", "LAUNCH_FLAG"]
 
 LAUNCH_FLAG = "mpirun --with-ft ulfm"
 
@@ -105,6 +105,24 @@ class Requeue(RlxError):
     """Ranks died and this job cannot finish without them: end it for a rerun (exit 75, as a stop)."""
 
     exit_code = 75  # io.journal.REQUEUE_EXIT (not imported here: lifecycle sits below io)
+
+
+def end_if_alone(comm: Any, err: Requeue) -> None:
+    """When every other rank of ``comm`` is dead: say ``err`` and exit 75 without MPI_Abort.
+
+    Note: Open MPI 5.0.11 under ULFM ends a job with exit 0 when the last live rank calls
+    MPI_Abort (measured with 2 ranks, 1 killed: Abort(75) gave 0, a plain exit 75 gave 75)."""
+    import sys
+
+    from . import supervisor
+
+    if len(failed_ranks(comm)) < comm.size - 1:
+        return
+    sys.stderr.write(f"rlx-mpi: error: {err.line()}\n")
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    supervisor.done()
+    os._exit(err.exit_code)
 
 
 def requeue(where: str, comm: Any, exc: BaseException) -> Requeue:
