@@ -98,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
                    help="compute every prompt's whole prefill, even the blocks another prompt began with "
                    "(A/B runs; default: [generate] prefix_cache, else on)")
+    g.add_argument("--adapter", action="append", metavar="NAME=DIR", help="a LoRA adapter (a PEFT directory) that "
+                   "requests name (an OpenAI line's \"model\", our \"adapter\"); repeatable; adds to [adapters]")
     g.add_argument("--batch", type=int, metavar="B", help="sequences per group")
     g.add_argument("--kv-rows", type=int, metavar="N", help="KV budget in full-length rows; with the block cache "
                    "shorter rows share it by what they use, up to groups x batch at once (default: [generate] "
