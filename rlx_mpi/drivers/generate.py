@@ -103,12 +103,14 @@ def _requests(p: Any, opts: GenerateOptions) -> list[Request]:
     a prompt without settings of its own is one row of the job's."""
     s = p.settings
     tokens = tuple(p.tokens)
+    adapter = getattr(p, "adapter", None)  # its LoRA adapter (`decoder.lora`); None: the base model
     if s is None:
-        return [Request(p.index, p.id, tokens)]
+        return [Request(p.index, p.id, tokens, adapter=adapter)]
     limit = p.request["max_new_tokens"] if p.request else (s.max_tokens or opts.max_new_tokens)
     q = s.params(opts.sampling)
     own = q if q != opts.sampling else None  # (rows that sample as the job does keep the batched path)
-    return [Request(p.index, p.id, tokens, j, sample_id(p.id, j), limit, tuple(s.stop), own) for j in range(s.n)]
+    return [Request(p.index, p.id, tokens, j, sample_id(p.id, j), limit, tuple(s.stop), own, adapter=adapter)
+            for j in range(s.n)]
 
 
 class GenerateDriver(JournalDriver):
@@ -122,6 +124,7 @@ class GenerateDriver(JournalDriver):
     Options = GenerateOptions
     command = "generate"
     decodes = True
+    uses_adapters = True  # rows may name the job's LoRA adapters (`Cluster.build` loads them)
 
     def __init__(self, flags: Any, *, argv_inputs: tuple = (), hooks: TestHooks = NO_HOOKS):
         self.flags, self.argv_inputs, self.hooks = flags, argv_inputs, hooks
@@ -132,6 +135,10 @@ class GenerateDriver(JournalDriver):
         self.kv_bytes = 0
         self.prefix_blocks = 0  # blocks of the prefix cache's pool on every stage (0: off)
         self.paged = False  # the full layers' rows take the pool's blocks through block tables (`_paged`)
+
+    def configure(self, cx: Any) -> None:
+        super().configure(cx)
+        cx.job = cx.job.with_adapters(getattr(self.flags, "adapter", None))  # --adapter NAME=DIR
 
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; (cache slots, longest sequence), None when all are done."""
@@ -154,12 +161,17 @@ class GenerateDriver(JournalDriver):
             from ..io.shards import select
 
             prompts = read_requests(opts.prompts, vocab_size=dims.vocab_size, max_positions=dims.max_positions,
-                                    max_new_tokens=opts.max_new_tokens, tokenizer=tokenizer)
+                                    max_new_tokens=opts.max_new_tokens, tokenizer=tokenizer,
+                                    adapters=tuple(n for n, _ in job.adapters), base_names=job.model.base_names)
             prompts, shard = select(prompts, opts.shard, str(opts.prompts))
             sampled = any(p.settings and not p.settings.params(opts.sampling).greedy for p in prompts)
             identity = RunIdentity.for_generate(job.model.checkpoint, opts.sampling, opts.max_new_tokens,
                                                 eos_ids=eos, logprobs=opts.logprobs, sampled=sampled)
             identity = identity.with_settings(**beside_settings(tokenizer))  # (+ the layout's: `settle`)
+            if job.adapters:  # each adapter's files: another adapter under the same name is another run
+                from ..families.hf.peft import adapter_digest
+
+                identity = identity.with_settings(adapters={n: adapter_digest(p) for n, p in job.adapters})
             journal = Journal(opts.out, prompts, inputs=(opts.prompts, job.path, job.model.checkpoint,
                                                          *self.argv_inputs), sync_s=opts.sync_s, identity=identity,
                               shard=shard, settle=True, adopt=bool(getattr(self.flags, "adopt_output", False)))
@@ -322,8 +334,10 @@ class GenerateDriver(JournalDriver):
                  for r in items}
         per_key = {r.key: r.sampling for r in items if r.sampling is not None}
         k = min(max(opts.logprobs, doc["top_logprobs"]), cx.dims.vocab_size)  # (a request's top_logprobs too)
+        index = {n: i for i, (n, _) in enumerate(job.adapters)}  # the job's order: the stages' stacks'
+        adapters = {r.key: index[r.adapter] for r in items if r.adapter is not None}
         ring = DecodeRing(cx, opts.sampling, sched.header_size, k_logprobs=k, names=names, per_key=per_key,
-                          with_logprobs=doc["logprobs"], hooks=self.hooks)
+                          with_logprobs=doc["logprobs"], hooks=self.hooks, adapters=adapters)
         journal, tokenizer = holder.get("journal"), holder.get("tokenizer")
         prompt_of = {p.index: p for p in holder.get("prompts", [])}
         texts = {i: p.text for i, p in prompt_of.items()}
