@@ -139,6 +139,11 @@ class GenerateDriver(JournalDriver):
     def configure(self, cx: Any) -> None:
         super().configure(cx)
         cx.job = cx.job.with_adapters(getattr(self.flags, "adapter", None))  # --adapter NAME=DIR
+        if cx.job.adapters:  # each one's adapter_config.json now: a bad one is one line before any plan
+            from ..families.hf.peft import read_adapter_config
+
+            for name, path in cx.job.adapters:
+                read_adapter_config(Path(path), name)
 
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; (cache slots, longest sequence), None when all are done."""
@@ -171,7 +176,7 @@ class GenerateDriver(JournalDriver):
             if job.adapters:  # each adapter's files: another adapter under the same name is another run
                 from ..families.hf.peft import adapter_digest
 
-                identity = identity.with_settings(adapters={n: adapter_digest(p) for n, p in job.adapters})
+                identity = identity.with_settings(adapters={n: adapter_digest(p, n) for n, p in job.adapters})
             journal = Journal(opts.out, prompts, inputs=(opts.prompts, job.path, job.model.checkpoint,
                                                          *self.argv_inputs), sync_s=opts.sync_s, identity=identity,
                               shard=shard, settle=True, adopt=bool(getattr(self.flags, "adopt_output", False)))

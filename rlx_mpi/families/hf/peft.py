@@ -137,7 +137,7 @@ def read_adapter_config(path: Path, name: str) -> AdapterConfig:
     return AdapterConfig(r, float(alpha), bool(raw.get("use_rslora", False)), ranks, alphas, targets)
 
 
-def adapter_digest(path: Path) -> str:
+def adapter_digest(path: Path, name: str = "") -> str:
     """blake2b of the adapter's two files (the run identity covers it: `io.identity`)."""
     h = hashlib.blake2b(digest_size=16)
     for f in (CONFIG, WEIGHTS):
@@ -146,7 +146,7 @@ def adapter_digest(path: Path) -> str:
                 for chunk in iter(lambda: fh.read(1 << 20), b""):
                     h.update(chunk)
         except OSError as e:
-            raise ConfigError(f"adapter ({path / f})", f"cannot read ({e.strerror or e})",
+            raise ConfigError(f"adapter {name!r} ({path / f})", f"cannot read ({e.strerror or e})",
                               "pass a PEFT adapter directory") from None
     return h.hexdigest()
 
