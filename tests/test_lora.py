@@ -364,3 +364,22 @@ def test_openai_lines_name_their_adapter_in_model(tmp_path):
     assert err["message"] == ('line 4: "model" "gpt-x" is neither the base model (m) nor one of this job\'s '
                               'adapters (sql)')
     assert all(p.error is None for p in read(tmp_path, tok, *lines))  # no adapters: "model" is not read
+
+
+def test_plan_counts_the_adapters_as_the_stages_hold_them(tmp_path, converted):
+    from conftest import run_cli
+    from rlx_mpi.families.hf.peft import stacked_layer_bytes
+
+    family, cfg, path = converted("llama_linear")
+    stage = build(family, cfg, path, "llama_linear")
+    held = max(sum(s.nbytes for s in layer.values()) for layer in stage.lora_layers)
+    assert stacked_layer_bytes([(n, LORA / "llama_linear" / n) for n in NAMES], cfg) == held == stage.adapter_bytes // 2
+    (tmp_path / "a.toml").write_text(f'[model]\ncheckpoint = "{path}"\n')
+    (tmp_path / "b.toml").write_text(f'[model]\ncheckpoint = "{path}"\n[adapters]\n'
+                                     + "".join(f'{n} = "{LORA / "llama_linear" / n}"\n' for n in NAMES))
+    totals = []
+    for job in ("a", "b"):
+        proc = run_cli(["plan", tmp_path / f"{job}.toml", "--ranks", "1"])
+        assert proc.returncode == 0, proc.stderr
+        totals.append(float(proc.stdout.split(" MB estimated in total")[0].split()[-1]))
+    assert abs((totals[1] - totals[0]) * 1e6 - 2 * held) < 0.01e6  # two layers' adapters (the table's 0.01 MB)

@@ -108,6 +108,11 @@ def plan(args) -> int:
         kv_specs = [job.kv_for(r) for r in range(args.ranks)] if job else [KvSpec("full")]
     # priced in f32 (each rank's precision scales its weight bytes), the KV term cut to the policy
     cost = kv_cost(family.cost(cfg, batch, seq), kv_specs, seq)
+    if job is not None and job.adapters and not given:  # the job's LoRA adapters, as the stages stack them
+        from ..families.hf.peft import stacked_layer_bytes
+        from ..model.cost import with_adapters
+
+        cost = with_adapters(cost, stacked_layer_bytes(list(job.adapters), cfg))
     if (precision and job is not None and not (given or args.preset or args.hf_config) and hasattr(family, "held_bytes")
             and job.model.checkpoint.is_file()):  # the checkpoint's own storage priced as held (a Q4_K file's pairs)
         from ..model.cost import with_held_scales

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 from .. import rules
 from ..config import Precision
 
-__all__ = ["ModelCost", "kv_cost", "with_held_scales", "StepCost", "step_cost", "Machine"]
+__all__ = ["ModelCost", "kv_cost", "with_adapters", "with_held_scales", "StepCost", "step_cost", "Machine"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class ModelCost:
     dense_flops_per_token: float = 0.0  # one layer's FLOPs of a token but attention (0: not told, then
     # `step_cost` takes layer_flops_per_token, which prices every token's attention at the full seq)
     hidden_size: int = 0  # the hidden state's width (what a stage sends a token; 0: not told)
+    adapter_bytes_per_layer: int = 0  # the job's LoRA adapters on the layer that holds most (float32 at any
+    # precision, so never scaled by one; `with_adapters`)
 
     def under_tp(self, tp: int) -> "ModelCost":
         """The whole stage's bytes when its ``tp`` ranks split the layers: every rank holds the
@@ -65,11 +67,12 @@ class ModelCost:
         weights = n * self.layer_bytes + (self.embed_bytes if first else 0) + (self.head_bytes if last else 0)
         weights -= self.shared_end_bytes if first and last else 0
         weights = weights if weight_scale == 1.0 else int(weights * weight_scale)
-        return weights + n * self.kv_bytes_per_layer + self.act_bytes
+        return weights + n * (self.kv_bytes_per_layer + self.adapter_bytes_per_layer) + self.act_bytes
 
     def layer_cost_bytes(self, weight_scale: float = 1.0) -> int:
         """Bytes one more layer adds to a stage."""
-        return (self.layer_bytes if weight_scale == 1.0 else int(self.layer_bytes * weight_scale)) + self.kv_bytes_per_layer
+        return ((self.layer_bytes if weight_scale == 1.0 else int(self.layer_bytes * weight_scale))
+                + self.kv_bytes_per_layer + self.adapter_bytes_per_layer)
 
     def stage_flops(self, layers: range, last: bool) -> float:
         """FLOPs of one forward through a stage (all TP shards together)."""
@@ -99,6 +102,14 @@ def kv_cost(cost: ModelCost, specs: list, max_seq: int) -> ModelCost:
     """
     kept = max(s.cache_len(max_seq) for s in specs)
     return dataclasses.replace(cost, kv_bytes_per_layer=cost.kv_bytes_per_layer * kept // max_seq)
+
+
+def with_adapters(cost: ModelCost, per_layer: int) -> ModelCost:
+    """``cost`` with the job's LoRA adapters: ``per_layer`` bytes on every layer (the most any layer
+    holds: `families.hf.peft.stacked_layer_bytes`). Under TP a column-parallel adapter's A is
+    whole on each rank (B split), so a TP stage holds a little more than this counts (r x in x 4
+    bytes a projection and rank: 256 KiB at r = 16 on a 4096-wide one)."""
+    return dataclasses.replace(cost, adapter_bytes_per_layer=int(per_layer))
 
 
 # -- the price of one step ------------------------------------------------------------------------

@@ -32,7 +32,8 @@ from ...errors import CheckpointError, ConfigError, json_type
 from ..decoder.arch import Arch
 from .safetensors import _read_safetensors_header, _read_tensor
 
-__all__ = ["LoraModule", "AdapterConfig", "read_adapter_config", "read_adapter", "adapter_digest", "MODULES"]
+__all__ = ["LoraModule", "AdapterConfig", "read_adapter_config", "read_adapter", "adapter_digest", "stacked_layer_bytes",
+           "MODULES"]
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -149,6 +150,33 @@ def adapter_digest(path: Path, name: str = "") -> str:
             raise ConfigError(f"adapter {name!r} ({path / f})", f"cannot read ({e.strerror or e})",
                               "pass a PEFT adapter directory") from None
     return h.hexdigest()
+
+
+def stacked_layer_bytes(adapters: list[tuple[str, Path]], cfg: Arch) -> int:
+    """The bytes of the adapters on the layer that holds most, as a stage stacks them
+    (`decoder.lora`: per projection, K adapters padded to the widest rank, float32), from the
+    files' headers alone (what ``plan`` and the planner count)."""
+    ranks: dict[tuple[int, str], dict[int, int]] = {}
+    widths: dict[str, int] = {}
+    for k, (name, path) in enumerate(adapters):
+        for tname, entry in _read_safetensors_header(Path(path) / WEIGHTS).items():
+            m = _TENSOR.match(tname)
+            if m is None or len(entry.shape) != 2:
+                continue  # (refused with its name when the stage loads it)
+            module = next((ours for ours, (hf, _) in MODULES.items() if hf == m.group(2)), None)
+            if module is None:
+                continue
+            layer = ranks.setdefault((int(m.group(1)), module), {})
+            if m.group(3) == "A":
+                layer[k] = entry.shape[0]
+                widths[module + "A"] = entry.shape[1]
+            else:
+                widths[module + "B"] = entry.shape[0]
+    per_layer: dict[int, int] = {}
+    for (n, module), by in ranks.items():
+        K, R = len(adapters), max(by.values())
+        per_layer[n] = per_layer.get(n, 0) + 4 * K * R * (widths.get(module + "A", 0) + widths.get(module + "B", 0))
+    return max(per_layer.values(), default=0)
 
 
 def read_adapter(path: Path, name: str, cfg: Arch, layers: range | None = None,
