@@ -211,15 +211,20 @@ class GenerateDriver(JournalDriver):
     def cost(self, cx: Any) -> Any:
         """The family's cost with the KV term cut to what the ranks' policies keep, as a function of
         the stage count (one group of slots per stage by default: `placement.plan_grid`)."""
-        from ..model.cost import kv_cost
+        from ..model.cost import kv_cost, with_adapters
 
         specs = [cx.job.kv_for(r) for r in range(cx.world.size)]
         cx.prepare()
         family, cfg, opts = cx.family, cx.model_config, self.opts
         extra = PREFIX_POOL_ROWS if self._prefix_cache_on(cx) else 0  # the pool: as many positions as that many slots
         rows = opts.kv_rows if opts.kv_rows and self._paged(cx) else 0  # (a paged cache: the budget, not the slots)
-        return lambda stages: kv_cost(family.cost(cfg, (rows or (opts.groups or stages) * opts.batch) + extra, cx.seq),
-                                      specs, cx.seq)
+        adapters = 0
+        if cx.job.adapters:  # the job's LoRA adapters, as the stages stack them (`decoder.lora`)
+            from ..families.hf.peft import stacked_layer_bytes
+
+            adapters = stacked_layer_bytes(list(cx.job.adapters), cfg)
+        return lambda stages: with_adapters(kv_cost(family.cost(cfg, (rows or (opts.groups or stages) * opts.batch)
+                                                                + extra, cx.seq), specs, cx.seq), adapters)
 
     def _paged(self, cx: Any) -> bool:
         """Do the stages' full-attention layers read through block tables (`kv_cache`'s block-table
