@@ -91,7 +91,7 @@ def naive(y, x, rows, a, b, ranks, scale, col):
     for n, k in enumerate(rows):
         if k >= 0:
             r = ranks[k]
-            y[n, col:col + b.shape[1]] += scale[k] * (b[k, :, :r].astype(np.float64) @ (a[k, :r].astype(np.float64) @ x[n]))
+            y[n, col:col + b.shape[2]] += scale[k] * (b[k, :r].T.astype(np.float64) @ (a[k, :r].astype(np.float64) @ x[n]))
     return y
 
 
@@ -101,7 +101,7 @@ def test_lora_add_matches_numpy_and_leaves_base_rows_alone(N):
     K, R, I, O, W, col = 3, 16, 40, 24, 60, 20
     x = rng.standard_normal((N, I)).astype(np.float32)
     a = rng.standard_normal((K, R, I)).astype(np.float32)
-    b = rng.standard_normal((K, O, R)).astype(np.float32)
+    b = rng.standard_normal((K, R, O)).astype(np.float32)
     ranks, scale = np.array([8, 16, 4]), np.array([2.0, 0.5, 1.5], np.float32)
     rows = rng.integers(-1, K, N)
     y0 = rng.standard_normal((N, W)).astype(np.float32)
@@ -118,13 +118,13 @@ def test_lora_add_names_what_does_not_fit():
     z = np.zeros
     with pytest.raises(ValueError, match="do not fit"):
         kernels.lora_add_(z((2, 4), np.float32), z((2, 3), np.float32), z(2, int), z((1, 2, 5), np.float32),
-                          z((1, 4, 2), np.float32), np.ones(1, int), np.ones(1, np.float32))
+                          z((1, 2, 4), np.float32), np.ones(1, int), np.ones(1, np.float32))
     with pytest.raises(ValueError, match=r"row adapters must lie in \[-1, 0\]"):
         kernels.lora_add_(z((2, 4), np.float32), z((2, 3), np.float32), np.array([0, 1]), z((1, 2, 3), np.float32),
-                          z((1, 4, 2), np.float32), np.ones(1, int), np.ones(1, np.float32))
+                          z((1, 2, 4), np.float32), np.ones(1, int), np.ones(1, np.float32))
     with pytest.raises(TypeError, match="float32"):
         kernels.lora_add_(z((2, 4)), z((2, 3), np.float32), z(2, int), z((1, 2, 3), np.float32),
-                          z((1, 4, 2), np.float32), np.ones(1, int), np.ones(1, np.float32))
+                          z((1, 2, 4), np.float32), np.ones(1, int), np.ones(1, np.float32))
 
 
 def test_token_rows_expand_each_rows_adapter_over_its_tokens():
@@ -221,9 +221,9 @@ def test_tp2_shards_the_adapters_and_matches_peft(converted, case):
     for b, (k, i) in enumerate(zip(["base", *NAMES], [0, 1, 0, 1])):
         assert np.abs(results[0][b] - ref[f"logits_{k}"][i]).max() <= 1e-4, (case, k)
     q = stages[0].lora_layers[0]["q_proj"]  # (K, R, I) whole A, (K, O/2, R) B
-    assert q.a.shape[2] == cfg.hidden_size and q.b.shape[1] == cfg.q_dim // 2
+    assert q.a.shape[2] == cfg.hidden_size and q.b.shape[2] == cfg.q_dim // 2
     o = stages[1].lora_layers[0]["o_proj"]
-    assert o.a.shape[2] == cfg.q_dim // 2 and o.b.shape[1] == cfg.hidden_size
+    assert o.a.shape[2] == cfg.q_dim // 2 and o.b.shape[2] == cfg.hidden_size
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int8", "q4"])

@@ -30,8 +30,9 @@ __all__ = ["Stack", "LayerLora", "LoraStep", "load_layers", "add_", "token_rows"
 
 @dataclass
 class Stack:
-    """One projection's K adapters on one layer: a (K, R, I), b (K, O, R) float32 (zero-padded to the
-    widest rank R), ranks (K,) (0: that adapter leaves the projection alone), scale (K,)."""
+    """One projection's K adapters on one layer: a (K, R, I), b (K, R, O) float32 (B transposed, the
+    kernel's layout: `kernels.lora`; zero-padded to the widest rank R), ranks (K,) (0: that
+    adapter leaves the projection alone), scale (K,)."""
 
     a: np.ndarray
     b: np.ndarray
@@ -101,11 +102,11 @@ def load_layers(adapters: list[tuple[str, Path]], cfg: Arch, layers: range, shar
             any_ = next(iter(found.values()))
             R = max(m.a.shape[0] for m in found.values())
             I, O = any_.a.shape[1], any_.b.shape[0]
-            a, b = np.zeros((K, R, I), np.float32), np.zeros((K, O, R), np.float32)
+            a, b = np.zeros((K, R, I), np.float32), np.zeros((K, R, O), np.float32)
             ranks, scale = np.zeros(K, np.int64), np.zeros(K, np.float32)
             for k, m in found.items():
                 r = m.a.shape[0]
-                a[k, :r], b[k, :, :r], ranks[k], scale[k] = m.a, m.b, r, m.scaling
+                a[k, :r], b[k, :r], ranks[k], scale[k] = m.a, m.b.T, r, m.scaling
             layer[module] = Stack(a, b, ranks, scale)
         out.append(layer)
     return out
