@@ -14,7 +14,7 @@ It prints one JSON object: each time in ms and the ratios ``decode_ratio`` (issu
 and ``prefill_ratio`` (<= 1.15).
 
     python bench/bench_lora.py                                     # medium, batch 8, 4 x r 16, threads 1 and 2
-    python bench/bench_lora.py --preset tiny --prefill 32 --reps 1 --threads 1 --context 16   # smoke
+    python bench/bench_lora.py --preset tiny --prefill 32 --reps 1 --inner 1 --threads 1 --context 16 --quiet-wait 0  # smoke
 """
 
 from __future__ import annotations
@@ -102,18 +102,23 @@ def child(args) -> dict:
                       adapters=None if adapter < 0 else np.array([adapter]))
         return lambda: stage.step(x, b)
 
-    def best(fn) -> float:
-        fn()  # (warm)
-        times = []
+    def best(*fns) -> list[float]:
+        """Best ms of each, the variants interleaved in every repetition (a burst of load hits all alike)."""
+        times = [[] for _ in fns]
+        for f in fns:
+            f()  # (warm)
         for _ in range(args.reps):
-            t0 = time.perf_counter()
-            for _ in range(args.inner):
-                fn()
-            times.append((time.perf_counter() - t0) / args.inner * 1e3)
-        return min(times)
+            for f, got in zip(fns, times):
+                t0 = time.perf_counter()
+                for _ in range(args.inner):
+                    f()
+                got.append((time.perf_counter() - t0) / args.inner * 1e3)
+        return [min(t) for t in times]
 
-    out = {"threads": args.threads, "decode_base_ms": best(decode(None)), "decode_mixed_ms": best(decode(mixed)),
-           "prefill_base_ms": best(prefill(-1)), "prefill_adapter_ms": best(prefill(0)),
+    d_base, d_mixed = best(decode(None), decode(mixed))
+    p_base, p_adapter = best(prefill(-1), prefill(0))
+    out = {"threads": args.threads, "decode_base_ms": d_base, "decode_mixed_ms": d_mixed,
+           "prefill_base_ms": p_base, "prefill_adapter_ms": p_adapter,
            "adapter_MB": stage.adapter_bytes / 1e6, "weights_MB": stage.weight_bytes / 1e6}
     out["decode_ratio"] = out["decode_mixed_ms"] / out["decode_base_ms"]
     out["prefill_ratio"] = out["prefill_adapter_ms"] / out["prefill_base_ms"]
@@ -132,22 +137,30 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--inner", type=int, default=3, help="steps per timed repetition")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    from _machine import add_common_args, header, machine, save_json, wait_quiet
+
+    add_common_args(ap, quiet_wait_s=60.0)
     args = ap.parse_args()
     if args.child:
         args.threads = int(args.threads)
         print(json.dumps(child(args)))
         return
+    info = machine()
+    print(header("bench_lora: a step with LoRA adapters against the base step", info))
     results = []
     for n in [int(t) for t in args.threads.split(",")]:
+        busy = wait_quiet(args.quiet, args.quiet_wait) if args.quiet_wait > 0 else None
         env = {**os.environ, "OMP_NUM_THREADS": str(n), "OPENBLAS_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n),
                "NUMBA_NUM_THREADS": str(max(n, 1))}
         cmd = [sys.executable, __file__, "--child", "--threads", str(n)] + [
             f"--{k}={getattr(args, k)}" for k in ("preset", "batch", "adapters", "rank", "context", "prefill", "reps",
                                                   "inner")]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    print(json.dumps({"preset": args.preset, "batch": args.batch, "adapters": args.adapters, "rank": args.rank,
-                      "prefill": args.prefill, "runs": results}, indent=1))
+        results.append({**json.loads(proc.stdout.strip().splitlines()[-1]), "busy_before": busy})
+    doc = {"preset": args.preset, "batch": args.batch, "adapters": args.adapters, "rank": args.rank,
+           "prefill": args.prefill, "context": args.context, "runs": results, "machine": info}
+    print(json.dumps({k: v for k, v in doc.items() if k != "machine"}, indent=1))
+    save_json(args.json, doc)
 
 
 if __name__ == "__main__":
