@@ -383,3 +383,20 @@ def test_plan_counts_the_adapters_as_the_stages_hold_them(tmp_path, converted):
         assert proc.returncode == 0, proc.stderr
         totals.append(float(proc.stdout.split(" MB estimated in total")[0].split()[-1]))
     assert abs((totals[1] - totals[0]) * 1e6 - 2 * held) < 0.01e6  # two layers' adapters (the table's 0.01 MB)
+
+
+def test_a_stage_loads_only_its_own_layers_adapters(converted):
+    family, cfg, path = converted("llama_linear")
+    with H5ParamSource(path, family.expected_shapes(cfg)) as src:
+        stage = family.build_stage(cfg, src, range(1, 2), False, True)
+    stage.load_adapters([(n, LORA / "llama_linear" / n) for n in NAMES])
+    assert len(stage.lora_layers) == 1
+    whole = build(family, cfg, path, "llama_linear")
+    for module, s in stage.lora_layers[0].items():
+        assert np.array_equal(s.a, whole.lora_layers[1][module].a) and np.array_equal(s.b, whole.lora_layers[1][module].b)
+    assert set(whole.lora_layers[0]) == set(MODULE_NAMES) and set(whole.lora_layers[1]) == set(MODULE_NAMES)
+    part = whole.lora_layers[0]["q_proj"]  # "part" covers layer 1 only: rank 0 on layer 0
+    assert part.ranks.tolist() == [8, 16, 0]
+
+
+MODULE_NAMES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -3,7 +3,8 @@ and three PEFT adapters in one job, on 1 rank, 2 pipeline stages and TP 2, again
 + peft (tests/fixtures/lora): greedy tokens equal, each new token's top log-probs within 1e-4 of
 PEFT's log-softmax (teacher-forced prompts of 20 and 24 tokens, so that the prefix cache has
 blocks to reuse, and must not reuse them across adapters); a mixed job gives each row exactly
-what a job with only that row's adapter gives; an OpenAI line naming an unknown model is that
+what a job with only that row's adapter gives, and the same bits on 1 rank, 2 stages and 2
+replicas; a resume with a changed adapter file is refused; an OpenAI line naming an unknown model is that
 line's error (exit 6), a missing adapter directory one line (exit 2)."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from conftest import TESTS, run_cli, write_job
 from helpers import rows_of
 from rlx_mpi.families import convert_hf
+from rlx_mpi.families.hf.peft import adapter_digest
 
 pytestmark = pytest.mark.mpi
 LORA = TESTS / "fixtures" / "lora"
@@ -70,11 +72,11 @@ def ckpts(tmp_path_factory):
     return get
 
 
-def generate(tmp_path, ckpt, ranks, lines, case, *, tp=1, adapters=NAMES, batch=3, flags=(), name="a"):
+def generate(tmp_path, ckpt, ranks, lines, case, *, tp=1, adapters=NAMES, batch=3, flags=(), name="a", placement=None):
     prompts = tmp_path / f"{name}.jsonl"
     prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
     job = write_job(tmp_path, f"{name}.toml", model={"checkpoint": str(ckpt)}, run={"timeout_s": 60.0},
-                    placement={"reserve_ram_gb": 0.0, "tp": tp}, generate={"batch": batch},
+                    placement={"reserve_ram_gb": 0.0, "tp": tp, **(placement or {})}, generate={"batch": batch},
                     adapters={n: str(LORA / case / n) for n in adapters})
     out = tmp_path / f"{name}.out.jsonl"
     proc = run_cli(["generate", job, "--prompts", prompts, "--out", out, "--logprobs", str(K), *flags],
@@ -126,3 +128,40 @@ def test_unknown_model_is_that_lines_error_and_a_missing_adapter_one_line(tmp_pa
     assert proc.stderr.strip().splitlines()[-1] == (f"rlx-mpi: error: adapter 'gone': {tmp_path / 'gone'} is not a "
                                                     "directory; pass a PEFT adapter directory (holding "
                                                     "adapter_config.json and adapter_model.safetensors)")
+
+
+def test_the_same_bits_on_one_rank_two_stages_and_two_replicas(tmp_path, ckpts):
+    case = "llama_linear"
+    ckpt = ckpts(case)
+    got = []
+    for ranks, placement in ((1, {}), (2, {}), (2, {"replicas": 2})):
+        name = f"r{ranks}{'rep' if placement else ''}"
+        proc, out = generate(tmp_path, ckpt, ranks, lines_of(case), case, name=name, placement=placement)
+        assert proc.returncode == 0, proc.stderr
+        assert ("2 replicas" in proc.stdout + proc.stderr) == bool(placement), proc.stderr
+        got.append({r["id"]: (r["tokens"], r["logprobs"]) for r in rows_of(out)})
+    assert got[0] == got[1] == got[2]
+
+
+def test_a_resume_refuses_a_changed_adapter(tmp_path, ckpts):
+    import shutil
+
+    case = "llama_linear"
+    ckpt = ckpts(case)
+    ad = tmp_path / "ad"
+    shutil.copytree(LORA / case / "r8", ad / "r8")
+    lines = lines_of(case, (None, "r8"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines[:2]))
+    job = write_job(tmp_path, "j.toml", model={"checkpoint": str(ckpt)}, run={"timeout_s": 60.0},
+                    placement={"reserve_ram_gb": 0.0}, adapters={"r8": str(ad / "r8")})
+    out = tmp_path / "o.jsonl"
+    assert run_cli(["generate", job, "--prompts", prompts, "--out", out], ranks=1, timeout=120).returncode == 0
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))  # more lines: a resume has work to do
+    raw = bytearray((ad / "r8" / "adapter_model.safetensors").read_bytes())
+    raw[-1] ^= 1
+    (ad / "r8" / "adapter_model.safetensors").write_bytes(bytes(raw))
+    proc = run_cli(["generate", job, "--prompts", prompts, "--out", out], ranks=1, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert f"its 2 rows were made with adapters {{'r8': '{adapter_digest(LORA / case / 'r8', 'r8')}'}}" in last, last
