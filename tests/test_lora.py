@@ -95,7 +95,7 @@ def naive(y, x, rows, a, b, ranks, scale, col):
     return y
 
 
-@pytest.mark.parametrize("N", [1, 5, 17])
+@pytest.mark.parametrize("N", [1, 5, 17, 300])  # 300: segments past F32_MATVEC_ROWS (the team's product)
 def test_lora_add_matches_numpy_and_leaves_base_rows_alone(N):
     rng = np.random.default_rng(N)
     K, R, I, O, W, col = 3, 16, 40, 24, 60, 20

@@ -3,19 +3,19 @@
 ``y[n, col:col+O] += scale[k] * B[k] (A[k] x[n])`` for every token row n whose adapter is k
 (``rows[n] == k``; -1: the base model, left alone), after the base product wrote y.
 
-Note: segments, not a gathered batch. Rows of one adapter are taken together (the adapter loop
-is the outer one), so each adapter's A and B (r = 16 on a 4096-wide projection: 256 KiB each
-in float32) are read once a step while they sit in cache, and no row is copied to group them.
-B is held transposed (K, R, O): the product adds t_j times B's column j to the row, a contiguous
-loop the compiler vectorises; stored (O, R) its inner loop was r = 16 long, and the kernel ran at
-a ninth of the base product's rate (medium's gate/up, 512 rows, 1 thread: 3.4 ms against 18 ms).
-Every row's value is the same two ordered sums whatever its neighbours are (the rows beside it
-never enter its loops), so a row gives the same bits in any batch, as the base products do
-(rowdot's invariance note). The products are serial: at r = 16 they are 2 x 16 x (in + out)
-multiply-adds a row against the base product's in x out (0.8 % of a 4096 x 4096 projection),
-so a thread team would cost more to start than it saves; bench/bench_lora.py measures it.
-Ranks are padded to the stack's widest with zero rows (A) and columns (B); the loops stop at
-each adapter's own rank, so the padding is never read.
+Note: segments. Rows of one adapter are taken together (the adapter loop is the outer one), so
+each adapter's A and B (r = 16 on a 4096-wide projection: 256 KiB each in float32) are read once a
+step. ``t = x A^T`` is the base products' own float32 product (`matvec.float_product`: each
+element in one order whatever the rows, rowdot's invariance note) over the segment's rows,
+gathered; ``y += t B^T`` is the loop here, with B held transposed (K, R, O) so that it adds t_j
+times B's column j to the row, contiguous and vectorised, each row alone. So a row gives the same
+bits in any batch, as the base products do. Measured on medium's gate/up (in 1024, out 2816,
+r 16, 512 rows of one adapter, 1 thread, a busy 2-core VM, so only the ratios mean much): all in
+numba with B stored (O, R) (an inner loop r = 16 long) 3.4 ms against the base product's 18; B
+transposed 2.3 ms; A's product through float_product 0.3 ms against numba's dot loops' ~1; B's
+product through float_product (a depth of 16) 50 ms: the matvecs are tiled for long rows. Ranks
+are padded to the stack's widest with zero rows (A) and columns (B); only each adapter's own r are
+read.
 """
 
 from __future__ import annotations
@@ -23,33 +23,22 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from ._common import aligned
+from .matvec import float_product
+
 __all__ = ["lora_add_", "warm_up"]
 
 
-@numba.njit(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
-def _lora_add(y, x, rows, a, bt, ranks, scale, col):  # y (N, W), x (N, I), rows (N,), a (K, R, I), bt (K, R, O)
-    N, I = x.shape
-    O = bt.shape[2]
-    t = np.empty(a.shape[1], np.float32)
-    for k in range(a.shape[0]):
-        r = ranks[k]
-        s = scale[k]
-        for n in range(N):
-            if rows[n] != k:
-                continue
-            xn = x[n]
-            for j in range(r):  # t = s (A x)
-                aj = a[k, j]
-                acc = np.float32(0.0)
-                for i in range(I):
-                    acc += aj[i] * xn[i]
-                t[j] = s * acc
-            yn = y[n, col:col + O]
-            for j in range(r):  # y += B t, one column of B (a row of bt) at a time: contiguous, vectorised
-                bj = bt[k, j]
-                tj = t[j]
-                for o in range(O):
-                    yn[o] += tj * bj[o]
+@numba.njit(cache=True, error_model="numpy")
+def _add_bt(y, idx, t, bt, col):  # y[idx[m], col:col+O] += sum_j t[m, j] bt[j]: t (M, r), bt (R >= r, O)
+    O = bt.shape[1]
+    for m in range(idx.shape[0]):
+        yn = y[idx[m], col:col + O]
+        for j in range(t.shape[1]):  # one column of B (a row of bt) at a time: contiguous, vectorised
+            tj = t[m, j]
+            bj = bt[j]
+            for o in range(O):
+                yn[o] += tj * bj[o]
 
 
 def lora_add_(y: np.ndarray, x: np.ndarray, rows: np.ndarray, a: np.ndarray, b: np.ndarray, ranks: np.ndarray,
@@ -80,8 +69,16 @@ def lora_add_(y: np.ndarray, x: np.ndarray, rows: np.ndarray, a: np.ndarray, b: 
         raise ValueError(f"lora_add_: ranks {ranks.tolist()} must lie in [0, {R}]")
     if N and (rows.min() < -1 or rows.max() >= K):
         raise ValueError(f"lora_add_: row adapters must lie in [-1, {K - 1}], got {rows.min()}..{rows.max()}")
-    _lora_add(y, np.ascontiguousarray(x), rows, np.ascontiguousarray(a), np.ascontiguousarray(b), ranks,
-              np.ascontiguousarray(scale), col)
+    x = np.ascontiguousarray(x)
+    for k in range(K):
+        r = int(ranks[k])
+        idx = np.flatnonzero(rows == k)
+        if not r or not len(idx):
+            continue
+        xs = x if len(idx) == N else x[idx]  # (this adapter's rows, gathered: one product for the segment)
+        t = float_product(aligned(xs), aligned(a[k, :r]))  # (n, r) = x A^T, each row in one order
+        t *= scale[k]
+        _add_bt(y, idx, t, np.ascontiguousarray(b[k]), col)
     return y
 
 
