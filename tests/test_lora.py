@@ -226,6 +226,21 @@ def test_tp2_shards_the_adapters_and_matches_peft(converted, case):
     assert o.a.shape[2] == cfg.q_dim // 2 and o.b.shape[2] == cfg.hidden_size
 
 
+def test_tp4_over_two_kv_heads_replicates_the_kv_adapters(converted):
+    """qwen2 at TP 4 (2 kv heads): each rank's k/v adapter rows are its one kv head's, as its weights."""
+    family, cfg, path = converted("qwen2")
+    ref = reference("qwen2")
+    ids = ref["input_ids"][:, :10]
+
+    def work(stage):
+        stage.load_adapters([(n, LORA / "qwen2" / n) for n in NAMES])
+        return teacher_forced(stage, ids, [0, 1])
+
+    _, results = tp_run(family, cfg, path, 4, work)
+    assert np.abs(results[0][0] - ref["logits_r8"][0, :10]).max() <= 1e-4
+    assert np.abs(results[0][1] - ref["logits_r16rs"][1, :10]).max() <= 1e-4
+
+
 @pytest.mark.parametrize("precision", ["bf16", "int8", "q4"])
 def test_adapters_sit_beside_low_precision_weights(converted, precision):
     """The adapters stay float32 beside bf16 / int8 / q4 base weights: each row's adapter moves its
@@ -273,6 +288,13 @@ def test_bad_adapter_inputs_get_one_line(tmp_path, converted):
     d = copy_adapter(tmp_path)
     (d / "adapter_config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"adapter_config.json\): not valid JSON"):
+        read_adapter(d, "a", cfg)
+    d = copy_adapter(tmp_path / "p", target_modules=["self_attn.q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                     "mlp.up_proj", "down_proj"])
+    assert len(read_adapter(d, "a", cfg)) == 14  # a list entry may be a name's ending (PEFT's rule)
+    d = copy_adapter(tmp_path / "t", target_modules=["q_proj", "k_proj"])
+    with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.down_proj: has LoRA tensors but target_modules "
+                                              r"\['q_proj', 'k_proj'\] does not name it"):
         read_adapter(d, "a", cfg)
     d = copy_adapter(tmp_path / "u", target_modules=["q_proj", "c_attn"])
     with pytest.raises(ConfigError, match=r"target_modules: unknown target module 'c_attn'; this decoder's adapters take"):

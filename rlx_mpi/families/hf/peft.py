@@ -64,9 +64,20 @@ class AdapterConfig:
         """A module's own r and alpha (``module``: its full name, ``model.layers.0.self_attn.q_proj``)."""
         return (int(_pattern(self.rank_pattern, module, self.r)), float(_pattern(self.alpha_pattern, module, self.alpha)))
 
+    def targets(self, module: str) -> bool:
+        """Does ``target_modules`` name this module (its full name)? PEFT's rule: a list entry is the
+        name or its ending after a dot; a string is a regular expression the whole name matches."""
+        if isinstance(self.target_modules, str):
+            return re.fullmatch(self.target_modules, module) is not None
+        return any(module == t or module.endswith("." + t) for t in self.target_modules)
+
     def scaling(self, module: str, r: int) -> float:
         _, alpha = self.rank_alpha(module)
         return alpha / math.sqrt(r) if self.rslora else alpha / r
+
+
+def _shown(targets) -> str:
+    return repr(targets if isinstance(targets, str) else list(targets))
 
 
 def _pattern(patterns: dict, module: str, default):
@@ -121,7 +132,7 @@ def read_adapter_config(path: Path, name: str) -> AdapterConfig:
         targets = raw.get("target_modules")
         if isinstance(targets, list):
             targets = tuple(str(t) for t in targets)
-            bad = [t for t in targets if t not in MODULES]
+            bad = [t for t in targets if t.rsplit(".", 1)[-1] not in MODULES]  # (PEFT matches a name's ending)
             if bad:
                 raise ConfigError(f"{where}: target_modules", f"unknown target module {bad[0]!r}",
                                   f"this decoder's adapters take {sorted(MODULES)}")
@@ -222,6 +233,9 @@ def read_adapter(path: Path, name: str, cfg: Arch, layers: range | None = None,
             if set(ab) != {"A", "B"}:
                 raise CheckpointError(where, f"has lora_{'A' if 'A' in ab else 'B'} but not the other",
                                       "save the adapter again with save_pretrained")
+            if not conf.targets(full):  # (PEFT would leave such a tensor unused: say so instead)
+                raise CheckpointError(where, f"has LoRA tensors but target_modules {_shown(conf.target_modules)} does not "
+                                      "name it", "save the adapter again with save_pretrained")
             r, _ = conf.rank_alpha(full)
             o, i = shapes[module]
             sa, sb = ab["A"].shape, ab["B"].shape
