@@ -422,3 +422,16 @@ def test_a_stage_loads_only_its_own_layers_adapters(converted):
 
 
 MODULE_NAMES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_an_adapter_of_a_local_base_model_of_another_family_is_refused(tmp_path, monkeypatch):
+    from rlx_mpi.families.hf.peft import check_base_family
+
+    monkeypatch.chdir(TESTS.parent)  # (the fixtures name their base model from the repository's root)
+    qwen_adapter = LORA / "qwen2" / "r8"  # base_model_name_or_path: tests/fixtures/families/qwen2
+    check_base_family(qwen_adapter, "a", ("qwen2",), "qwen2")
+    with pytest.raises(ConfigError, match=r"base_model_name_or_path: 'tests/fixtures/families/qwen2' is a 'qwen2' "
+                                          r"model; this job's is of family 'llama' \(llama\); use an adapter trained"):
+        check_base_family(qwen_adapter, "a", ("llama",), "llama")
+    d = copy_adapter(tmp_path, base_model_name_or_path="meta-llama/Llama-3.1-8B")  # a Hub name: nothing to check
+    check_base_family(d, "a", ("qwen2",), "qwen2")

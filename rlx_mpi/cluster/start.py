@@ -372,6 +372,10 @@ class Cluster:
                 if not getattr(stage, "caps", None) or not stage.caps.adapters:
                     raise ConfigError(f"{self.job.path}: [adapters]", f"model family {self.family.name!r} does not "
                                       "run LoRA adapters", "merge each adapter into the base model and convert that")
+                from ..families.hf.peft import check_base_family
+
+                for n, p in self.job.adapters:  # (a local base model of another family: refused by name)
+                    check_base_family(Path(p), n, tuple(getattr(self.family, "hf_model_types", ())), self.family.name)
                 self.adapter_bytes = stage.load_adapters([(n, str(p)) for n, p in self.job.adapters])
             self.build_ms = (time.perf_counter() - t0) * 1e3
             return stage

@@ -33,7 +33,7 @@ from ..decoder.arch import Arch
 from .safetensors import _read_safetensors_header, _read_tensor
 
 __all__ = ["LoraModule", "AdapterConfig", "read_adapter_config", "read_adapter", "adapter_digest", "stacked_layer_bytes",
-           "MODULES"]
+           "check_base_family", "MODULES"]
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -147,6 +147,28 @@ def read_adapter_config(path: Path, name: str) -> AdapterConfig:
         raise ConfigError(where, f"bad value: {e}", "r must be a positive integer, lora_alpha a number, "
                           "target_modules a list or a regular expression") from None
     return AdapterConfig(r, float(alpha), bool(raw.get("use_rslora", False)), ranks, alphas, targets)
+
+
+def check_base_family(path: Path, name: str, model_types: tuple[str, ...], family: str) -> None:
+    """Refuse an adapter whose ``base_model_name_or_path`` is a local model directory of another
+    family (its config.json's ``model_type`` not in ``model_types``). A Hub name, or a directory
+    not on this machine, says nothing checkable: the shapes are then the check (`read_adapter`)."""
+    try:
+        base = json.loads((path / CONFIG).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return  # (read_adapter_config names it)
+    if not isinstance(base, str) or not base or not model_types:
+        return
+    for root in (Path(base), path / base):
+        try:
+            kind = json.loads((root / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(kind, str) and kind not in model_types:
+            raise ConfigError(f"adapter {name!r} ({path / CONFIG}): base_model_name_or_path",
+                              f"{base!r} is a {kind!r} model; this job's is of family {family!r} ({', '.join(model_types)})",
+                              "use an adapter trained on this job's base model")
+        return
 
 
 def adapter_digest(path: Path, name: str = "") -> str:
