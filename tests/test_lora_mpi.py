@@ -165,3 +165,25 @@ def test_a_resume_refuses_a_changed_adapter(tmp_path, ckpts):
     assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert f"its 2 rows were made with adapters {{'r8': '{adapter_digest(LORA / case / 'r8', 'r8')}'}}" in last, last
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"r": 4}, "model.layers.0.mlp.down_proj: lora_A [8, 128] and lora_B [64, 8] do not fit the base model's down_proj"),
+    ({"target_modules": ["q_proj", "c_attn"]}, "target_modules: unknown target module 'c_attn'"),
+    ({"use_dora": True}, "use_dora: True is not supported"),
+    (None, "adapter_config.json): not valid JSON"),
+])
+def test_a_bad_adapter_is_one_line_and_exit_2_on_every_rank(tmp_path, ckpts, change, needle):
+    import shutil
+
+    case = "llama_linear"
+    d = tmp_path / "bad"
+    shutil.copytree(LORA / case / "r8", d)
+    conf = d / "adapter_config.json"
+    conf.write_text("{not json" if change is None else json.dumps({**json.loads(conf.read_text()), **change}))
+    proc, _ = generate(tmp_path, ckpts(case), 2, lines_of(case, (None,)), case, adapters=[],
+                       flags=("--adapter", f"bad={d}"))
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("rlx-mpi: error: adapter 'bad' (") and needle in last, proc.stderr
+    assert "Traceback" not in proc.stderr
