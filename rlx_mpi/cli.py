@@ -95,6 +95,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", default=None, help="run every row to its max tokens, past "
                    "end-of-sequence ids (fixed-length benchmarks, as llama.cpp's and vLLM's; default: [generate] "
                    "ignore_eos)")
+    g.add_argument("--structured", metavar="SPEC", help="structured output for every row that asks for none of its "
+                   "own: a vLLM structured_outputs object as JSON text or a .json file, e.g. '{\"json\": {schema}}', "
+                   "'{\"regex\": \"[0-9]+\"}', '{\"choice\": [\"yes\", \"no\"]}', '{\"json_object\": true}' (needs "
+                   "pip install 'rlx_mpi[structured]'; default: [generate] structured; docs/structured-output.md)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
                    help="compute every prompt's whole prefill, even the blocks another prompt began with "
                    "(A/B runs; default: [generate] prefix_cache, else on)")

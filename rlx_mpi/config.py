@@ -216,6 +216,9 @@ class GenerateSection:
     prefix_cache: bool = True
     """Reuse the cached KV blocks of a prompt prefix computed before (docs/prefix-cache.md);
     false (or --no-prefix-cache): every prompt is prefilled whole."""
+    structured: str | None = None
+    """Structured output for every row that asks for none of its own: a vLLM ``structured_outputs``
+    object as JSON text, or the path of a .json file holding one (docs/structured-output.md)."""
     kv_rows: int = 0
     """The KV budget in full-length rows (0 = groups x batch): with the block cache, rows take its
     blocks by what they use, so up to groups x batch shorter rows decode at once (docs/prefix-cache.md)."""

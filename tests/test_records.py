@@ -23,6 +23,17 @@ def test_a_request_survives_the_broadcast_as_plain_json():
     plain = Request(0, "a", (1,))
     assert plain.to_wire() == {"index": 0, "id": "a", "tokens": [1]} and Request.from_wire(plain.to_wire()) == plain
     assert plain.key == prompt_key("a") and plain.kv_salt == b"" and r.kv_salt != b""
+    # a constraint inline, or through the broadcast's table (a schema shared by many rows travels once)
+    from rlx_mpi.engine.constraints import Constraint
+
+    c = Constraint("json", {"type": "object", "properties": {"b": {}, "a": {}}})
+    with_c = Request(1, "c", (2,), constraint=c)
+    assert Request.from_wire(json.loads(json.dumps(with_c.to_wire()))) == with_c
+    table = {c.key: 0}
+    wire = [with_c.to_wire(table), Request(2, "d", (3,), constraint=c).to_wire(table)]
+    assert [w["constraint"] for w in wire] == [0, 0]
+    back = [Request.from_wire(w, [Constraint.from_json(json.loads(json.dumps(c.to_json())))]) for w in wire]
+    assert back[0] == with_c and list(back[1].constraint.value["properties"]) == ["b", "a"]  # (order kept)
 
 
 def test_the_header_is_read_by_name():

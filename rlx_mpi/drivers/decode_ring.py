@@ -86,11 +86,18 @@ class DecodeRing:
 
     def __init__(self, cx: Any, params: SamplingParams, header_size: int, *, k_logprobs: int = 0,
                  names: dict[int, str] | None = None, per_key: dict[int, SamplingParams] | None = None,
-                 with_logprobs: bool = False, hooks: TestHooks = NO_HOOKS, adapters: dict[int, int] | None = None):
+                 with_logprobs: bool = False, hooks: TestHooks = NO_HOOKS, constraints: dict | None = None,
+                 masks: Any = None, adapters: dict[int, int] | None = None):
         self.cx, self.params, self.header_size = cx, params, header_size
         own = per_key or {}  # prompt key -> a row's own sampling (batch requests' settings), every pending row
+        grammar = constraints or {}  # prompt key -> its constraint (structured output); masks: the last stage's
+
+        def make(key: int) -> RowState:
+            c = grammar.get(key) if masks is not None else None
+            return RowState(key, own.get(key), None if c is None else masks.g.matcher(c))
+
         # the live rows' state, born and freed by the headers' events (`records.RowTable`)
-        self.rows = RowTable(lambda key: RowState(key, own.get(key)))
+        self.rows = RowTable(make, masks)
         self.adapters = adapters or {}  # prompt key -> its LoRA adapter's index in the job (none: the base model)
         self.k = k_logprobs  # top alternatives per token
         # False: tokens alone travel back; True: `pack_sampled` rows of 2 + 2K (K may be 0)

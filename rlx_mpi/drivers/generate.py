@@ -11,6 +11,7 @@ pipe over MPI (the decode ring's note there).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -26,6 +27,7 @@ from ..comm import transport
 from ..errors import ConfigError
 from ..lifecycle.hooks import NO_HOOKS, TestHooks
 from ..io.batch_io import format_result, is_batch, stop_text
+from ..io.structured import grammars_for, job_constraint, last_stage_masks
 from ..model.stage import caps_of
 from ..engine.block_pool import PREFIX_POOL_ROWS
 from ..engine.records import Request
@@ -62,6 +64,8 @@ class GenerateOptions:
     ignore_eos: bool = False  # --ignore-eos: every row runs to its max tokens (fixed-length benchmarks)
     prefix_cache: bool = True  # reuse cached prefix blocks (--no-prefix-cache: off; `block_pool`)
     kv_rows: int = 0  # the KV budget in full-length rows (--kv-rows; 0: groups x batch): the block cache's note
+    structured: Any = None  # --structured: the `constraints.Constraint` of every row that gives none of its own
+    structured_where: str = "generate --structured"
 
     @classmethod
     def resolve(cls, flags: Any, job: Any) -> "GenerateOptions":
@@ -95,21 +99,23 @@ class GenerateOptions:
                    ignore_eos=bool(getattr(flags, "ignore_eos", None) or sec.ignore_eos),
                    prefix_cache=pick(getattr(flags, "prefix_cache", None), sec.prefix_cache),
                    kv_rows=pick(getattr(flags, "kv_rows", None), sec.kv_rows),
+                   **job_constraint(getattr(flags, "structured", None), sec.structured, job.path),
                    eos_where="generate --eos-id" if flags.eos_id is not None else f"{job.path}: [generate] eos_id")
 
 
 def _requests(p: Any, opts: GenerateOptions) -> list[Request]:
     """A pending prompt's rows, one `records.Request` per sample (the scheduler's per-row note);
-    a prompt without settings of its own is one row of the job's."""
+    a prompt without settings of its own is one row of the job's (and of its constraint)."""
     s = p.settings
     tokens = tuple(p.tokens)
     adapter = getattr(p, "adapter", None)  # its LoRA adapter (`decoder.lora`); None: the base model
     if s is None:
-        return [Request(p.index, p.id, tokens, adapter=adapter)]
+        return [Request(p.index, p.id, tokens, constraint=opts.structured, adapter=adapter)]
     limit = p.request["max_new_tokens"] if p.request else (s.max_tokens or opts.max_new_tokens)
     q = s.params(opts.sampling)
     own = q if q != opts.sampling else None  # (rows that sample as the job does keep the batched path)
-    return [Request(p.index, p.id, tokens, j, sample_id(p.id, j), limit, tuple(s.stop), own, adapter=adapter)
+    c = s.constraint if s.constraint is not None else opts.structured
+    return [Request(p.index, p.id, tokens, j, sample_id(p.id, j), limit, tuple(s.stop), own, c, adapter)
             for j in range(s.n)]
 
 
@@ -165,9 +171,22 @@ class GenerateDriver(JournalDriver):
             tokenizer = load_tokenizer(job.model.checkpoint)
             from ..io.shards import select
 
+            grammars: list = []  # (built on the first constraint: llguidance and the tokenizer, once)
+
+            def check_constraint(c: Any, where: str) -> str | None:
+                if not grammars:
+                    grammars.append(grammars_for(tokenizer, dims.vocab_size, eos, where, opts.ignore_eos))
+                return grammars[0].check(c)
+
+            if opts.structured is not None:
+                bad = check_constraint(opts.structured, opts.structured_where)
+                if bad:
+                    raise ConfigError(opts.structured_where, f"its {opts.structured.kind} constraint cannot run: {bad}",
+                                      "fix the schema / grammar (docs/structured-output.md lists what is supported)")
             prompts = read_requests(opts.prompts, vocab_size=dims.vocab_size, max_positions=dims.max_positions,
                                     max_new_tokens=opts.max_new_tokens, tokenizer=tokenizer,
-                                    adapters=tuple(n for n, _ in job.adapters), base_names=job.model.base_names)
+                                    check_constraint=check_constraint, adapters=tuple(n for n, _ in job.adapters),
+                                    base_names=job.model.base_names)
             prompts, shard = select(prompts, opts.shard, str(opts.prompts))
             sampled = any(p.settings and not p.settings.params(opts.sampling).greedy for p in prompts)
             identity = RunIdentity.for_generate(job.model.checkpoint, opts.sampling, opts.max_new_tokens,
@@ -177,6 +196,8 @@ class GenerateDriver(JournalDriver):
                 from ..families.hf.peft import adapter_digest
 
                 identity = identity.with_settings(adapters={n: adapter_digest(p, n) for n, p in job.adapters})
+            if opts.structured is not None:  # (a row's own constraint is in its digest)
+                identity = identity.with_settings(structured=opts.structured.to_json())
             journal = Journal(opts.out, prompts, inputs=(opts.prompts, job.path, job.model.checkpoint,
                                                          *self.argv_inputs), sync_s=opts.sync_s, identity=identity,
                               shard=shard, settle=True, adopt=bool(getattr(self.flags, "adopt_output", False)))
@@ -185,9 +206,15 @@ class GenerateDriver(JournalDriver):
                 journal.check_done(**unplaced_settings(job, "generate"))
             rows = [r for p in journal.pending if p.error is None for r in _requests(p, opts)]
             longest = max((len(r.tokens) + (r.max_new_tokens or opts.max_new_tokens) for r in rows), default=1)
-            pending = [r.to_wire() for r in rows]  # (plain JSON: the broadcast below)
+            table: dict[str, int] = {}  # each distinct constraint once (a schema shared by many rows)
+            constraints = []
+            for r in rows:
+                if r.constraint is not None and r.constraint.key not in table:
+                    table[r.constraint.key] = len(constraints)
+                    constraints.append(r.constraint.to_json())
+            pending = [r.to_wire(table) for r in rows]  # (plain JSON: the broadcast below)
             failed = [p.index for p in journal.pending if p.error is not None]
-            return {"pending": pending, "total": len(prompts), "eos": eos, "max_seq": longest,
+            return {"pending": pending, "constraints": constraints, "total": len(prompts), "eos": eos, "max_seq": longest,
                     "first": shard["lines"][0] if shard else 0,  # (a shard's prompts are renumbered from 0)
                     "failed_now": failed, "failed": sum(p.error is not None for p in prompts),
                     "logprobs": any(p.settings and p.settings.logprobs for p in journal.pending),
@@ -324,7 +351,10 @@ class GenerateDriver(JournalDriver):
         caps = caps_of(cx.stage)
         chunk_ok = caps.chunked_prefill
         chunk = opts.prefill_chunk if chunk_ok else 0
-        items = [Request.from_wire(d) for d in doc["pending"]]
+        from ..engine.constraints import Constraint
+
+        table = [Constraint.from_json(c) for c in doc.get("constraints", [])]
+        items = [Request.from_wire(d, table) for d in doc["pending"]]
         shared = topo.n_replicas > 1
         wait(cx.world.Ibarrier(), timeout, cx.ctx, lambda: "every rank to start generating", "some rank")
         counter = SharedCounter(cx.world, cx.ctx, timeout) if shared else None
@@ -344,10 +374,17 @@ class GenerateDriver(JournalDriver):
                  for r in items}
         per_key = {r.key: r.sampling for r in items if r.sampling is not None}
         k = min(max(opts.logprobs, doc["top_logprobs"]), cx.dims.vocab_size)  # (a request's top_logprobs too)
+        constraints = {r.key: r.constraint for r in items if r.constraint is not None}
+        masks = None
+        if constraints:  # (every rank knows: the rows were broadcast) the last stage compiles, agreed
+            masks = cx.agree(lambda: last_stage_masks(job.model.checkpoint, cx.dims.vocab_size, doc["eos"],
+                                                      str(opts.prompts), opts.ignore_eos, constraints.values())
+                             if cx.stage.last else None, "compiling the structured-output grammars")
         index = {n: i for i, (n, _) in enumerate(job.adapters)}  # the job's order: the stages' stacks'
         adapters = {r.key: index[r.adapter] for r in items if r.adapter is not None}
         ring = DecodeRing(cx, opts.sampling, sched.header_size, k_logprobs=k, names=names, per_key=per_key,
-                          with_logprobs=doc["logprobs"], hooks=self.hooks, adapters=adapters)
+                          with_logprobs=doc["logprobs"], hooks=self.hooks, constraints=constraints, masks=masks,
+                          adapters=adapters)
         journal, tokenizer = holder.get("journal"), holder.get("tokenizer")
         prompt_of = {p.index: p for p in holder.get("prompts", [])}
         texts = {i: p.text for i, p in prompt_of.items()}

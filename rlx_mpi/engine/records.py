@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ..model.stage import StepBatch
+from .constraints import Constraint, GrammarMasks
 from .sampling import SamplingParams, prompt_key, sample_rows
 
 __all__ = ["Request", "StepHeader", "RowState", "RowTable", "ADMITTED", "HEAD", "ROW"]
@@ -38,7 +39,8 @@ _KIND, _GROUP, _N, _T, _START, _N_DECODE, _N_OPS, _N_ENDED = range(HEAD)
 ROW = 5
 SLOT, LENGTH, KEY, INDEX, FLAGS = range(ROW)  # LENGTH: a prefill row's prompt length, a decode row's position
 ADMITTED = 1  # FLAGS bit: this is the row's first step
-_KIND_NAMES = {1: "prefill", 2: "decode", 4: "mixed"}  # (scheduler's PREFILL, DECODE, MIXED)
+_PREFILL, _DECODE, _MIXED = 1, 2, 4  # (the scheduler's PREFILL, DECODE, MIXED)
+_KIND_NAMES = {_PREFILL: "prefill", _DECODE: "decode", _MIXED: "mixed"}
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class Request:
     max_new_tokens: int = 0  # its own limit (a request's max_tokens); 0: the job's
     stop: tuple[str, ...] = ()  # strings that end it once its decoded text holds one
     sampling: SamplingParams | None = None  # its own sampling; None: the job's
-    constraint: Any = None  # room for a grammar / JSON schema (structured output): None today
+    constraint: Constraint | None = None  # what its text must match (structured output: `constraints`)
     adapter: str | None = None  # room for a LoRA adapter name: None today
 
     @property
@@ -68,8 +70,10 @@ class Request:
         is the job's (one salt for all); an adapter is the row's own."""
         return b"" if self.adapter is None else b"adapter\x00" + self.adapter.encode("utf-8")
 
-    def to_wire(self) -> dict:
-        """A JSON object for the start-up broadcast (only the fields that differ from the defaults)."""
+    def to_wire(self, constraints: dict[str, int] | None = None) -> dict:
+        """A JSON object for the start-up broadcast (only the fields that differ from the defaults).
+        ``constraints``: a table (`Constraint.key` -> its position in a list the broadcast carries),
+        so a schema shared by many rows travels once; the row then names its position."""
         out: dict = {"index": self.index, "id": self.id, "tokens": list(self.tokens)}
         if self.sample:
             out["sample"] = self.sample
@@ -82,15 +86,22 @@ class Request:
         if self.sampling is not None:
             s = self.sampling
             out["sampling"] = [s.temperature, s.top_k, s.top_p, s.seed]
+        if self.constraint is not None:
+            c = self.constraint
+            out["constraint"] = c.to_json() if constraints is None else constraints[c.key]
         if self.adapter is not None:
             out["adapter"] = self.adapter
         return out
 
     @classmethod
-    def from_wire(cls, d: dict) -> "Request":
+    def from_wire(cls, d: dict, constraints: list | None = None) -> "Request":
+        """`to_wire`'s inverse; ``constraints``: the broadcast's table, as Constraints in position order."""
+        c = d.get("constraint")
+        if c is not None:
+            c = constraints[c] if isinstance(c, int) else Constraint.from_json(c)
         return cls(int(d["index"]), str(d["id"]), tuple(int(t) for t in d["tokens"]), int(d.get("sample", 0)),
                    str(d.get("draw_id", "")), int(d.get("max_new_tokens", 0)), tuple(d.get("stop", ())),
-                   SamplingParams(*d["sampling"]) if "sampling" in d else None, None, d.get("adapter"))
+                   SamplingParams(*d["sampling"]) if "sampling" in d else None, c, d.get("adapter"))
 
 
 class StepHeader:
@@ -144,6 +155,18 @@ class StepHeader:
     index = property(lambda self: self.rows[:, INDEX])  # each row's token index (new tokens so far)
 
     @property
+    def final(self) -> np.ndarray:
+        """(n,) bool: does the row keep the token this step samples for it? Not a prompt's chunk
+        short of its end (the scheduler throws that token away: `Scheduler.complete`)."""
+        r, kind = self.rows, self.kind
+        if kind == _DECODE:
+            return np.ones(len(r), bool)
+        keep = self.start + self.T >= r[:, LENGTH]
+        if kind == _MIXED:  # its decode rows first
+            keep[:self.n_decode] = True
+        return keep
+
+    @property
     def admitted(self) -> np.ndarray:
         """The keys of the rows whose first step this is."""
         r = self.rows
@@ -166,12 +189,13 @@ class StepHeader:
 
 @dataclass
 class RowState:
-    """What a stage keeps for one live row: its own sampling (None: the job's) and an optional
-    logits processor, ``processor(logits_row (V,) float32, token_index)`` applied in place before
-    the draw (the hook a grammar mask fills)."""
+    """What a stage keeps for one live row: its own sampling (None: the job's), its grammar's
+    matcher (structured output: `constraints`), and an optional logits processor,
+    ``processor(logits_row (V,) float32, token_index)`` applied in place before the draw."""
 
     key: int
     sampling: SamplingParams | None = None
+    grammar: Any = None  # an llguidance matcher, advanced with each token the row keeps
     processor: Callable[[np.ndarray, int], None] | None = None
     extra: dict = field(default_factory=dict)
 
@@ -182,8 +206,9 @@ class RowTable:
     ``make(key)`` builds a row's `RowState` when a header admits it; a header's ended keys free
     theirs. A key admitted twice (two live rows with one key) is counted, and freed with its last end."""
 
-    def __init__(self, make: Callable[[int], RowState] | None = None):
+    def __init__(self, make: Callable[[int], RowState] | None = None, masks: GrammarMasks | None = None):
         self.make = make or (lambda key: RowState(key))
+        self.masks = masks  # the grammar masks of the rows that have a matcher (None: no row has one)
         self._rows: dict[int, RowState] = {}
         self._count: dict[int, int] = {}
         self.admitted = 0  # rows admitted so far
@@ -229,13 +254,27 @@ class RowTable:
                 yield b, s.processor
 
     def sample(self, logits: np.ndarray, h: StepHeader, params: SamplingParams) -> np.ndarray:
-        """The step's tokens (n,) from its rows' logits (n, V): each live row's processor first (in
-        place), then each row's draw with its own sampling, or ``params`` (`sampling.sample_rows`:
-        a row's token never depends on the rows beside it)."""
+        """The step's tokens (n,) from its rows' logits (n, V): each live row's processor and grammar
+        mask first (in place; only on the rows that keep their token: `StepHeader.final`), then each
+        row's draw with its own sampling, or ``params`` (`sampling.sample_rows`: a row's token never
+        depends on the rows beside it); a grammar's matcher then takes its row's token."""
         keys, index = h.keys, h.index
         for b, proc in self.processors(keys):
             proc(logits[b], int(index[b]))
-        return sample_rows(logits, keys, index, params, self.own_sampling)
+        constrained: list[tuple[int, Any]] = []
+        if self.masks is not None:
+            final = h.final
+            for b, k in enumerate(keys.tolist()):
+                s = self._rows.get(k)
+                if s is not None and s.grammar is not None and final[b]:
+                    constrained.append((b, s.grammar))
+        if constrained:
+            positions, matchers = [b for b, _ in constrained], [m for _, m in constrained]
+            self.masks.apply(logits, positions, matchers)
+        tokens = sample_rows(logits, keys, index, params, self.own_sampling)
+        if constrained:
+            self.masks.advance(matchers, tokens[positions].tolist())
+        return tokens
 
     def __len__(self) -> int:
         return len(self._rows)

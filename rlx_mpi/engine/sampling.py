@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -80,6 +81,7 @@ class RowSettings:
     n: int = 1
     logprobs: bool = False  # the chosen tokens' log-probs in the output
     top_logprobs: int = 0  # and this many alternatives each
+    constraint: Any = None  # a `constraints.Constraint` its text must match (structured output)
 
     def params(self, job: SamplingParams) -> SamplingParams:
         """The job's sampling under this row's own temperature, top_p and seed."""
@@ -97,6 +99,8 @@ class RowSettings:
             out["n"] = self.n
         if self.logprobs:
             out.update(logprobs=True, top_logprobs=self.top_logprobs)
+        if self.constraint is not None:
+            out["constraint"] = self.constraint.to_json()
         return out
 
 

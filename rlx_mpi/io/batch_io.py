@@ -43,6 +43,7 @@ from pathlib import Path
 from ..errors import InputError, clip, json_type
 from .identity import prompt_digest
 from .prompts import (MAX_PROMPT_FILE_BYTES, Prompt, _check_messages, _DECODER, _read_text, _Refused, read_prompts)
+from ..engine.constraints import KEYS, ConstraintError, from_request
 from ..engine.sampling import RowSettings
 from .tokenizer import ChatError
 
@@ -58,7 +59,7 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API (and rules
 EXIT_SOME_FAILED = 6
 
 _TOP_KEYS = ("custom_id", "method", "url", "body")
-OUR_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "stop")  # what our prompt lines may carry
+OUR_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "stop", *KEYS)  # what our prompt lines may carry
 _OURS = ("id", "tokens", "text", "messages")
 # Fields that ask for nothing we do not do at the value given: accepted, and otherwise refused
 # per line (a request we would answer differently from OpenAI must say so, not be ignored).
@@ -73,20 +74,27 @@ def is_batch(prompt: Prompt) -> bool:
 
 
 def read_requests(path, *, vocab_size: int, max_positions: int, max_new_tokens: int, tokenizer=None,
-                  max_bytes: int = MAX_PROMPT_FILE_BYTES, adapters: tuple[str, ...] = (),
+                  max_bytes: int = MAX_PROMPT_FILE_BYTES, check_constraint=None, adapters: tuple[str, ...] = (),
                   base_names: frozenset[str] = frozenset()) -> list[Prompt]:
     """A prompt file of either format as `Prompt`s in file order (see the module's notes).
 
-    ``adapters``: the job's LoRA adapters' names. With any, an OpenAI line's body "model" names
-    the row's adapter (absent or one of ``base_names``: the base model; another name: that
-    line's error), and our lines may give "adapter"; without, "model" is not read (as before)."""
+    ``check_constraint(constraint, where)``: why a line's constraint (structured output) cannot
+    run, or None; it may raise the `InputError` of a job that cannot run any (no llguidance).
+    Without it, a line that asks for structure is refused. ``adapters``: the job's LoRA adapters'
+    names. With any, an OpenAI line's body "model" names the row's adapter (absent or one of
+    ``base_names``: the base model; another name: that line's error), and our lines may give
+    "adapter"; without, "model" is not read (as before)."""
+    if check_constraint is None:
+        def check_constraint(c, where):
+            raise InputError(where, "this line asks for structured output, which this command does not take",
+                             "remove its response_format / structured_outputs")
     path = Path(path)
     text = _read_text(path, max_bytes)
     lines = [(n, line) for n, line in enumerate(text.split("\n"), start=1) if line.strip()]
     kind = _format_of(path, lines)
     if kind == "ours":
         def settings_of(obj: dict, where: str) -> RowSettings | None:
-            return _our_settings(obj, where, tokenizer)
+            return _our_settings(obj, where, tokenizer, check_constraint)
 
         prompts = read_prompts(path, vocab_size=vocab_size, max_positions=max_positions,
                                max_new_tokens=max_new_tokens, tokenizer=tokenizer, max_bytes=max_bytes,
@@ -101,7 +109,7 @@ def read_requests(path, *, vocab_size: int, max_positions: int, max_new_tokens: 
     for lineno, line in lines:
         where = f"{path}:{lineno}"
         p = _request(line, lineno, len(prompts), vocab_size, max_positions, max_new_tokens, tokenizer,
-                     adapters, base_names)
+                     lambda c: check_constraint(c, where), adapters, base_names)
         cid = p.request.get("custom_id")
         if cid is not None:  # (a line without one gets a placeholder id: its output says so)
             if cid in seen:
@@ -127,16 +135,22 @@ def with_digest(p: Prompt) -> Prompt:
     return replace(p, digest=hashlib.sha256(blob).hexdigest()[:16])
 
 
-def _our_settings(obj: dict, where: str, tokenizer) -> RowSettings | None:
+def _our_settings(obj: dict, where: str, tokenizer, check_constraint) -> RowSettings | None:
     """Our line's own settings (`OUR_SETTINGS`, checked as an OpenAI body's), or None when it
-    gives none; a bad one is the file's `InputError` (our format is strict)."""
+    gives none; a bad one is the file's `InputError` (our format is strict), naming the prompt."""
     if not any(k in obj for k in OUR_SETTINGS):
         return None
+    named = f"{where} (prompt {obj['id']!r})" if isinstance(obj.get("id"), str) else where
     try:
         settings = _settings({k: obj[k] for k in OUR_SETTINGS if k in obj}, COMPLETIONS_URL)
     except _LineError as e:
         what, _, fix = e.message.partition("; ")
-        raise InputError(where, what, fix or None) from None
+        raise InputError(named if e.param in KEYS else where, what, fix or None) from None
+    if settings.constraint is not None:
+        bad = check_constraint(settings.constraint, named)
+        if bad:
+            raise InputError(named, f"its {settings.constraint.kind} constraint cannot run: {bad}",
+                             "fix the schema / grammar (docs/structured-output.md lists what is supported)")
     if settings.stop and tokenizer is None:
         raise InputError(where, 'a "stop" but the checkpoint has no tokenizer',
                          "put the model's tokenizer.json next to the checkpoint: stop strings are matched on text")
@@ -175,7 +189,8 @@ class _LineError(Exception):
 
 
 def _request(line: str, lineno: int, index: int, vocab_size: int, max_positions: int, default_max: int,
-             tokenizer, adapters: tuple[str, ...] = (), base_names: frozenset[str] = frozenset()) -> Prompt:
+             tokenizer, check, adapters: tuple[str, ...] = (),
+             base_names: frozenset[str] = frozenset()) -> Prompt:
     """One OpenAI batch line as a `Prompt`: runnable, or with its ``error``."""
     cid, url, model = None, None, None
     try:
@@ -215,6 +230,12 @@ def _request(line: str, lineno: int, index: int, vocab_size: int, max_positions:
                                  f'({", ".join(adapters)})', "model", "model_not_found")
             adapter = model
         settings = _settings(body, url)
+        if settings.constraint is not None:
+            bad = check(settings.constraint)
+            if bad:
+                raise _LineError(f"its {settings.constraint.kind} constraint cannot run: {bad}",
+                                 "response_format" if "response_format" in body else "structured_outputs",
+                                 "invalid_response_format")
         if url == CHAT_URL:
             text, tokens = _chat_tokens(body, tokenizer)
         else:
@@ -261,8 +282,8 @@ def _integer(body: dict, key: str, low: int, high: int | None = None) -> int | N
 
 
 _CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
-                "n", "logprobs", "top_logprobs")
-_COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs")
+                "n", "logprobs", "top_logprobs", *KEYS)
+_COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs", *KEYS)
 
 
 def _settings(body: dict, url: str) -> RowSettings:
@@ -304,9 +325,13 @@ def _settings(body: dict, url: str) -> RowSettings:
     else:
         k = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
         logprobs, top = k is not None, k or 0
+    try:
+        constraint = from_request(body)
+    except ConstraintError as e:
+        raise _LineError(e.message, e.param, "invalid_response_format") from None
     return RowSettings(max_tokens=max_tokens, temperature=_number(body, "temperature", 0, 2),
                        top_p=_number(body, "top_p", 0, 1, low_open=True), seed=seed, stop=stops, n=n or 1,
-                       logprobs=logprobs, top_logprobs=top)
+                       logprobs=logprobs, top_logprobs=top, constraint=constraint)
 
 
 def _chat_tokens(body: dict, tokenizer) -> tuple[str, list[int]]:
