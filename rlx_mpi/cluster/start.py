@@ -368,6 +368,9 @@ class Cluster:
                                     timeout_s=self.job.run.timeout_s)
                 stage = self.family.build_stage(self.model_config, src, a.layers, a.first, a.last, tp, self.ctx,
                                                 **self._precision_kwargs())
+            if self.job.adapters and not adapters and self.is_root:
+                log.warning("%s: [adapters] are not applied by this command (generate applies them; its rows are "
+                            "the base model's here)", self.job.path)
             if adapters and self.job.adapters:
                 if not getattr(stage, "caps", None) or not stage.caps.adapters:
                     raise ConfigError(f"{self.job.path}: [adapters]", f"model family {self.family.name!r} does not "
