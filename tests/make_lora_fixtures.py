@@ -117,6 +117,7 @@ def main() -> None:
                 ref[f"logits_{name}"] = logits
                 ref[f"greedy_{name}"] = np.array(greedy(model, prompt, 12), np.int64)
             model.save_pretrained(out / name, safe_serialization=True)
+            (out / name / "README.md").unlink(missing_ok=True)  # (PEFT's model-card template: 200 lines of nothing)
             conf = json.loads((out / name / "adapter_config.json").read_text())  # (no absolute path in a fixture)
             conf["base_model_name_or_path"] = f"tests/fixtures/families/{case}"
             (out / name / "adapter_config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
