@@ -3,19 +3,20 @@
 ``y[n, col:col+O] += scale[k] * B[k] (A[k] x[n])`` for every token row n whose adapter is k
 (``rows[n] == k``; -1: the base model, left alone), after the base product wrote y.
 
-Note: segments. Rows of one adapter are taken together (the adapter loop is the outer one), so
-each adapter's A and B (r = 16 on a 4096-wide projection: 256 KiB each in float32) are read once a
-step. ``t = x A^T`` is the base products' own float32 product (`matvec.float_product`: each
-element in one order whatever the rows, rowdot's invariance note) over the segment's rows,
-gathered; ``y += t B^T`` is the loop here, with B held transposed (K, R, O) so that it adds t_j
-times B's column j to the row, contiguous and vectorised, each row alone. So a row gives the same
-bits in any batch, as the base products do. Measured on medium's gate/up (in 1024, out 2816,
-r 16, 512 rows of one adapter, 1 thread, a busy 2-core VM, so only the ratios mean much): all in
-numba with B stored (O, R) (an inner loop r = 16 long) 3.4 ms against the base product's 18; B
-transposed 2.3 ms; A's product through float_product 0.3 ms against numba's dot loops' ~1; B's
-product through float_product (a depth of 16) 50 ms: the matvecs are tiled for long rows. Ranks
-are padded to the stack's widest with zero rows (A) and columns (B); only each adapter's own r are
-read.
+Note: segments, in one call. Rows of one adapter are taken together (the adapter loop is the
+outer one; its rows gathered), so each adapter's A and B (r = 16 on a 4096-wide projection:
+256 KiB each in float32) are read once a step. ``t = x A^T`` runs on the decode matvecs' own
+tiles (`matvec._span`, serial here: every element one ordered sum whatever the rows, rowdot's
+invariance note); ``y += B t`` is the loop here, with B held transposed (K, R, O) so that it adds
+t_j times B's column j to the row, contiguous and vectorised, each row alone. So a row gives the
+same bits in any batch, as the base products do. The whole projection is one numba call: through
+`float_product` (one call per adapter, each starting the pool) a decode step of the small preset
+with 4 adapters on 6 of 8 rows took 2.1x the base step; in one call 1.2-1.5x (1 thread, a busy
+2-core VM). Measured on medium's gate/up (in 1024, out 2816, r 16, 512 rows of one adapter):
+all in numba with B stored (O, R) (an inner loop r = 16 long) 3.4 ms against the base product's
+18; B transposed 2.3 ms. B's product through float_product (a depth of 16) was 50 ms: the
+matvecs are tiled for long rows. Ranks are padded to the stack's widest with zero rows (A) and
+columns (B); only each adapter's own r are read.
 """
 
 from __future__ import annotations
@@ -23,22 +24,43 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ._common import aligned
-from .matvec import float_product
+from .matvec import _operand, _span
+from .rowdot import AHEAD_BYTES
 
 __all__ = ["lora_add_", "warm_up"]
 
 
 @numba.njit(cache=True, error_model="numpy")
-def _add_bt(y, idx, t, bt, col):  # y[idx[m], col:col+O] += sum_j t[m, j] bt[j]: t (M, r), bt (R >= r, O)
-    O = bt.shape[1]
-    for m in range(idx.shape[0]):
-        yn = y[idx[m], col:col + O]
-        for j in range(t.shape[1]):  # one column of B (a row of bt) at a time: contiguous, vectorised
-            tj = t[m, j]
-            bj = bt[j]
-            for o in range(O):
-                yn[o] += tj * bj[o]
+def _lora_add(y, x, rows, a, bt, ranks, scale, col, ahead):  # y (N, W), x (N, I), a (K, R, I), bt (K, R, O)
+    N, I = x.shape
+    R, O = bt.shape[1], bt.shape[2]
+    for k in range(a.shape[0]):
+        r = ranks[k]
+        count = 0
+        for n in range(N):
+            if rows[n] == k:
+                count += 1
+        if count == 0 or r == 0:
+            continue
+        idx = np.empty(count, np.int64)
+        xs = np.empty((count, I), np.float32)  # this adapter's rows, gathered
+        m = 0
+        for n in range(N):
+            if rows[n] == k:
+                idx[m] = n
+                xs[m] = x[n]
+                m += 1
+        w = a[k]
+        t = np.empty((count, R), np.float32)
+        _span(xs, _operand(xs, w), w, t, 0, r, ahead)  # t[:, :r] = xs A^T: the decode matvecs' tiles
+        s = scale[k]
+        for m in range(count):
+            yn = y[idx[m], col:col + O]
+            for j in range(r):  # y += B (s t): one column of B (a row of bt) at a time, contiguous
+                tj = s * t[m, j]
+                bj = bt[k, j]
+                for o in range(O):
+                    yn[o] += tj * bj[o]
 
 
 def lora_add_(y: np.ndarray, x: np.ndarray, rows: np.ndarray, a: np.ndarray, b: np.ndarray, ranks: np.ndarray,
@@ -69,16 +91,8 @@ def lora_add_(y: np.ndarray, x: np.ndarray, rows: np.ndarray, a: np.ndarray, b: 
         raise ValueError(f"lora_add_: ranks {ranks.tolist()} must lie in [0, {R}]")
     if N and (rows.min() < -1 or rows.max() >= K):
         raise ValueError(f"lora_add_: row adapters must lie in [-1, {K - 1}], got {rows.min()}..{rows.max()}")
-    x = np.ascontiguousarray(x)
-    for k in range(K):
-        r = int(ranks[k])
-        idx = np.flatnonzero(rows == k)
-        if not r or not len(idx):
-            continue
-        xs = x if len(idx) == N else x[idx]  # (this adapter's rows, gathered: one product for the segment)
-        t = float_product(aligned(xs), aligned(a[k, :r]))  # (n, r) = x A^T, each row in one order
-        t *= scale[k]
-        _add_bt(y, idx, t, np.ascontiguousarray(b[k]), col)
+    _lora_add(y, np.ascontiguousarray(x), rows, np.ascontiguousarray(a), np.ascontiguousarray(b), ranks,
+              np.ascontiguousarray(scale), col, AHEAD_BYTES // 4)
     return y
 
 
