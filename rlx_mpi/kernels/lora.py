@@ -64,13 +64,19 @@ def _lora_add(y, x, rows, a, bt, ranks, scale, col, ahead):  # y (N, W), x (N, I
 
 
 def lora_add_(y: np.ndarray, x: np.ndarray, rows: np.ndarray, a: np.ndarray, b: np.ndarray, ranks: np.ndarray,
-              scale: np.ndarray, col: int = 0) -> np.ndarray:
+              scale: np.ndarray, col: int = 0, checked: bool = False) -> np.ndarray:
     """Add each row's adapter product into columns ``col:col+O`` of ``y`` (N, W), in place; returns y.
 
     x (N, I) float32: the projection's input rows; rows (N,) int: each row's adapter (-1: none);
     a (K, R, I) and b (K, R, O) float32: the K adapters' A and B transposed (B's column j is
     ``b[k, j]``), padded to rank R; ranks (K,)
-    int: each one's own rank; scale (K,) float32: alpha / r (or alpha / sqrt(r))."""
+    int: each one's own rank; scale (K,) float32: alpha / r (or alpha / sqrt(r)). ``checked``: the
+    caller has made every argument as this says (C-contiguous; rows and ranks int64; a layer's
+    stacks checked at load, a step's rows once a step: `decoder.lora`), so a projection's call
+    skips the checks (112 calls a decode step on medium)."""
+    if checked:
+        _lora_add(y, x, rows, a, b, ranks, scale, col, AHEAD_BYTES // 4)
+        return y
     for name, arr, nd in (("y", y, 2), ("x", x, 2), ("a", a, 3), ("b", b, 3), ("scale", scale, 1)):
         if arr.dtype != np.float32 or arr.ndim != nd:
             raise TypeError(f"lora_add_: {name} is {arr.dtype} {arr.shape}; pass float32 of {nd} dimensions")

@@ -55,6 +55,12 @@ class LoraStep:
     rows: np.ndarray
     layers: list[LayerLora]
 
+    def __post_init__(self) -> None:  # checked once a step: the projections' calls are not (`add_`)
+        self.rows = np.ascontiguousarray(self.rows, np.int64)
+        K = next((len(s.ranks) for layer in self.layers for s in layer.values()), 0)
+        if self.rows.ndim != 1 or (len(self.rows) and (self.rows.min() < -1 or self.rows.max() >= K)):
+            raise ValueError(f"lora: row adapters {self.rows.tolist()[:8]}... must lie in [-1, {K - 1}]")
+
 
 def token_rows(adapters: np.ndarray | None, kind: str, T: int, n_decode: int = 0) -> np.ndarray | None:
     """Each token row's adapter from each row's (``adapters`` (n,)): a decode row is one token row,
@@ -108,6 +114,8 @@ def load_layers(adapters: list[tuple[str, Path]], cfg: Arch, layers: range, shar
                 r = m.a.shape[0]
                 a[k, :r], b[k, :r], ranks[k], scale[k] = m.a, m.b.T, r, m.scaling
             layer[module] = Stack(a, b, ranks, scale)
+            kernels.lora_add_(np.zeros((1, O), np.float32), np.zeros((1, I), np.float32), np.zeros(1, np.int64),
+                              a, b, ranks, scale)  # (the stack's shapes checked once: `add_` calls it unchecked)
         out.append(layer)
     return out
 
@@ -123,5 +131,9 @@ def add_(kv, module: str, y: np.ndarray, x: np.ndarray, col: int = 0) -> None:
         return
     if not y.flags.c_contiguous:  # (its 2-D view must be y itself: the sums are added in place)
         raise ValueError(f"lora: {module}'s output must be C-contiguous")
-    kernels.lora_add_(y.reshape(-1, y.shape[-1]), np.ascontiguousarray(x, np.float32).reshape(-1, x.shape[-1]),
-                      step.rows, stack.a, stack.b, stack.ranks, stack.scale, col)
+    y2, x2 = y.reshape(-1, y.shape[-1]), np.ascontiguousarray(x, np.float32).reshape(-1, x.shape[-1])
+    if y2.shape[0] != len(step.rows) or x2.shape[0] != len(step.rows) or x2.shape[1] != stack.a.shape[2] \
+            or col + stack.b.shape[2] > y2.shape[1]:  # (cheap: the kernel reads them unchecked)
+        raise ValueError(f"lora: {module}: {y2.shape[0]} output rows, {x2.shape} input, {len(step.rows)} row "
+                         f"adapters and a stack {stack.a.shape} / {stack.b.shape} at column {col} do not fit")
+    kernels.lora_add_(y2, x2, step.rows, stack.a, stack.b, stack.ranks, stack.scale, col, checked=True)
