@@ -2,7 +2,7 @@
 
 Every launched rank measures at once (so that the rates hold what the ranks of a host share:
 cores, memory bandwidth), on its share of the host's cores as a job pins it: the real layers
-(a middle stage of two medium-preset layers built by the decoder family at each precision, from
+(a middle stage of medium-preset layers, at least 80 MB, built by the decoder family at each precision, from
 random weights made in memory: its decode steps of 1..64 rows and its prefills of 8..512
 positions, so the product kernels, the fused decode layer, norms, RoPE and the calls are all in
 the rate, as seconds per layer weight), the attention kernels by context length (a prefill
@@ -15,6 +15,7 @@ each rate (`model.calibration.Calibration`, one file per allocation type).
 from __future__ import annotations
 
 import json
+import math
 import socket
 import statistics
 import time
@@ -25,10 +26,12 @@ import numpy as np
 __all__ = ["calibrate", "measure_local"]
 
 PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")
-LAYERS = 2  # the probe stage: two layers of the medium preset (23 M weights, 93 MB at f32: past a cache share)
+PROBE_BYTES = 80e6  # the probe stage's f32 weights at least (2 medium layers: 93 MB), past a last-level cache:
+# 2 layers of the small preset (23 MB) decoded 1.6x faster a layer than its 8 (the cache held them)
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_POSITIONS = (8, 16, 32, 64, 128, 256, 512)
 CHUNK, CONTEXT = 32, 32
+ROUNDS = 5  # interleaved rounds of every row count (the median is kept)
 ATT_HEADS, ATT_KV, ATT_DIM = 16, 8, 64
 PREFILL_CONTEXTS = (32, 128, 512, 1024)
 DECODE_CONTEXTS = (32, 128, 512, 1024, 2048)
@@ -36,15 +39,15 @@ MESSAGE_BYTES = (8, 4096, 65536, 1 << 20, 8 << 20)
 
 
 def _timed(fn: Callable[[], Any], reps: int) -> float:
-    """The least of ``reps`` timings after one warm call: a rate of the kernels, not of the
-    other users' bursts (a shared host's share of the cores is the ranks', measured together)."""
+    """The median of ``reps`` timings after one warm call (a burst of another user's work moves
+    one timing, not the rate; the least of them was 30-40 % faster than a job's steps under load)."""
     fn()
     out = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
-    return min(out)
+    return statistics.median(out)
 
 
 class _RandomSource:
@@ -84,7 +87,7 @@ def probe_layer_weights(preset: str = "medium") -> float:
 ALONE_KEYS = ("layer_decode", "layer_prefill", "attention_prefill", "attention_decode")
 
 
-def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "medium") -> dict:
+def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "medium", rounds: int = ROUNDS) -> dict:
     """This rank's rates (the module note), as `Calibration`'s JSON keys; ``preset``: the probe
     layers' shape (tests take the small preset's, to price a small model)."""
     import dataclasses
@@ -94,30 +97,34 @@ def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "med
     from ..model.kv_cache import KvSpec
 
     family, cfg = require_preset(preset, "probe --calibrate")
-    cfg = dataclasses.replace(cfg, num_hidden_layers=LAYERS)
-    weights = probe_layer_weights(preset) * LAYERS
+    per_layer = probe_layer_weights(preset)
+    layers = max(2, math.ceil(PROBE_BYTES / (4 * per_layer)))
+    cfg = dataclasses.replace(cfg, num_hidden_layers=layers)
+    weights = per_layer * layers
     C = cfg.hidden_size
     rng = np.random.default_rng(0)
     decode, prefill = {}, {}
     for p in precisions:
-        # a middle stage (hidden in, hidden out) of LAYERS medium layers, as a job builds it
-        stage = family.build_stage(cfg, _RandomSource(cfg), range(LAYERS), False, False, precision=p)
+        # a middle stage (hidden in, hidden out) of medium layers, as a job builds it
+        stage = family.build_stage(cfg, _RandomSource(cfg), range(layers), False, False, precision=p)
         stage.reset(64, 2 * CONTEXT, KvSpec("full"))
-        curve = []
+        calls = []  # (curve, x, its call): measured in interleaved rounds, so a burst of another
+        # user's work lands on every row count alike, not on one point of the curve
         for rows in DECODE_ROWS:
             x = rng.standard_normal((rows, 1, C), dtype=np.float32)
             slots, pos = np.arange(rows, dtype=np.int64), np.full(rows, CONTEXT, np.int64)
-            t = _timed(lambda: stage.decode(x, slots, pos), 1 if quick else 5)
-            curve.append([rows, t / weights])
-        decode[p] = curve
-        curve = []
+            calls.append(("decode", rows, lambda x=x, s=slots, q=pos: stage.decode(x, s, q)))
         for n in PREFILL_POSITIONS:  # rows of CHUNK positions (little attention: the layers' own rate)
             B, T = max(1, n // CHUNK), min(n, CHUNK)
             x = rng.standard_normal((B, T, C), dtype=np.float32)
             slots, lengths = np.arange(B, dtype=np.int64), np.full(B, T, np.int64)
-            t = _timed(lambda: stage.prefill(x, slots, lengths), 1 if quick or n >= 256 else 3)
-            curve.append([B * T, t / weights])
-        prefill[p] = curve
+            calls.append(("prefill", B * T, lambda x=x, s=slots, n=lengths: stage.prefill(x, s, n)))
+        times: dict[tuple, list[float]] = {}
+        for _ in range(1 if quick else rounds):
+            for kind, rows, call in calls:
+                times.setdefault((kind, rows), []).append(_timed(call, 1))
+        decode[p] = [[rows, statistics.median(times[("decode", rows)]) / weights] for rows in DECODE_ROWS]
+        prefill[p] = [[k[1], statistics.median(t) / weights] for k, t in times.items() if k[0] == "prefill"]
         del stage
     # attention: a prefill chunk (T queries from 0) and decode rows (one query against ctx keys)
     flops_pos = 4.0 * ATT_HEADS * ATT_DIM
