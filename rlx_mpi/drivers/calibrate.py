@@ -31,7 +31,7 @@ PROBE_BYTES = 80e6  # the probe stage's f32 weights at least (2 medium layers: 9
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_POSITIONS = (8, 16, 32, 64, 128, 256, 512)
 CHUNK, CONTEXT = 32, 32
-ROUNDS = 5  # interleaved rounds of every row count (the median is kept)
+ROUNDS = 3  # interleaved rounds of every row count (the median is kept)
 ATT_HEADS, ATT_KV, ATT_DIM = 16, 8, 64
 PREFILL_CONTEXTS = (32, 128, 512, 1024)
 DECODE_CONTEXTS = (32, 128, 512, 1024, 2048)
@@ -120,9 +120,13 @@ def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "med
             slots, lengths = np.arange(B, dtype=np.int64), np.full(B, T, np.int64)
             calls.append(("prefill", B * T, lambda x=x, s=slots, n=lengths: stage.prefill(x, s, n)))
         times: dict[tuple, list[float]] = {}
+        for _, _, call in calls:  # warm: the first call of a shape compiles or loads its kernels
+            call()
         for _ in range(1 if quick else rounds):
             for kind, rows, call in calls:
-                times.setdefault((kind, rows), []).append(_timed(call, 1))
+                t0 = time.perf_counter()
+                call()
+                times.setdefault((kind, rows), []).append(time.perf_counter() - t0)
         decode[p] = [[rows, statistics.median(times[("decode", rows)]) / weights] for rows in DECODE_ROWS]
         prefill[p] = [[k[1], statistics.median(t) / weights] for k, t in times.items() if k[0] == "prefill"]
         del stage

@@ -127,11 +127,17 @@ def simulate_plan(args: Any, job: Any, family: Any, cfg: Any, grid: Any, tp: int
     main = predict(grid, tp)
     compared = []
     if args.compare:
+        host = args.ranks_per_host or args.ranks  # (no --ranks-per-host: one host, as the calibration's)
         for r, t in layouts(args.ranks, dims.n_layers, lambda t: _tp_ok(family, cfg, t)):
+            name = (f"{r} replicas x " if r > 1 else "") + f"{args.ranks // (r * t)} stage" + \
+                ("s" if args.ranks // (r * t) > 1 else "") + f" x tp {t}"
+            if t > 1 and host % t:
+                compared.append((name, f"a TP group of {t} would span hosts of {host} ranks"))
+                continue
             try:
                 compared.append(predict(plan_for(r, t), t))
             except RlxError as e:
-                compared.append((f"{r} replicas x {args.ranks // (r * t)} stages x tp {t}", str(e).splitlines()[0]))
+                compared.append((name, str(e).splitlines()[0].split(": ", 1)[-1].split(";")[0]))
         ok = sorted((p for p in compared if not isinstance(p, tuple)), key=lambda p: p.predicted_wall_s)
         compared = ok + [p for p in compared if isinstance(p, tuple)]
     limit = parse_time_limit(args.time_limit) if args.time_limit else None
@@ -153,7 +159,7 @@ def simulate_plan(args: Any, job: Any, family: Any, cfg: Any, grid: Any, tp: int
           f"{'steps' if what == 'generate' else 'microbatches'}"
           + (f"; prefix cache: {main.prefix_hits} prompt positions reused" if main.prefix_hits else ""))
     for s, b in enumerate(main.busy):
-        frac = b / main.predicted_wall_s if main.predicted_wall_s else 0.0
+        frac = min(1.0, b / main.predicted_wall_s) if main.predicted_wall_s else 0.0
         print(f"  stage {s}: busy {b:.3f} s ({100 * frac:.0f} %), bubble {100 * (1 - frac):.0f} %")
     if args.compare:
         print("layouts the ranks allow, by predicted wall time:")

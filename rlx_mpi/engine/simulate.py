@@ -92,7 +92,8 @@ class Prediction:
                 "job_s": round(self.job_s, 3), "tokens": self.tokens, "tokens_per_s": round(self.tokens_per_s, 2),
                 "positions": self.positions, "first_row_s": round(self.first_row_s, 4), "steps": self.steps,
                 "prefix_hits": self.prefix_hits, "replica_walls": [round(x, 4) for x in self.replica_walls],
-                "stages": [{"stage": s, "busy_s": round(b, 4), "busy": round(b / w, 4), "bubble": round(1 - b / w, 4)}
+                "stages": [{"stage": s, "busy_s": round(b, 4), "busy": round(min(1.0, b / w), 4),
+                            "bubble": round(max(0.0, 1 - b / w), 4)}
                            for s, b in enumerate(self.busy)]}
 
 
