@@ -148,7 +148,9 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pr.add_argument("--gflops", action="store_true", help="measure each rank's matmul speed (~0.2 s)")
     pr.add_argument("--calibrate", metavar="OUT_JSON", help="measure the rates plan --simulate prices with (the "
-                    "product kernels at each precision, attention, the links; ~20 s) and write them to OUT_JSON")
+                    "product kernels at each precision, attention, the links; 30-100 s) and write them to OUT_JSON")
+    pr.add_argument("--precisions", metavar="P[,P...]", help="--calibrate: only these weight precisions (default "
+                    "f32,bf16,f16,int8,q4; a job at one precision needs only its own)")
     pr.add_argument("--log-dir", metavar="DIR", help="one log per rank, DIR/rank-0003.log; only rank 0 logs to the terminal")
 
     pl = sub.add_parser("plan", help="plan placement for hypothetical ranks, without launching MPI",
@@ -304,6 +306,10 @@ def cmd_trace(args) -> int:
 
 
 def cmd_probe(args) -> int:
+    if args.precisions and not args.calibrate:
+        from .errors import ConfigError
+
+        raise ConfigError("probe --precisions", "is a flag of --calibrate", "add --calibrate OUT.json")
     if args.calibrate:
         from .drivers.calibrate import calibrate
 

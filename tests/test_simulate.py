@@ -91,7 +91,7 @@ def test_the_calibration_is_checked_when_read_and_errors_name_the_key(tmp_path):
     sc = step_cost(_cost(), 4, [(1, 10)] * 4, last=True)
     t1, t2 = step_seconds(sc, cal, "f32"), step_seconds(sc, cal, "f32", tp=2)
     assert t1 > 0 and t2 > 0
-    with pytest.raises(ConfigError, match="layer_decode"):
+    with pytest.raises(ConfigError, match="c.json: layer_decode"):
         step_seconds(sc, cal, "q4")  # a precision not measured is named, not guessed
     bad = [(_cal_doc(version=0), "c.json: version"), (_cal_doc(row_s=-1), "c.json: row_s"),
            (_cal_doc(attention_decode=[[32, 5.0], [16, 1.0]]), r"c.json: attention_decode\[1\]"),
@@ -156,6 +156,26 @@ print([m for m in sys.modules if m.split(".")[0] in ("mpi4py", "numba") or m.sta
 """ % (_cal_doc(),)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_probe_calibrate_writes_a_file_plan_reads(tmp_path):
+    """Under MPI at 2 ranks, one precision: the rates, the alone rates, the links; then plan prices with it."""
+    cal = tmp_path / "cal.json"
+    r = run_cli(["probe", "--calibrate", cal, "--precisions", "f32"], ranks=2, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "calibration of 2 ranks" in r.stdout
+    doc = json.loads(cal.read_text())
+    assert set(doc["layer_decode"]) == {"f32"} and doc["local_size"] == 2 and "alone" in doc
+    assert doc["send"] and doc["allreduce"]["2"]
+    load_calibration(cal)
+    r = run_cli(["plan", "--preset", "medium", "--ranks", "2", "--tp", "2", "--simulate", "--prompts",
+                 ROOT / "jobs" / "prompts.jsonl", "--calibration", cal, "--json"])
+    assert r.returncode == 0 and json.loads(r.stdout)["priced_by"] == f"calibration {cal}", r.stderr
+    r = run_cli(["plan", "--preset", "medium", "--ranks", "1", "--precision", "q4", "--simulate", "--prompts",
+                 ROOT / "jobs" / "prompts.jsonl", "--calibration", cal])
+    assert r.returncode == 2 and "no rates for precision 'q4'" in r.stderr and "--precisions" in r.stderr
+    r = run_cli(["probe", "--precisions", "f32"], ranks=1)
+    assert r.returncode == 2 and "probe --precisions" in r.stderr
 
 
 _MEASURE = """

@@ -3,7 +3,7 @@
 Every launched rank measures at once (so that the rates hold what the ranks of a host share:
 cores, memory bandwidth), on its share of the host's cores as a job pins it: the real layers
 (a middle stage of medium-preset layers, at least 80 MB, built by the decoder family at each precision, from
-random weights made in memory: its decode steps of 1..64 rows and its prefills of 8..512
+random weights made in memory: its decode steps of 1..64 rows and its prefills of 8..256
 positions, so the product kernels, the fused decode layer, norms, RoPE and the calls are all in
 the rate, as seconds per layer weight), the attention kernels by context length (a prefill
 chunk's `kernels.attend` and a decode row's `kernels.attend_cache`), the ring's bookkeeping a row (`engine.ring.run_ring` on a pipe that returns at once), a streaming
@@ -29,7 +29,7 @@ PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")
 PROBE_BYTES = 80e6  # the probe stage's f32 weights at least (2 medium layers: 93 MB), past a last-level cache:
 # 2 layers of the small preset (23 MB) decoded 1.6x faster a layer than its 8 (the cache held them)
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
-PREFILL_POSITIONS = (8, 16, 32, 64, 128, 256, 512)
+PREFILL_POSITIONS = (8, 16, 32, 64, 128, 256)  # (past 256 the products' rate is flat: 128-512 within 10 %)
 CHUNK, CONTEXT = 32, 32
 ROUNDS = 3  # interleaved rounds of every row count (the median is kept)
 ATT_HEADS, ATT_KV, ATT_DIM = 16, 8, 64
@@ -206,6 +206,15 @@ def _links(world: Any, ctx: Any) -> tuple[list, dict]:
     return send, {world.size: reduce}
 
 
+def _precisions(text: str | None) -> tuple[str, ...]:
+    """``--precisions f32,q4``: the precisions to measure (default all five), each checked."""
+    from .. import rules
+
+    if not text:
+        return PRECISIONS
+    return tuple(dict.fromkeys(rules.precision_name(p.strip(), "probe --precisions") for p in text.split(",")))
+
+
 def calibrate(args: Any) -> int:
     """Every rank measures (`measure_local`), rank 0 writes the medians to ``args.calibrate``."""
     from mpi4py import MPI
@@ -221,7 +230,8 @@ def calibrate(args: Any) -> int:
     world = MPI.COMM_WORLD
     setup_logging(world, args.debug, args.log_dir, args.command)
     ctx = RankContext(rank=world.rank, size=world.size, debug=args.debug)
-    out = agree(world, ctx, 60.0, lambda: check_output("probe --calibrate", args.calibrate) if world.rank == 0 else None)
+    out = agree(world, ctx, 60.0, lambda: (_precisions(args.precisions), check_output("probe --calibrate", args.calibrate)
+                                           if world.rank == 0 else None)[1])
     local = world.Split_type(MPI.COMM_TYPE_SHARED)
     affinity = gather_local_affinity(local, 120.0, ctx)
     mine = agree(world, ctx, 120.0, lambda: probe_local(world.rank, local.rank, local.size, None, False, affinity))
@@ -233,13 +243,14 @@ def calibrate(args: Any) -> int:
     barrier()
     # (not under `faults.agree`: its deadline's watcher thread takes the GIL between kernel calls,
     # a decode step measured 5-10x slower under it)
-    rates = measure_local()
+    precisions = _precisions(args.precisions)
+    rates = measure_local(precisions)
     alone = None  # a host's first rank alone on the host's cores (the others wait): a job of fewer ranks a host
     if local.size > 1:
         barrier()
         if world.rank == 0:
             _pin_threads((mine.cpus or 1) * local.size)
-            alone = measure_local()
+            alone = measure_local(precisions)
             _pin_threads(mine.cpus)
         barrier()
     send, reduce = _links(world, ctx) if world.size > 1 else ([], {})
@@ -265,8 +276,10 @@ def calibrate(args: Any) -> int:
         doc["alone"] = {k: alone[k] for k in ALONE_KEYS}
     from_json(doc, str(args.calibrate))  # (what plan --simulate will read back)
     write_output(out, lambda tmp: tmp.write_text(json.dumps(doc, indent=1)))
+    p = next(iter(doc["layer_prefill"]))
     print(f"calibration of {world.size} rank{'s' if world.size != 1 else ''} on {doc['host']} written to "
-          f"{args.calibrate}: f32 layers {2 * 512 / doc['layer_prefill']['f32'][-1][1] / 1e9:.1f} GFLOP/s at 512 "
-          f"positions, decode of 1 row {2 / doc['layer_decode']['f32'][0][1] / 1e9:.1f} GFLOP/s, "
-          f"{doc['read_gbps']:.1f} GB/s read" + (f", Send of 1 MiB {doc['send'][3][1] * 1e3:.2f} ms" if send else ""))
+          f"{args.calibrate}: {p} layers {2 * doc['layer_prefill'][p][-1][0] / doc['layer_prefill'][p][-1][1] / 1e9:.1f} "
+          f"GFLOP/s at {doc['layer_prefill'][p][-1][0]} positions, decode of 1 row "
+          f"{2 / doc['layer_decode'][p][0][1] / 1e9:.1f} GFLOP/s, {doc['read_gbps']:.1f} GB/s read"
+          + (f", Send of 1 MiB {doc['send'][3][1] * 1e3:.2f} ms" if send else ""))
     return 0

@@ -8,7 +8,7 @@ numpy, no kernels (the simulator imports this; tests/test_imports.py checks it).
 Note: the price. A step on one rank of a stage of ``tp`` ranks costs
   layers     layer weights / tp x the measured seconds a layer weight at that many rows: a real
              stage of the decoder at the rank's precision, its decode steps (1..64 rows: the
-             fused decode layer) or its prefills (8..512 positions: the product kernels), with
+             fused decode layer) or its prefills (8..256 positions: the product kernels), with
              norms, RoPE and calls inside the rate; past the ends the end rate
   head       the head's weights / tp at its rows (one a row; every position for score), at the
              prefill rate (a `Linear`, as the prefill's products)
@@ -95,7 +95,8 @@ class Calibration:
         curve = curves.get(precision)
         if curve is None:
             raise ConfigError(f"{self.path}: layer_{'decode' if decode else 'prefill'}", f"no rates for precision "
-                              f"{precision!r} (it has {sorted(curves)})", "run rlx-mpi probe --calibrate again")
+                              f"{precision!r} (it has {sorted(curves)})",
+                              f"run rlx-mpi probe --calibrate again with --precisions {precision} among them")
         return interp(curve, max(1, rows))
 
     def send_s(self, nbytes: float) -> float:
