@@ -105,6 +105,16 @@ def test_the_calibration_is_checked_when_read_and_errors_name_the_key(tmp_path):
         load_calibration(p)
 
 
+def test_start_up_prices_reading_the_file_and_converting_it():
+    from rlx_mpi.drivers.simulate import _startup_s
+
+    cost, lay = _cost(), Layout(1, (8,), ("q4",), 1, (0.625 / 4,))
+    cal = from_json(_cal_doc(convert={"q4": 1e-7}), "c.json")
+    held = _startup_s(cost, lay, cal, None)  # a q4 file: read as held, nothing to convert
+    f32_file = _startup_s(cost, lay, cal, "f32")  # an f32 file: 6.4x the bytes read, every weight quantized
+    assert f32_file - held > (cost.n_layers * cost.layer_bytes / 4) * 1e-7
+
+
 def test_time_limits_and_the_requeue_sentence():
     assert parse_time_limit("2:00:00") == 7200 and parse_time_limit("90") == 5400 and parse_time_limit("1-00:00:00") == 86400
     assert parse_time_limit("45m") == 2700 and parse_time_limit("1.5h") == 5400 and parse_time_limit("30:00") == 1800

@@ -103,10 +103,18 @@ def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "med
     weights = per_layer * layers
     C = cfg.hidden_size
     rng = np.random.default_rng(0)
-    decode, prefill = {}, {}
+    decode, prefill, convert = {}, {}, {}
     for p in precisions:
         # a middle stage (hidden in, hidden out) of medium layers, as a job builds it
-        stage = family.build_stage(cfg, _RandomSource(cfg), range(layers), False, False, precision=p)
+        source = _RandomSource(cfg)
+        t0 = time.perf_counter()
+        for name in source.shapes:  # (the tensors' making alone, taken off the build below)
+            if name.startswith("layers/"):
+                source.read(name)
+        made = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        stage = family.build_stage(cfg, source, range(layers), False, False, precision=p)
+        convert[p] = max(0.0, time.perf_counter() - t0 - made) / weights  # f32 weights made resident at p
         stage.reset(64, 2 * CONTEXT, KvSpec("full"))
         calls = []  # (curve, x, its call): measured in interleaved rounds, so a burst of another
         # user's work lands on every row count alike, not on one point of the curve
@@ -147,7 +155,7 @@ def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "med
         att_decode.append([L, flops_pos * B * L / t / 1e9])
     big = np.ones(32 << 20, np.float32)  # 128 MB
     read = big.nbytes / _timed(lambda: big.sum(), 2) / 1e9
-    return {"layer_decode": decode, "layer_prefill": prefill, "attention_prefill": att_prefill,
+    return {"layer_decode": decode, "layer_prefill": prefill, "convert": convert, "attention_prefill": att_prefill,
             "attention_decode": att_decode, "row_s": _ring_row_s(), "read_gbps": read}
 
 
@@ -270,6 +278,7 @@ def calibrate(args: Any) -> int:
            "layer_prefill": {p: med_curve(lambda r, p=p: r["layer_prefill"][p]) for p in rows[0]["layer_prefill"]},
            "attention_prefill": med_curve(lambda r: r["attention_prefill"]),
            "attention_decode": med_curve(lambda r: r["attention_decode"]),
+           "convert": {p: statistics.median(r["convert"][p] for r in rows) for p in rows[0]["convert"]},
            "row_s": med("row_s"), "read_gbps": med("read_gbps"),
            "send": send, "allreduce": {str(k): v for k, v in reduce.items()}, "local_size": local.size}
     if alone is not None:

@@ -89,12 +89,22 @@ def _layout(grid: Any, tp: int) -> Any:
                   weight_scales=tuple(_weight_scale(p) for p in precs))
 
 
-def _startup_s(cost: Any, layout: Any, cal: Any, machine: Any) -> float:
-    """Reading a stage's weights (the largest) and the fixed start-up: an estimate from this host's
-    start-ups (`STARTUP_FIXED_S`, `STARTUP_READ_GBPS`), not calibrated (a cold file system reads slower)."""
-    gbps = STARTUP_READ_GBPS
-    big = max((n * cost.layer_bytes * layout.weight_scales[s] for s, n in enumerate(layout.layers)), default=0)
-    return STARTUP_FIXED_S + (big + cost.embed_bytes + cost.head_bytes) / layout.tp / (gbps * 1e9)
+def _startup_s(cost: Any, layout: Any, cal: Any, stored: str | None) -> float:
+    """Reading the largest stage's weights as the checkpoint stores them (``stored``; None: at the
+    precision they are held in) and making them resident at the stage's precision (the calibration's
+    ``convert`` rate when the two differ: a q4 job on an f32 checkpoint quantizes at load), and the
+    fixed start-up: an estimate from this host's start-ups (`STARTUP_FIXED_S`, `STARTUP_READ_GBPS`)."""
+    worst = 0.0
+    for s, n in enumerate(layout.layers):
+        weights = n * cost.layer_bytes / 4.0 + (cost.embed_bytes / 4.0 if s == 0 else 0.0) + \
+            (cost.head_bytes / 4.0 if s == layout.stages - 1 else 0.0)  # (f32-priced bytes: weights)
+        held = layout.precisions[s]
+        read = weights * 4.0 * (_weight_scale(stored) if stored else layout.weight_scales[s]) / layout.tp
+        t = read / (STARTUP_READ_GBPS * 1e9)
+        if cal is not None and stored and stored != held:
+            t += weights / layout.tp * cal.convert.get(held, 0.0)
+        worst = max(worst, t)
+    return STARTUP_FIXED_S + worst
 
 
 def simulate_plan(args: Any, job: Any, family: Any, cfg: Any, grid: Any, tp: int, plan_for) -> int:
@@ -188,13 +198,19 @@ def _read_work(args: Any, job: Any, family: Any, cfg: Any, dims: Any, what: str)
     from ..io.tokenizer import load_tokenizer
 
     path = Path(args.prompts or (job.generate.prompts if what == "generate" else job.score.prompts))
+    stored = None  # the checkpoint's stored format (a job's file; a model from flags is held as stored)
+    if job is not None and job.model.checkpoint.is_file() and not (args.preset or args.hf_config):
+        from ..model.checkpoint import stored_precision
+
+        stored = stored_precision(job.model.checkpoint)[0]
     tokenizer = load_tokenizer(job.model.checkpoint) if job is not None and job.model.checkpoint.exists() else None
     if what == "score":
         from ..io.scoring import read_score_prompts
 
         lines = read_score_prompts(path, vocab_size=dims.vocab_size, max_positions=dims.max_positions,
                                    tokenizer=tokenizer)
-        return {"path": path.name, "lines": len(lines), "score": [(tuple(p.tokens), p.start) for p in lines]}
+        return {"path": path.name, "lines": len(lines), "score": [(tuple(p.tokens), p.start) for p in lines],
+                "stored": stored}
     from ..engine.records import Request
     from ..io.batch_io import read_requests
 
@@ -208,7 +224,7 @@ def _read_work(args: Any, job: Any, family: Any, cfg: Any, dims: Any, what: str)
         s = p.settings
         limit = (p.request["max_new_tokens"] if p.request else (s.max_tokens or new)) if s else new
         rows += [Request(p.index, p.id, tuple(p.tokens), j, max_new_tokens=limit) for j in range(s.n if s else 1)]
-    return {"path": path.name, "lines": len(prompts), "rows": rows, "new": new}
+    return {"path": path.name, "lines": len(prompts), "rows": rows, "new": new, "stored": stored}
 
 
 def _prefix_on(args: Any, job: Any, family: Any, what: str) -> bool:
@@ -237,7 +253,7 @@ def _generate(work, job, args, family, cfg, layout, cal, machine, priced_by):
         pool, paged = (lambda: BlockPool(blocks, BLOCK_SIZE)), True
     return simulate_generate(rows, cost, layout, batch=batch, groups=groups, max_new_tokens=work["new"],
                              prefill_chunk=chunk, pool=pool, paged=paged, cal=cal, machine=machine,
-                             startup_s=_startup_s(cost, layout, cal, machine), priced_by=priced_by)
+                             startup_s=_startup_s(cost, layout, cal, work.get("stored")), priced_by=priced_by)
 
 
 def _score(work, job, args, family, cfg, layout, cal, machine, priced_by):
@@ -269,7 +285,7 @@ def _score(work, job, args, family, cfg, layout, cal, machine, priced_by):
                               MIN_TOKENS)
             plans.append([ScoreMicrobatch(len(r.lines), r.width, r.start) for r in plan])
     p = simulate_score(plans, scored, cost, layout, cal=cal, machine=machine,
-                       startup_s=_startup_s(cost, layout, cal, machine), priced_by=priced_by)
+                       startup_s=_startup_s(cost, layout, cal, work.get("stored")), priced_by=priced_by)
     if pool is not None:
         p.prefix_hits = sum(mb.rows * mb.start for r in plans for mb in r)
     return p

@@ -79,6 +79,8 @@ class Calibration:
     read_gbps: float  # streaming read of a large array
     send: Curve = ()  # (bytes, seconds) of one Send/Recv between two ranks
     allreduce: dict[int, Curve] = field(default_factory=dict)  # ranks -> (bytes, seconds) of an all-reduce
+    convert: dict[str, float] = field(default_factory=dict)  # precision -> seconds a float32 weight takes to be
+    # made resident at it at load (a q4 job on an f32 checkpoint quantizes at start-up)
     local_size: int = 1  # ranks that shared a host while measuring
     alone: "Calibration | None" = None  # the same rates of a host's rank alone on its cores (local_size > 1)
     path: str = ""
@@ -117,7 +119,7 @@ class Calibration:
                 "row_s": self.row_s, "read_gbps": self.read_gbps,
                 "send": [list(x) for x in self.send],
                 "allreduce": {str(n): [list(x) for x in c] for n, c in self.allreduce.items()},
-                "local_size": self.local_size,
+                "local_size": self.local_size, "convert": dict(self.convert),
                 **({"alone": {k: v for k, v in self.alone.to_json().items() if k in _ALONE}} if self.alone else {})}
 
 
@@ -155,7 +157,7 @@ def from_json(doc: Any, where: str) -> Calibration:
         raise ConfigError(f"{where}: version", f"got {doc.get('version')!r}, expected {CALIBRATION_VERSION}",
                           "run rlx-mpi probe --calibrate again with this version")
     known = {"version", "host", "ranks", "layer_decode", "layer_prefill", "attention_prefill", "attention_decode",
-             "row_s", "read_gbps", "send", "allreduce", "local_size", "alone"}
+             "row_s", "read_gbps", "send", "allreduce", "local_size", "alone", "convert"}
     extra = sorted(set(doc) - known)
     if extra:
         raise ConfigError(f"{where}: {extra[0]}", "unknown key", f"expected only {sorted(known)}")
@@ -174,15 +176,19 @@ def from_json(doc: Any, where: str) -> Calibration:
     local_size = doc.get("local_size", 1)
     if not isinstance(local_size, int) or isinstance(local_size, bool) or local_size < 1:
         raise ConfigError(f"{where}: local_size", f"got {local_size!r}", "expected an int >= 1")
+    convert = doc.get("convert") or {}
+    if not isinstance(convert, dict):
+        raise ConfigError(f"{where}: convert", f"got {convert!r}", "expected {precision: seconds a weight}")
+    convert = {p: _number(convert, p, f"{where}: convert") for p in convert}
     alone = None
     if doc.get("alone") is not None:
         a = doc["alone"]
         if not isinstance(a, dict) or set(a) != set(_ALONE):
             raise ConfigError(f"{where}: alone", f"got keys {sorted(a) if isinstance(a, dict) else a!r}",
                               f"expected {sorted(_ALONE)}")
-        alone = from_json({k: v for k, v in doc.items() if k not in ("alone", *_ALONE)} | a | {"local_size": 1},
+        alone = from_json({k: v for k, v in doc.items() if k not in ("alone", "convert", *_ALONE)} | a | {"local_size": 1},
                           f"{where}: alone")
-    return Calibration(host=str(doc.get("host", "")), ranks=ranks, local_size=local_size, alone=alone,
+    return Calibration(host=str(doc.get("host", "")), ranks=ranks, local_size=local_size, alone=alone, convert=convert,
                        layer_decode=layer["layer_decode"], layer_prefill=layer["layer_prefill"],
                        attention_prefill=_curve(doc, "attention_prefill", where),
                        attention_decode=_curve(doc, "attention_decode", where),
