@@ -91,6 +91,8 @@ def test_the_calibration_is_checked_when_read_and_errors_name_the_key(tmp_path):
     sc = step_cost(_cost(), 4, [(1, 10)] * 4, last=True)
     t1, t2 = step_seconds(sc, cal, "f32"), step_seconds(sc, cal, "f32", tp=2)
     assert t1 > 0 and t2 > 0
+    assert cal.weight_s("f32", 1024, False) == pytest.approx(2 * cal.weight_s("f32", 512, False))  # the rate holds
+    assert cal.weight_s("f32", 0, True) == cal.weight_s("f32", 1, True)
     with pytest.raises(ConfigError, match="c.json: layer_decode"):
         step_seconds(sc, cal, "q4")  # a precision not measured is named, not guessed
     bad = [(_cal_doc(version=0), "c.json: version"), (_cal_doc(row_s=-1), "c.json: row_s"),

@@ -9,7 +9,8 @@ Note: the price. A step on one rank of a stage of ``tp`` ranks costs
   layers     layer weights / tp x the measured seconds a layer weight at that many rows: a real
              stage of the decoder at the rank's precision, its decode steps (1..64 rows: the
              fused decode layer) or its prefills (8..256 positions: the product kernels), with
-             norms, RoPE and calls inside the rate; past the ends the end rate
+             norms, RoPE and calls inside the rate; below the first point its time, past
+             the last its rate (the time grows with the rows)
   head       the head's weights / tp at its rows (one a row; every position for score), at the
              prefill rate (a `Linear`, as the prefill's products)
   attention  its FLOPs / tp over the measured rate at that context (prefill and decode apart)
@@ -99,6 +100,9 @@ class Calibration:
             raise ConfigError(f"{self.path}: layer_{'decode' if decode else 'prefill'}", f"no rates for precision "
                               f"{precision!r} (it has {sorted(curves)})",
                               f"run rlx-mpi probe --calibrate again with --precisions {precision} among them")
+        last_rows, last_s = curve[-1]
+        if rows > last_rows:  # past the last point the rate holds: the time a weight grows with the rows
+            return last_s * rows / last_rows
         return interp(curve, max(1, rows))
 
     def send_s(self, nbytes: float) -> float:
