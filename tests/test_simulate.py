@@ -112,6 +112,9 @@ def test_start_up_prices_reading_the_file_and_converting_it():
 
     cost, lay = _cost(), Layout(1, (8,), ("q4",), 1, (0.625 / 4,))
     cal = from_json(_cal_doc(convert={"q4": 1e-7}), "c.json")
+    alone = _cal_doc(convert={"q4": 1e-7})
+    alone["alone"] = {k: alone[k] for k in ("layer_decode", "layer_prefill", "attention_prefill", "attention_decode")}
+    assert from_json(alone, "c.json").sharing(1).convert == {"q4": 1e-7}  # (a host's only rank converts too)
     held = _startup_s(cost, lay, cal, None)  # a q4 file: read as held, nothing to convert
     f32_file = _startup_s(cost, lay, cal, "f32")  # an f32 file: 6.4x the bytes read, every weight quantized
     assert f32_file - held > (cost.n_layers * cost.layer_bytes / 4) * 1e-7

@@ -190,7 +190,7 @@ def from_json(doc: Any, where: str) -> Calibration:
         if not isinstance(a, dict) or set(a) != set(_ALONE):
             raise ConfigError(f"{where}: alone", f"got keys {sorted(a) if isinstance(a, dict) else a!r}",
                               f"expected {sorted(_ALONE)}")
-        alone = from_json({k: v for k, v in doc.items() if k not in ("alone", "convert", *_ALONE)} | a | {"local_size": 1},
+        alone = from_json({k: v for k, v in doc.items() if k not in ("alone", *_ALONE)} | a | {"local_size": 1},
                           f"{where}: alone")
     return Calibration(host=str(doc.get("host", "")), ranks=ranks, local_size=local_size, alone=alone, convert=convert,
                        layer_decode=layer["layer_decode"], layer_prefill=layer["layer_prefill"],
