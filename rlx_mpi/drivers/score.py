@@ -61,6 +61,7 @@ from ..errors import ConfigError, RankFault
 from ..comm.executor import Executor, wire_codec
 from ..lifecycle.faults import check_output, wait
 from ..comm.schedule import Action, forward_schedule
+from ..engine.rounds import run_rounds
 from ..io.stats import ClusterRun, StageTiming
 
 __all__ = ["ScoreDriver", "ScoreOptions", "ScoreResult", "Microbatch", "plan_rounds", "DEFAULT_TOKENS"]
@@ -457,40 +458,33 @@ class ScoreDriver(JournalDriver):
             if cx.is_root:
                 collector = Collector(cx.world, cx.ctx, timeout, {rep[-1][0]: [x for g in rep for x in g]
                                                                   for rep in topo.replicas[1:]}, on_rows)
-        t0 = time.perf_counter()
-        stopped, done_rounds, r = False, 0, -1
-        while True:
-            if shared:  # the next round: claimed by the replica's stage 0 (one claim ahead), agreed with the stop
-                nxt = -1
-                if claim is not None:
-                    nxt = counter.take(claim)
-                    claim = counter.post(1) if nxt + 1 < len(self.rounds) else None
-                elif topo.stage == 0 and topo.tp_rank == 0:
-                    nxt = len(self.rounds)
-                if collector is not None:
-                    collector.poll()
-                elif post is not None:
-                    post.beat()
-                want_stop, r = stop_now(nxt)
-                if want_stop and done_rounds:
-                    stopped = True
-                    break
-            else:
-                r += 1
-            if r >= len(self.rounds):
-                break
-            mbs = self.rounds[r]
-            lps, where = run_round(mbs)
-            done_rounds += 1
+        def claim_next() -> tuple[bool, int]:
+            """Replicas: the next round, claimed by the replica's stage 0 (one claim ahead), agreed with the stop."""
+            nonlocal claim
+            nxt = -1
+            if claim is not None:
+                nxt = counter.take(claim)
+                claim = counter.post(1) if nxt + 1 < len(self.rounds) else None
+            elif topo.stage == 0 and topo.tp_rank == 0:
+                nxt = len(self.rounds)
+            if collector is not None:
+                collector.poll()
+            elif post is not None:
+                post.beat()
+            return stop_now(nxt)
+
+        def one_round(r: int) -> None:
+            lps, where = run_round(self.rounds[r])
             lines = sorted(where)  # pending positions of this round, in file order
             counts["tokens"] += sum(len(pending[k][2]) for k in lines)
             if journal is not None:
                 write(lines, lps, where)
             elif post is not None:
                 post.rows([], round=r, replica=topo.replica, lps=lps.tolist())
-            if not shared and r + 1 < len(self.rounds) and stop_now()[0]:
-                stopped = True
-                break
+
+        t0 = time.perf_counter()  # the order of rounds: `engine.rounds.run_rounds` (pure; `RoundClock` prices it)
+        stopped, done_rounds = run_rounds(len(self.rounds), one_round, lambda: stop_now()[0],
+                                          claim_next if shared else None)
         mine_wall = time.perf_counter() - t0
         if shared:
             if claim is not None:

@@ -124,6 +124,17 @@ class StepCost:
     kv_bytes: float  # cache read: every attended position's K and V, each layer
     send_bytes: float  # the hidden state to the next stage (or the tokens back: 8 a row)
     allreduce_bytes: float  # under tp: two all-reduces of the positions' hidden state a layer
+    # what a calibrated price (`model.calibration`) needs beside the totals above
+    layers: int = 0
+    positions: int = 0  # token positions through the layers' products
+    rows: int = 0
+    product_weights: float = 0.0  # weights a position multiplies by in the layers (active ones: MoE)
+    head_weights: float = 0.0  # the head's, multiplied by head_rows positions (one a row, or every one)
+    head_rows: int = 0
+    attn_prefill_flops: float = 0.0  # attention of prefill chunks (many queries a row)
+    attn_decode_flops: float = 0.0  # attention of decode rows (one query against the cache)
+    context: float = 0.0  # the rows' mean attended length (the attention rate depends on it)
+    hidden: int = 0
 
     def seconds(self, m: "Machine", tp: int = 1) -> float:
         """Time on one rank of ``m`` when the stage is ``tp`` ranks: compute or memory, whichever
@@ -144,24 +155,33 @@ class Machine:
 
 
 def step_cost(cost: ModelCost, layers: int, contexts: Sequence[tuple[int, int]], *, last: bool,
-              weight_scale: float = 1.0) -> StepCost:
+              weight_scale: float = 1.0, every: bool = False) -> StepCost:
     """Price one step of ``layers`` layers (a stage's) for rows given as ``(positions, start)``:
     a decode row is ``(1, its position)``, a prefill chunk ``(T, start)``. Each position attends to
     every position before it and itself; the last stage turns one position a row into logits.
 
     E.g. a decode step of 8 rows at position 511: ``step_cost(c, L, [(1, 511)] * 8, last=True)``;
     a 512-token prefill: ``[(512, 0)]``. Bytes of weights scale with ``weight_scale`` (a rank
-    holding bf16 weights reads half the float32 bytes priced)."""
+    holding bf16 weights reads half the float32 bytes priced). ``every``: the last stage turns
+    every position into logits (``score``), not one a row."""
     positions = sum(t for t, _ in contexts)
     attended = sum(t * start + t * (t + 1) / 2 for t, start in contexts)  # sum over positions of (pos + 1)
     dense = cost.dense_flops_per_token or cost.layer_flops_per_token
     flops = layers * (positions * dense + attended * cost.attn_flops_per_pos)
     kv_pos = cost.kv_bytes_per_layer / max(1, cost.tokens)  # one position's K and V, one layer
     rows = len(contexts)
-    if last:
-        flops += rows * cost.head_flops_per_token
+    head_rows = (positions if every else rows) if last else 0
+    flops += head_rows * cost.head_flops_per_token
     weights = layers * cost.layer_bytes * weight_scale + (cost.head_bytes * weight_scale if last else 0.0)
     hidden = cost.hidden_size * 4.0
+    prefill = [(t, start) for t, start in contexts if t > 1]
+    attended_prefill = sum(t * start + t * (t + 1) / 2 for t, start in prefill)
     return StepCost(flops=flops, weight_bytes=weights, kv_bytes=layers * attended * kv_pos,
                     send_bytes=8.0 * rows if last else positions * hidden,
-                    allreduce_bytes=layers * 2 * positions * hidden)
+                    allreduce_bytes=layers * 2 * positions * hidden,
+                    layers=layers, positions=positions, rows=rows,
+                    product_weights=layers * dense / 2, head_weights=cost.head_flops_per_token / 2 if last else 0.0,
+                    head_rows=head_rows,
+                    attn_prefill_flops=layers * attended_prefill * cost.attn_flops_per_pos,
+                    attn_decode_flops=layers * (attended - attended_prefill) * cost.attn_flops_per_pos,
+                    context=attended / positions if positions else 0.0, hidden=cost.hidden_size)
