@@ -102,6 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
                    help="compute every prompt's whole prefill, even the blocks another prompt began with "
                    "(A/B runs; default: [generate] prefix_cache, else on)")
+    g.add_argument("--adapter", action="append", metavar="NAME=DIR", help="a LoRA adapter (a PEFT directory) that "
+                   "requests name (an OpenAI line's \"model\", our \"adapter\"); repeatable; adds to [adapters]")
     g.add_argument("--batch", type=int, metavar="B", help="sequences per group")
     g.add_argument("--kv-rows", type=int, metavar="N", help="KV budget in full-length rows; with the block cache "
                    "shorter rows share it by what they use, up to groups x batch at once (default: [generate] "
@@ -147,6 +149,10 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("job", nargs="?", help="optional job TOML: also checks its checkpoint is readable")
     pr.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pr.add_argument("--gflops", action="store_true", help="measure each rank's matmul speed (~0.2 s)")
+    pr.add_argument("--calibrate", metavar="OUT_JSON", help="measure the rates plan --simulate prices with (the "
+                    "product kernels at each precision, attention, the links; 30-100 s) and write them to OUT_JSON")
+    pr.add_argument("--precisions", metavar="P[,P...]", help="--calibrate: only these weight precisions (default "
+                    "f32,bf16,f16,int8,q4; a job at one precision needs only its own)")
     pr.add_argument("--log-dir", metavar="DIR", help="one log per rank, DIR/rank-0003.log; only rank 0 logs to the terminal")
 
     pl = sub.add_parser("plan", help="plan placement for hypothetical ranks, without launching MPI",
@@ -180,6 +186,23 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--precision", help="weight precision in memory: f32 | bf16 | f16 | int8 | q4 for every rank, or a "
                     "comma list with one per rank (default: the job's [run]/[[rank]] precision, whose auto is its "
                     "checkpoint's stored format, else --dtype's)")
+    sim = pl.add_argument_group("simulation (docs/performance.md: how long a job takes)")
+    sim.add_argument("--simulate", nargs="?", const="generate", choices=["generate", "score"],
+                     help="replay the job's loop under a clock and print its predicted wall time, tokens/s, each "
+                     "stage's busy share and the first row's time (default generate)")
+    sim.add_argument("--prompts", help="the job's prompt file (its tokens: lengths and prefix-cache hits; default "
+                     "the job's [generate]/[score] prompts)")
+    sim.add_argument("--calibration", metavar="CAL_JSON", help="the rates rlx-mpi probe --calibrate measured on "
+                     "this allocation type (without: a roofline estimate, labelled as such)")
+    sim.add_argument("--compare", action="store_true", help="also every replicas x stages x tp the ranks allow, "
+                     "ranked by predicted time")
+    sim.add_argument("--json", action="store_true", help="print the prediction as one JSON object")
+    sim.add_argument("--time-limit", metavar="TIME", help="the queue's limit (2:00:00, 90, 45m, 2h): does the job "
+                     "fit, or how often it requeues")
+    sim.add_argument("--max-new-tokens", type=int, help="generate: new tokens a row (default the job's, else 32)")
+    sim.add_argument("--groups", type=int, help="generate: groups in flight (default the job's, else one a stage)")
+    sim.add_argument("--prefill-chunk", type=int, help="generate: positions a prefill step (default the job's)")
+    sim.add_argument("--no-prefix-cache", action="store_true", help="price the job without its prefix cache")
     pl.add_argument("--kv-cache", metavar="POLICY", help="KV cache that `generate` keeps: none | full | window:W "
                     "(default: the job's [run]/[[rank]] kv_cache, else full: batch x seq positions per layer)")
 
@@ -286,6 +309,14 @@ def cmd_trace(args) -> int:
 
 
 def cmd_probe(args) -> int:
+    if args.precisions and not args.calibrate:
+        from .errors import ConfigError
+
+        raise ConfigError("probe --precisions", "is a flag of --calibrate", "add --calibrate OUT.json")
+    if args.calibrate:
+        from .drivers.calibrate import calibrate
+
+        return calibrate(args)
     from .drivers.probe import probe
 
     return probe(args)

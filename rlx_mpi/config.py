@@ -120,6 +120,13 @@ class ModelSection:
     """Scan every loaded weight for NaN/Inf (costs one pass over the weights)."""
     plugins: tuple[str, ...] = ()
     """Python modules to import before loading, so they can `register_family` a model of their own."""
+    name: str | None = None
+    """The base model's name in requests (an OpenAI line's "model"); default: the checkpoint's file stem."""
+
+    @property
+    def base_names(self) -> frozenset[str]:
+        """The names a request's "model" gives to mean the base model (no adapter)."""
+        return frozenset({self.name or self.checkpoint.stem})
 
 
 @dataclass(frozen=True)
@@ -255,6 +262,20 @@ class JobConfig:
     ranks: tuple[RankOverride, ...] = ()
     generate: GenerateSection = field(default_factory=GenerateSection)
     score: ScoreSection = field(default_factory=ScoreSection)
+    adapters: tuple[tuple[str, Path], ...] = ()
+    """[adapters] name = "PEFT directory": LoRA adapters a request names (index 0.. in this order)."""
+
+    def with_adapters(self, flags: list[str] | None, where: str = "generate --adapter") -> "JobConfig":
+        """This job with ``--adapter NAME=DIR`` flags added (a name the job file has is replaced)."""
+        if not flags:
+            return self
+        out = dict(self.adapters)
+        for text in flags:
+            name, path = rules.adapter_flag(text, where)
+            out[name] = Path(os.path.expandvars(os.path.expanduser(path))).absolute()
+        job = dataclasses.replace(self, adapters=tuple(out.items()))
+        _check_adapters(job, where)
+        return job
 
     def kv_for(self, rank: int) -> KvSpec:
         """The KV cache policy of ``rank``: its [[rank]] kv_cache, else [run] kv_cache."""
@@ -360,10 +381,10 @@ def parse_job(raw: dict[str, Any], path: Path) -> JobConfig:
     """Validate an already-parsed TOML document; ``path`` anchors relative paths and messages."""
     path = Path(path)
     where = str(path)
-    unknown = sorted(set(raw) - set(_SECTIONS) - {"rank"})
+    unknown = sorted(set(raw) - set(_SECTIONS) - {"rank", "adapters"})
     if unknown:
         raise ConfigError(where, f"unknown section [{unknown[0]}]",
-                          f"expected sections {sorted([*_SECTIONS, 'rank'])}")
+                          f"expected sections {sorted([*_SECTIONS, 'adapters', 'rank'])}")
     if "model" not in raw:
         raise ConfigError(where, "missing section [model]", 'add [model] with checkpoint = "path/to/model.h5"')
     sections = {}
@@ -385,9 +406,23 @@ def parse_job(raw: dict[str, Any], path: Path) -> JobConfig:
         if o.rank in seen:
             raise ConfigError(f"{where}: [[rank]] rank", f"rank {o.rank} is overridden twice", "merge the two [[rank]] tables")
         seen.add(o.rank)
-    job = JobConfig(path=path, ranks=ranks, **sections)
+    table = raw.get("adapters", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: adapters", f"expected a table [adapters], got {type(table).__name__}",
+                          'write [adapters] with one name = "path/to/peft_adapter_dir" per line')
+    adapters = tuple((rules.adapter_name(k, f"{where}: [adapters]"),
+                      _coerce(k, "Path", v, f"{where}: [adapters] {k}", path)) for k, v in table.items())
+    job = JobConfig(path=path, ranks=ranks, adapters=adapters, **sections)
     _cross_check(job)
     return job
+
+
+def _check_adapters(job: JobConfig, where: str) -> None:
+    """An adapter may not take the base model's name (a request naming it would be ambiguous)."""
+    for name, _ in job.adapters:
+        if name in job.model.base_names:
+            raise ConfigError(f"{where} {name}", "is the base model's name (what a request's \"model\" gives "
+                              "for no adapter)", "give the adapter another name, or set [model] name")
 
 
 def _cross_check(job: JobConfig) -> None:
@@ -403,6 +438,7 @@ def _cross_check(job: JobConfig) -> None:
     if p.policy is PlacementPolicy.COMPUTE and not p.measure_gflops:
         raise ConfigError(f"{where} policy", 'policy = "compute" needs measured speeds',
                           "set measure_gflops = true or choose another policy")
+    _check_adapters(job, f"{job.path}: [adapters]")
     rules.microbatches_fit(job.run.microbatches, job.run.batch, f"{job.path}: [run] microbatches")
     if job.run.wire not in WIRE_FORMATS:
         raise ConfigError(f"{job.path}: [run] wire", f"got {job.run.wire!r}", f"expected one of {list(WIRE_FORMATS)}")

@@ -18,7 +18,7 @@ from .errors import ConfigError, InputError
 
 __all__ = ["PRECISIONS", "WIRE_FORMATS", "precision_name", "tp_divides_ranks", "stages_fit_layers",
            "manual_ranges_tile", "seq_fits", "ids_array", "microbatches_fit", "int_at_least", "at_most",
-           "token_in_vocab", "LOGPROBS_MAX", "replicas_value", "replicas_divide", "DEFAULT_STARTUP_TIMEOUT_S"]
+           "token_in_vocab", "LOGPROBS_MAX", "adapter_name", "adapter_flag", "replicas_value", "replicas_divide", "DEFAULT_STARTUP_TIMEOUT_S"]
 
 DEFAULT_STARTUP_TIMEOUT_S = 600.0  # [run] startup_timeout_s: the one default (also before the job file is read)
 
@@ -26,6 +26,27 @@ PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")  # how a rank holds its weight
 _PRECISION_ALIASES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # numpy-style spellings
 LOGPROBS_MAX = 20  # generate --logprobs K: top alternatives per token at most (as OpenAI's and vLLM's APIs)
 WIRE_FORMATS = ("f32", "bf16", "f16")  # wire.py's codecs, named here so the job file is checked without numba
+
+
+ADAPTER_NAME_CHARS = "letters, digits and . _ - : /"  # a request's "model" names an adapter: ft:org/name-1
+
+
+def adapter_name(name: Any, where: str) -> str:
+    """A LoRA adapter's name as a job file or ``--adapter`` gives it (requests name it: a line's
+    "model", our "adapter")."""
+    import re
+
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._:/-]{1,200}", name):
+        raise ConfigError(where, f"adapter name {name!r}", f"use 1-200 {ADAPTER_NAME_CHARS}")
+    return name
+
+
+def adapter_flag(text: str, where: str) -> tuple[str, str]:
+    """``--adapter NAME=PATH`` as (name, path)."""
+    name, eq, path = text.partition("=")
+    if not eq or not path:
+        raise ConfigError(where, f"got {text!r}", "pass --adapter NAME=DIR (a PEFT adapter directory)")
+    return adapter_name(name, where), path
 
 
 def precision_name(value: Any, where: str, *, auto: bool = False) -> str:

@@ -56,7 +56,7 @@ def modules(pkg: Path = PKG) -> dict[str, Path]:
     return {module_name(p, pkg): p for p in pkg.rglob("*.py")}
 
 
-def imports_of(name: str, path: Path, known: set[str], missing: list | None = None) -> set[str]:
+def imports_of(name: str, path: Path, known: set[str], missing: list | None = None, tree: ast.AST | None = None) -> set[str]:
     """The rlx_mpi modules ``name`` imports anywhere in its file; ``missing`` collects
     ``from X import ...`` whose X is no module of the package (a relative import left behind
     by a move fails only when that function runs)."""
@@ -69,7 +69,7 @@ def imports_of(name: str, path: Path, known: set[str], missing: list | None = No
         if target and target != name:
             found.add(target)
 
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree or ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("rlx_mpi"):
@@ -155,3 +155,72 @@ def test_the_walk_sees_relative_and_lazy_imports():
     assert "rlx_mpi.drivers.run" in g["rlx_mpi.cli"]  # inside a function
     assert "rlx_mpi.comm.transport" in g["rlx_mpi.drivers.run"]  # `from .. import transport`
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+# the simulator (``plan --simulate``) runs where no MPI is: importing it loads no MPI, no numba
+# and no numba kernel, however far down its module-level imports go (a function's lazy import of
+# a kernel it never calls is allowed; tests/test_simulate.py runs a whole simulation and checks
+# what was loaded)
+PURE = ["rlx_mpi.engine.simulate", "rlx_mpi.model.calibration", "rlx_mpi.engine.ring", "rlx_mpi.engine.rounds"]
+NOT_IN_PURE = ("mpi4py", "numba")
+
+
+def _module_level(tree: ast.AST):
+    """The nodes run on import: everything but the bodies of functions."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo += [c for c in ast.iter_child_nodes(node)
+                 if not isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
+
+
+def loaded_on_import(pkg: Path = PKG) -> dict[str, set[str]]:
+    """Per module: the package modules and the foreign top-level names its import runs."""
+    mods = modules(pkg)
+    out = {}
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        body = ast.Module(body=[n for n in _module_level(tree) if isinstance(n, (ast.Import, ast.ImportFrom))],
+                          type_ignores=[])
+        deps = imports_of(name, path, set(mods), tree=body)
+        foreign = set()
+        for n in body.body:
+            if isinstance(n, ast.Import):
+                foreign |= {a.name.split(".")[0] for a in n.names}
+            elif not n.level and n.module:
+                foreign.add(n.module.split(".")[0])
+        out[name] = deps | {f"<{f}>" for f in foreign & set(NOT_IN_PURE)}
+    return out
+
+
+def impure(pkg: Path = PKG) -> list[str]:
+    g = loaded_on_import(pkg)
+    seen, todo = set(), [m for m in PURE if m in g]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += [d for d in g[n] if not d.startswith("<")]
+    bad = []
+    for n in sorted(seen):
+        if n.startswith(("rlx_mpi.kernels", "rlx_mpi.comm", "rlx_mpi.lifecycle")):
+            bad.append(f"{n} (a kernel / MPI layer)")
+        bad += [f"{n} imports {d[1:-1]}" for d in sorted(g[n]) if d.startswith("<")]
+    return bad
+
+
+def test_the_simulator_imports_no_mpi_and_no_numba_kernels():
+    assert impure() == []
+
+
+def test_a_planted_kernel_import_in_the_simulator_is_caught(tmp_path):
+    import shutil
+
+    copy = tmp_path / "rlx_mpi"
+    shutil.copytree(PKG, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "engine" / "planted.py").write_text("import mpi4py\nfrom ..kernels import attend\n")
+    sim = copy / "engine" / "simulate.py"
+    sim.write_text(sim.read_text() + "\nfrom . import planted\n")
+    bad = impure(copy)
+    assert "rlx_mpi.engine.planted imports mpi4py" in bad and "rlx_mpi.kernels (a kernel / MPI layer)" in bad

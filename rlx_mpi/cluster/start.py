@@ -82,6 +82,7 @@ class Cluster:
         self.topology: Topology | None = None
         self.stage: Stage | None = None
         self.build_ms = 0.0
+        self.adapter_bytes = 0  # this rank's LoRA adapters (`build`)
         self.first_on_node = True  # the lowest rank of its node (probe)
         self._prepared = False
         self.phases: list[tuple[str, float, float]] = []  # start-up (name, perf_counter start, seconds) for the trace
@@ -131,7 +132,7 @@ class Cluster:
         if driver.plan_only:
             return cx
         with cx.phase("build"):
-            cx.build(decode=driver.decodes)
+            cx.build(decode=driver.decodes, adapters=getattr(driver, "uses_adapters", False))
         driver.ready(cx)
         return cx
 
@@ -366,9 +367,10 @@ class Cluster:
         """This rank's stage (of its replica)."""
         return next(a for a in self.plan_ if self.world.rank in a.ranks)
 
-    def build(self, decode: bool = False) -> Stage:
+    def build(self, decode: bool = False, adapters: bool = False) -> Stage:
         """Each rank loads only its layers and its tensor-parallel shard (agreed); ``decode``:
-        the work will decode token by token (`warm_up`)."""
+        the work will decode token by token (`warm_up`); ``adapters``: the driver's rows may name
+        the job's LoRA adapters, loaded beside the weights (each rank its layers' and shard's)."""
         if not self.plan_:
             self.plan()
         a, topo = self.assignment, self.topology
@@ -382,6 +384,18 @@ class Cluster:
                                     timeout_s=self.job.run.timeout_s)
                 stage = self.family.build_stage(self.model_config, src, a.layers, a.first, a.last, tp, self.ctx,
                                                 **self._precision_kwargs())
+            if self.job.adapters and not adapters and self.is_root:
+                log.warning("%s: [adapters] are not applied by this command (generate applies them; its rows are "
+                            "the base model's here)", self.job.path)
+            if adapters and self.job.adapters:
+                if not getattr(stage, "caps", None) or not stage.caps.adapters:
+                    raise ConfigError(f"{self.job.path}: [adapters]", f"model family {self.family.name!r} does not "
+                                      "run LoRA adapters", "merge each adapter into the base model and convert that")
+                from ..families.hf.peft import check_base_family
+
+                for n, p in self.job.adapters:  # (a local base model of another family: refused by name)
+                    check_base_family(Path(p), n, tuple(getattr(self.family, "hf_model_types", ())), self.family.name)
+                self.adapter_bytes = stage.load_adapters([(n, str(p)) for n, p in self.job.adapters])
             self.build_ms = (time.perf_counter() - t0) * 1e3
             return stage
 

@@ -31,7 +31,7 @@ waits for its receiver (the decode-ring note in schedule.py).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -87,7 +87,7 @@ class DecodeRing:
     def __init__(self, cx: Any, params: SamplingParams, header_size: int, *, k_logprobs: int = 0,
                  names: dict[int, str] | None = None, per_key: dict[int, SamplingParams] | None = None,
                  with_logprobs: bool = False, hooks: TestHooks = NO_HOOKS, constraints: dict | None = None,
-                 masks: Any = None):
+                 masks: Any = None, adapters: dict[int, int] | None = None):
         self.cx, self.params, self.header_size = cx, params, header_size
         own = per_key or {}  # prompt key -> a row's own sampling (batch requests' settings), every pending row
         grammar = constraints or {}  # prompt key -> its constraint (structured output); masks: the last stage's
@@ -98,6 +98,7 @@ class DecodeRing:
 
         # the live rows' state, born and freed by the headers' events (`records.RowTable`)
         self.rows = RowTable(make, masks)
+        self.adapters = adapters or {}  # prompt key -> its LoRA adapter's index in the job (none: the base model)
         self.k = k_logprobs  # top alternatives per token
         # False: tokens alone travel back; True: `pack_sampled` rows of 2 + 2K (K may be 0)
         self.lp = with_logprobs or k_logprobs > 0
@@ -135,7 +136,10 @@ class DecodeRing:
         self.rows.on_header(h)  # (every stage: the rows admitted in this step, those ended before it)
         kind, n = h.kind, h.n
         t0 = time.perf_counter()
-        out = run_step(self.stage, x, h.batch(ops))  # (the record: `model.stage.StepBatch`)
+        batch = h.batch(ops)  # (the record: `model.stage.StepBatch`)
+        if self.adapters:  # each row's adapter, a column of the step (every stage knows every row's)
+            batch = replace(batch, adapters=np.array([self.adapters.get(k, -1) for k in batch.keys.tolist()], np.int64))
+        out = run_step(self.stage, x, batch)
         t1 = time.perf_counter()
         st = self.stats
         st.steps += 1

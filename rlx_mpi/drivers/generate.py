@@ -110,13 +110,15 @@ def _requests(p: Any, opts: GenerateOptions) -> list[Request]:
     a prompt without settings of its own is one row of the job's (and of its constraint)."""
     s = p.settings
     tokens = tuple(p.tokens)
+    adapter = getattr(p, "adapter", None)  # its LoRA adapter (`decoder.lora`); None: the base model
     if s is None:
-        return [Request(p.index, p.id, tokens, constraint=opts.structured)]
+        return [Request(p.index, p.id, tokens, constraint=opts.structured, adapter=adapter)]
     limit = p.request["max_new_tokens"] if p.request else (s.max_tokens or opts.max_new_tokens)
     q = s.params(opts.sampling)
     own = q if q != opts.sampling else None  # (rows that sample as the job does keep the batched path)
     c = s.constraint if s.constraint is not None else opts.structured
-    return [Request(p.index, p.id, tokens, j, sample_id(p.id, j), limit, tuple(s.stop), own, c) for j in range(s.n)]
+    return [Request(p.index, p.id, tokens, j, sample_id(p.id, j), limit, tuple(s.stop), own, c, adapter)
+            for j in range(s.n)]
 
 
 class GenerateDriver(JournalDriver):
@@ -130,6 +132,7 @@ class GenerateDriver(JournalDriver):
     Options = GenerateOptions
     command = "generate"
     decodes = True
+    uses_adapters = True  # rows may name the job's LoRA adapters (`Cluster.build` loads them)
 
     def __init__(self, flags: Any, *, argv_inputs: tuple = (), hooks: TestHooks = NO_HOOKS):
         self.flags, self.argv_inputs, self.hooks = flags, argv_inputs, hooks
@@ -140,6 +143,15 @@ class GenerateDriver(JournalDriver):
         self.kv_bytes = 0
         self.prefix_blocks = 0  # blocks of the prefix cache's pool on every stage (0: off)
         self.paged = False  # the full layers' rows take the pool's blocks through block tables (`_paged`)
+
+    def configure(self, cx: Any) -> None:
+        super().configure(cx)
+        cx.job = cx.job.with_adapters(getattr(self.flags, "adapter", None))  # --adapter NAME=DIR
+        if cx.job.adapters:  # each one's adapter_config.json now: a bad one is one line before any plan
+            from ..families.hf.peft import read_adapter_config
+
+            for name, path in cx.job.adapters:
+                read_adapter_config(Path(path), name)
 
     def load(self, cx: Any) -> tuple[int, int] | None:
         """Prompts and journal on rank 0; (cache slots, longest sequence), None when all are done."""
@@ -175,12 +187,17 @@ class GenerateDriver(JournalDriver):
                                       "fix the schema / grammar (docs/structured-output.md lists what is supported)")
             prompts = read_requests(opts.prompts, vocab_size=dims.vocab_size, max_positions=dims.max_positions,
                                     max_new_tokens=opts.max_new_tokens, tokenizer=tokenizer,
-                                    check_constraint=check_constraint)
+                                    check_constraint=check_constraint, adapters=tuple(n for n, _ in job.adapters),
+                                    base_names=job.model.base_names)
             prompts, shard = select(prompts, opts.shard, str(opts.prompts))
             sampled = any(p.settings and not p.settings.params(opts.sampling).greedy for p in prompts)
             identity = RunIdentity.for_generate(job.model.checkpoint, opts.sampling, opts.max_new_tokens,
                                                 eos_ids=eos, logprobs=opts.logprobs, sampled=sampled)
             identity = identity.with_settings(**beside_settings(tokenizer))  # (+ the layout's: `settle`)
+            if job.adapters:  # each adapter's files: another adapter under the same name is another run
+                from ..families.hf.peft import adapter_digest
+
+                identity = identity.with_settings(adapters={n: adapter_digest(p, n) for n, p in job.adapters})
             if opts.structured is not None:  # (a row's own constraint is in its digest)
                 identity = identity.with_settings(structured=opts.structured.to_json())
             journal = Journal(opts.out, prompts, inputs=(opts.prompts, job.path, job.model.checkpoint,
@@ -223,15 +240,20 @@ class GenerateDriver(JournalDriver):
     def cost(self, cx: Any) -> Any:
         """The family's cost with the KV term cut to what the ranks' policies keep, as a function of
         the stage count (one group of slots per stage by default: `placement.plan_grid`)."""
-        from ..model.cost import kv_cost
+        from ..model.cost import kv_cost, with_adapters
 
         specs = [cx.job.kv_for(r) for r in range(cx.world.size)]
         cx.prepare()
         family, cfg, opts = cx.family, cx.model_config, self.opts
         extra = PREFIX_POOL_ROWS if self._prefix_cache_on(cx) else 0  # the pool: as many positions as that many slots
         rows = opts.kv_rows if opts.kv_rows and self._paged(cx) else 0  # (a paged cache: the budget, not the slots)
-        return lambda stages: kv_cost(family.cost(cfg, (rows or (opts.groups or stages) * opts.batch) + extra, cx.seq),
-                                      specs, cx.seq)
+        adapters = 0
+        if cx.job.adapters:  # the job's LoRA adapters, as the stages stack them (`decoder.lora`)
+            from ..families.hf.peft import stacked_layer_bytes
+
+            adapters = stacked_layer_bytes(list(cx.job.adapters), cfg)
+        return lambda stages: with_adapters(kv_cost(family.cost(cfg, (rows or (opts.groups or stages) * opts.batch)
+                                                                + extra, cx.seq), specs, cx.seq), adapters)
 
     def _paged(self, cx: Any) -> bool:
         """Do the stages' full-attention layers read through block tables (`kv_cache`'s block-table
@@ -368,8 +390,11 @@ class GenerateDriver(JournalDriver):
             masks = cx.agree(lambda: last_stage_masks(job.model.checkpoint, cx.dims.vocab_size, doc["eos"],
                                                       str(opts.prompts), opts.ignore_eos, constraints.values())
                              if cx.stage.last else None, "compiling the structured-output grammars")
+        index = {n: i for i, (n, _) in enumerate(job.adapters)}  # the job's order: the stages' stacks'
+        adapters = {r.key: index[r.adapter] for r in items if r.adapter is not None}
         ring = DecodeRing(cx, opts.sampling, sched.header_size, k_logprobs=k, names=names, per_key=per_key,
-                          with_logprobs=doc["logprobs"], hooks=self.hooks, constraints=constraints, masks=masks)
+                          with_logprobs=doc["logprobs"], hooks=self.hooks, constraints=constraints, masks=masks,
+                          adapters=adapters)
         journal, tokenizer = holder.get("journal"), holder.get("tokenizer")
         prompt_of = {p.index: p for p in holder.get("prompts", [])}
         texts = {i: p.text for i, p in prompt_of.items()}

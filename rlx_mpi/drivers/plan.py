@@ -108,6 +108,11 @@ def plan(args) -> int:
         kv_specs = [job.kv_for(r) for r in range(args.ranks)] if job else [KvSpec("full")]
     # priced in f32 (each rank's precision scales its weight bytes), the KV term cut to the policy
     cost = kv_cost(family.cost(cfg, batch, seq), kv_specs, seq)
+    if job is not None and job.adapters and not given:  # the job's LoRA adapters, as the stages stack them
+        from ..families.hf.peft import stacked_layer_bytes
+        from ..model.cost import with_adapters
+
+        cost = with_adapters(cost, stacked_layer_bytes(list(job.adapters), cfg))
     if (precision and job is not None and not (given or args.preset or args.hf_config) and hasattr(family, "held_bytes")
             and job.model.checkpoint.is_file()):  # the checkpoint's own storage priced as held (a Q4_K file's pairs)
         from ..model.cost import with_held_scales
@@ -124,6 +129,14 @@ def plan(args) -> int:
     manual = job.placement.manual if job and policy is PlacementPolicy.MANUAL else None
     grid = plan_grid(cost, caps, policy, int(reserve * 1e9) if mem is not None else 0, tp=tp, replicas=replicas,
                      manual=manual, precision=precision, where="plan --replicas")
+    if args.simulate:  # how long the job takes (`drivers.simulate`): the same model, placement and flags
+        from .simulate import simulate_plan
+
+        if auto_note and not args.json:
+            print(auto_note)
+        return simulate_plan(args, job, family, cfg, grid, tp, lambda r, t: plan_grid(
+            cost, caps, policy, int(reserve * 1e9) if mem is not None else 0, tp=t, replicas=r, manual=manual,
+            precision=precision, where="plan --compare"))
     held = ",".join(dict.fromkeys(precision)) if precision else "f32"
     shape = ((f"{len(grid.replicas)} replicas x " if len(grid.replicas) > 1 else "") + f"{grid.n_stages} stage"
              + ("s" if grid.n_stages != 1 else "") + f" x tp {tp}")
@@ -186,6 +199,16 @@ def _check_plan_flags(args) -> None:
               "--vocab": args.vocab, "--head-dim": args.head_dim, "--max-positions": args.max_positions}
     for flag, value in counts.items():
         rules.int_at_least(value, 1, f"plan {flag}")
+    if not args.simulate:
+        for flag, value in (("--prompts", args.prompts), ("--calibration", args.calibration), ("--compare", args.compare),
+                            ("--json", args.json), ("--time-limit", args.time_limit),
+                            ("--max-new-tokens", args.max_new_tokens), ("--groups", args.groups),
+                            ("--prefill-chunk", args.prefill_chunk), ("--no-prefix-cache", args.no_prefix_cache)):
+            if value not in (None, False):
+                raise ConfigError(f"plan {flag}", "is a flag of the simulation", "add --simulate [generate|score]")
+    rules.int_at_least(args.max_new_tokens, 1, "plan --max-new-tokens")
+    rules.int_at_least(args.groups, 1, "plan --groups")
+    rules.int_at_least(args.prefill_chunk, 0, "plan --prefill-chunk")
     for flag, value in (("--experts", args.experts), ("--top-k", args.top_k)):  # 0: a dense model
         rules.int_at_least(value, 0, f"plan {flag}")
     for flag, value, low in (("--mem-gb", args.mem_gb, 0.0), ("--gflops", args.gflops, 0.0),

@@ -61,6 +61,7 @@ def compile_kernels() -> float:
     ops.warm_up()
     wire.warm_up()
     kernels.warm_up_lowp()
+    kernels.warm_up_lora()  # LoRA adapters' products (a job with [adapters])
     for fmt in kernels.DECODE_LAYER_FORMATS:
         kernels.warm_up_decode_layer(fmt)
     for fmt in ("f32", "bf16", "f16", "int8", "q4"):  # MoE layers' experts (kernels/experts.py)

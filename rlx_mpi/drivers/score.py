@@ -61,6 +61,7 @@ from ..errors import ConfigError, RankFault
 from ..comm.executor import Executor, wire_codec
 from ..lifecycle.faults import check_output, wait
 from ..comm.schedule import Action, forward_schedule
+from ..engine.rounds import run_rounds
 from ..io.stats import ClusterRun, StageTiming
 
 __all__ = ["ScoreDriver", "ScoreOptions", "ScoreResult", "Microbatch", "plan_rounds", "DEFAULT_TOKENS"]
@@ -494,75 +495,54 @@ class ScoreDriver(JournalDriver):
                 say(notes, "done", **({"held": feed.held} if feed is not None else {}))
             return wait_for_round(cx.world, cx.ctx, timeout)
 
-        t0 = time.perf_counter()
-        stopped, done_rounds, r = False, 0, -1
-        word = None  # refill: rank 0's last word (`comm.recovery`)
-        while True:
-          try:  # (refill: a dead rank of this replica ends its passes; the others go on. Indented by 2 to leave the body as it was)
-            if refill:
-                got = feed() if feed is not None else []
-                nxt = got[0] if got else (len(self.rounds) if feed is not None else -1)
-                if collector is not None:
-                    collector.poll()
-                elif post is not None:
-                    post.beat()
-                want_stop, r = stop_now(nxt)
-                if want_stop and done_rounds:
-                    stopped = True
-                    word = pass_end(False, stopping=True)
-                    break
-            elif shared:  # the next round: claimed by the replica's stage 0 (one claim ahead), agreed with the stop
-                nxt = -1
-                if claim is not None:
-                    nxt = counter.take(claim)
-                    claim = counter.post(1) if nxt + 1 < len(self.rounds) else None
-                elif topo.stage == 0 and topo.tp_rank == 0:
-                    nxt = len(self.rounds)
-                if collector is not None:
-                    collector.poll()
-                elif post is not None:
-                    post.beat()
-                want_stop, r = stop_now(nxt)
-                if want_stop and done_rounds:
-                    stopped = True
-                    break
-            else:
-                r += 1
-            if r >= len(self.rounds):
-                if refill:
-                    from ..comm.recovery import MORE
+        def claim_next() -> tuple[bool, int]:
+            """Replicas: the next round, claimed by the replica's stage 0 (one claim ahead), agreed with the stop."""
+            nonlocal claim
+            nxt = -1
+            if feed is not None:  # (refill: the feed's next round; none now: the pass ends, `comm.recovery`)
+                got = feed()
+                nxt = got[0] if got else len(self.rounds)
+            elif claim is not None:
+                nxt = counter.take(claim)
+                claim = counter.post(1) if nxt + 1 < len(self.rounds) else None
+            elif topo.stage == 0 and topo.tp_rank == 0:
+                nxt = len(self.rounds)
+            if collector is not None:
+                collector.poll()
+            elif post is not None:
+                post.beat()
+            return stop_now(nxt)
 
-                    word = pass_end(False)
-                    if word == MORE:
-                        continue
-                break
-            mbs = self.rounds[r]
-            lps, where = run_round(mbs)
-            done_rounds += 1
+        def one_round(r: int) -> None:
+            lps, where = run_round(self.rounds[r])
             lines = sorted(where)  # pending positions of this round, in file order
             counts["tokens"] += sum(len(pending[k][2]) for k in lines)
             if journal is not None:
                 write(lines, lps, where, r=r)
             elif post is not None:
                 post.rows([], round=r, replica=topo.replica, lps=lps.tolist())
-            if not shared and r + 1 < len(self.rounds) and stop_now()[0]:
-                stopped = True
-                break
-          except Exception as e:
-            from ..comm.recovery import lost_ranks
 
-            dead = lost_ranks(cx, e) if refill else None
-            if dead is None or 0 in dead:
-                raise
-            log.info("replica %d stops (%s): rank(s) %s died", topo.replica, e, dead)
-            if collector is not None:
-                collector.failed(dead)
-            else:
-                from ..comm.recovery import say
+        t0 = time.perf_counter()  # the order of rounds: `engine.rounds.run_rounds` (pure; `RoundClock` prices it)
+        word = None  # refill: rank 0's last word (`comm.recovery`)
+        if refill:  # passes of rounds until rank 0's end; a dead rank of this replica ends its passes
+            from ..comm.recovery import MORE, lost_ranks, say
 
-                say(notes, "lost", dead=dead)
-            word = pass_end(True)
-            break
+            stopped, done_rounds = False, 0
+            while word is None or word == MORE:
+                try:
+                    stopped, done = run_rounds(len(self.rounds), one_round, lambda: stop_now()[0], claim_next)
+                    done_rounds += done
+                    word = pass_end(False, stopping=stopped)
+                except Exception as e:
+                    dead = lost_ranks(cx, e)
+                    if dead is None or 0 in dead:
+                        raise
+                    log.info("replica %d stops (%s): rank(s) %s died", topo.replica, e, dead)
+                    collector.failed(dead) if collector is not None else say(notes, "lost", dead=dead)
+                    word = pass_end(True)
+        else:
+            stopped, done_rounds = run_rounds(len(self.rounds), one_round, lambda: stop_now()[0],
+                                              claim_next if shared else None)
         mine_wall = time.perf_counter() - t0
         lost = False
         if refill:

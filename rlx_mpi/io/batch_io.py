@@ -74,12 +74,16 @@ def is_batch(prompt: Prompt) -> bool:
 
 
 def read_requests(path, *, vocab_size: int, max_positions: int, max_new_tokens: int, tokenizer=None,
-                  max_bytes: int = MAX_PROMPT_FILE_BYTES, check_constraint=None) -> list[Prompt]:
+                  max_bytes: int = MAX_PROMPT_FILE_BYTES, check_constraint=None, adapters: tuple[str, ...] = (),
+                  base_names: frozenset[str] = frozenset()) -> list[Prompt]:
     """A prompt file of either format as `Prompt`s in file order (see the module's notes).
 
     ``check_constraint(constraint, where)``: why a line's constraint (structured output) cannot
     run, or None; it may raise the `InputError` of a job that cannot run any (no llguidance).
-    Without it, a line that asks for structure is refused."""
+    Without it, a line that asks for structure is refused. ``adapters``: the job's LoRA adapters'
+    names. With any, an OpenAI line's body "model" names the row's adapter (absent or one of
+    ``base_names``: the base model; another name: that line's error), and our lines may give
+    "adapter"; without, "model" is not read (as before)."""
     if check_constraint is None:
         def check_constraint(c, where):
             raise InputError(where, "this line asks for structured output, which this command does not take",
@@ -94,7 +98,7 @@ def read_requests(path, *, vocab_size: int, max_positions: int, max_new_tokens: 
 
         prompts = read_prompts(path, vocab_size=vocab_size, max_positions=max_positions,
                                max_new_tokens=max_new_tokens, tokenizer=tokenizer, max_bytes=max_bytes,
-                               settings=(OUR_SETTINGS, settings_of))
+                               settings=(OUR_SETTINGS, settings_of), adapters=adapters or None)
         return [with_digest(p) for p in prompts]
     if tokenizer is None:
         raise InputError(f"{path}:{lines[0][0]}", "an OpenAI batch file but the checkpoint has no tokenizer",
@@ -105,7 +109,7 @@ def read_requests(path, *, vocab_size: int, max_positions: int, max_new_tokens: 
     for lineno, line in lines:
         where = f"{path}:{lineno}"
         p = _request(line, lineno, len(prompts), vocab_size, max_positions, max_new_tokens, tokenizer,
-                     lambda c: check_constraint(c, where))
+                     lambda c: check_constraint(c, where), adapters, base_names)
         cid = p.request.get("custom_id")
         if cid is not None:  # (a line without one gets a placeholder id: its output says so)
             if cid in seen:
@@ -123,7 +127,8 @@ def read_requests(path, *, vocab_size: int, max_positions: int, max_new_tokens: 
 def with_digest(p: Prompt) -> Prompt:
     """``p`` with the digest the journal records when it has settings of its own or an error:
     its tokens' digest and those, so a resume refuses a line whose settings changed."""
-    extra = {k: v for k, v in (("settings", p.settings and p.settings.to_json()), ("error", p.error)) if v}
+    extra = {k: v for k, v in (("settings", p.settings and p.settings.to_json()), ("error", p.error),
+                               ("adapter", p.adapter)) if v}
     if not extra:
         return p  # (the journal takes its tokens' digest: files written before resume unchanged)
     blob = json.dumps([prompt_digest(p.tokens), extra], sort_keys=True, separators=(",", ":")).encode("utf-8")
@@ -184,7 +189,8 @@ class _LineError(Exception):
 
 
 def _request(line: str, lineno: int, index: int, vocab_size: int, max_positions: int, default_max: int,
-             tokenizer, check) -> Prompt:
+             tokenizer, check, adapters: tuple[str, ...] = (),
+             base_names: frozenset[str] = frozenset()) -> Prompt:
     """One OpenAI batch line as a `Prompt`: runnable, or with its ``error``."""
     cid, url, model = None, None, None
     try:
@@ -216,6 +222,13 @@ def _request(line: str, lineno: int, index: int, vocab_size: int, max_positions:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise _LineError(f'"model" is a {json_type(model)}', "model")
+        adapter = None
+        if adapters and model is not None and model not in base_names:  # (the LoRA adapter the row uses)
+            if model not in adapters:
+                raise _LineError(f'"model" {clip(json.dumps(model))} is neither the base model '
+                                 f'({", ".join(sorted(base_names))}) nor one of this job\'s adapters '
+                                 f'({", ".join(adapters)})', "model", "model_not_found")
+            adapter = model
         settings = _settings(body, url)
         if settings.constraint is not None:
             bad = check(settings.constraint)
@@ -240,7 +253,7 @@ def _request(line: str, lineno: int, index: int, vocab_size: int, max_positions:
                                  f"{len(tokens) + limit} positions, but the model has {max_positions}",
                                  "max_tokens", "context_length_exceeded")
         request = {"custom_id": cid, "url": url, "model": model, "line": lineno, "max_new_tokens": limit}
-        return Prompt(index, cid, tuple(tokens), text, settings=settings, request=request)
+        return Prompt(index, cid, tuple(tokens), text, settings=settings, request=request, adapter=adapter)
     except _LineError as e:
         error = {"code": e.code, "message": f"line {lineno}: {e.message}", "param": e.param, "line": lineno}
         request = {"custom_id": cid, "url": url, "model": model, "line": lineno, "max_new_tokens": 0}

@@ -26,7 +26,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 from ..errors import InputError, clip, json_type
 from ..engine.sampling import RowSettings
@@ -60,18 +60,21 @@ class Prompt:
     error: dict | None = None  # a line that cannot be run: its OpenAI error object (no tokens)
     digest: str | None = None  # what the journal records of it when not its tokens' digest (`batch_io`:
     # the tokens with the line's own settings or error, so that a resume checks those too)
+    adapter: str | None = None  # the LoRA adapter it names (our "adapter", an OpenAI line's "model"); None: base
 
 
 def read_prompts(path, *, vocab_size: int, max_positions: int, max_new_tokens: int,
                  tokenizer: Tokenizer | None = None,
                  max_bytes: int = MAX_PROMPT_FILE_BYTES,
-                 settings: tuple[tuple[str, ...], Callable[[dict, str], RowSettings | None]] | None = None
-                 ) -> list[Prompt]:
+                 settings: tuple[tuple[str, ...], Callable[[dict, str], RowSettings | None]] | None = None,
+                 adapters: Collection[str] | None = None) -> list[Prompt]:
     """Read and check a whole JSON-lines prompt file; every problem is an `InputError`.
 
     ``settings``: (keys, reader) when a line may carry settings of its own (`batch_io`): those
     keys are accepted, and ``reader(line, where)`` gives the line's `RowSettings` or None."""
     keys, settings_of = (_KEYS + settings[0], settings[1]) if settings else (_KEYS, None)
+    if adapters is not None:  # the job's LoRA adapters' names: a line's "adapter" may give one
+        keys = keys + ("adapter",)
     for name, value in (("vocab_size", vocab_size), ("max_positions", max_positions)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -100,7 +103,12 @@ def read_prompts(path, *, vocab_size: int, max_positions: int, max_new_tokens: i
                              f" positions but the model has {max_positions}",
                              "shorten the prompt or lower " + ('its "max_tokens"' if limit != max_new_tokens
                                                                 else "--max-new-tokens"))
-        prompts.append(Prompt(len(prompts), pid, tokens, text_of, settings=own))
+        adapter = obj.get("adapter")
+        if adapter is not None and adapter not in adapters:
+            raise InputError(f"{where} adapter", f"{clip(json.dumps(adapter))} is not an adapter of this job",
+                             f"name one of {sorted(adapters)} ([adapters] in the job file, or --adapter NAME=DIR)"
+                             if adapters else "declare it: [adapters] NAME = \"DIR\" in the job file, or --adapter NAME=DIR")
+        prompts.append(Prompt(len(prompts), pid, tokens, text_of, settings=own, adapter=adapter))
     if not prompts:
         raise InputError(str(path), "the prompt file has no prompts",
                          'give one JSON object per line: {"id": "...", "tokens": [...]}')

@@ -11,6 +11,7 @@
 - ``quant``: resident block formats (q4: 4-bit codes, a scale and minimum per 32) and their matvecs
 - ``decode_layer``: a dense SwiGLU layer's decode step in one call of the kernels above
 - ``experts``: a MoE layer's chosen experts at decode in one call, each row alone in its product
+- ``lora``: LoRA's low-rank products, each row's adapter after the base product (`lora_add_`)
 - ``bits``: float32 <-> bf16 / f16 bit patterns, shared with the wire codecs (rlx_mpi.wire)
 - ``rowdot``: the decode matvecs' dot products as LLVM vector IR (prefetch, 2-row tiles)
 - ``llvm_ir``: the LLVM-IR building blocks of rowdot's, quant's and q4gemm's intrinsics (target features, lane sums)
@@ -48,11 +49,12 @@ from .quant import GROUP as Q4_GROUP, VNNI, dequantize_q4, pairs_f32, q4_nbytes,
 from .q4gemm import Q4_GEMM, Q4_GEMM_ROWS, fused_gemm_q4, gemm_q4, matvec_q4
 from ._common import pool_threads
 from .blocks import gather_blocks, scatter_blocks
+from .lora import lora_add_, warm_up as warm_up_lora
 from .decode_layer import FORMATS as DECODE_LAYER_FORMATS, decode_layer, warm_up as warm_up_decode_layer
 from .experts import (ACTIVATIONS as EXPERT_ACTIVATIONS, check_stack, experts_decode, fused_experts, lone_rows,
                       route as route_experts, warm_up as warm_up_experts)
 
-__all__ = ["rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_cache", "decode_attention", "check_cache_rows", "attend_workspace_bytes", "causal_softmax_",
+__all__ = ["lora_add_", "warm_up_lora", "rms_norm", "silu_mul_", "swiglu", "rope", "attend", "attend_cache", "decode_attention", "check_cache_rows", "attend_workspace_bytes", "causal_softmax_",
            "matvec_f32", "float_product", "matmul_float", "F32_MATVEC_ROWS", "dequant_matmul", "fused_matvec", "kernel_weight", "check_weight", "dequantize", "to_bf16",
            "from_bf16", "quantize_int8", "int8_blocks", "INT8_BLOCK", "WEIGHT_FORMATS", "matvec_rows", "set_threads", "pool_threads", "aligned", "aligned_empty", "decode_layer", "DECODE_LAYER_FORMATS", "warm_up_decode_layer", "warm_up",
            "warm_up_lowp", "experts_decode", "lone_rows", "route_experts", "fused_experts", "check_stack", "warm_up_experts",

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 from .. import rules
 from ..config import Precision
 
-__all__ = ["ModelCost", "kv_cost", "with_held_scales", "StepCost", "step_cost", "Machine"]
+__all__ = ["ModelCost", "kv_cost", "with_adapters", "with_held_scales", "StepCost", "step_cost", "Machine"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class ModelCost:
     dense_flops_per_token: float = 0.0  # one layer's FLOPs of a token but attention (0: not told, then
     # `step_cost` takes layer_flops_per_token, which prices every token's attention at the full seq)
     hidden_size: int = 0  # the hidden state's width (what a stage sends a token; 0: not told)
+    adapter_bytes_per_layer: int = 0  # the job's LoRA adapters on the layer that holds most (float32 at any
+    # precision, so never scaled by one; `with_adapters`)
 
     def under_tp(self, tp: int) -> "ModelCost":
         """The whole stage's bytes when its ``tp`` ranks split the layers: every rank holds the
@@ -65,11 +67,12 @@ class ModelCost:
         weights = n * self.layer_bytes + (self.embed_bytes if first else 0) + (self.head_bytes if last else 0)
         weights -= self.shared_end_bytes if first and last else 0
         weights = weights if weight_scale == 1.0 else int(weights * weight_scale)
-        return weights + n * self.kv_bytes_per_layer + self.act_bytes
+        return weights + n * (self.kv_bytes_per_layer + self.adapter_bytes_per_layer) + self.act_bytes
 
     def layer_cost_bytes(self, weight_scale: float = 1.0) -> int:
         """Bytes one more layer adds to a stage."""
-        return (self.layer_bytes if weight_scale == 1.0 else int(self.layer_bytes * weight_scale)) + self.kv_bytes_per_layer
+        return ((self.layer_bytes if weight_scale == 1.0 else int(self.layer_bytes * weight_scale))
+                + self.kv_bytes_per_layer + self.adapter_bytes_per_layer)
 
     def stage_flops(self, layers: range, last: bool) -> float:
         """FLOPs of one forward through a stage (all TP shards together)."""
@@ -101,6 +104,14 @@ def kv_cost(cost: ModelCost, specs: list, max_seq: int) -> ModelCost:
     return dataclasses.replace(cost, kv_bytes_per_layer=cost.kv_bytes_per_layer * kept // max_seq)
 
 
+def with_adapters(cost: ModelCost, per_layer: int) -> ModelCost:
+    """``cost`` with the job's LoRA adapters: ``per_layer`` bytes on every layer (the most any layer
+    holds: `families.hf.peft.stacked_layer_bytes`). Under TP a column-parallel adapter's A is
+    whole on each rank (B split), so a TP stage holds a little more than this counts (r x in x 4
+    bytes a projection and rank: 256 KiB at r = 16 on a 4096-wide one)."""
+    return dataclasses.replace(cost, adapter_bytes_per_layer=int(per_layer))
+
+
 # -- the price of one step ------------------------------------------------------------------------
 
 
@@ -113,6 +124,17 @@ class StepCost:
     kv_bytes: float  # cache read: every attended position's K and V, each layer
     send_bytes: float  # the hidden state to the next stage (or the tokens back: 8 a row)
     allreduce_bytes: float  # under tp: two all-reduces of the positions' hidden state a layer
+    # what a calibrated price (`model.calibration`) needs beside the totals above
+    layers: int = 0
+    positions: int = 0  # token positions through the layers' products
+    rows: int = 0
+    product_weights: float = 0.0  # weights a position multiplies by in the layers (active ones: MoE)
+    head_weights: float = 0.0  # the head's, multiplied by head_rows positions (one a row, or every one)
+    head_rows: int = 0
+    attn_prefill_flops: float = 0.0  # attention of prefill chunks (many queries a row)
+    attn_decode_flops: float = 0.0  # attention of decode rows (one query against the cache)
+    context: float = 0.0  # the rows' mean attended length (the attention rate depends on it)
+    hidden: int = 0
 
     def seconds(self, m: "Machine", tp: int = 1) -> float:
         """Time on one rank of ``m`` when the stage is ``tp`` ranks: compute or memory, whichever
@@ -133,24 +155,33 @@ class Machine:
 
 
 def step_cost(cost: ModelCost, layers: int, contexts: Sequence[tuple[int, int]], *, last: bool,
-              weight_scale: float = 1.0) -> StepCost:
+              weight_scale: float = 1.0, every: bool = False) -> StepCost:
     """Price one step of ``layers`` layers (a stage's) for rows given as ``(positions, start)``:
     a decode row is ``(1, its position)``, a prefill chunk ``(T, start)``. Each position attends to
     every position before it and itself; the last stage turns one position a row into logits.
 
     E.g. a decode step of 8 rows at position 511: ``step_cost(c, L, [(1, 511)] * 8, last=True)``;
     a 512-token prefill: ``[(512, 0)]``. Bytes of weights scale with ``weight_scale`` (a rank
-    holding bf16 weights reads half the float32 bytes priced)."""
+    holding bf16 weights reads half the float32 bytes priced). ``every``: the last stage turns
+    every position into logits (``score``), not one a row."""
     positions = sum(t for t, _ in contexts)
     attended = sum(t * start + t * (t + 1) / 2 for t, start in contexts)  # sum over positions of (pos + 1)
     dense = cost.dense_flops_per_token or cost.layer_flops_per_token
     flops = layers * (positions * dense + attended * cost.attn_flops_per_pos)
     kv_pos = cost.kv_bytes_per_layer / max(1, cost.tokens)  # one position's K and V, one layer
     rows = len(contexts)
-    if last:
-        flops += rows * cost.head_flops_per_token
+    head_rows = (positions if every else rows) if last else 0
+    flops += head_rows * cost.head_flops_per_token
     weights = layers * cost.layer_bytes * weight_scale + (cost.head_bytes * weight_scale if last else 0.0)
     hidden = cost.hidden_size * 4.0
+    prefill = [(t, start) for t, start in contexts if t > 1]
+    attended_prefill = sum(t * start + t * (t + 1) / 2 for t, start in prefill)
     return StepCost(flops=flops, weight_bytes=weights, kv_bytes=layers * attended * kv_pos,
                     send_bytes=8.0 * rows if last else positions * hidden,
-                    allreduce_bytes=layers * 2 * positions * hidden)
+                    allreduce_bytes=layers * 2 * positions * hidden,
+                    layers=layers, positions=positions, rows=rows,
+                    product_weights=layers * dense / 2, head_weights=cost.head_flops_per_token / 2 if last else 0.0,
+                    head_rows=head_rows,
+                    attn_prefill_flops=layers * attended_prefill * cost.attn_flops_per_pos,
+                    attn_decode_flops=layers * (attended - attended_prefill) * cost.attn_flops_per_pos,
+                    context=attended / positions if positions else 0.0, hidden=cost.hidden_size)

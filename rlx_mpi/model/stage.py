@@ -71,6 +71,7 @@ class StageCaps:
     paged: bool = False  # ``reset_prefix(..., paged=)``: rows read their blocks through block tables
     score_every: bool = False  # ``prefill(..., every=)``: every position's logits (score under the prefix cache)
     forward_window: bool = False  # ``forward(x, window=)``: a sliding window in `run`'s forward
+    adapters: bool = False  # ``load_adapters`` and `StepBatch.adapters`: LoRA adapters chosen per row
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class StepBatch:
     start: int = 0
     n_decode: int = 0
     ops: np.ndarray | None = None
+    adapters: np.ndarray | None = None  # (n,) int64: each row's adapter, the job's index (-1: none); None: none
 
 
 def run_step(stage: Any, x: np.ndarray, batch: StepBatch) -> np.ndarray:

@@ -24,7 +24,7 @@ import numpy as np
 
 from ... import kernels
 from ...model.kv_cache import KvSpec, LayerCache, PagedCache, PoolLayer, paged_before, prefill_kv
-from . import mla, moe, ops
+from . import lora, mla, moe, ops
 from .arch import Arch
 from .weights import Experts, LayerWeights, Linear, Mlp
 
@@ -67,6 +67,7 @@ class KvStep:
     start: int = 0  # with prefill: the chunk's first position
     saves: np.ndarray | None = None  # with prefill: (m, 3) row, block, pool id of the prefix cache (`prefill_kv`)
     pool: list[PoolLayer] | None = None  # the prefix cache's pool, one per layer
+    lora: "lora.LoraStep | None" = None  # each token row's adapter (`decoder.lora`); None: no row has one
 
     def pool_layer(self) -> PoolLayer | None:
         return self.pool[self.layer] if self.pool is not None else None
@@ -130,6 +131,7 @@ class MixedKv:
     sin_d: np.ndarray
     cos_p: np.ndarray
     sin_p: np.ndarray
+    lora: "lora.LoraStep | None" = None  # each token row's adapter, decode rows first (`decoder.lora`)
 
     @property
     def layer(self) -> int:
@@ -155,6 +157,9 @@ def attention(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: n
     qkv = w.qkv(x)  # (B, T, nh*hs + 2*nkv*hs): q, k, v in one product (fused at load)
     if w.qkv_bias is not None:
         qkv += w.qkv_bias
+    if getattr(kv, "lora", None) is not None:  # each row's adapter on q, k and v (`decoder.lora`)
+        for module, col in (("q_proj", 0), ("k_proj", w.q_dim), ("v_proj", w.q_dim + w.kv_dim)):
+            lora.add_(kv, module, qkv, x, col)
     if w.q_proj_norm is not None:  # OLMo 2: before every attention path below
         projection_norm_(qkv, w, cfg.rms_norm_eps, reduce)
     if isinstance(kv, MixedKv):  # decode rows and a prefill chunk, one projection for both
@@ -163,11 +168,13 @@ def attention(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: n
         y = kv.attend_decode(qkv, w, cfg, cos, sin)
     else:
         y = _attend_chunk(qkv, w, cfg, cos, sin, kv)
-    return _o_proj(y, w, reduce)
+    return _o_proj(y, w, reduce, kv)
 
 
-def _o_proj(y: np.ndarray, w: LayerWeights, reduce: Reduce) -> np.ndarray:
-    out = reduce(w.o_proj(y))  # row-parallel: partial sums over heads
+def _o_proj(y: np.ndarray, w: LayerWeights, reduce: Reduce, kv=None) -> np.ndarray:
+    out = w.o_proj(y)
+    lora.add_(kv, "o_proj", out, y)  # (a row-parallel adapter's partial product: summed with the base's)
+    out = reduce(out)  # row-parallel: partial sums over heads
     if w.o_bias is not None:  # once, after the sum (every TP rank holds it whole)
         out += w.o_bias
     return out
@@ -220,12 +227,15 @@ def _attend_chunk(qkv: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, 
     return y.reshape(B, T, nh * hs)
 
 
-def gated_mlp(x: np.ndarray, w: Mlp, cfg: Arch) -> np.ndarray:
-    """down(act(gate(x)) * up(x)) without the reduction: one dense shard or one expert."""
+def gated_mlp(x: np.ndarray, w: Mlp, cfg: Arch, kv=None) -> np.ndarray:
+    """down(act(gate(x)) * up(x)) without the reduction: one dense shard or one expert; ``kv``:
+    a step whose rows may have adapters (`decoder.lora`)."""
     gu = w.gate_up(x)  # (..., 2I): [gate | up] in one product (fused at load)
     if w.gate_up_bias is not None:  # GPT-OSS's experts
         gu += w.gate_up_bias
     I = gu.shape[-1] // 2
+    lora.add_(kv, "gate_proj", gu, x, 0)
+    lora.add_(kv, "up_proj", gu, x, I)
     if cfg.activation == "gelu_tanh":  # GeGLU, in place into a copy of the gate
         h = ops.gelu_tanh_mul_(np.ascontiguousarray(gu[..., :I]), gu[..., I:])
     elif cfg.activation == "silu_clamped":  # GPT-OSS
@@ -233,18 +243,19 @@ def gated_mlp(x: np.ndarray, w: Mlp, cfg: Arch) -> np.ndarray:
     else:
         h = kernels.swiglu(gu)  # silu(gate) * up, one pass, (..., I)
     y = w.down_proj(h)
+    lora.add_(kv, "down_proj", y, h)
     if w.down_bias is not None:  # an expert's own (whole on its rank): no TP double count
         y += w.down_bias
     return y
 
 
-def mlp(x: np.ndarray, w: Mlp | Experts, cfg: Arch, reduce: Reduce = _identity) -> np.ndarray:
+def mlp(x: np.ndarray, w: Mlp | Experts, cfg: Arch, reduce: Reduce = _identity, kv=None) -> np.ndarray:
     if isinstance(w, Experts):  # this rank's experts' share (+ its slice of the shared experts), summed over TP
         y = moe.experts_forward(x, w, cfg, lambda rows, e: gated_mlp(rows, e, cfg))
         if w.shared is not None:
             y += moe.shared_forward(x, w, cfg, lambda rows, e: gated_mlp(rows, e, cfg))
         return reduce(y)
-    return reduce(gated_mlp(x, w, cfg))  # row-parallel over I
+    return reduce(gated_mlp(x, w, cfg, kv))  # row-parallel over I
 
 
 def block(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.ndarray,
@@ -254,7 +265,7 @@ def block(x: np.ndarray, w: LayerWeights, cfg: Arch, cos: np.ndarray, sin: np.nd
     if w.attn_out_norm is not None:
         a = rms_norm(a, w.attn_out_norm, eps)
     x = _add_to(a, x, scale)
-    m = mlp(_pre_norm(x, w.post_attention_layernorm, eps), w.mlp, cfg, reduce)
+    m = mlp(_pre_norm(x, w.post_attention_layernorm, eps), w.mlp, cfg, reduce, kv)
     if w.mlp_out_norm is not None:
         m = rms_norm(m, w.mlp_out_norm, eps)
     return _add_to(m, x, scale)

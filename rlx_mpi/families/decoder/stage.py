@@ -24,8 +24,8 @@ from ...model.checkpoint import part_bounds
 from ...comm.collectives import ReduceKind, all_reduce, world_ranks
 from ...model.kv_cache import (ATTACH, SAVE, SET, KvSpec, LayerCache, block_pool_caches, copy_blocks, paged_caches,
                                prefix_cacheable)
-from ...model.stage import ParamSource, Stage, StageCaps, TensorParallel
-from . import model, ops
+from ...model.stage import ParamSource, Stage, StageCaps, StepBatch, TensorParallel
+from . import lora, model, ops
 from .arch import Arch
 from .rope import Rope
 from .weights import PRECISIONS, Experts, ExpertStack, LayerWeights, MlaWeights, Mlp, read_linear
@@ -59,7 +59,10 @@ class DecoderStage(Stage):
     where the CPU multiplies bf16 pairs; `kernels.rowdot`).
     """
 
-    caps = StageCaps(chunked_prefill=True, prefix_cache=True, paged=True, score_every=True, forward_window=True)
+    caps = StageCaps(chunked_prefill=True, prefix_cache=True, paged=True, score_every=True, forward_window=True,
+                     adapters=True)
+    lora_layers: list | None = None  # per layer, the job's adapters (`load_adapters`)
+    _row_adapters: np.ndarray | None = None  # the current step's rows' adapters (`step`)
 
     def __init__(self, cfg: Arch, source: ParamSource, layers: range, first: bool, last: bool,
                  tp: TensorParallel = TensorParallel(), ctx=None, precision: str = "f32"):
@@ -150,6 +153,35 @@ class DecoderStage(Stage):
         # copied each time); DeepSeek-V3: 64 MiB a layer in float32, split over the TP ranks
         m.uk, m.uv = np.ascontiguousarray(per_head[:, :dn]), np.ascontiguousarray(per_head[:, dn:])
         return m
+
+    def load_adapters(self, adapters: list[tuple[str, str]]) -> int:
+        """The job's LoRA adapters (name, PEFT directory), in order (index 0..K-1), for this stage's
+        layers and this rank's TP shard (`decoder.lora`); their bytes."""
+        if not adapters:
+            self.lora_layers = None
+            return 0
+        kernels.warm_up_lora()
+        shard = lora.shard_for(self.cfg, self.tp.rank, self.tp.size, self.kv_part)
+        self.lora_layers = lora.load_layers(adapters, self.cfg, self.layers, shard)
+        return self.adapter_bytes
+
+    @property
+    def adapter_bytes(self) -> int:
+        return sum(s.nbytes for layer in self.lora_layers or () for s in layer.values())
+
+    def step(self, x: np.ndarray, batch: StepBatch) -> np.ndarray:
+        """`Stage.step`, with the rows' adapters (``batch.adapters``) held for the step's layers."""
+        if batch.adapters is not None and self.lora_layers is None and (np.asarray(batch.adapters) >= 0).any():
+            raise RuntimeError("a step names adapters but none were loaded on this stage (load_adapters)")
+        self._row_adapters = batch.adapters
+        try:
+            return super().step(x, batch)
+        finally:
+            self._row_adapters = None
+
+    def _lora(self, kind: str, T: int, n_decode: int = 0) -> "lora.LoraStep | None":
+        rows = lora.token_rows(self._row_adapters, kind, T, n_decode)
+        return None if rows is None else lora.LoraStep(rows, self.lora_layers)
 
     @property
     def weight_bytes(self) -> int:
@@ -267,7 +299,7 @@ class DecoderStage(Stage):
         B, T = x.shape[:2]
         saves, pool = self._step_saves(slots)
         step = model.KvStep(self.specs, slots, True, lengths=lengths, caches=self.caches, start=start, saves=saves,
-                            pool=pool)
+                            pool=pool, lora=self._lora("prefill", T))
         h = self._blocks(x, np.broadcast_to(start + np.arange(T), (B, T)), step, lengths)
         if not self.last:
             return h
@@ -281,7 +313,8 @@ class DecoderStage(Stage):
         hidden (B, 1, C) or, on the last stage, logits (B, V) out."""
         if self.caches is None:
             raise RuntimeError("decode without a KV cache: kv_cache = none recomputes with prefill")
-        step = model.KvStep(self.specs, slots, False, positions=positions, caches=self.caches)
+        step = model.KvStep(self.specs, slots, False, positions=positions, caches=self.caches,
+                            lora=self._lora("decode", 1))
         h = self._blocks(x, positions[:, None], step)
         return self._head(h) if self.last else h
 
@@ -301,7 +334,8 @@ class DecoderStage(Stage):
         saves, pool = self._step_saves(slots[nd:])
         step = model.MixedKv(model.KvStep(self.specs, slots[:nd], False, positions=pos[:nd], caches=self.caches),
                              model.KvStep(self.specs, slots[nd:], True, lengths=pos[nd:], caches=self.caches,
-                                          start=start, saves=saves, pool=pool), T, *tables[self.blocks[0].local_rope])
+                                          start=start, saves=saves, pool=pool), T, *tables[self.blocks[0].local_rope],
+                             lora=self._lora("mixed", T, nd))
         h = self._embed(x)  # (1, N, C)
         for i, w in enumerate(self.blocks):
             step.layer = i
@@ -316,7 +350,7 @@ class DecoderStage(Stage):
                 lengths: np.ndarray | None = None) -> np.ndarray:
         h = self._embed(x)  # (B, T, C)
         tables = {local: self.rope.at(positions, lengths, local) for local in self._rope_kinds}  # (B, 1, T, hs)
-        fused = not step.prefill and h.shape[0] <= self._fused_rows
+        fused = not step.prefill and h.shape[0] <= self._fused_rows and step.lora is None  # (adapters: layer by layer)
         if fused:  # one numba call per layer (`model.decode_block`); one RoPE table (fused_decode_rows)
             cos, sin = (np.ascontiguousarray(t, np.float32) for t in tables[False])
         for i, w in enumerate(self.blocks):

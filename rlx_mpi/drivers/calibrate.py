@@ -1,0 +1,294 @@
+"""``rlx-mpi probe --calibrate OUT.json``: the rates ``plan --simulate`` prices steps with.
+
+Every launched rank measures at once (so that the rates hold what the ranks of a host share:
+cores, memory bandwidth), on its share of the host's cores as a job pins it: the real layers
+(a middle stage of medium-preset layers, at least 80 MB, built by the decoder family at each precision, from
+random weights made in memory: its decode steps of 1..64 rows and its prefills of 8..256
+positions, so the product kernels, the fused decode layer, norms, RoPE and the calls are all in
+the rate, as seconds per layer weight), the attention kernels by context length (a prefill
+chunk's `kernels.attend` and a decode row's `kernels.attend_cache`), the ring's bookkeeping a row (`engine.ring.run_ring` on a pipe that returns at once), a streaming
+read; then ranks 0 and 1 ping-pong through `comm.transport.Link` and every rank all-reduces
+through `comm.collectives.all_reduce` by message size. Rank 0 writes the median over ranks of
+each rate (`model.calibration.Calibration`, one file per allocation type).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = ["calibrate", "measure_local"]
+
+PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")
+PROBE_BYTES = 80e6  # the probe stage's f32 weights at least (2 medium layers: 93 MB), past a last-level cache:
+# 2 layers of the small preset (23 MB) decoded 1.6x faster a layer than its 8 (the cache held them)
+DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+PREFILL_POSITIONS = (8, 16, 32, 64, 128, 256)  # (past 256 the products' rate is flat: 128-512 within 10 %)
+CHUNK, CONTEXT = 32, 32
+ROUNDS = 3  # interleaved rounds of every row count (the median is kept)
+ATT_HEADS, ATT_KV, ATT_DIM = 16, 8, 64
+PREFILL_CONTEXTS = (32, 128, 512, 1024)
+DECODE_CONTEXTS = (32, 128, 512, 1024, 2048)
+MESSAGE_BYTES = (8, 4096, 65536, 1 << 20, 8 << 20)
+
+
+def _timed(fn: Callable[[], Any], reps: int) -> float:
+    """The median of ``reps`` timings after one warm call (a burst of another user's work moves
+    one timing, not the rate; the least of them was 30-40 % faster than a job's steps under load)."""
+    fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+class _RandomSource:
+    """A `model.stage.ParamSource` of random tensors made on read (the probe layer's weights)."""
+
+    def __init__(self, cfg: Any):
+        from ..families.decoder.arch import expected_shapes
+
+        self.shapes, self.cfg = expected_shapes(cfg), cfg
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
+
+    def read(self, name: str, *, axis: int | None = None, part: int = 0, parts: int = 1,
+             dtype: str = "float32") -> np.ndarray:
+        from .. import kernels
+
+        shape = self.shapes[name]
+        rng = np.random.default_rng(abs(hash(name)) % 2**32)
+        if len(shape) == 1:
+            w = 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+        else:
+            w = shape[1] ** -0.5 * rng.standard_normal(shape, dtype=np.float32)
+        if axis is not None:
+            w = np.ascontiguousarray(np.array_split(w, parts, axis=axis)[part])
+        return kernels.to_bf16(w) if dtype == "bfloat16" else w.astype(np.float16) if dtype == "float16" else w
+
+
+def probe_layer_weights(preset: str = "medium") -> float:
+    """Weights of one layer of the probe model (the medium preset's)."""
+    from ..families import require_preset
+
+    family, cfg = require_preset(preset, "probe --calibrate")
+    return family.cost(cfg, 1, 1).dense_flops_per_token / 2
+
+
+ALONE_KEYS = ("layer_decode", "layer_prefill", "attention_prefill", "attention_decode")
+
+
+def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "medium", rounds: int = ROUNDS) -> dict:
+    """This rank's rates (the module note), as `Calibration`'s JSON keys; ``preset``: the probe
+    layers' shape (tests take the small preset's, to price a small model)."""
+    import dataclasses
+
+    from ..families import require_preset
+    from ..kernels import attend, attend_cache
+    from ..model.kv_cache import KvSpec
+
+    family, cfg = require_preset(preset, "probe --calibrate")
+    per_layer = probe_layer_weights(preset)
+    layers = max(2, math.ceil(PROBE_BYTES / (4 * per_layer)))
+    cfg = dataclasses.replace(cfg, num_hidden_layers=layers)
+    weights = per_layer * layers
+    C = cfg.hidden_size
+    rng = np.random.default_rng(0)
+    decode, prefill, convert = {}, {}, {}
+    for p in precisions:
+        # a middle stage (hidden in, hidden out) of medium layers, as a job builds it
+        source = _RandomSource(cfg)
+        t0 = time.perf_counter()
+        for name in source.shapes:  # (the tensors' making alone, taken off the build below)
+            if name.startswith("layers/"):
+                source.read(name)
+        made = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        stage = family.build_stage(cfg, source, range(layers), False, False, precision=p)
+        convert[p] = max(0.0, time.perf_counter() - t0 - made) / weights  # f32 weights made resident at p
+        stage.reset(64, 2 * CONTEXT, KvSpec("full"))
+        calls = []  # (curve, x, its call): measured in interleaved rounds, so a burst of another
+        # user's work lands on every row count alike, not on one point of the curve
+        for rows in DECODE_ROWS:
+            x = rng.standard_normal((rows, 1, C), dtype=np.float32)
+            slots, pos = np.arange(rows, dtype=np.int64), np.full(rows, CONTEXT, np.int64)
+            calls.append(("decode", rows, lambda x=x, s=slots, q=pos: stage.decode(x, s, q)))
+        for n in PREFILL_POSITIONS:  # rows of CHUNK positions (little attention: the layers' own rate)
+            B, T = max(1, n // CHUNK), min(n, CHUNK)
+            x = rng.standard_normal((B, T, C), dtype=np.float32)
+            slots, lengths = np.arange(B, dtype=np.int64), np.full(B, T, np.int64)
+            calls.append(("prefill", B * T, lambda x=x, s=slots, n=lengths: stage.prefill(x, s, n)))
+        times: dict[tuple, list[float]] = {}
+        for _, _, call in calls:  # warm: the first call of a shape compiles or loads its kernels
+            call()
+        for _ in range(1 if quick else rounds):
+            for kind, rows, call in calls:
+                t0 = time.perf_counter()
+                call()
+                times.setdefault((kind, rows), []).append(time.perf_counter() - t0)
+        decode[p] = [[rows, statistics.median(times[("decode", rows)]) / weights] for rows in DECODE_ROWS]
+        prefill[p] = [[k[1], statistics.median(t) / weights] for k, t in times.items() if k[0] == "prefill"]
+        del stage
+    # attention: a prefill chunk (T queries from 0) and decode rows (one query against ctx keys)
+    flops_pos = 4.0 * ATT_HEADS * ATT_DIM
+    att_prefill = []
+    for T in PREFILL_CONTEXTS:
+        q = rng.standard_normal((1, ATT_HEADS, T, ATT_DIM), dtype=np.float32)
+        k = rng.standard_normal((1, ATT_KV, T, ATT_DIM), dtype=np.float32)
+        t = _timed(lambda: attend(q, k, k), 1 if quick else 2)
+        att_prefill.append([T, flops_pos * T * (T + 1) / 2 / t / 1e9])
+    att_decode, B = [], 8
+    for L in DECODE_CONTEXTS:
+        cache = rng.standard_normal((B, ATT_KV, L, ATT_DIM), dtype=np.float32)
+        q = rng.standard_normal((B, ATT_HEADS, 1, ATT_DIM), dtype=np.float32)
+        slots, pos = np.arange(B, dtype=np.int64), np.full(B, L - 1, np.int64)
+        t = _timed(lambda: attend_cache(q, cache, cache, slots, pos), 3)
+        att_decode.append([L, flops_pos * B * L / t / 1e9])
+    big = np.ones(32 << 20, np.float32)  # 128 MB
+    read = big.nbytes / _timed(lambda: big.sum(), 2) / 1e9
+    return {"layer_decode": decode, "layer_prefill": prefill, "convert": convert, "attention_prefill": att_prefill,
+            "attention_decode": att_decode, "row_s": _ring_row_s(), "read_gbps": read}
+
+
+def _ring_row_s() -> float:
+    """The ring's own bookkeeping a row a step: `run_ring` over a pipe that answers at once."""
+    from ..engine.records import Request
+    from ..engine.ring import run_ring
+    from ..engine.scheduler import Scheduler
+
+    reqs = [Request(i, f"p{i}", tuple(range(1, 33)), max_new_tokens=32) for i in range(64)]
+    sched = Scheduler(reqs, groups=1, batch=16, max_new_tokens=32, eos_ids=frozenset(), recompute=False,
+                      prefill_chunk=64, mixed=True, stages=1)
+    rows = [0]
+
+    class Now:
+        def issue(self, step):
+            rows[0] += len(step.rows)
+
+        def tokens(self, step):
+            return np.full(len(step.rows), 7, np.int64), None
+
+        def close(self, stop):
+            pass
+
+    t0 = time.perf_counter()
+    run_ring(sched, Now(), lambda done: None, lambda: False)
+    return (time.perf_counter() - t0) / max(1, rows[0])
+
+
+def _links(world: Any, ctx: Any) -> tuple[list, dict]:
+    """(Send/Recv curve between ranks 0 and 1, {world size: all-reduce curve}); on rank 0."""
+    from .. import tags
+    from ..comm import transport
+    from ..comm.collectives import ReduceKind, all_reduce
+
+    send, reduce = [], []
+    link = transport.Link(world, ctx, 120.0)
+    for n in MESSAGE_BYTES:
+        buf = np.zeros(max(1, n // 4), np.float32)
+        reps = 20 if n <= 65536 else 5
+        world.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            if world.rank == 0:
+                link.send(buf, 1, tags.MICROBATCH[0], "a calibration message")
+                link.recv(buf, 1, tags.MICROBATCH[0], "a calibration message")
+            elif world.rank == 1:
+                link.recv(buf, 0, tags.MICROBATCH[0], "a calibration message")
+                link.send(buf, 0, tags.MICROBATCH[0], "a calibration message")
+        send.append([buf.nbytes, (time.perf_counter() - t0) / (2 * reps)])
+        world.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            all_reduce(buf, ReduceKind.SUM, comm=world, timeout_s=120.0, ctx=ctx)
+        reduce.append([buf.nbytes, (time.perf_counter() - t0) / reps])
+    return send, {world.size: reduce}
+
+
+def _precisions(text: str | None) -> tuple[str, ...]:
+    """``--precisions f32,q4``: the precisions to measure (default all five), each checked."""
+    from .. import rules
+
+    if not text:
+        return PRECISIONS
+    return tuple(dict.fromkeys(rules.precision_name(p.strip(), "probe --precisions") for p in text.split(",")))
+
+
+def calibrate(args: Any) -> int:
+    """Every rank measures (`measure_local`), rank 0 writes the medians to ``args.calibrate``."""
+    from mpi4py import MPI
+
+    from ..cluster.caps import probe_local
+    from ..cluster.start import _pin_threads, gather_local_affinity
+    from ..comm import transport
+    from ..lifecycle.faults import RankContext, agree, wait
+    from ..lifecycle.logdir import setup_logging
+    from ..model.calibration import CALIBRATION_VERSION, from_json
+    from ..outputs import check_output, write_output
+
+    world = MPI.COMM_WORLD
+    setup_logging(world, args.debug, args.log_dir, args.command)
+    ctx = RankContext(rank=world.rank, size=world.size, debug=args.debug)
+    out = agree(world, ctx, 60.0, lambda: (_precisions(args.precisions), check_output("probe --calibrate", args.calibrate)
+                                           if world.rank == 0 else None)[1])
+    local = world.Split_type(MPI.COMM_TYPE_SHARED)
+    affinity = gather_local_affinity(local, 120.0, ctx)
+    mine = agree(world, ctx, 120.0, lambda: probe_local(world.rank, local.rank, local.size, None, False, affinity))
+    _pin_threads(mine.cpus)
+
+    def barrier() -> None:  # (a waiting rank sleeps: `faults.wait`, never spins on the core being measured)
+        wait(world.Ibarrier(), 600.0, ctx, lambda: "every rank to finish measuring", "some rank")
+
+    barrier()
+    # (not under `faults.agree`: its deadline's watcher thread takes the GIL between kernel calls,
+    # a decode step measured 5-10x slower under it)
+    precisions = _precisions(args.precisions)
+    rates = measure_local(precisions)
+    alone = None  # a host's first rank alone on the host's cores (the others wait): a job of fewer ranks a host
+    if local.size > 1:
+        barrier()
+        if world.rank == 0:
+            _pin_threads((mine.cpus or 1) * local.size)
+            alone = measure_local(precisions)
+            _pin_threads(mine.cpus)
+        barrier()
+    send, reduce = _links(world, ctx) if world.size > 1 else ([], {})
+    rows = transport.gather_json(world, rates, 0, 600.0, ctx, "the calibration")
+    if rows is None:
+        return 0
+
+    def med(key):
+        return statistics.median(r[key] for r in rows)
+
+    def med_curve(get):
+        curves = [get(r) for r in rows]
+        return [[x, statistics.median(c[i][1] for c in curves)] for i, (x, _) in enumerate(curves[0])]
+
+    doc = {"version": CALIBRATION_VERSION, "host": socket.gethostname(), "ranks": world.size,
+           "layer_decode": {p: med_curve(lambda r, p=p: r["layer_decode"][p]) for p in rows[0]["layer_decode"]},
+           "layer_prefill": {p: med_curve(lambda r, p=p: r["layer_prefill"][p]) for p in rows[0]["layer_prefill"]},
+           "attention_prefill": med_curve(lambda r: r["attention_prefill"]),
+           "attention_decode": med_curve(lambda r: r["attention_decode"]),
+           "convert": {p: statistics.median(r["convert"][p] for r in rows) for p in rows[0]["convert"]},
+           "row_s": med("row_s"), "read_gbps": med("read_gbps"),
+           "send": send, "allreduce": {str(k): v for k, v in reduce.items()}, "local_size": local.size}
+    if alone is not None:
+        doc["alone"] = {k: alone[k] for k in ALONE_KEYS}
+    from_json(doc, str(args.calibrate))  # (what plan --simulate will read back)
+    write_output(out, lambda tmp: tmp.write_text(json.dumps(doc, indent=1)))
+    p = next(iter(doc["layer_prefill"]))
+    print(f"calibration of {world.size} rank{'s' if world.size != 1 else ''} on {doc['host']} written to "
+          f"{args.calibrate}: {p} layers {2 * doc['layer_prefill'][p][-1][0] / doc['layer_prefill'][p][-1][1] / 1e9:.1f} "
+          f"GFLOP/s at {doc['layer_prefill'][p][-1][0]} positions, decode of 1 row "
+          f"{2 / doc['layer_decode'][p][0][1] / 1e9:.1f} GFLOP/s, {doc['read_gbps']:.1f} GB/s read"
+          + (f", Send of 1 MiB {doc['send'][3][1] * 1e3:.2f} ms" if send else ""))
+    return 0

@@ -1,0 +1,291 @@
+"""``rlx-mpi plan ... --simulate [generate|score]``: how long a job will take, before it is queued.
+
+`simulate_plan` turns ``plan``'s model, placement and flags, the prompt file (its tokens: the
+prefix cache's hits) and a calibration (``probe --calibrate``; without one the roofline) into
+the inputs of `engine.simulate`, runs it for the planned layout (and with ``--compare`` for
+every replicas x stages x tp the ranks allow), and prints the prediction, or one JSON object
+(``--json``), and the ``--time-limit`` check. No MPI.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+from ..errors import ConfigError
+
+__all__ = ["simulate_plan", "parse_time_limit", "time_limit_line", "layouts"]
+
+ROOFLINE = "the roofline (no calibration: a bound, not a measurement; run rlx-mpi probe --calibrate)"
+STARTUP_FIXED_S = 2.5  # MPI start, imports, the numba cache's load, the agreed steps (warm caches: 2.3-2.6 s here)
+STARTUP_READ_GBPS = 0.25  # a rank's weights read from HDF5 and made resident (medium f32, 0.49 GB: 2.2 s here)
+
+
+def parse_time_limit(text: str, where: str = "plan --time-limit") -> float:
+    """Seconds of a batch queue's limit: Slurm's [D-]HH:MM:SS / MM:SS / minutes, or 90s, 45m, 2h, 1.5h."""
+    t = text.strip()
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", t)
+    if m:
+        d, a, b, c = (int(x) if x else None for x in m.groups())
+        if b is None:  # Slurm: a bare number is minutes
+            secs = a * 60
+        elif c is None:
+            secs = (a * 3600 + b * 60) if d is not None else (a * 60 + b)
+        else:
+            secs = a * 3600 + b * 60 + c
+        secs += (d or 0) * 86400
+    else:
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(s|m|min|h)", t)
+        if not m:
+            raise ConfigError(where, f"got {text!r}", "give a Slurm time (2:00:00, 1-00:00:00, 90) or 90s, 45m, 2h")
+        secs = float(m.group(1)) * {"s": 1, "m": 60, "min": 60, "h": 3600}[m.group(2)]
+    if secs <= 0:
+        raise ConfigError(where, f"got {text!r}", "give a limit > 0")
+    return float(secs)
+
+
+def _human(s: float) -> str:
+    if s < 90:
+        return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
+    if s < 3600:
+        return f"{s / 60:.0f} min"
+    h, m = divmod(int(round(s / 60)), 60)
+    return f"{h} h" + (f" {m} min" if m else "")
+
+
+def time_limit_line(job_s: float, limit_s: float, ranks: int) -> str:
+    """The ``--time-limit`` sentence: fits, or how many times the job requeues."""
+    need = f"this job needs ~{_human(job_s)} on {ranks} rank{'s' if ranks != 1 else ''}; your limit is {_human(limit_s)}"
+    if job_s <= limit_s:
+        return f"{need}: it fits ({100 * job_s / limit_s:.0f} % of the limit)"
+    n = math.ceil(job_s / limit_s) - 1
+    return f"{need}: it will requeue {'once' if n == 1 else f'{n} times'} (resumes are free)"
+
+
+def layouts(ranks: int, n_layers: int, tp_ok) -> list[tuple[int, int]]:
+    """(replicas, tp) of every grid the ranks allow: replicas x stages x tp = ranks, stages <= layers."""
+    out = []
+    for r in range(1, ranks + 1):
+        for t in range(1, ranks // r + 1):
+            if ranks % (r * t) == 0 and ranks // (r * t) <= n_layers and tp_ok(t):
+                out.append((r, t))
+    return out
+
+
+def _weight_scale(precision: str) -> float:
+    from ..config import Precision
+
+    return Precision(precision).bytes_per_param / 4.0
+
+
+def _layout(grid: Any, tp: int) -> Any:
+    from ..engine.simulate import Layout
+
+    stages = grid.replicas[0]
+    precs = tuple(a.precision.split(",")[0] for a in stages)
+    return Layout(replicas=len(grid.replicas), layers=tuple(len(a.layers) for a in stages), precisions=precs, tp=tp,
+                  weight_scales=tuple(_weight_scale(p) for p in precs))
+
+
+def _startup_s(cost: Any, layout: Any, cal: Any, stored: str | None) -> float:
+    """Reading the largest stage's weights as the checkpoint stores them (``stored``; None: at the
+    precision they are held in) and making them resident at the stage's precision (the calibration's
+    ``convert`` rate when the two differ: a q4 job on an f32 checkpoint quantizes at load), and the
+    fixed start-up: an estimate from this host's start-ups (`STARTUP_FIXED_S`, `STARTUP_READ_GBPS`)."""
+    worst = 0.0
+    for s, n in enumerate(layout.layers):
+        weights = n * cost.layer_bytes / 4.0 + (cost.embed_bytes / 4.0 if s == 0 else 0.0) + \
+            (cost.head_bytes / 4.0 if s == layout.stages - 1 else 0.0)  # (f32-priced bytes: weights)
+        held = layout.precisions[s]
+        read = weights * 4.0 * (_weight_scale(stored) if stored else layout.weight_scales[s]) / layout.tp
+        t = read / (STARTUP_READ_GBPS * 1e9)
+        if cal is not None and stored and stored != held:
+            t += weights / layout.tp * cal.convert.get(held, 0.0)
+        worst = max(worst, t)
+    return STARTUP_FIXED_S + worst
+
+
+def simulate_plan(args: Any, job: Any, family: Any, cfg: Any, grid: Any, tp: int, plan_for) -> int:
+    """Predict the job (the module note); ``plan_for(replicas, tp)`` places another layout."""
+    from ..engine.simulate import simulate_generate, simulate_score
+    from ..errors import RlxError
+    from ..model.calibration import load_calibration
+    from ..model.cost import Machine
+
+    what = args.simulate
+    if not args.prompts and not (job and (job.generate.prompts if what == "generate" else job.score.prompts)):
+        raise ConfigError("plan --simulate", "no prompt file given", "pass --prompts FILE (or set the job's "
+                          f"[{what}] prompts)")
+    cal = load_calibration(args.calibration) if args.calibration else None
+    machine = Machine(gflops=args.gflops or Machine.gflops)
+    priced_by = f"calibration {args.calibration}" if cal else ROOFLINE
+    dims = family.dims(cfg)
+    work = _read_work(args, job, family, cfg, dims, what)
+
+    def predict(g: Any, t: int) -> Any:
+        layout = _layout(g, t)
+        # a host's ranks share its cores: the rates measured with as many ranks a host (the calibration's
+        # hosts filled as when it was measured, unless --ranks-per-host says otherwise)
+        per_host = args.ranks_per_host or (min(layout.ranks, cal.local_size) if cal is not None else 1)
+        c = cal.sharing(per_host) if cal is not None else None
+        if what == "generate":
+            return _generate(work, job, args, family, cfg, layout, c, machine, priced_by)
+        return _score(work, job, args, family, cfg, layout, c, machine, priced_by)
+
+    main = predict(grid, tp)
+    compared = []
+    if args.compare:
+        host = args.ranks_per_host or args.ranks  # (no --ranks-per-host: one host, as the calibration's)
+        for r, t in layouts(args.ranks, dims.n_layers, lambda t: _tp_ok(family, cfg, t)):
+            name = (f"{r} replicas x " if r > 1 else "") + f"{args.ranks // (r * t)} stage" + \
+                ("s" if args.ranks // (r * t) > 1 else "") + f" x tp {t}"
+            if t > 1 and host % t:
+                compared.append((name, f"a TP group of {t} would span hosts of {host} ranks"))
+                continue
+            try:
+                compared.append(predict(plan_for(r, t), t))
+            except RlxError as e:
+                compared.append((name, str(e).splitlines()[0].split(": ", 1)[-1].split(";")[0]))
+        ok = sorted((p for p in compared if not isinstance(p, tuple)), key=lambda p: p.predicted_wall_s)
+        compared = ok + [p for p in compared if isinstance(p, tuple)]
+    limit = parse_time_limit(args.time_limit) if args.time_limit else None
+    if args.json:
+        doc = {**main.to_json(), "ranks": args.ranks, "prompts": work["lines"]}
+        if limit is not None:
+            doc["time_limit_s"], doc["time_limit"] = limit, time_limit_line(main.job_s, limit, args.ranks)
+        if args.compare:
+            doc["compare"] = [p.to_json() if not isinstance(p, tuple) else {"layout": p[0], "error": p[1]}
+                              for p in compared]
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"simulated {what}: {work['lines']} {'prompts' if what == 'generate' else 'lines'} of {work['path']} "
+          f"on {args.ranks} ranks = {main.layout}, priced by {priced_by}")
+    unit = "new tokens" if what == "generate" else "line tokens"
+    print(f"predicted wall {_human(main.predicted_wall_s)} ({main.predicted_wall_s:.3f} s) + start-up ~"
+          f"{_human(main.startup_s)}: {main.tokens} {unit}, {main.tokens_per_s:.1f} tokens/s; first "
+          f"{'row' if what == 'generate' else 'round'} after {main.first_row_s:.3f} s; {main.steps} "
+          f"{'steps' if what == 'generate' else 'microbatches'}"
+          + (f"; prefix cache: {main.prefix_hits} prompt positions reused" if main.prefix_hits else ""))
+    for s, b in enumerate(main.busy):
+        frac = min(1.0, b / main.predicted_wall_s) if main.predicted_wall_s else 0.0
+        print(f"  stage {s}: busy {b:.3f} s ({100 * frac:.0f} %), bubble {100 * (1 - frac):.0f} %")
+    if args.compare:
+        print("layouts the ranks allow, by predicted wall time:")
+        for p in compared:
+            if isinstance(p, tuple):
+                print(f"  {p[0]:<28} does not fit: {p[1]}")
+            else:
+                print(f"  {p.layout:<28} {p.predicted_wall_s:10.3f} s  {p.tokens_per_s:10.1f} tokens/s")
+    if limit is not None:
+        print(time_limit_line(main.job_s, limit, args.ranks))
+    return 0
+
+
+def _tp_ok(family: Any, cfg: Any, t: int) -> bool:
+    try:
+        family.check_tp(cfg, t, "plan --compare")
+        return True
+    except ConfigError:
+        return False
+
+
+def _read_work(args: Any, job: Any, family: Any, cfg: Any, dims: Any, what: str) -> dict:
+    """The prompt file's rows (tokens and limits), read as the command reads it."""
+    from pathlib import Path
+
+    from ..io.tokenizer import load_tokenizer
+
+    path = Path(args.prompts or (job.generate.prompts if what == "generate" else job.score.prompts))
+    stored = None  # the checkpoint's stored format (a job's file; a model from flags is held as stored)
+    if job is not None and job.model.checkpoint.is_file() and not (args.preset or args.hf_config):
+        from ..model.checkpoint import stored_precision
+
+        stored = stored_precision(job.model.checkpoint)[0]
+    tokenizer = load_tokenizer(job.model.checkpoint) if job is not None and job.model.checkpoint.exists() else None
+    if what == "score":
+        from ..io.scoring import read_score_prompts
+
+        lines = read_score_prompts(path, vocab_size=dims.vocab_size, max_positions=dims.max_positions,
+                                   tokenizer=tokenizer)
+        return {"path": path.name, "lines": len(lines), "score": [(tuple(p.tokens), p.start) for p in lines],
+                "stored": stored}
+    from ..engine.records import Request
+    from ..io.batch_io import read_requests
+
+    new = args.max_new_tokens or (job.generate.max_new_tokens if job else 32)
+    prompts = read_requests(path, vocab_size=dims.vocab_size, max_positions=dims.max_positions, max_new_tokens=new,
+                            tokenizer=tokenizer, check_constraint=lambda c, where: None)
+    rows = []
+    for p in prompts:
+        if p.error is not None:
+            continue
+        s = p.settings
+        limit = (p.request["max_new_tokens"] if p.request else (s.max_tokens or new)) if s else new
+        rows += [Request(p.index, p.id, tuple(p.tokens), j, max_new_tokens=limit) for j in range(s.n if s else 1)]
+    return {"path": path.name, "lines": len(prompts), "rows": rows, "new": new, "stored": stored}
+
+
+def _prefix_on(args: Any, job: Any, family: Any, what: str) -> bool:
+    wanted = not args.no_prefix_cache and (job is None or (job.generate if what == "generate" else job.score).prefix_cache)
+    kv_ok = job is None or all(job.kv_for(r).policy == "full" for r in range(args.ranks))
+    return bool(wanted and kv_ok and getattr(family, "prefix_cache", False))
+
+
+def _generate(work, job, args, family, cfg, layout, cal, machine, priced_by):
+    from ..engine.block_pool import BLOCK_SIZE, PREFIX_POOL_ROWS, BlockPool
+    from ..engine.scheduler import split_batch
+    from ..engine.simulate import simulate_generate
+
+    from ..config import PREFILL_CHUNK
+
+    rows = work["rows"]
+    batch = args.batch or (job.generate.batch if job else 4)
+    groups = args.groups or (job.generate.groups if job else 0) or layout.stages
+    batch = split_batch(len(rows), groups * layout.replicas, batch)
+    chunk = args.prefill_chunk if args.prefill_chunk is not None else (job.generate.prefill_chunk if job else PREFILL_CHUNK)
+    seq = max((len(r.tokens) + (r.max_new_tokens or work["new"]) for r in rows), default=1)
+    cost = family.cost(cfg, groups * batch, seq)
+    pool, paged = None, False
+    if _prefix_on(args, job, family, "generate") and chunk:
+        blocks = -(-(PREFIX_POOL_ROWS + groups * batch) * seq // BLOCK_SIZE)
+        pool, paged = (lambda: BlockPool(blocks, BLOCK_SIZE)), True
+    return simulate_generate(rows, cost, layout, batch=batch, groups=groups, max_new_tokens=work["new"],
+                             prefill_chunk=chunk, pool=pool, paged=paged, cal=cal, machine=machine,
+                             startup_s=_startup_s(cost, layout, cal, work.get("stored")), priced_by=priced_by)
+
+
+def _score(work, job, args, family, cfg, layout, cal, machine, priced_by):
+    from ..engine.simulate import ScoreMicrobatch, simulate_score
+    from .score import MIN_TOKENS, REUSE_BUDGETS, REUSE_ROWS_MAX, plan_rounds
+
+    lines = work["score"]
+    budget = job.score.batch if job else 2048
+    per_round = max(job.run.microbatches if job else 1, 2 * layout.stages)
+    rounds = plan_rounds([len(t) for t, _ in lines], budget, per_round)
+    longest = max(len(t) for t, _ in lines)
+    cost = family.cost(cfg, 1, longest)
+    plans, scored = [], []
+    pool = None
+    if _prefix_on(args, job, family, "score"):
+        from ..engine.admission import plan_reuse
+        from ..engine.block_pool import BLOCK_SIZE, PREFIX_POOL_ROWS, BlockPool
+
+        pool = BlockPool(-(-PREFIX_POOL_ROWS * longest // BLOCK_SIZE), BLOCK_SIZE)
+        rows = max(len(mb.lines) for r in rounds for mb in r)
+        reuse_rows = min(max(rows, REUSE_BUDGETS * budget // longest), REUSE_ROWS_MAX)
+    for mbs in rounds:
+        ks = sorted(k for mb in mbs for k in mb.lines)
+        scored.append(sum(len(lines[k][0]) for k in ks))
+        if pool is None:
+            plans.append([ScoreMicrobatch(len(mb.lines), mb.length) for mb in mbs])
+        else:
+            plan = plan_reuse([(k, lines[k][0], lines[k][1]) for k in ks], pool, budget, per_round, reuse_rows,
+                              MIN_TOKENS)
+            plans.append([ScoreMicrobatch(len(r.lines), r.width, r.start) for r in plan])
+    p = simulate_score(plans, scored, cost, layout, cal=cal, machine=machine,
+                       startup_s=_startup_s(cost, layout, cal, work.get("stored")), priced_by=priced_by)
+    if pool is not None:
+        p.prefix_hits = sum(mb.rows * mb.start for r in plans for mb in r)
+    return p
