@@ -33,7 +33,7 @@ from ..io.structured import grammars_for, job_constraint, last_stage_masks
 from ..model.stage import caps_of
 from ..engine.block_pool import PREFIX_POOL_ROWS
 from ..engine.records import Request
-from ..engine.sampling import SamplingParams, logprob_entries, sample_id
+from ..engine.sampling import SamplingParams, logprob_entries
 from ..engine.scheduler import Scheduler, Seq, split_batch
 from ..io.stats import GenerateResult, StageTiming
 
@@ -103,22 +103,6 @@ class GenerateOptions:
                    kv_rows=pick(getattr(flags, "kv_rows", None), sec.kv_rows),
                    **job_constraint(getattr(flags, "structured", None), sec.structured, job.path),
                    eos_where="generate --eos-id" if flags.eos_id is not None else f"{job.path}: [generate] eos_id")
-
-
-def _requests(p: Any, opts: GenerateOptions) -> list[Request]:
-    """A pending prompt's rows, one `records.Request` per sample (the scheduler's per-row note);
-    a prompt without settings of its own is one row of the job's (and of its constraint)."""
-    s = p.settings
-    tokens = tuple(p.tokens)
-    adapter = getattr(p, "adapter", None)  # its LoRA adapter (`decoder.lora`); None: the base model
-    if s is None:
-        return [Request(p.index, p.id, tokens, constraint=opts.structured, adapter=adapter)]
-    limit = p.request["max_new_tokens"] if p.request else (s.max_tokens or opts.max_new_tokens)
-    q = s.params(opts.sampling)
-    own = q if q != opts.sampling else None  # (rows that sample as the job does keep the batched path)
-    c = s.constraint if s.constraint is not None else opts.structured
-    return [Request(p.index, p.id, tokens, j, sample_id(p.id, j), limit, tuple(s.stop), own, c, adapter)
-            for j in range(s.n)]
 
 
 class GenerateDriver(JournalDriver):
@@ -206,7 +190,7 @@ class GenerateDriver(JournalDriver):
             self.holder.update(journal=journal, tokenizer=tokenizer, prompts=prompts)
             if not journal.pending:  # nothing to place or compute: check what can be known without a plan
                 journal.check_done(**unplaced_settings(job, "generate"))
-            rows = [r for p in journal.pending if p.error is None for r in _requests(p, opts)]
+            rows = [r for p in journal.pending if p.error is None for r in Request.rows_of(p, opts.max_new_tokens, opts.sampling, opts.structured)]
             longest = max((len(r.tokens) + (r.max_new_tokens or opts.max_new_tokens) for r in rows), default=1)
             table: dict[str, int] = {}  # each distinct constraint once (a schema shared by many rows)
             constraints = []

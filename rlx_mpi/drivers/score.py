@@ -61,7 +61,8 @@ from ..errors import ConfigError, RankFault
 from ..comm.executor import Executor, wire_codec
 from ..lifecycle.faults import check_output, wait
 from ..comm.schedule import Action, forward_schedule
-from ..engine.rounds import run_rounds
+from ..engine.rounds import (MIN_ROUNDS, MIN_TOKENS, Microbatch, plan_rounds,  # noqa: F401  (their home is engine)
+                             run_rounds, where_of as _where)
 from ..io.stats import ClusterRun, StageTiming
 
 __all__ = ["ScoreDriver", "ScoreOptions", "ScoreResult", "Microbatch", "plan_rounds", "DEFAULT_TOKENS"]
@@ -75,58 +76,6 @@ DEFAULT_TOKENS = ScoreSection.batch  # --batch: padded tokens per microbatch
 # least the plan's rows, at most REUSE_ROWS_MAX rows): KV for 4 x 2048 positions by default, priced
 # by the planner (`ScoreDriver.cost`). Not measured against other factors yet.
 REUSE_BUDGETS, REUSE_ROWS_MAX = 4, 64
-
-
-@dataclass(frozen=True)
-class Microbatch:
-    """Lines of one forward: positions in the pending list, right-padded to ``length``."""
-
-    lines: tuple[int, ...]
-    length: int
-
-
-MIN_ROUNDS = 8  # a file is cut into at least this many rounds where microbatches stay >= MIN_TOKENS
-MIN_TOKENS = 256
-
-
-def plan_rounds(lengths: list[int], budget: int, per_round: int) -> list[list[Microbatch]]:
-    """Cut lines (their token counts, in file order) into rounds of microbatches.
-
-    A round takes lines in order while they hold at most ``per_round * budget`` tokens (at
-    least one line), sorts them longest first and packs each microbatch while rows x its
-    first (longest) line's length stays within ``budget`` (and within the round's tokens /
-    ``per_round``, so a short round still fills the pipeline). Pure: every rank computes the same.
-
-    Note: a file of a few budgets' tokens is still cut into `MIN_ROUNDS` rounds (microbatches
-    of at least `MIN_TOKENS`): replicas share a file round by round, and 64 lines of ~72
-    tokens made 2 rounds (55 and 9 lines) at the default budget, so 2 replicas ran 1.12x one.
-    The cut depends on the file alone, never on the replica count: a line's microbatch, and so
-    its log-probs' last bits, are the same however many replicas share the job.
-    """
-    if budget < 1 or per_round < 1:
-        raise ValueError(f"budget and per_round must be >= 1, got {budget}, {per_round}")
-    rounds, i, n = [], 0, len(lengths)
-    limit = per_round * budget
-    limit = min(limit, max(-(-sum(lengths) // MIN_ROUNDS), per_round * min(budget, MIN_TOKENS)))
-    while i < n:
-        j, total = i, 0
-        while j < n and (j == i or total + lengths[j] <= limit):
-            total += lengths[j]
-            j += 1
-        order = sorted(range(i, j), key=lambda k: (-lengths[k], k))
-        # a short round (the file's end, a small file) is still cut into per_round microbatches
-        # where it can be, so that every stage of the pipeline gets work
-        cap = min(budget, max(lengths[order[0]], -(-sum(lengths[k] for k in order) // per_round)))
-        mbs, k = [], 0
-        while k < len(order):
-            longest = lengths[order[k]]
-            rows = max(1, cap // longest)
-            take = tuple(order[k:k + rows])
-            mbs.append(Microbatch(take, longest))
-            k += len(take)
-        rounds.append(mbs)
-        i = j
-    return rounds
 
 
 @dataclass(frozen=True)
@@ -637,14 +586,3 @@ class ScoreDriver(JournalDriver):
         if not self.opts.out.exists():
             return f"score: no rows in {self.opts.out}"
         return f"score: {self.opts.out}: {self.summary().line()}"
-
-
-def _where(mbs: list[Microbatch], pending: list) -> dict[int, tuple[int, int]]:
-    """Where each line's log-probs sit in a round's flat array (microbatch, then row order)."""
-    where, n = {}, 0
-    for mb in mbs:
-        for k in mb.lines:
-            s, ln = pending[k][3], len(pending[k][2])
-            where[k] = (n, n + ln - s)
-            n += ln - s
-    return where

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..model.stage import StepBatch
 from .constraints import Constraint, GrammarMasks
-from .sampling import SamplingParams, prompt_key, sample_rows
+from .sampling import SamplingParams, prompt_key, sample_id, sample_rows
 
 __all__ = ["Request", "StepHeader", "RowState", "RowTable", "ADMITTED", "HEAD", "ROW"]
 
@@ -57,6 +57,23 @@ class Request:
     sampling: SamplingParams | None = None  # its own sampling; None: the job's
     constraint: Constraint | None = None  # what its text must match (structured output: `constraints`)
     adapter: str | None = None  # room for a LoRA adapter name: None today
+
+    @classmethod
+    def rows_of(cls, p: Any, max_new_tokens: int, sampling: SamplingParams, constraint: Any = None) -> list["Request"]:
+        """A pending prompt's rows (`io.prompts.Prompt`), one per sample (the scheduler's per-row
+        note); a prompt without settings of its own is one row of the job's ``sampling`` and
+        ``constraint`` (the job-wide structured output)."""
+        s = p.settings
+        tokens = tuple(p.tokens)
+        adapter = getattr(p, "adapter", None)  # its LoRA adapter (`decoder.lora`); None: the base model
+        if s is None:
+            return [cls(p.index, p.id, tokens, constraint=constraint, adapter=adapter)]
+        limit = p.request["max_new_tokens"] if p.request else (s.max_tokens or max_new_tokens)
+        q = s.params(sampling)
+        own = q if q != sampling else None  # (rows that sample as the job does keep the batched path)
+        c = s.constraint if s.constraint is not None else constraint
+        return [cls(p.index, p.id, tokens, j, sample_id(p.id, j), limit, tuple(s.stop), own, c, adapter)
+                for j in range(s.n)]
 
     @property
     def key(self) -> int:
