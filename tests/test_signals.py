@@ -203,8 +203,13 @@ def test_cluster_run_ignores_stop_signals_once_the_driver_returned(handlers):
                 raise RuntimeError("boom")
             return "result"
 
-    cx = cluster_mod.Cluster.__new__(cluster_mod.Cluster)  # no MPI: run() needs ctx and stop only
+    from types import SimpleNamespace
+
+    from rlx_mpi.config import OnRankFailure
+
+    cx = cluster_mod.Cluster.__new__(cluster_mod.Cluster)  # no MPI: run() needs ctx, stop and the job's run section
     cx.ctx, cx.world, cx.stop = type("Ctx", (), {"extra": {}})(), None, None
+    cx.job = SimpleNamespace(run=SimpleNamespace(on_rank_failure=OnRankFailure.ABORT))
     assert cx.run(Driver(False)) == "result"
     assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
     assert signal.getsignal(signal.SIGINT) == handlers[signal.SIGINT]
