@@ -41,7 +41,7 @@ from ..errors import DeadlineExpired
 from ..lifecycle import ulfm
 from ..lifecycle.faults import RankContext, _AllOf, wait
 from ..tags import REPLICA_END as TAG_END, REPLICA_WORK as TAG_WORK
-from .replicas import RowPost
+from .replicas import RowPost, SharedCounter
 
 __all__ = ["RefillCounter", "RefillFeed", "RecoveringCollector", "wait_for_round", "refill_feed", "run_rounds", "lost_ranks", "say",
            "MORE", "END", "SHRINK"]
@@ -50,30 +50,12 @@ ALIVE, END, SHRINK, MORE = 0, 1, 2, 3  # rank 0's words to a waiting rank (ALIVE
 _COUNT, _FILLED, _HEAD = 0, 1, 2  # window slots: the counter, how many rows were returned; then the list
 
 
-class RefillCounter:
+class RefillCounter(SharedCounter):
     """The shared counter with room for returned rows (``cap`` of them). Collective to build."""
 
     def __init__(self, world: Any, ctx: RankContext, timeout_s: float, n: int, cap: int):
-        from mpi4py import MPI
-
-        self.world, self.ctx, self.timeout_s, self.n, self.cap = world, ctx, timeout_s, n, cap
-        size = (_HEAD + cap) * 8 if world.rank == 0 else 0
-        self.win = MPI.Win.Allocate(size, 8, comm=world)
-        if world.rank == 0:
-            np.frombuffer(self.win.tomemory(), np.int64)[:] = 0
-        wait(world.Ibarrier(), timeout_s, ctx, lambda: "every rank to open the prompt counter", "some rank")
-        self.win.Lock_all()
-
-    def post(self, n: int) -> tuple[Any, np.ndarray]:
-        from mpi4py import MPI
-
-        add, old = np.array([n], np.int64), np.zeros(1, np.int64)
-        return self.win.Rget_accumulate([add, MPI.INT64_T], [old, MPI.INT64_T], 0, op=MPI.SUM), old
-
-    def take(self, claim: tuple[Any, np.ndarray]) -> int:
-        req, old = claim
-        wait(req, self.timeout_s, self.ctx, lambda: "the next prompts from the counter on rank 0", "rank 0")
-        return int(old[0])
+        super().__init__(world, ctx, timeout_s, words=_HEAD + cap)  # (post and take: the counter's)
+        self.n, self.cap = n, cap
 
     def read(self, slot: int, count: int = 1) -> np.ndarray:
         from mpi4py import MPI

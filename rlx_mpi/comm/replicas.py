@@ -49,11 +49,12 @@ class SharedCounter:
 
     Collective to build and to `close` (every rank of ``world``)."""
 
-    def __init__(self, world: Any, ctx: RankContext, timeout_s: float):
+    def __init__(self, world: Any, ctx: RankContext, timeout_s: float, words: int = 1):
         from mpi4py import MPI
 
         self.world, self.ctx, self.timeout_s = world, ctx, timeout_s
-        self.win = MPI.Win.Allocate(8 if world.rank == 0 else 0, 8, comm=world)
+        # the counter is word 0 (``words`` > 1: room for more, `recovery.RefillCounter`'s list)
+        self.win = MPI.Win.Allocate(8 * words if world.rank == 0 else 0, 8, comm=world)
         if world.rank == 0:
             np.frombuffer(self.win.tomemory(), np.int64)[:] = 0
         wait(world.Ibarrier(), timeout_s, ctx, lambda: "every rank to open the prompt counter", "some rank")
