@@ -51,6 +51,11 @@ cpus and pins T BLAS/numba threads; llama.cpp gets ``-t T``), trials interleaved
   --kl-divergence`` (q8_0 and bf16 against f32). Both score the second half of each 256-token
   chunk, as llama-perplexity does: top-1 agreement with the f32 model and mean KL(f32 || q).
 
+``--baseline-tree DIR`` (an A/B of our side: another checkout of rlx_mpi, e.g. ``git worktree
+add DIR REV``): each of our runs is taken again right after from DIR (``PYTHONPATH=DIR``, its
+own numba cache), and a column gives this tree's median over the baseline's (> 1: this tree is
+faster; issue 42's "within 3 % of before").
+
 Each case reports the ratio of the two sides' medians and, as ``paired``, the median of each
 trial's own ratio (the two sides run back to back, so host drift between trials cancels).
 
@@ -257,6 +262,14 @@ def ours_decode(folder: Path, job: Path, prompts: Path, new: int, threads: int, 
     return (new_tokens(folder) - 1) / (max(r["decode_ms"] for r in rows) / 1e3)
 
 
+def _prefill(folder: Path, job: Path, prompts: Path, n: int, threads: int, mpiexec: str) -> float:
+    """Prefill tokens/s of ``n``-token prompts: ``n`` over the median ``ms`` of the 2nd to 4th row
+    (the first prefill of a process is cold, as llama-bench's warm-up run is left out)."""
+    ours(folder, job, prompts, 1, 1, threads, mpiexec)
+    done = [json.loads(line) for line in (folder / "out.jsonl").read_text().splitlines()]
+    return n / (statistics.median(r["ms"] for r in done[1:]) / 1e3)
+
+
 def new_tokens(folder: Path) -> int:
     """New tokens of the last ``generate``'s completions: fewer than asked where a row sampled
     an end-of-sequence id (llama.cpp's benches never stop early; a random model's greedy text may:
@@ -342,15 +355,15 @@ def q4_trial(folder: Path, job: Path, m: dict, p32: dict, plong: dict, new: int,
     """One trial of the q4 cases on ``t`` threads: each of our runs set against Q4_0 and Q4_K_M."""
     if "decode" not in skip:
         wait_quiet(args.quiet, args.quiet_wait)
-        ours_ts = ours_decode(folder, job, p32[1], new, t, args.mpiexec)
+        ours_ts = BASE.take(f"decode batch 1, q4, {t} thread(s)", lambda: ours_decode(folder, job, p32[1], new, t, args.mpiexec))
         for name, q in Q4_GGUF.items():
             key = f"decode batch 1, q4 vs {q}, {t} thread(s)"
             mine.setdefault(key, []).append(ours_ts)
             theirs.setdefault(key, []).append(llama_bench(bin_dir, m["gguf"][name], t, 1, p=0, n=32, d=32))
     if "batch8" not in skip:
         wait_quiet(args.quiet, args.quiet_wait)
-        wall = ours(folder, job, p32[8], 32, 8, t, args.mpiexec)
-        ours_ts = new_tokens(folder) / wall
+        ours_ts = BASE.take(f"8 prompts x 32 new, whole time, q4, {t} thread(s)",
+                            lambda: new_tokens(folder) / ours(folder, job, p32[8], 32, 8, t, args.mpiexec))
         for name, q in Q4_GGUF.items():
             key = f"8 prompts x 32 new, whole time, q4 vs {q}, {t} thread(s)"
             mine.setdefault(key, []).append(ours_ts)
@@ -359,10 +372,39 @@ def q4_trial(folder: Path, job: Path, m: dict, p32: dict, plong: dict, new: int,
         for n in (128, 512):  # 128 / 512 rows a product: kernels/q4gemm.py on AVX-512 VNNI
             key = f"prefill {n}, q4 vs Q4_0, {t} thread(s)"
             wait_quiet(args.quiet, args.quiet_wait)
-            ours(folder, job, plong[n], 1, 1, t, args.mpiexec)
-            done = [json.loads(line) for line in (folder / "out.jsonl").read_text().splitlines()]
-            mine.setdefault(key, []).append(n / (statistics.median(r["ms"] for r in done[1:]) / 1e3))
+            mine.setdefault(key, []).append(BASE.take(key, lambda: _prefill(folder, job, plong[n], n, t, args.mpiexec)))
             theirs.setdefault(key, []).append(llama_bench(bin_dir, m["gguf"]["q4_0"], t, 1, p=n, n=0))
+
+
+class _Baseline:
+    """Our runs taken twice, from this tree and from ``--baseline-tree`` (its ``PYTHONPATH``)."""
+
+    def __init__(self, tree: str | None):
+        self.tree, self.rates, self.here = tree, {}, {}
+
+    def take(self, key: str, fn):
+        """``fn()`` here and, with a baseline, again from it (recorded under ``key``); this tree's value."""
+        value = fn()
+        if self.tree:
+            self.here.setdefault(key, []).append(value)
+            old = os.environ.get("PYTHONPATH")
+            os.environ["PYTHONPATH"] = self.tree
+            try:
+                self.rates.setdefault(key, []).append(fn())
+            finally:
+                if old is None:
+                    os.environ.pop("PYTHONPATH")
+                else:
+                    os.environ["PYTHONPATH"] = old
+        return value
+
+    def compile(self) -> None:
+        if self.tree:
+            subprocess.run([sys.executable, "-m", "rlx_mpi", "compile-kernels"], env={**os.environ, "PYTHONPATH": self.tree},
+                           capture_output=True, timeout=1800)
+
+
+BASE = _Baseline(None)
 
 
 def main() -> None:
@@ -378,8 +420,11 @@ def main() -> None:
     ap.add_argument("--precisions", default="f32,bf16,int8", help="batch-1 decode precisions (ours)")
     ap.add_argument("--skip", default="", help="comma list of parts to leave out: decode,batch8,prefill,accuracy,q4")
     ap.add_argument("--mpiexec", default=default_mpiexec())
+    ap.add_argument("--baseline-tree", help="another checkout of rlx_mpi: each of our runs is repeated from it (an A/B)")
     add_common_args(ap, quiet_wait_s=20.0)
     args = ap.parse_args()
+    BASE.tree = str(Path(args.baseline_tree).resolve()) if args.baseline_tree else None
+    BASE.compile()
     args.threads_list = [int(t) for t in args.threads.split(",")]
     skip = args.skip_set = set(filter(None, args.skip.split(",")))
     bin_dir = Path(_opt(args.llama_bin, "RLX_LLAMA_BIN", "--llama-bin (llama.cpp's build/bin)"))
@@ -405,23 +450,22 @@ def main() -> None:
                     for prec in args.precisions.split(","):
                         key = f"decode batch 1, {prec} vs {PREC[prec]}, {t} thread(s)"
                         wait_quiet(args.quiet, args.quiet_wait)
-                        mine.setdefault(key, []).append(ours_decode(folder, jobs[prec], p32[1], new, t, args.mpiexec))
+                        mine.setdefault(key, []).append(BASE.take(key, lambda: ours_decode(folder, jobs[prec], p32[1], new, t,
+                                                                                            args.mpiexec)))
                         theirs.setdefault(key, []).append(llama_bench(bin_dir, m["gguf"][PREC[prec]], t, 1, p=0, n=32,
                                                                       d=32))
                 if "batch8" not in skip:
                     key = f"8 prompts x 32 new, whole time, f32, {t} thread(s)"
                     wait_quiet(args.quiet, args.quiet_wait)
-                    wall = ours(folder, jobs["f32"], p32[8], 32, 8, t, args.mpiexec)
-                    mine.setdefault(key, []).append(new_tokens(folder) / wall)
+                    mine.setdefault(key, []).append(BASE.take(key, lambda: new_tokens(folder) / ours(
+                        folder, jobs["f32"], p32[8], 32, 8, t, args.mpiexec)))
                     theirs.setdefault(key, []).append(llama_batched(bin_dir, m["gguf"]["f32"], t, 32, 32, 8))
                 if "prefill" not in skip:
                     for n in (128, 512):
                         key = f"prefill {n}, f32, {t} thread(s)"
                         wait_quiet(args.quiet, args.quiet_wait)
-                        ours(folder, jobs["f32"], plong[n], 1, 1, t, args.mpiexec)
-                        done = [json.loads(line) for line in (folder / "out.jsonl").read_text().splitlines()]
-                        warm = statistics.median(r["ms"] for r in done[1:])  # the first prefill is cold
-                        mine.setdefault(key, []).append(n / (warm / 1e3))
+                        mine.setdefault(key, []).append(BASE.take(key, lambda: _prefill(folder, jobs["f32"], plong[n], n, t,
+                                                                                         args.mpiexec)))
                         theirs.setdefault(key, []).append(llama_bench(bin_dir, m["gguf"]["f32"], t, 1, p=n, n=0))
                 if "q4" not in skip:
                     q4_trial(folder, jobs["q4"], m, p32, plong, new, t, skip, args, bin_dir, mine, theirs)
@@ -452,6 +496,12 @@ def main() -> None:
                           f"{row['ours_of_read_bound']:.2f} / {row['llamacpp_of_read_bound']:.2f}" if bound else ""])
         print(fmt_table(["case (tokens/s, medians)", "ours", "llama.cpp", "ratio", "paired", "of copy bw (ours / theirs)",
                          "of read bw"], table))
+        if BASE.tree:
+            med = statistics.median
+            ab = [[k, f"{med(BASE.here[k]):.1f}", f"{med(v):.1f}", f"{med(BASE.here[k]) / med(v):.3f}",
+                   f"{med(a / b for a, b in zip(BASE.here[k], v)):.3f}"] for k, v in BASE.rates.items()]
+            print(f"A/B of our side against {BASE.tree}:")
+            print(fmt_table(["case (tokens/s, medians)", "this tree", "baseline", "this / baseline", "paired"], ab))
         print("copy bandwidth (read + write): " + ", ".join(f"{t} thread(s) {v / 1e9:.1f} GB/s" for t, v in bw.items()))
         print("read bandwidth: " + ", ".join(f"{t} thread(s) {v / 1e9:.1f} GB/s" for t, v in rbw.items()))
         doc = {"machine": info, "loadavg_end": loadavg(), "trials": args.trials, "model": cfg,
@@ -459,7 +509,8 @@ def main() -> None:
                "read_bandwidth_GBs": {t: v / 1e9 for t, v in rbw.items()},
                "decode_weight_bytes": {**{f: weight_bytes(cfg, f) for f in ("f32", "bf16", "int8", "q8_0")},
                                        **({"q4": weight_bytes(cfg, "q4"), **gguf_bytes} if gguf_bytes else {})},
-               "cases": rows}
+               "cases": rows, **({"baseline_tree": BASE.tree, "baseline_tok_s": BASE.rates,
+                                    "this_tree_tok_s": BASE.here} if BASE.tree else {})}
         if "q4" not in skip:
             doc["q4_resident_of_f32"] = frac = q4_resident_fraction(m["ckpt_q4"])
             print(f"q4 resident weight bytes / f32: {frac:.4f} (target <= 0.16)")

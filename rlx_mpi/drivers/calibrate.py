@@ -10,20 +10,32 @@ chunk's `kernels.attend` and a decode row's `kernels.attend_cache`), the ring's 
 read; then ranks 0 and 1 ping-pong through `comm.transport.Link` and every rank all-reduces
 through `comm.collectives.all_reduce` by message size. Rank 0 writes the median over ranks of
 each rate (`model.calibration.Calibration`, one file per allocation type).
+
+The start-up is measured too, first, while this process is as fresh as a job's
+(`measure_startup`): the launch (the launcher's start to here: the interpreter, the imports,
+MPI_Init), the family's ``warm_up`` at each precision (numba's cache loaded, or the kernels
+compiled on a fresh install), and the load of weights from an HDF5 checkpoint through the job's
+reader (`model.checkpoint.H5ParamSource`) into a stage, from a file written beside the
+calibration (``--calibrate`` beside the checkpoints times their file system; the file is just
+written, so its pages are in memory as a rerun's are: a first read from a parallel file system
+can be slower).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["calibrate", "measure_local"]
+__all__ = ["calibrate", "measure_local", "measure_startup", "launch_age"]
 
 PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")
 PROBE_BYTES = 80e6  # the probe stage's f32 weights at least (2 medium layers: 93 MB), past a last-level cache:
@@ -82,6 +94,66 @@ def probe_layer_weights(preset: str = "medium") -> float:
 
     family, cfg = require_preset(preset, "probe --calibrate")
     return family.cost(cfg, 1, 1).dense_flops_per_token / 2
+
+
+_LAUNCHERS = ("mpiexec", "mpiexec.hydra", "mpirun", "hydra_pmi_proxy", "prterun", "prted", "orterun", "srun",
+              "slurmstepd")
+
+
+def _started(pid: int | str) -> tuple[float, int, str] | None:
+    """(start in seconds since boot, parent pid, name) of a process, from /proc (None elsewhere)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+    return int(rest[19]) / os.sysconf("SC_CLK_TCK"), int(rest[1]), name  # (fields 22 and 4 of proc(5))
+
+
+def launch_age() -> float:
+    """Seconds since the job was launched: since the start of the oldest launcher among this
+    process's ancestors (mpiexec, its proxy, srun's step daemon), else of this process; 0 where
+    /proc is missing."""
+    me = _started("self")
+    if me is None:
+        return 0.0
+    first, parent = me[0], me[1]
+    for _ in range(8):  # (a launcher is a few parents up at most)
+        up = _started(parent)
+        if up is None or up[2].split("/")[-1] not in _LAUNCHERS:
+            break
+        first, parent = min(first, up[0]), up[1]
+    return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - first)
+
+
+def measure_startup(folder: Path, rank: int, precisions, preset: str = "medium") -> dict:
+    """This rank's start-up (the module note): ``launch_s``, ``warm_s`` by precision (in the
+    order given: the first also loads the kernels every precision shares) and ``load_gbps``, the
+    f32 bytes a second a stage's layers are read from HDF5 and made resident."""
+    import dataclasses
+
+    from ..families import require_preset
+    from ..model.checkpoint import H5ParamSource
+
+    launch = launch_age()
+    family, cfg = require_preset(preset, "probe --calibrate")
+    warm = {}
+    for p in precisions:
+        t0 = time.perf_counter()
+        family.warm_up(cfg, p, 1, True)
+        warm[p] = time.perf_counter() - t0
+    layers = max(2, math.ceil(PROBE_BYTES / (4 * probe_layer_weights(preset))))
+    cfg = dataclasses.replace(cfg, num_hidden_layers=layers)
+    with tempfile.TemporaryDirectory(prefix=".rlx-calibrate-", dir=folder) as tmp:
+        path = Path(tmp) / f"rank{rank}.h5"
+        family.init_random(path, cfg)
+        t0 = time.perf_counter()
+        with H5ParamSource(path, family.expected_shapes(cfg)) as src:
+            stage = family.build_stage(cfg, src, range(layers), False, False)
+            read = src.bytes_read
+        took = time.perf_counter() - t0
+        del stage
+    return {"launch_s": launch, "warm_s": warm, "load_gbps": read / took / 1e9}
 
 
 ALONE_KEYS = ("layer_decode", "layer_prefill", "attention_prefill", "attention_decode")
@@ -249,10 +321,13 @@ def calibrate(args: Any) -> int:
         wait(world.Ibarrier(), 600.0, ctx, lambda: "every rank to finish measuring", "some rank")
 
     barrier()
+    precisions = _precisions(args.precisions)
+    here = Path(str(args.calibrate)).resolve().parent  # (another node may not see it: its temporary folder)
+    startup = measure_startup(here if os.access(here, os.W_OK) else Path(tempfile.gettempdir()), world.rank, precisions)
+    barrier()
     # (not under `faults.agree`: its deadline's watcher thread takes the GIL between kernel calls,
     # a decode step measured 5-10x slower under it)
-    precisions = _precisions(args.precisions)
-    rates = measure_local(precisions)
+    rates = measure_local(precisions) | {"startup": startup}
     alone = None  # a host's first rank alone on the host's cores (the others wait): a job of fewer ranks a host
     if local.size > 1:
         barrier()
@@ -280,7 +355,10 @@ def calibrate(args: Any) -> int:
            "attention_decode": med_curve(lambda r: r["attention_decode"]),
            "convert": {p: statistics.median(r["convert"][p] for r in rows) for p in rows[0]["convert"]},
            "row_s": med("row_s"), "read_gbps": med("read_gbps"),
-           "send": send, "allreduce": {str(k): v for k, v in reduce.items()}, "local_size": local.size}
+           "send": send, "allreduce": {str(k): v for k, v in reduce.items()}, "local_size": local.size,
+           "startup": {"launch_s": max(r["startup"]["launch_s"] for r in rows),  # (a job waits for its slowest rank)
+                       "warm_s": {p: max(r["startup"]["warm_s"][p] for r in rows) for p in precisions},
+                       "load_gbps": statistics.median(r["startup"]["load_gbps"] for r in rows)}}
     if alone is not None:
         doc["alone"] = {k: alone[k] for k in ALONE_KEYS}
     from_json(doc, str(args.calibrate))  # (what plan --simulate will read back)
@@ -290,5 +368,7 @@ def calibrate(args: Any) -> int:
           f"{args.calibrate}: {p} layers {2 * doc['layer_prefill'][p][-1][0] / doc['layer_prefill'][p][-1][1] / 1e9:.1f} "
           f"GFLOP/s at {doc['layer_prefill'][p][-1][0]} positions, decode of 1 row "
           f"{2 / doc['layer_decode'][p][0][1] / 1e9:.1f} GFLOP/s, {doc['read_gbps']:.1f} GB/s read"
-          + (f", Send of 1 MiB {doc['send'][3][1] * 1e3:.2f} ms" if send else ""))
+          + (f", Send of 1 MiB {doc['send'][3][1] * 1e3:.2f} ms" if send else "")
+          + f"; start-up: launch {doc['startup']['launch_s']:.1f} s, kernels {doc['startup']['warm_s'][precisions[0]]:.1f} s"
+          f" ({precisions[0]}), weights loaded at {doc['startup']['load_gbps']:.2f} GB/s")
     return 0

@@ -90,21 +90,26 @@ def _layout(grid: Any, tp: int) -> Any:
 
 
 def _startup_s(cost: Any, layout: Any, cal: Any, stored: str | None) -> float:
-    """Reading the largest stage's weights as the checkpoint stores them (``stored``; None: at the
-    precision they are held in) and making them resident at the stage's precision (the calibration's
-    ``convert`` rate when the two differ: a q4 job on an f32 checkpoint quantizes at load), and the
-    fixed start-up: an estimate from this host's start-ups (`STARTUP_FIXED_S`, `STARTUP_READ_GBPS`)."""
+    """The slowest stage's start-up: its weights read as the checkpoint stores them (``stored``;
+    None: at the precision they are held in) and made resident at the stage's precision (the
+    calibration's ``convert`` rate past f32's when the two differ: a q4 job on an f32 checkpoint
+    quantizes at load), after the launch and the kernels' load. With the calibration's measured
+    `Startup` (`model.calibration`); without it, an estimate from this host's jobs
+    (`STARTUP_FIXED_S`, `STARTUP_READ_GBPS`)."""
+    measured = getattr(cal, "startup", None)
     worst = 0.0
     for s, n in enumerate(layout.layers):
         weights = n * cost.layer_bytes / 4.0 + (cost.embed_bytes / 4.0 if s == 0 else 0.0) + \
             (cost.head_bytes / 4.0 if s == layout.stages - 1 else 0.0)  # (f32-priced bytes: weights)
         held = layout.precisions[s]
         read = weights * 4.0 * (_weight_scale(stored) if stored else layout.weight_scales[s]) / layout.tp
-        t = read / (STARTUP_READ_GBPS * 1e9)
-        if cal is not None and stored and stored != held:
-            t += weights / layout.tp * cal.convert.get(held, 0.0)
+        t = read / ((measured.load_gbps if measured else STARTUP_READ_GBPS) * 1e9)
+        if cal is not None and stored and stored != held:  # (the load rate holds f32's own making resident)
+            t += weights / layout.tp * max(0.0, cal.convert.get(held, 0.0) - cal.convert.get("f32", 0.0))
+        if measured:
+            t += measured.kernels_s(held)
         worst = max(worst, t)
-    return STARTUP_FIXED_S + worst
+    return (measured.launch_s if measured else STARTUP_FIXED_S) + worst
 
 
 def simulate_plan(args: Any, job: Any, family: Any, cfg: Any, grid: Any, tp: int, plan_for) -> int:
@@ -152,7 +157,8 @@ def simulate_plan(args: Any, job: Any, family: Any, cfg: Any, grid: Any, tp: int
         compared = ok + [p for p in compared if isinstance(p, tuple)]
     limit = parse_time_limit(args.time_limit) if args.time_limit else None
     if args.json:
-        doc = {**main.to_json(), "ranks": args.ranks, "prompts": work["lines"]}
+        doc = {**main.to_json(), "ranks": args.ranks, "prompts": work["lines"],
+               "startup_priced_by": "calibration" if getattr(cal, "startup", None) else "estimate"}
         if limit is not None:
             doc["time_limit_s"], doc["time_limit"] = limit, time_limit_line(main.job_s, limit, args.ranks)
         if args.compare:
@@ -164,7 +170,8 @@ def simulate_plan(args: Any, job: Any, family: Any, cfg: Any, grid: Any, tp: int
           f"on {args.ranks} ranks = {main.layout}, priced by {priced_by}")
     unit = "new tokens" if what == "generate" else "line tokens"
     print(f"predicted wall {_human(main.predicted_wall_s)} ({main.predicted_wall_s:.3f} s) + start-up ~"
-          f"{_human(main.startup_s)}: {main.tokens} {unit}, {main.tokens_per_s:.1f} tokens/s; first "
+          f"{_human(main.startup_s)}{'' if getattr(cal, 'startup', None) else ' (estimated: this calibration has none)'}"
+          f": {main.tokens} {unit}, {main.tokens_per_s:.1f} tokens/s; first "
           f"{'row' if what == 'generate' else 'round'} after {main.first_row_s:.3f} s; {main.steps} "
           f"{'steps' if what == 'generate' else 'microbatches'}"
           + (f"; prefix cache: {main.prefix_hits} prompt positions reused" if main.prefix_hits else ""))

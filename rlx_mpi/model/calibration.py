@@ -17,6 +17,9 @@ Note: the price. A step on one rank of a stage of ``tp`` ranks costs
   rows       a fixed cost a row (the ring's bookkeeping: scheduler, header, sampling)
   all-reduce two a layer of the positions' hidden state (tp > 1), the measured Allreduce
   send       the hidden state to the next stage (or the tokens back), the measured Send/Recv
+The start-up (`Startup`, measured by the probe when present; else `plan --simulate` says it
+estimates it): the launch, the kernels' load at the job's precision (and the shared ones), the
+largest stage's stored bytes at the measured load rate, and the conversion to the held precision.
 A model of another shape is priced by its weights at these rates: its own kernel calls per
 weight differ (a narrow model's fixed costs weigh more), which the medium preset's rate hides.
 Every curve is interpolated log-log between the measured points.
@@ -33,7 +36,7 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["Calibration", "load_calibration", "step_seconds", "CALIBRATION_VERSION"]
+__all__ = ["Calibration", "Startup", "load_calibration", "step_seconds", "CALIBRATION_VERSION"]
 
 CALIBRATION_VERSION = 1
 _ALONE = ("layer_decode", "layer_prefill", "attention_prefill", "attention_decode")
@@ -67,6 +70,25 @@ def transfer(curve: Curve, nbytes: float) -> float:
 
 
 @dataclass(frozen=True)
+class Startup:
+    """A job's start-up as the probe measured it (`drivers.calibrate.measure_startup`)."""
+
+    launch_s: float  # the launcher's start to the command's first line (interpreter, imports, MPI_Init): slowest rank
+    warm_s: dict[str, float]  # precision -> the family's kernels loaded (the first measured also loads the shared ones)
+    load_gbps: float  # f32 stored bytes a second read from HDF5 and made resident in a stage
+
+    def kernels_s(self, precision: str) -> float:
+        """The kernels a job at ``precision`` loads: the shared ones (the first measured
+        precision's time) and its own (an unmeasured precision: its neighbours' largest)."""
+        first = next(iter(self.warm_s))
+        own = self.warm_s.get(precision, max(self.warm_s.values()))
+        return self.warm_s[first] + (own if precision != first else 0.0)
+
+    def to_json(self) -> dict:
+        return {"launch_s": self.launch_s, "warm_s": dict(self.warm_s), "load_gbps": self.load_gbps}
+
+
+@dataclass(frozen=True)
 class Calibration:
     """One rank's measured rates (all ranks of the allocation measured at once) and its links."""
 
@@ -83,6 +105,7 @@ class Calibration:
     convert: dict[str, float] = field(default_factory=dict)  # precision -> seconds a float32 weight takes to be
     # made resident at it at load (a q4 job on an f32 checkpoint quantizes at start-up)
     local_size: int = 1  # ranks that shared a host while measuring
+    startup: Startup | None = None  # (a calibration written before the start-up was measured: None)
     alone: "Calibration | None" = None  # the same rates of a host's rank alone on its cores (local_size > 1)
     path: str = ""
 
@@ -124,6 +147,7 @@ class Calibration:
                 "send": [list(x) for x in self.send],
                 "allreduce": {str(n): [list(x) for x in c] for n, c in self.allreduce.items()},
                 "local_size": self.local_size, "convert": dict(self.convert),
+                **({"startup": self.startup.to_json()} if self.startup else {}),
                 **({"alone": {k: v for k, v in self.alone.to_json().items() if k in _ALONE}} if self.alone else {})}
 
 
@@ -153,6 +177,19 @@ def _number(doc: dict, key: str, where: str) -> float:
     return float(v)
 
 
+def _startup(doc: Any, where: str) -> Startup:
+    if not isinstance(doc, dict) or set(doc) != {"launch_s", "warm_s", "load_gbps"}:
+        raise ConfigError(where, f"got {sorted(doc) if isinstance(doc, dict) else doc!r}",
+                          "expected {launch_s, warm_s: {precision: s}, load_gbps}; run rlx-mpi probe --calibrate again")
+    warm = doc["warm_s"]
+    if not isinstance(warm, dict) or not warm:
+        raise ConfigError(f"{where}: warm_s", f"got {warm!r}", "expected {precision: seconds}")
+    load = _number(doc, "load_gbps", where)
+    if load <= 0:
+        raise ConfigError(f"{where}: load_gbps", f"got {load!r}", "expected a rate > 0; run rlx-mpi probe --calibrate again")
+    return Startup(_number(doc, "launch_s", where), {p: _number(warm, p, f"{where}: warm_s") for p in warm}, load)
+
+
 def from_json(doc: Any, where: str) -> Calibration:
     """A `Calibration` from its JSON document, every key checked (the error names file and key)."""
     if not isinstance(doc, dict):
@@ -161,7 +198,7 @@ def from_json(doc: Any, where: str) -> Calibration:
         raise ConfigError(f"{where}: version", f"got {doc.get('version')!r}, expected {CALIBRATION_VERSION}",
                           "run rlx-mpi probe --calibrate again with this version")
     known = {"version", "host", "ranks", "layer_decode", "layer_prefill", "attention_prefill", "attention_decode",
-             "row_s", "read_gbps", "send", "allreduce", "local_size", "alone", "convert"}
+             "row_s", "read_gbps", "send", "allreduce", "local_size", "alone", "convert", "startup"}
     extra = sorted(set(doc) - known)
     if extra:
         raise ConfigError(f"{where}: {extra[0]}", "unknown key", f"expected only {sorted(known)}")
@@ -184,6 +221,7 @@ def from_json(doc: Any, where: str) -> Calibration:
     if not isinstance(convert, dict):
         raise ConfigError(f"{where}: convert", f"got {convert!r}", "expected {precision: seconds a weight}")
     convert = {p: _number(convert, p, f"{where}: convert") for p in convert}
+    startup = _startup(doc.get("startup"), f"{where}: startup") if doc.get("startup") is not None else None
     alone = None
     if doc.get("alone") is not None:
         a = doc["alone"]
@@ -193,6 +231,7 @@ def from_json(doc: Any, where: str) -> Calibration:
         alone = from_json({k: v for k, v in doc.items() if k not in ("alone", *_ALONE)} | a | {"local_size": 1},
                           f"{where}: alone")
     return Calibration(host=str(doc.get("host", "")), ranks=ranks, local_size=local_size, alone=alone, convert=convert,
+                       startup=startup,
                        layer_decode=layer["layer_decode"], layer_prefill=layer["layer_prefill"],
                        attention_prefill=_curve(doc, "attention_prefill", where),
                        attention_decode=_curve(doc, "attention_decode", where),
