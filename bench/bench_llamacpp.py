@@ -53,7 +53,7 @@ cpus and pins T BLAS/numba threads; llama.cpp gets ``-t T``), trials interleaved
 
 ``--baseline-tree DIR`` (an A/B of our side: another checkout of rlx_mpi, e.g. ``git worktree
 add DIR REV``): each of our runs is taken again right after from DIR (``PYTHONPATH=DIR``, its
-own numba cache), and a column gives this tree's median over the baseline's (> 1: this tree is
+own numba cache; run from DIR, as ``python -m`` puts the working folder first), and a column gives this tree's median over the baseline's (> 1: this tree is
 faster; issue 42's "within 3 % of before").
 
 Each case reports the ratio of the two sides' medians and, as ``paired``, the median of each
@@ -387,11 +387,13 @@ class _Baseline:
         value = fn()
         if self.tree:
             self.here.setdefault(key, []).append(value)
-            old = os.environ.get("PYTHONPATH")
+            old, here = os.environ.get("PYTHONPATH"), os.getcwd()
             os.environ["PYTHONPATH"] = self.tree
+            os.chdir(self.tree)  # (``python -m`` puts the working folder before PYTHONPATH)
             try:
                 self.rates.setdefault(key, []).append(fn())
             finally:
+                os.chdir(here)
                 if old is None:
                     os.environ.pop("PYTHONPATH")
                 else:
@@ -401,7 +403,12 @@ class _Baseline:
     def compile(self) -> None:
         if self.tree:
             subprocess.run([sys.executable, "-m", "rlx_mpi", "compile-kernels"], env={**os.environ, "PYTHONPATH": self.tree},
-                           capture_output=True, timeout=1800)
+                           cwd=self.tree, capture_output=True, timeout=1800, check=True)
+            seen = subprocess.run([sys.executable, "-c", "import rlx_mpi; print(rlx_mpi.__file__)"], cwd=self.tree,
+                                  env={**os.environ, "PYTHONPATH": self.tree}, capture_output=True, text=True).stdout.strip()
+            if not seen.startswith(self.tree):
+                raise SystemExit(f"--baseline-tree {self.tree}: its runs import {seen}, not the baseline's rlx_mpi")
+            print(f"baseline: {seen}", file=sys.stderr)
 
 
 BASE = _Baseline(None)
@@ -428,7 +435,7 @@ def main() -> None:
     args.threads_list = [int(t) for t in args.threads.split(",")]
     skip = args.skip_set = set(filter(None, args.skip.split(",")))
     bin_dir = Path(_opt(args.llama_bin, "RLX_LLAMA_BIN", "--llama-bin (llama.cpp's build/bin)"))
-    work = Path(args.workdir)
+    work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     m = prepare(work, args)
     cfg = m["config"]
