@@ -150,7 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pr.add_argument("--gflops", action="store_true", help="measure each rank's matmul speed (~0.2 s)")
     pr.add_argument("--calibrate", metavar="OUT_JSON", help="measure the rates plan --simulate prices with (the "
-                    "product kernels at each precision, attention, the links; 30-100 s) and write them to OUT_JSON")
+                    "start-up, the product kernels at each precision, attention, the links; 30-100 s) and write them to "
+                    "OUT_JSON (its folder also holds a short-lived weights file: put it beside the checkpoints to time "
+                    "their file system)")
     pr.add_argument("--precisions", metavar="P[,P...]", help="--calibrate: only these weight precisions (default "
                     "f32,bf16,f16,int8,q4; a job at one precision needs only its own)")
     pr.add_argument("--log-dir", metavar="DIR", help="one log per rank, DIR/rank-0003.log; only rank 0 logs to the terminal")

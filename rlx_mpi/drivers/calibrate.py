@@ -133,7 +133,8 @@ def measure_startup(folder: Path, rank: int, precisions, preset: str = "medium")
     import dataclasses
 
     from ..families import require_preset
-    from ..model.checkpoint import H5ParamSource
+    from ..families.decoder.family import random_tensors
+    from ..model.checkpoint import H5ParamSource, write_checkpoint
 
     launch = launch_age()
     family, cfg = require_preset(preset, "probe --calibrate")
@@ -145,8 +146,9 @@ def measure_startup(folder: Path, rank: int, precisions, preset: str = "medium")
     layers = max(2, math.ceil(PROBE_BYTES / (4 * probe_layer_weights(preset))))
     cfg = dataclasses.replace(cfg, num_hidden_layers=layers)
     with tempfile.TemporaryDirectory(prefix=".rlx-calibrate-", dir=folder) as tmp:
-        path = Path(tmp) / f"rank{rank}.h5"
-        family.init_random(path, cfg)
+        path = Path(tmp) / f"rank{rank}.h5"  # the layers alone (~93 MB a rank: no embedding, no head)
+        write_checkpoint(path, family.name, cfg.to_json(),
+                         ((n, t) for n, t in random_tensors(cfg, rank) if n.startswith("layers/")))
         t0 = time.perf_counter()
         with H5ParamSource(path, family.expected_shapes(cfg)) as src:
             stage = family.build_stage(cfg, src, range(layers), False, False)
