@@ -100,7 +100,7 @@ def again(job_path: Any, cx: Cluster, driver: Any, comm: Any, dead: list[int], m
     faults.set_watch(ulfm.watch(survivors, None, where))  # a second death meanwhile: requeue
     driver = make_driver()
     try:
-        new = Cluster.start(job_path, driver, debug=debug, comm=survivors)
+        new = Cluster.start(job_path, driver, debug=debug, comm=survivors, adjust=job_on_survivors)
     except Exception:
         _give_up(survivors, lost, sys.exc_info(), debug)
     finally:

@@ -93,10 +93,12 @@ class Cluster:
 
     @classmethod
     def start(cls, job_path: str | os.PathLike, driver: Any, *, debug: bool = False,
-              log_dir: str | os.PathLike | None = None, comm: Any = None) -> "Cluster | None":
+              log_dir: str | os.PathLike | None = None, comm: Any = None,
+              adjust: Callable[[JobConfig, int], JobConfig] | None = None) -> "Cluster | None":
         """The start-up of every MPI command (see the module docstring); None when the driver
         has nothing to do (every prompt already complete). ``driver.plan_only`` stops after the plan.
-        ``comm``: the survivors of a job that lost ranks, starting it again (`cluster.restart`)."""
+        ``comm``: the survivors of a job that lost ranks, starting it again, and ``adjust`` the job
+        for them (`cluster.restart`)."""
         from mpi4py import MPI
 
         from ..lifecycle.launch import set_finish_timeout
@@ -106,9 +108,6 @@ class Cluster:
         started = time.perf_counter()
         if comm is None:  # (a restart: logging is set up, ULFM checked and the supervisor tolerant)
             setup_logging(MPI.COMM_WORLD, debug, log_dir, driver.command)
-        adjust = None
-        if comm is not None:
-            from .restart import job_on_survivors as adjust
         cx = cls.from_path(job_path, debug=debug, comm=comm, adjust=adjust)
         set_finish_timeout(cx.job.run.timeout_s, cx.world.size)
         if cx.job.run.on_rank_failure is OnRankFailure.CONTINUE and comm is None:  # refused, one line, without ULFM
