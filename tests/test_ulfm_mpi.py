@@ -187,6 +187,32 @@ def test_rank_0_killed_the_survivors_take_over_and_finish_identical(tmp_path, ti
 
 
 @ulfm
+def test_every_replica_loses_a_rank_the_survivors_start_again_identical(tmp_path, tiny_ckpt, unfailed):
+    """2 replicas x 2 stages: replica 1 loses rank 3 (its rows go back to the pool), then replica 0
+    loses rank 1: no replica is whole, and ranks 0 and 2 start again as 2 pipelines of 1 stage."""
+    job, prompts, out = setup(tmp_path, tiny_ckpt)
+    run = Job(["generate", job, "--prompts", prompts, "--out", out, *FLAGS], 4, env={"RLX_MPI_TEST_STEP_DELAY_S": "0.02"})
+    wait_rows(run.proc, out, 20)
+    _kill(tmp_path, 3)
+    deadline = time.monotonic() + 30
+    while run.when("rlx-mpi: warning:") is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    wait_rows(run.proc, out, out.read_bytes().count(b"\n") + 10)
+    second = _kill(tmp_path, 1)
+    code = run.finish()
+    report = f"exit {code}\n--- stderr\n{run.stderr}"
+    warnings = run.said("rlx-mpi: warning:")
+    assert code == 0 and not run.said("rlx-mpi: error:") and len(warnings) == 2, report
+    assert "rank 3 died (replica 1)" in warnings[0], report
+    assert "rank 1 died;" in warnings[1] and "2 ranks go on as 2 pipelines of 1 stage" in warnings[1], report
+    took = run.when("rank 1 died;") - second
+    print(f"second kill -> restarted on the survivors: {took:.2f} s")
+    assert took <= RECOVERY_S, report
+    assert without_ms(whole_rows(out)) == unfailed
+    assert not leftovers(tmp_path)
+
+
+@ulfm
 @pytest.mark.parametrize("rank", [1, 0])
 def test_a_lone_pipeline_loses_a_rank_and_finishes_on_the_others_identical(tmp_path, tiny_ckpt, unfailed, rank):
     """No replica to spare (1 pipeline of 3 stages): the 2 survivors place the layers again, load

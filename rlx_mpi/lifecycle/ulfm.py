@@ -137,14 +137,15 @@ def end_if_alone(comm: Any, err: Requeue) -> None:
 
 
 def requeue(where: str, comm: Any, exc: BaseException) -> Requeue:
-    """The one line for a failure the survivors cannot carry on from (``continue``'s fallback)."""
+    """The one line for a failure the survivors cannot carry on from (``continue``'s fallback for
+    a command that does not resume, ``run``)."""
     try:
         dead = failed_ranks(comm)
     except Exception:  # the communicator itself is gone: say what MPI said
         dead = []
     who = f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))}" if dead else "a rank"
     why = ("rank 0 holds the output and the prompt counter" if 0 in dead else
-           "no replica can take its work (one pipeline, or not a `generate` with replicas)")
+           "no replica can take its work")  # (generate and score start again instead: `cluster.restart`)
     return Requeue(where, f"{who} died ({exc.Get_error_string() if hasattr(exc, 'Get_error_string') else exc}) "
                    f"and the job cannot go on without {'it' if len(dead) <= 1 else 'them'}: {why}",
                    "the rows finished are in the output; rerun the same command to resume (exit code 75: requeue)")
