@@ -231,6 +231,32 @@ def test_a_lone_pipeline_loses_a_rank_and_finishes_on_the_others_identical(tmp_p
 
 
 @ulfm
+def test_a_second_death_after_the_restart_starts_again_once_more(tmp_path, tiny_ckpt, unfailed):
+    """1 pipeline of 3 stages loses rank 1, goes on as 2 stages, then loses rank 2 (named as
+    launched) and goes on alone: rank 0 holds the whole tiny model."""
+    job, prompts, out = setup(tmp_path, tiny_ckpt, replicas=1)
+    run = Job(["generate", job, "--prompts", prompts, "--out", out, *FLAGS], 3, env={"RLX_MPI_TEST_STEP_DELAY_S": "0.02"})
+    wait_rows(run.proc, out, 20)
+    _kill(tmp_path, 1)
+    deadline = time.monotonic() + 30
+    while run.when("rlx-mpi: warning:") is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    wait_rows(run.proc, out, out.read_bytes().count(b"\n") + 10)
+    second = _kill(tmp_path, 2)
+    code = run.finish()
+    report = f"exit {code}\n--- stderr\n{run.stderr}"
+    warnings = run.said("rlx-mpi: warning:")
+    assert code == 0 and not run.said("rlx-mpi: error:") and len(warnings) == 2, report
+    assert "rank 1 died; 2 ranks go on as 1 pipeline of 2 stages" in warnings[0], report
+    assert "rank 2 died; 1 rank goes on as 1 pipeline of 1 stage," in warnings[1], report
+    took = run.when("rank 2 died;") - second
+    print(f"second kill -> restarted again: {took:.2f} s")
+    assert took <= RECOVERY_S, report
+    assert without_ms(whole_rows(out)) == unfailed
+    assert not leftovers(tmp_path)
+
+
+@ulfm
 def test_a_stopped_rank_still_ends_the_job_named(tmp_path, tiny_ckpt):
     """SIGSTOP is not a death: ULFM says nothing, and the deadlines end the job as under "abort"."""
     job, prompts, out = setup(tmp_path, tiny_ckpt, timeout_s=5.0)

@@ -145,7 +145,7 @@ def _said(lost: list[int], cx: Cluster | None, driver: Any, size: int) -> str:
     if cx is None:
         return f"{who}; every one of the {total} {noun} is already in {out}: nothing to start again"
     written = f" ({len(journal.done)} of {total} {noun} written)" if journal is not None and total else ""
-    return f"{who}; {ranks} go on as {_layout(cx)}, resuming from {out}{written}"
+    return f"{who}; {ranks} go{'es' if size == 1 else ''} on as {_layout(cx)}, resuming from {out}{written}"
 
 
 def _give_up(comm: Any, lost: list[int], exc_info: Any, debug: bool) -> None:
