@@ -29,13 +29,15 @@ Note: nothing of the old layout is freed (`_kept`): its communicators and window
 collective over ranks that are dead), and the failed run's frames with their MPI requests. A
 receive left pending there may still be matched by a message a live peer sent before it left,
 and MPI then writes into its buffer: with the buffer collected, that corrupted the heap (glibc
-"malloc(): unsorted double linked list corrupted" in the shrink, 1 run of 2). The price: the old
-stage's weights and cache stay in memory beside the new one (the plan sees less free memory).
+"malloc(): unsorted double linked list corrupted" in the shrink, 1 run of 2). Only the old
+stage's own attributes (its weights and cache) are cleared before the new plan (`_drop_stage`):
+what a request still holds stays alive through its own reference.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import socket
 import sys
@@ -95,6 +97,7 @@ def again(job_path: Any, cx: Cluster, driver: Any, comm: Any, dead: list[int], m
         except Exception as e:  # a full disk: the rows not written are computed again
             log.warning("%s: closing the output before the restart: %s", journal.path, e)
     _kept.append((cx, driver))
+    _drop_stage(cx)
     survivors = ulfm.shrink(comm)
     where = f"rank {survivors.rank} ({socket.gethostname()}) of the {survivors.size} survivors"
     faults.set_watch(ulfm.watch(survivors, None, where))  # a second death meanwhile: requeue
@@ -110,6 +113,16 @@ def again(job_path: Any, cx: Cluster, driver: Any, comm: Any, dead: list[int], m
         sys.stderr.flush()
     log.info("restarted on %d ranks %.2f s after ranks %s were found dead", survivors.size, time.monotonic() - t0, lost)
     return new, driver
+
+
+def _drop_stage(cx: Cluster) -> None:
+    """Free the old stage's weights and cache before the new plan reads the free memory: its
+    attributes are cleared, so what only it held goes (an array a pending request, or a view,
+    still holds stays alive: MPI never writes into freed memory, the module's note)."""
+    stage, cx.stage = cx.stage, None
+    if stage is not None and hasattr(stage, "__dict__"):
+        stage.__dict__.clear()
+    gc.collect()
 
 
 def job_on_survivors(job: Any, size: int) -> Any:
