@@ -260,24 +260,27 @@ def cmd_merge(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from .cluster.restart import run_command
     from .drivers.generate import GenerateDriver
     from .lifecycle.hooks import TestHooks
 
-    return _on_the_cluster(args, GenerateDriver(args, hooks=TestHooks.from_env()))  # (hooks: tests only)
+    # (a new driver for each start: the survivors of a dead rank start again, `cluster.restart`)
+    return run_command(args.job, lambda: GenerateDriver(args, hooks=TestHooks.from_env()),  # (hooks: tests only)
+                       debug=args.debug, log_dir=args.log_dir, nothing_to_do=lambda driver: driver.nothing_to_do())
 
 
 def cmd_score(args) -> int:
-    from .cluster.start import Cluster
+    from .cluster.restart import run_command
     from .drivers.score import ScoreDriver
     from .lifecycle.hooks import TestHooks
 
-    driver = ScoreDriver(args, hooks=TestHooks.from_env())  # (hooks: tests only)
-    cx = Cluster.start(args.job, driver, debug=args.debug, log_dir=args.log_dir)
-    if cx is None:  # every line already scored: the summary of the file still ends the job
+    def nothing_to_do(driver) -> int:  # every line already scored: the summary of the file still ends the job
         if driver.holder.get("journal") is not None:
             print(driver.summary_line())
         return 0
-    return driver.report(cx, cx.run(driver))
+
+    return run_command(args.job, lambda: ScoreDriver(args, hooks=TestHooks.from_env()),  # (hooks: tests only)
+                       debug=args.debug, log_dir=args.log_dir, nothing_to_do=nothing_to_do)
 
 
 def _on_the_cluster(args, driver) -> int:

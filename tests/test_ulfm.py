@@ -124,3 +124,29 @@ def test_a_dead_replicas_unwritten_rows_and_unreported_claims_go_back(capsys):
         capsys.readouterr().err
     c.failed([3])  # known: nothing again
     assert len(counter.ret) == 12
+
+
+def test_which_deaths_end_the_layout():
+    """One death ends a layout whose replicas do not refill; with refilling replicas, rank 0 or
+    a death in every replica does (`ulfm.deadly`: the watch and the restart agree on it)."""
+    from rlx_mpi.lifecycle.ulfm import deadly
+
+    assert not deadly([], None) and deadly([2], None)
+    reps = [[0, 1], [2, 3], [4, 5]]
+    assert not deadly([3], reps) and not deadly([3, 5], reps)
+    assert deadly([0], reps) and deadly([1, 3, 4], reps)
+
+
+def test_the_job_for_the_survivors():
+    """A fixed replicas is cut to the most that divide the survivors; [[rank]] sections refuse."""
+    from rlx_mpi.cluster.restart import job_on_survivors
+
+    job = parse_job({"model": {"checkpoint": "m.h5"}, "placement": {"replicas": 2}}, JOB)
+    assert job_on_survivors(job, 3).placement.replicas == 1
+    assert job_on_survivors(job, 2).placement.replicas == 2
+    auto = parse_job({"model": {"checkpoint": "m.h5"}, "placement": {"replicas": "auto"}}, JOB)
+    assert job_on_survivors(auto, 3) is auto
+    pinned = parse_job({"model": {"checkpoint": "m.h5"}, "rank": [{"rank": 1, "precision": "bf16"}]}, JOB)
+    with pytest.raises(ConfigError) as e:
+        job_on_survivors(pinned, 3)
+    assert "[[rank]]" in e.value.line() and "numbered again" in e.value.line()

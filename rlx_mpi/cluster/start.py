@@ -93,9 +93,12 @@ class Cluster:
 
     @classmethod
     def start(cls, job_path: str | os.PathLike, driver: Any, *, debug: bool = False,
-              log_dir: str | os.PathLike | None = None) -> "Cluster | None":
+              log_dir: str | os.PathLike | None = None, comm: Any = None,
+              adjust: Callable[[JobConfig, int], JobConfig] | None = None) -> "Cluster | None":
         """The start-up of every MPI command (see the module docstring); None when the driver
-        has nothing to do (every prompt already complete). ``driver.plan_only`` stops after the plan."""
+        has nothing to do (every prompt already complete). ``driver.plan_only`` stops after the plan.
+        ``comm``: the survivors of a job that lost ranks, starting it again, and ``adjust`` the job
+        for them (`cluster.restart`)."""
         from mpi4py import MPI
 
         from ..lifecycle.launch import set_finish_timeout
@@ -103,10 +106,11 @@ class Cluster:
         from ..outputs import check_outputs
 
         started = time.perf_counter()
-        setup_logging(MPI.COMM_WORLD, debug, log_dir, driver.command)
-        cx = cls.from_path(job_path, debug=debug)
+        if comm is None:  # (a restart: logging is set up, ULFM checked and the supervisor tolerant)
+            setup_logging(MPI.COMM_WORLD, debug, log_dir, driver.command)
+        cx = cls.from_path(job_path, debug=debug, comm=comm, adjust=adjust)
         set_finish_timeout(cx.job.run.timeout_s, cx.world.size)
-        if cx.job.run.on_rank_failure is OnRankFailure.CONTINUE:  # refused, one line, without ULFM
+        if cx.job.run.on_rank_failure is OnRankFailure.CONTINUE and comm is None:  # refused, one line, without ULFM
             from ..lifecycle import supervisor, ulfm
 
             cx.agree(lambda: ulfm.check(cx.world, f"{cx.job.path}: [run] on_rank_failure"),
@@ -136,25 +140,35 @@ class Cluster:
         driver.ready(cx)
         return cx
 
-    def run(self, driver: Any) -> Any:
+    def run(self, driver: Any, *, restart: bool = False) -> Any:
         """The driver's work (`driver.drive`) under the run's deadlines; the stop signals are
         caught meanwhile when ``driver.stop_signals`` (``cx.stop``). Any exception on any rank is
-        reported once and aborts the job."""
+        reported once and aborts the job. ``restart`` (under ``on_rank_failure = "continue"``): a
+        death the layout cannot carry raises `ulfm.Restart` on every survivor instead, for the
+        caller to start the job again on them (`cluster.restart`)."""
+        from ..lifecycle import faults
+
         self.ctx.extra["deadline_setting"] = "[run] timeout_s"
         if driver.stop_signals:
             from ..lifecycle.signals import StopRequest
 
             self.stop = StopRequest().install()
         finished = False
+        tolerant = self.job.run.on_rank_failure is OnRankFailure.CONTINUE
+        if tolerant:
+            from ..lifecycle import ulfm
+
+            faults.set_watch(ulfm.watch(self.world, self.refilled(driver), self.ctx.describe()))
         try:
             result = driver.drive(self)
             finished = True
             return result
         except Exception as e:
             info = sys.exc_info()
-            if self.job.run.on_rank_failure is OnRankFailure.CONTINUE:  # a failure not survived: requeue
-                from ..lifecycle import ulfm
-
+            if tolerant:  # a failure not survived: start again on the survivors, or requeue
+                faults.set_watch(None)
+                if restart and (dead := ulfm.restartable(self.world, e, self.refilled(driver))):
+                    raise ulfm.Restart(self.world, dead, e) from e
                 if ulfm.is_failure(e):
                     from ..lifecycle import supervisor
 
@@ -164,8 +178,17 @@ class Cluster:
             report_and_abort(self.world, self.ctx, info)
             raise
         finally:
+            faults.set_watch(None)
             if self.stop is not None:
                 self.stop.restore(finished)  # finished: a stop signal from now on is ignored (restore's note)
+
+    def refilled(self, driver: Any) -> list[list[int]] | None:
+        """Each replica's ranks when they outlive a dead rank (`comm.recovery`: a driver that
+        ``refills``, replicas, tp 1), else None: any death then ends the layout (`ulfm.deadly`)."""
+        topo = self.topology
+        if not getattr(driver, "refills", False) or topo is None or topo.n_replicas < 2 or topo.tp != 1:
+            return None
+        return [[x for g in rep for x in g] for rep in topo.replicas]
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -177,8 +200,10 @@ class Cluster:
     # -- start-up (agreed) ---------------------------------------------------------------------
 
     @classmethod
-    def from_path(cls, path: str | os.PathLike, *, comm: Any = None, debug: bool = False) -> "Cluster":
-        """Load and check the job file on every rank; a bad file fails all ranks alike."""
+    def from_path(cls, path: str | os.PathLike, *, comm: Any = None, debug: bool = False,
+                  adjust: Callable[[JobConfig, int], JobConfig] | None = None) -> "Cluster":
+        """Load and check the job file on every rank; a bad file fails all ranks alike. ``adjust``:
+        the job for the ranks of ``comm`` (the survivors of a restart: `restart.job_on_survivors`)."""
         from mpi4py import MPI
 
         world = comm or MPI.COMM_WORLD
@@ -186,6 +211,8 @@ class Cluster:
 
         def load() -> JobConfig:
             job = load_job(path)
+            if adjust is not None:
+                job = adjust(job, world.size)
             job.check_world(world.size)
             return job
 

@@ -252,8 +252,9 @@ class RecoveringCollector:
                 f"{', '.join(map(str, left)) or 'none'} left")
         self.warnings.append(line)
         self.lost_at.append({"ranks": new, "replicas": hit, "rows": len(lost), "noticed": time.time()})
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
+        if left:  # (none left: the job starts again on the survivors, and that line says so: `cluster.restart`)
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
 
     def _owner(self, p: int) -> int | None:
         for i, spans in self.claims.items():

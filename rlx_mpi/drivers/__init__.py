@@ -149,6 +149,7 @@ class JournalDriver(Driver):
     ``self.opts`` has ``prompts`` and ``out``; ``self.flags`` has ``json``."""
 
     stop_signals = True  # finish the step or round, write what is complete, exit 75
+    refills = True  # replicas (tp 1) outlive a dead rank under on_rank_failure = "continue" (`comm.recovery`)
     Options: Any = None  # the command's options record: ``Options.resolve(flags, job)``
 
     def configure(self, cx: Any) -> None:

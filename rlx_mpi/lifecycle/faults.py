@@ -31,7 +31,7 @@ from .supervisor import supervise  # noqa: F401  (moved to supervisor.py; kept i
 from .watcher import drain
 
 __all__ = ["RankContext", "AgreedFailure", "wait", "agree", "bounded", "check_finite", "check_output",
-           "report_and_abort", "supervise", "STARTUP_SETTING"]
+           "report_and_abort", "supervise", "set_watch", "STARTUP_SETTING"]
 
 STARTUP_SETTING = "[run] startup_timeout_s"
 
@@ -84,6 +84,16 @@ class AgreedFailure(Exception):
         self.line, self.exit_code, self.rank = line, exit_code, rank
 
 
+_watch: Callable[[], None] | None = None  # `set_watch`
+
+
+def set_watch(check: Callable[[], None] | None) -> None:
+    """Run ``check`` in every `wait` of this rank until cleared (None): it raises to end the wait
+    (`ulfm.watch`: a rank died under ``on_rank_failure = "continue"``)."""
+    global _watch
+    _watch = check
+
+
 def wait(request: Any, timeout_s: float, ctx: RankContext, waiting_for: Callable[[], str],
          suspect: str | Callable[[], str] = "the rank it waits for", setting: str | None = None) -> None:
     """Finish ``request`` or raise `DeadlineExpired` after ``timeout_s`` seconds.
@@ -98,6 +108,8 @@ def wait(request: Any, timeout_s: float, ctx: RankContext, waiting_for: Callable
     setting = setting or ctx.extra.get("deadline_setting", "[run] timeout_s")
     polls, nap = 0, 1e-5
     while not request.Test():
+        if _watch is not None:  # (on_rank_failure = "continue": a death that ends the layout, `ulfm.watch`)
+            _watch()
         if time.monotonic() > deadline:
             raise DeadlineExpired(ctx.describe(), f"waited {timeout_s:.1f} s for {waiting_for()}",
                                   f"{suspect() if callable(suspect) else suspect} is stuck or dead, see its "

@@ -27,6 +27,8 @@ from typing import Mapping
 
 __all__ = ["TestHooks", "NO_HOOKS"]
 
+_armed = False  # `TestHooks.arm_kill` ran in this process
+
 
 @dataclass(frozen=True)
 class TestHooks:
@@ -50,12 +52,17 @@ class TestHooks:
                    float(env.get("RLX_MPI_TEST_HOLD_S", "0") or 0), kills)
 
     def arm_kill(self, rank: int) -> None:
-        """Start ``kill_after``'s timer for world rank ``rank`` (a daemon thread), if it names it."""
+        """Start ``kill_after``'s timer for world rank ``rank`` (a daemon thread), if it names it;
+        once a process (a job started again on its survivors numbers them anew: `cluster.restart`)."""
         import signal
         import sys
         import threading
         import time
 
+        global _armed
+        if _armed:
+            return
+        _armed = True
         for who, seconds, how in self.kill_after:
             if who == rank:
                 def die(who=who, how=how) -> None:

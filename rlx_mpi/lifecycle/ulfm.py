@@ -17,6 +17,14 @@ survivors of a death only when the process it launched (the rank's supervisor) e
 signal or with status 0; one that exits non-zero makes it wait, and the survivors block. So a
 tolerant supervisor whose rank died exits 0, quietly: the survivors name the rank.
 
+Note: the watch (`watch`, checked by `faults.wait`). ULFM fails only the operations that
+involve the dead rank; a survivor waiting for a live peer learns nothing until its deadline.
+Where a death ends the layout (one pipeline, tp > 1, rank 0, or every replica hit: `deadly`),
+every wait of the run asks MPI every 50 ms which ranks are known dead (``Get_failed``, local:
+Open MPI's runtime tells every process of a death) and raises `Lost`, so every survivor leaves
+its step at once and meets the others in `shrink` (`cluster.restart`). No revoke: a revoke
+that reaches a rank not holding the communicator segfaults Open MPI 5.0.11 (`check`'s note).
+
 State: `survivors` is the communicator the job ends on once ranks were lost (the finish
 barrier, `launch._finish`, must not wait for the dead); None while every rank lives.
 """
@@ -28,7 +36,8 @@ from typing import Any
 
 from ..errors import ConfigError, RlxError
 
-__all__ = ["check", "is_failure", "failed_ranks", "survivors", "set_survivors", "shrink", "Requeue", "end_if_alone", "requeue", "LAUNCH_FLAG"]
+__all__ = ["check", "is_failure", "failed_ranks", "survivors", "set_survivors", "shrink", "Requeue", "end_if_alone",
+           "requeue", "Lost", "Restart", "deadly", "restartable", "watch", "known_dead", "world_numbers", "LAUNCH_FLAG"]
 
 LAUNCH_FLAG = "mpirun --with-ft ulfm"
 
@@ -82,9 +91,11 @@ def check(comm: Any, where: str) -> None:
 
 
 def is_failure(exc: BaseException) -> bool:
-    """Is ``exc`` MPI saying a peer died or a communicator was revoked (ULFM)?"""
+    """Is ``exc`` MPI saying a peer died or a communicator was revoked (ULFM), or the watch (`Lost`)?"""
     from mpi4py import MPI
 
+    if isinstance(exc, Lost):
+        return True
     return isinstance(exc, MPI.Exception) and exc.Get_error_class() in (MPI.ERR_PROC_FAILED, MPI.ERR_REVOKED,
                                                                          MPI.ERR_PROC_FAILED_PENDING)
 
@@ -126,14 +137,102 @@ def end_if_alone(comm: Any, err: Requeue) -> None:
 
 
 def requeue(where: str, comm: Any, exc: BaseException) -> Requeue:
-    """The one line for a failure the survivors cannot carry on from (``continue``'s fallback)."""
+    """The one line for a failure the survivors cannot carry on from (``continue``'s fallback for
+    a command that does not resume, ``run``)."""
     try:
         dead = failed_ranks(comm)
     except Exception:  # the communicator itself is gone: say what MPI said
         dead = []
     who = f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))}" if dead else "a rank"
     why = ("rank 0 holds the output and the prompt counter" if 0 in dead else
-           "no replica can take its work (one pipeline, or not a `generate` with replicas)")
+           "no replica can take its work")  # (generate and score start again instead: `cluster.restart`)
     return Requeue(where, f"{who} died ({exc.Get_error_string() if hasattr(exc, 'Get_error_string') else exc}) "
                    f"and the job cannot go on without {'it' if len(dead) <= 1 else 'them'}: {why}",
                    "the rows finished are in the output; rerun the same command to resume (exit code 75: requeue)")
+
+
+class Lost(RlxError):
+    """The watch's word (module note): a rank died and this layout cannot go on without it."""
+
+    exit_code = 75
+
+
+class Restart(Exception):
+    """The survivors of ``comm`` can start the job again as a resume (`cluster.restart`)."""
+
+    def __init__(self, comm: Any, dead: list[int], cause: BaseException):
+        super().__init__(f"ranks {dead} died")
+        self.comm, self.dead, self.cause = comm, dead, cause
+
+
+def known_dead(comm: Any) -> list[int]:
+    """The ranks of ``comm`` this process knows are dead, without acknowledging them (local)."""
+    from mpi4py import MPI
+
+    group = comm.Get_failed()
+    try:
+        if group.size == 0:
+            return []
+        mine = comm.Get_group()
+        try:
+            return sorted(MPI.Group.Translate_ranks(group, list(range(group.size)), mine))
+        finally:
+            mine.Free()
+    finally:
+        group.Free()
+
+
+def world_numbers(comm: Any, ranks: list[int]) -> list[int]:
+    """``ranks`` of ``comm`` as COMM_WORLD ranks (the numbers the user launched), for the lines."""
+    from mpi4py import MPI
+
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return sorted(MPI.Group.Translate_ranks(group, list(ranks), world))
+    finally:
+        group.Free()
+        world.Free()
+
+
+def deadly(dead: list[int], replicas: list[list[int]] | None) -> bool:
+    """Does the death of ``dead`` end the layout? ``replicas``: each replica's ranks when the
+    replicas outlive a dead rank (`comm.recovery`), else None (one death ends it)."""
+    if not dead:
+        return False
+    if replicas is None or 0 in dead:
+        return True
+    return all(set(r) & set(dead) for r in replicas)
+
+
+def restartable(comm: Any, exc: BaseException, replicas: list[list[int]] | None) -> list[int]:
+    """The dead ranks of ``comm`` (acknowledged) when ``exc`` comes of a death that ends the
+    layout (`deadly`: every survivor then leaves its run, by the watch), else []."""
+    from ..errors import DeadlineExpired
+
+    if not (is_failure(exc) or isinstance(exc, (Requeue, DeadlineExpired))):
+        return []
+    try:
+        dead = failed_ranks(comm)
+    except Exception:  # (the communicator itself is gone: requeue, as before)
+        return []
+    return dead if deadly(dead, replicas) else []
+
+
+def watch(comm: Any, replicas: list[list[int]] | None, where: str, every_s: float = 0.05):
+    """The check `faults.wait` runs every ``every_s`` while it waits (module note): raises `Lost`
+    once a death known here ends the layout (`deadly`)."""
+    import time
+
+    due = [0.0]
+
+    def check() -> None:
+        now = time.monotonic()
+        if now < due[0]:
+            return
+        due[0] = now + every_s
+        dead = known_dead(comm)
+        if deadly(dead, replicas):
+            who = ", ".join(map(str, world_numbers(comm, dead)))
+            raise Lost(where, f"rank{'s' if len(dead) > 1 else ''} {who} died", None)
+
+    return check
