@@ -262,6 +262,13 @@ def ours_decode(folder: Path, job: Path, prompts: Path, new: int, threads: int, 
     return (new_tokens(folder) - 1) / (max(r["decode_ms"] for r in rows) / 1e3)
 
 
+def _batch8(folder: Path, job: Path, prompts: Path, threads: int, mpiexec: str) -> float:
+    """New tokens a second of 8 prompts x 32 new (batch 8), over the whole time: the run first,
+    then its output's tokens (read before it, they were the last run's)."""
+    wall = ours(folder, job, prompts, 32, 8, threads, mpiexec)
+    return new_tokens(folder) / wall
+
+
 def _prefill(folder: Path, job: Path, prompts: Path, n: int, threads: int, mpiexec: str) -> float:
     """Prefill tokens/s of ``n``-token prompts: ``n`` over the median ``ms`` of the 2nd to 4th row
     (the first prefill of a process is cold, as llama-bench's warm-up run is left out)."""
@@ -363,7 +370,7 @@ def q4_trial(folder: Path, job: Path, m: dict, p32: dict, plong: dict, new: int,
     if "batch8" not in skip:
         wait_quiet(args.quiet, args.quiet_wait)
         ours_ts = BASE.take(f"8 prompts x 32 new, whole time, q4, {t} thread(s)",
-                            lambda: new_tokens(folder) / ours(folder, job, p32[8], 32, 8, t, args.mpiexec))
+                            lambda: _batch8(folder, job, p32[8], t, args.mpiexec))
         for name, q in Q4_GGUF.items():
             key = f"8 prompts x 32 new, whole time, q4 vs {q}, {t} thread(s)"
             mine.setdefault(key, []).append(ours_ts)
@@ -383,22 +390,32 @@ class _Baseline:
         self.tree, self.rates, self.here = tree, {}, {}
 
     def take(self, key: str, fn):
-        """``fn()`` here and, with a baseline, again from it (recorded under ``key``); this tree's value."""
+        """``fn()`` here and, with a baseline, from it too (recorded under ``key``), in turns: the
+        baseline first every other time, so neither side always follows llama.cpp's runs; this
+        tree's value."""
+        if not self.tree:
+            return fn()
+        first = len(self.here.get(key, [])) % 2 == 1
+        if first:
+            self.rates.setdefault(key, []).append(self._from_baseline(fn))
         value = fn()
-        if self.tree:
-            self.here.setdefault(key, []).append(value)
-            old, here = os.environ.get("PYTHONPATH"), os.getcwd()
-            os.environ["PYTHONPATH"] = self.tree
-            os.chdir(self.tree)  # (``python -m`` puts the working folder before PYTHONPATH)
-            try:
-                self.rates.setdefault(key, []).append(fn())
-            finally:
-                os.chdir(here)
-                if old is None:
-                    os.environ.pop("PYTHONPATH")
-                else:
-                    os.environ["PYTHONPATH"] = old
+        self.here.setdefault(key, []).append(value)
+        if not first:
+            self.rates.setdefault(key, []).append(self._from_baseline(fn))
         return value
+
+    def _from_baseline(self, fn):
+        old, here = os.environ.get("PYTHONPATH"), os.getcwd()
+        os.environ["PYTHONPATH"] = self.tree
+        os.chdir(self.tree)  # (``python -m`` puts the working folder before PYTHONPATH)
+        try:
+            return fn()
+        finally:
+            os.chdir(here)
+            if old is None:
+                os.environ.pop("PYTHONPATH")
+            else:
+                os.environ["PYTHONPATH"] = old
 
     def compile(self) -> None:
         if self.tree:
@@ -464,8 +481,8 @@ def main() -> None:
                 if "batch8" not in skip:
                     key = f"8 prompts x 32 new, whole time, f32, {t} thread(s)"
                     wait_quiet(args.quiet, args.quiet_wait)
-                    mine.setdefault(key, []).append(BASE.take(key, lambda: new_tokens(folder) / ours(
-                        folder, jobs["f32"], p32[8], 32, 8, t, args.mpiexec)))
+                    mine.setdefault(key, []).append(BASE.take(key, lambda: _batch8(folder, jobs["f32"], p32[8], t,
+                                                                                    args.mpiexec)))
                     theirs.setdefault(key, []).append(llama_batched(bin_dir, m["gguf"]["f32"], t, 32, 32, 8))
                 if "prefill" not in skip:
                     for n in (128, 512):

@@ -195,6 +195,7 @@ def test_probe_calibrate_writes_a_file_plan_reads(tmp_path):
     up = doc["startup"]  # the launch (mpiexec's start to the command), the kernels' load, the weights' load rate
     assert 0.1 < up["launch_s"] < 120 and set(up["warm_s"]) == {"f32"} and up["load_gbps"] > 0.01, up
     assert not list(tmp_path.glob(".rlx-calibrate-*")), "the load's checkpoint is left behind"
+    assert doc["alone"]["startup"]["load_gbps"] > 0.01 and doc["alone"]["startup"]["launch_s"] == up["launch_s"]
     assert load_calibration(cal).startup.kernels_s("f32") == up["warm_s"]["f32"]
     r = run_cli(["plan", "--preset", "medium", "--ranks", "2", "--tp", "2", "--simulate", "--prompts",
                  ROOT / "jobs" / "prompts.jsonl", "--calibration", cal, "--json"])

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["calibrate", "measure_local", "measure_startup", "launch_age"]
+__all__ = ["calibrate", "measure_local", "measure_startup", "measure_load", "launch_age"]
 
 PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")
 PROBE_BYTES = 80e6  # the probe stage's f32 weights at least (2 medium layers: 93 MB), past a last-level cache:
@@ -128,13 +128,9 @@ def launch_age() -> float:
 
 def measure_startup(folder: Path, rank: int, precisions, preset: str = "medium") -> dict:
     """This rank's start-up (the module note): ``launch_s``, ``warm_s`` by precision (in the
-    order given: the first also loads the kernels every precision shares) and ``load_gbps``, the
-    f32 bytes a second a stage's layers are read from HDF5 and made resident."""
-    import dataclasses
-
+    order given: the first also loads the kernels every precision shares) and ``load_gbps``
+    (`measure_load`)."""
     from ..families import require_preset
-    from ..families.decoder.family import random_tensors
-    from ..model.checkpoint import H5ParamSource, write_checkpoint
 
     launch = launch_age()
     family, cfg = require_preset(preset, "probe --calibrate")
@@ -143,19 +139,37 @@ def measure_startup(folder: Path, rank: int, precisions, preset: str = "medium")
         t0 = time.perf_counter()
         family.warm_up(cfg, p, 1, True)
         warm[p] = time.perf_counter() - t0
+    return {"launch_s": launch, "warm_s": warm, "load_gbps": measure_load(folder, rank, preset)}
+
+
+def measure_load(folder: Path, rank: int, preset: str = "medium") -> float:
+    """GB a second of f32 weights read from an HDF5 file (written in ``folder`` first, removed
+    after) through the job's reader and made resident in a stage of the probe's layers."""
+    import dataclasses
+
+    from ..families import require_preset
+    from ..families.decoder.family import random_tensors
+    from ..model.checkpoint import H5ParamSource, write_checkpoint
+
+    family, cfg = require_preset(preset, "probe --calibrate")
     layers = max(2, math.ceil(PROBE_BYTES / (4 * probe_layer_weights(preset))))
     cfg = dataclasses.replace(cfg, num_hidden_layers=layers)
     with tempfile.TemporaryDirectory(prefix=".rlx-calibrate-", dir=folder) as tmp:
         path = Path(tmp) / f"rank{rank}.h5"  # the layers alone (~93 MB a rank: no embedding, no head)
         write_checkpoint(path, family.name, cfg.to_json(),
                          ((n, t) for n, t in random_tensors(cfg, rank) if n.startswith("layers/")))
+        fd = os.open(path, os.O_RDONLY)
+        try:  # on disk before the clock starts: the write-back of the fresh file must not slow the read
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         t0 = time.perf_counter()
         with H5ParamSource(path, family.expected_shapes(cfg)) as src:
             stage = family.build_stage(cfg, src, range(layers), False, False)
             read = src.bytes_read
         took = time.perf_counter() - t0
         del stage
-    return {"launch_s": launch, "warm_s": warm, "load_gbps": read / took / 1e9}
+    return read / took / 1e9
 
 
 ALONE_KEYS = ("layer_decode", "layer_prefill", "attention_prefill", "attention_decode")
@@ -325,7 +339,8 @@ def calibrate(args: Any) -> int:
     barrier()
     precisions = _precisions(args.precisions)
     here = Path(str(args.calibrate)).resolve().parent  # (another node may not see it: its temporary folder)
-    startup = measure_startup(here if os.access(here, os.W_OK) else Path(tempfile.gettempdir()), world.rank, precisions)
+    here = here if os.access(here, os.W_OK) else Path(tempfile.gettempdir())
+    startup = measure_startup(here, world.rank, precisions)
     barrier()
     # (not under `faults.agree`: its deadline's watcher thread takes the GIL between kernel calls,
     # a decode step measured 5-10x slower under it)
@@ -335,7 +350,7 @@ def calibrate(args: Any) -> int:
         barrier()
         if world.rank == 0:
             _pin_threads((mine.cpus or 1) * local.size)
-            alone = measure_local(precisions)
+            alone = measure_local(precisions) | {"load_gbps": measure_load(here, 0)}
             _pin_threads(mine.cpus)
         barrier()
     send, reduce = _links(world, ctx) if world.size > 1 else ([], {})
@@ -362,7 +377,7 @@ def calibrate(args: Any) -> int:
                        "warm_s": {p: max(r["startup"]["warm_s"][p] for r in rows) for p in precisions},
                        "load_gbps": statistics.median(r["startup"]["load_gbps"] for r in rows)}}
     if alone is not None:
-        doc["alone"] = {k: alone[k] for k in ALONE_KEYS}
+        doc["alone"] = {k: alone[k] for k in ALONE_KEYS} | {"startup": doc["startup"] | {"load_gbps": alone["load_gbps"]}}
     from_json(doc, str(args.calibrate))  # (what plan --simulate will read back)
     write_output(out, lambda tmp: tmp.write_text(json.dumps(doc, indent=1)))
     p = next(iter(doc["layer_prefill"]))

@@ -148,7 +148,8 @@ class Calibration:
                 "allreduce": {str(n): [list(x) for x in c] for n, c in self.allreduce.items()},
                 "local_size": self.local_size, "convert": dict(self.convert),
                 **({"startup": self.startup.to_json()} if self.startup else {}),
-                **({"alone": {k: v for k, v in self.alone.to_json().items() if k in _ALONE}} if self.alone else {})}
+                **({"alone": {k: v for k, v in self.alone.to_json().items() if k in _ALONE or k == "startup"}}
+                   if self.alone else {})}
 
 
 def _curve(doc: dict, key: str, where: str, optional: bool = False) -> Curve:
@@ -225,9 +226,9 @@ def from_json(doc: Any, where: str) -> Calibration:
     alone = None
     if doc.get("alone") is not None:
         a = doc["alone"]
-        if not isinstance(a, dict) or set(a) != set(_ALONE):
+        if not isinstance(a, dict) or set(a) - {"startup"} != set(_ALONE):  # (startup: the weights' load alone)
             raise ConfigError(f"{where}: alone", f"got keys {sorted(a) if isinstance(a, dict) else a!r}",
-                              f"expected {sorted(_ALONE)}")
+                              f"expected {sorted(_ALONE)} and perhaps startup")
         alone = from_json({k: v for k, v in doc.items() if k not in ("alone", *_ALONE)} | a | {"local_size": 1},
                           f"{where}: alone")
     return Calibration(host=str(doc.get("host", "")), ranks=ranks, local_size=local_size, alone=alone, convert=convert,
