@@ -126,25 +126,34 @@ def launch_age() -> float:
     return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - first)
 
 
-def measure_startup(folder: Path, rank: int, precisions, preset: str = "medium") -> dict:
+def measure_startup(folder: Path, rank: int, precisions, preset: str = "medium",
+                    sync: Callable[[], None] | None = None) -> dict:
     """This rank's start-up (the module note): ``launch_s``, ``warm_s`` by precision (in the
     order given: the first also loads the kernels every precision shares) and ``load_gbps``
-    (`measure_load`)."""
+    (`measure_load`, in a process whose first build is done, so the alone pass's rate is
+    comparable: a second build measured 4.3 GB/s where a first measured 0.77)."""
     from ..families import require_preset
+
+    import dataclasses
 
     launch = launch_age()
     family, cfg = require_preset(preset, "probe --calibrate")
+    small = dataclasses.replace(require_preset("small", "probe --calibrate")[1], num_hidden_layers=1)
     warm = {}
-    for p in precisions:
-        t0 = time.perf_counter()
+    for p in precisions:  # the family's kernels, then a first (tiny) stage built at p: what a job's
+        t0 = time.perf_counter()  # first build calls once (the converters, the packers) beside the kernels
         family.warm_up(cfg, p, 1, True)
+        family.build_stage(small, _RandomSource(small), range(1), False, False, precision=p)
         warm[p] = time.perf_counter() - t0
-    return {"launch_s": launch, "warm_s": warm, "load_gbps": measure_load(folder, rank, preset)}
+    return {"launch_s": launch, "warm_s": warm, "load_gbps": measure_load(folder, rank, preset, sync)}
 
 
-def measure_load(folder: Path, rank: int, preset: str = "medium") -> float:
+def measure_load(folder: Path, rank: int, preset: str = "medium", sync: Callable[[], None] | None = None) -> float:
     """GB a second of f32 weights read from an HDF5 file (written in ``folder`` first, removed
-    after) through the job's reader and made resident in a stage of the probe's layers."""
+    after) through the job's reader and made resident in a stage of the probe's layers;
+    ``sync``: a barrier before the clock starts, so that every rank reads at once, as a job's do
+    (unsynchronised, a rank read while its neighbour still wrote: 2 replicas' loads of 0.89 GB
+    each took 2.8 s where that rate said 1.7)."""
     import dataclasses
 
     from ..families import require_preset
@@ -163,6 +172,8 @@ def measure_load(folder: Path, rank: int, preset: str = "medium") -> float:
             os.fsync(fd)
         finally:
             os.close(fd)
+        if sync is not None:
+            sync()
         t0 = time.perf_counter()
         with H5ParamSource(path, family.expected_shapes(cfg)) as src:
             stage = family.build_stage(cfg, src, range(layers), False, False)
@@ -340,7 +351,7 @@ def calibrate(args: Any) -> int:
     precisions = _precisions(args.precisions)
     here = Path(str(args.calibrate)).resolve().parent  # (another node may not see it: its temporary folder)
     here = here if os.access(here, os.W_OK) else Path(tempfile.gettempdir())
-    startup = measure_startup(here, world.rank, precisions)
+    startup = measure_startup(here, world.rank, precisions, sync=barrier)
     barrier()
     # (not under `faults.agree`: its deadline's watcher thread takes the GIL between kernel calls,
     # a decode step measured 5-10x slower under it)
