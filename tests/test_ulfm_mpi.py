@@ -188,23 +188,31 @@ def test_rank_0_killed_the_survivors_take_over_and_finish_identical(tmp_path, ti
     assert not leftovers(tmp_path)
 
 
+def _kill_twice(tmp_path, run, out, first: int, then: int) -> tuple[float, str, list]:
+    """Kill rank ``first`` after 20 rows, wait for its warning and 10 more rows, kill ``then``;
+    the job must end with exit 0, no error and two warnings: (the second kill's time, the
+    report, the warnings)."""
+    wait_rows(run.proc, out, 20)
+    _kill(tmp_path, first)
+    deadline = time.monotonic() + 30
+    while run.when("rlx-mpi: warning:") is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    wait_rows(run.proc, out, out.read_bytes().count(b"\n") + 10)
+    second = _kill(tmp_path, then)
+    code = run.finish()
+    report = f"exit {code}\n--- stderr\n{run.stderr}"
+    warnings = run.said("rlx-mpi: warning:")
+    assert code == 0 and not run.said("rlx-mpi: error:") and len(warnings) == 2, report
+    return second, report, warnings
+
+
 @ulfm
 def test_every_replica_loses_a_rank_the_survivors_start_again_identical(tmp_path, tiny_ckpt, unfailed):
     """2 replicas x 2 stages: replica 1 loses rank 3 (its rows go back to the pool), then replica 0
     loses rank 1: no replica is whole, and ranks 0 and 2 start again as 2 pipelines of 1 stage."""
     job, prompts, out = setup(tmp_path, tiny_ckpt)
     run = Job(["generate", job, "--prompts", prompts, "--out", out, *FLAGS], 4, env={"RLX_MPI_TEST_STEP_DELAY_S": "0.02"})
-    wait_rows(run.proc, out, 20)
-    _kill(tmp_path, 3)
-    deadline = time.monotonic() + 30
-    while run.when("rlx-mpi: warning:") is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    wait_rows(run.proc, out, out.read_bytes().count(b"\n") + 10)
-    second = _kill(tmp_path, 1)
-    code = run.finish()
-    report = f"exit {code}\n--- stderr\n{run.stderr}"
-    warnings = run.said("rlx-mpi: warning:")
-    assert code == 0 and not run.said("rlx-mpi: error:") and len(warnings) == 2, report
+    second, report, warnings = _kill_twice(tmp_path, run, out, 3, 1)
     assert "rank 3 died (replica 1)" in warnings[0], report
     assert "ranks 1, 3 died;" in warnings[1] and "2 ranks go on as 2 pipelines of 1 stage" in warnings[1], report
     took = run.when("ranks 1, 3 died;") - second
@@ -236,17 +244,7 @@ def test_a_second_death_after_the_restart_starts_again_once_more(tmp_path, tiny_
     launched) and goes on alone: rank 0 holds the whole tiny model."""
     job, prompts, out = setup(tmp_path, tiny_ckpt, replicas=1)
     run = Job(["generate", job, "--prompts", prompts, "--out", out, *FLAGS], 3, env={"RLX_MPI_TEST_STEP_DELAY_S": "0.02"})
-    wait_rows(run.proc, out, 20)
-    _kill(tmp_path, 1)
-    deadline = time.monotonic() + 30
-    while run.when("rlx-mpi: warning:") is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    wait_rows(run.proc, out, out.read_bytes().count(b"\n") + 10)
-    second = _kill(tmp_path, 2)
-    code = run.finish()
-    report = f"exit {code}\n--- stderr\n{run.stderr}"
-    warnings = run.said("rlx-mpi: warning:")
-    assert code == 0 and not run.said("rlx-mpi: error:") and len(warnings) == 2, report
+    second, report, warnings = _kill_twice(tmp_path, run, out, 1, 2)
     assert "rank 1 died; 2 ranks go on as 1 pipeline of 2 stages" in warnings[0], report
     assert "rank 2 died; 1 rank goes on as 1 pipeline of 1 stage," in warnings[1], report
     took = run.when("rank 2 died;") - second
