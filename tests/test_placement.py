@@ -456,3 +456,32 @@ def test_tp_ranks_of_the_first_stage_each_hold_the_whole_embedding():
     assert one[0].est_bytes == 8 * GB + 4 * GB + 4 * GB  # tp 1: unchanged
     with pytest.raises(FitError):  # 2 + 4 GB needed on each rank of stage 0; the 1/tp view said 4
         plan_placement(cost, make_caps([5 * GB] * 4), P.UNIFORM, grid=[[0, 1], [2, 3]])
+
+
+def test_the_planner_balances_step_cost_of_the_drivers_planned_step():
+    """A stage's time is `step_cost`'s FLOPs of the planned step (issue 42: one price for plan,
+    planner and simulator): a forward of every position for run/score, a decode step for generate.
+    SmolLM2's shape (30 layers, a head of ~8 layers) at seq 4,096: causal attention (each position
+    attends its past, as `step_cost` prices it) leaves the last stage 4 layers where pricing every
+    position's attention at the full seq left it 5."""
+    from rlx_mpi.families.decoder.arch import Arch
+    from rlx_mpi.model.cost import decoding, step_cost
+
+    cfg = Arch(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+               num_hidden_layers=30, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)
+    forward = cfg.cost(1, 4096)
+    assert forward.planned_step() == [(4096, 0)]
+    assert decoding(cfg.cost(8, 4096)).planned_step() == [(1, 2048)] * 8
+    for cost, every in ((forward, True), (decoding(forward), False)):
+        for n, last in ((0, True), (7, False), (7, True)):
+            want = step_cost(cost, n, cost.planned_step(), last=last, every=every).flops
+            assert cost.stage_flops(range(n), last) == pytest.approx(want, rel=1e-12)
+    caps = make_caps([None] * 4)
+    got = counts(plan_placement(forward, caps, P.BALANCED))
+    best = min(compositions(30, 4), key=lambda c: bottleneck(forward, split_ranges(c), [1.0] * 4))
+    assert bottleneck(forward, split_ranges(got), [1.0] * 4) == pytest.approx(
+        bottleneck(forward, split_ranges(best), [1.0] * 4))
+    assert got == [9, 9, 8, 4]
+    full_seq = make_cost(n_layers=30, layer_flops=forward.layer_flops_per_token,
+                         head_flops=forward.head_flops_per_token)  # attention at the full seq for every position
+    assert counts(plan_placement(full_seq, caps, P.BALANCED)) == [9, 8, 8, 5]

@@ -57,7 +57,10 @@ class Assignment:
 #                     (unknown, never limiting) if any rank's ram_available_bytes is None;
 #   speed(stage)    = sum of its ranks' gflops; if any rank of any stage has no (or a
 #                     non-positive) gflops, every stage gets speed 1.0 (FLOPs are balanced);
-#   time(stage)     = cost.stage_flops(layers, last) / speed  (the embedding is a lookup).
+#   time(stage)     = cost.stage_flops(layers, last) / speed  (the embedding is a lookup): the
+#                     FLOPs of the driver's planned step (`ModelCost.planned_step`: a forward of
+#                     every position for run and score, a decode step for generate) as
+#                     `model.cost.step_cost` prices it for ``plan --simulate``.
 # Every layer costs the same, so a stage's bytes and time depend only on its layer *count*
 # and on whether it is first/last; the exact balanced optimum is then found by a greedy
 # (see _balanced_counts) rather than a DP over split points.
@@ -202,9 +205,10 @@ def _balanced_counts(cost: ModelCost, max_layers: list[int],
     Caller guarantees max_layers[s] >= 1 and sum(max_layers) >= L."""
     S, L = len(max_layers), cost.n_layers
     last = S - 1
+    layer, head = cost.stage_flops(range(1), False), cost.stage_flops(range(0), True)  # (linear in the count)
 
     def t(s: int, n: int) -> float:
-        return cost.stage_flops(range(n), s == last) / speeds[s]
+        return (n * layer + (head if s == last else 0.0)) / speeds[s]
 
     counts = [1] * S
     heap = [(t(s, 2), s) for s in range(S) if max_layers[s] >= 2]

@@ -223,8 +223,9 @@ class GenerateDriver(JournalDriver):
 
     def cost(self, cx: Any) -> Any:
         """The family's cost with the KV term cut to what the ranks' policies keep, as a function of
-        the stage count (one group of slots per stage by default: `placement.plan_grid`)."""
-        from ..model.cost import kv_cost, with_adapters
+        the stage count (one group of slots per stage by default: `placement.plan_grid`), the
+        layers balanced on a decode step of the slots (`ModelCost.planned_step`)."""
+        from ..model.cost import decoding, kv_cost, with_adapters
 
         specs = [cx.job.kv_for(r) for r in range(cx.world.size)]
         cx.prepare()
@@ -236,8 +237,8 @@ class GenerateDriver(JournalDriver):
             from ..families.hf.peft import stacked_layer_bytes
 
             adapters = stacked_layer_bytes(list(cx.job.adapters), cfg)
-        return lambda stages: with_adapters(kv_cost(family.cost(cfg, (rows or (opts.groups or stages) * opts.batch)
-                                                                + extra, cx.seq), specs, cx.seq), adapters)
+        return lambda stages: decoding(with_adapters(kv_cost(family.cost(cfg, (rows or (opts.groups or stages) * opts.batch)
+                                                                         + extra, cx.seq), specs, cx.seq), adapters))
 
     def _paged(self, cx: Any) -> bool:
         """Do the stages' full-attention layers read through block tables (`kv_cache`'s block-table

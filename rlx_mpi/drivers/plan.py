@@ -118,6 +118,10 @@ def plan(args) -> int:
         from ..model.cost import with_held_scales
 
         cost = with_held_scales(cost, lambda p: family.held_bytes(cfg, job.model.checkpoint, p), precision)
+    if args.simulate == "generate":  # the layers balanced as generate balances them (a decode step)
+        from ..model.cost import decoding
+
+        cost = decoding(cost)
     per_host = max(1, args.ranks_per_host or tp)
     mem = None if args.mem_gb is None else int(args.mem_gb * 1e9)
     caps = [NodeCaps(rank=r, host=f"host{r // per_host}", local_rank=r % per_host, local_size=per_host, cpus=None,

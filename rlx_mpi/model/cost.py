@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 from .. import rules
 from ..config import Precision
 
-__all__ = ["ModelCost", "kv_cost", "with_adapters", "with_held_scales", "StepCost", "step_cost", "Machine"]
+__all__ = ["ModelCost", "decoding", "kv_cost", "with_adapters", "with_held_scales", "StepCost", "step_cost", "Machine"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,9 @@ class ModelCost:
     hidden_size: int = 0  # the hidden state's width (what a stage sends a token; 0: not told)
     adapter_bytes_per_layer: int = 0  # the job's LoRA adapters on the layer that holds most (float32 at any
     # precision, so never scaled by one; `with_adapters`)
+    seq: int = 0  # positions of a row in the forward planned (tokens = rows x seq; 0: not told, one row)
+    decode: bool = False  # the planner balances a decode step of the rows (generate's steady state), not a
+    # forward of their every position through the head (run, score): `planned_step`
 
     def under_tp(self, tp: int) -> "ModelCost":
         """The whole stage's bytes when its ``tp`` ranks split the layers: every rank holds the
@@ -74,10 +77,19 @@ class ModelCost:
         return ((self.layer_bytes if weight_scale == 1.0 else int(self.layer_bytes * weight_scale))
                 + self.kv_bytes_per_layer + self.adapter_bytes_per_layer)
 
+    def planned_step(self) -> list[tuple[int, int]]:
+        """The step the planner balances, as `step_cost`'s rows ``(positions, start)``: the
+        ``tokens / seq`` rows each forwarded over ``seq`` positions (run, score), or, with
+        ``decode``, each decoding one token at the middle of its ``seq`` (generate)."""
+        seq = self.seq or max(1, self.tokens)
+        rows = max(1, self.tokens // seq)
+        return [(1, seq // 2)] * rows if self.decode else [(seq, 0)] * rows
+
     def stage_flops(self, layers: range, last: bool) -> float:
-        """FLOPs of one forward through a stage (all TP shards together)."""
-        return self.tokens * (len(layers) * self.layer_flops_per_token
-                              + (self.head_flops_per_token if last else 0.0))
+        """FLOPs of the planned step (`planned_step`) through a stage (all TP shards together),
+        priced by `step_cost` as ``plan --simulate`` prices a job's steps: a forward turns every
+        position into logits, a decode step one a row."""
+        return step_cost(self, len(layers), self.planned_step(), last=last, every=not self.decode).flops
 
 
 def with_held_scales(cost: ModelCost, held_bytes: Callable[[str], int], precisions: Sequence[str]) -> ModelCost:
@@ -102,6 +114,12 @@ def kv_cost(cost: ModelCost, specs: list, max_seq: int) -> ModelCost:
     """
     kept = max(s.cache_len(max_seq) for s in specs)
     return dataclasses.replace(cost, kv_bytes_per_layer=cost.kv_bytes_per_layer * kept // max_seq)
+
+
+def decoding(cost: ModelCost) -> ModelCost:
+    """``cost`` planned on a decode step of its rows (``generate``: one logit a row), not a forward
+    of their every position (`ModelCost.planned_step`)."""
+    return dataclasses.replace(cost, decode=True)
 
 
 def with_adapters(cost: ModelCost, per_layer: int) -> ModelCost:

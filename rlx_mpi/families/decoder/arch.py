@@ -409,6 +409,7 @@ class Arch:
             attn_flops_per_pos=attn_flops / max(1, seq),
             dense_flops_per_token=2.0 * self.layer_params(active=True),
             hidden_size=h,
+            seq=seq,
         )
 
 
