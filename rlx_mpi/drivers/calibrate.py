@@ -40,6 +40,7 @@ __all__ = ["calibrate", "measure_local", "measure_startup", "measure_load", "lau
 PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")
 PROBE_BYTES = 80e6  # the probe stage's f32 weights at least (2 medium layers: 93 MB), past a last-level cache:
 # 2 layers of the small preset (23 MB) decoded 1.6x faster a layer than its 8 (the cache held them)
+LOAD_BYTES = 400e6  # the load's file a rank (f32 layers), near a stage's size: see measure_load's note
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_POSITIONS = (8, 16, 32, 64, 128, 256)  # (past 256 the products' rate is flat: 128-512 within 10 %)
 CHUNK, CONTEXT = 32, 32
@@ -127,11 +128,11 @@ def launch_age() -> float:
 
 
 def measure_startup(folder: Path, rank: int, precisions, preset: str = "medium",
-                    sync: Callable[[], None] | None = None) -> dict:
+                    sync: Callable[[], None] | None = None, hold: list | None = None) -> dict:
     """This rank's start-up (the module note): ``launch_s``, ``warm_s`` by precision (in the
     order given: the first also loads the kernels every precision shares) and ``load_gbps``
-    (`measure_load`, in a process whose first build is done, so the alone pass's rate is
-    comparable: a second build measured 4.3 GB/s where a first measured 0.77)."""
+    (`measure_load`, after the kernels' first build, as a job's load comes after its warm-up;
+    ``hold`` keeps its stage, so that a later pass builds in fresh memory too)."""
     from ..families import require_preset
 
     import dataclasses
@@ -145,15 +146,26 @@ def measure_startup(folder: Path, rank: int, precisions, preset: str = "medium",
         family.warm_up(cfg, p, 1, True)
         family.build_stage(small, _RandomSource(small), range(1), False, False, precision=p)
         warm[p] = time.perf_counter() - t0
-    return {"launch_s": launch, "warm_s": warm, "load_gbps": measure_load(folder, rank, preset, sync)}
+    return {"launch_s": launch, "warm_s": warm, "load_gbps": measure_load(folder, rank, preset, sync, hold)}
 
 
-def measure_load(folder: Path, rank: int, preset: str = "medium", sync: Callable[[], None] | None = None) -> float:
+def measure_load(folder: Path, rank: int, preset: str = "medium", sync: Callable[[], None] | None = None,
+                 hold: list | None = None) -> float:
     """GB a second of f32 weights read from an HDF5 file (written in ``folder`` first, removed
-    after) through the job's reader and made resident in a stage of the probe's layers;
+    after) through the job's reader and made resident in a stage of ``LOAD_BYTES`` of layers;
     ``sync``: a barrier before the clock starts, so that every rank reads at once, as a job's do
     (unsynchronised, a rank read while its neighbour still wrote: 2 replicas' loads of 0.89 GB
-    each took 2.8 s where that rate said 1.7)."""
+    each took 2.8 s where that rate said 1.7); ``hold``: the stage is appended there, not freed.
+
+    Note: the size and the memory. A job builds its stage once, into memory the process never
+    had: every page is faulted in as the reader and the fusing of q/k/v and gate/up fill it. On
+    the 2-core AMD VM, a first build of medium layers from a file in the page cache read 2.3 GB/s
+    at 93 MB (the earlier probe's size), 0.60 at 300 MB, 0.44 at 900 MB and 0.43 at 1.8 GB, and
+    the medium job's own 0.89 GB stage 0.50 (0.95 s in h5py's reads, 0.73 s fusing); a second
+    build of 300 MB in the same process, into the first's freed memory, 3.6. So the probe loads
+    400 MB, and a pass after another (the alone pass) holds the first's stage (``hold``) rather
+    than build into its memory: the earlier 93 MB probe, freed between passes, priced the medium
+    job's load at 4.2 GB/s alone, 0.2 s where it took 1.5."""
     import dataclasses
 
     from ..families import require_preset
@@ -161,10 +173,10 @@ def measure_load(folder: Path, rank: int, preset: str = "medium", sync: Callable
     from ..model.checkpoint import H5ParamSource, write_checkpoint
 
     family, cfg = require_preset(preset, "probe --calibrate")
-    layers = max(2, math.ceil(PROBE_BYTES / (4 * probe_layer_weights(preset))))
+    layers = max(2, math.ceil(LOAD_BYTES / (4 * probe_layer_weights(preset))))
     cfg = dataclasses.replace(cfg, num_hidden_layers=layers)
     with tempfile.TemporaryDirectory(prefix=".rlx-calibrate-", dir=folder) as tmp:
-        path = Path(tmp) / f"rank{rank}.h5"  # the layers alone (~93 MB a rank: no embedding, no head)
+        path = Path(tmp) / f"rank{rank}.h5"  # the layers alone (~400 MB a rank: no embedding, no head)
         write_checkpoint(path, family.name, cfg.to_json(),
                          ((n, t) for n, t in random_tensors(cfg, rank) if n.startswith("layers/")))
         fd = os.open(path, os.O_RDONLY)
@@ -179,6 +191,8 @@ def measure_load(folder: Path, rank: int, preset: str = "medium", sync: Callable
             stage = family.build_stage(cfg, src, range(layers), False, False)
             read = src.bytes_read
         took = time.perf_counter() - t0
+        if hold is not None:
+            hold.append(stage)
         del stage
     return read / took / 1e9
 
@@ -351,8 +365,15 @@ def calibrate(args: Any) -> int:
     precisions = _precisions(args.precisions)
     here = Path(str(args.calibrate)).resolve().parent  # (another node may not see it: its temporary folder)
     here = here if os.access(here, os.W_OK) else Path(tempfile.gettempdir())
-    startup = measure_startup(here, world.rank, precisions, sync=barrier)
+    held: list = []  # the loads' stages, until both passes are done (measure_load's note)
+    startup = measure_startup(here, world.rank, precisions, sync=barrier, hold=held)
     barrier()
+    alone_load = None  # a host's first rank's load alone (the others wait), into fresh memory as a job's
+    if local.size > 1:
+        if world.rank == 0:
+            alone_load = measure_load(here, 0, hold=held)
+        barrier()
+    held.clear()
     # (not under `faults.agree`: its deadline's watcher thread takes the GIL between kernel calls,
     # a decode step measured 5-10x slower under it)
     rates = measure_local(precisions) | {"startup": startup}
@@ -361,7 +382,7 @@ def calibrate(args: Any) -> int:
         barrier()
         if world.rank == 0:
             _pin_threads((mine.cpus or 1) * local.size)
-            alone = measure_local(precisions) | {"load_gbps": measure_load(here, 0)}
+            alone = measure_local(precisions) | {"load_gbps": alone_load}
             _pin_threads(mine.cpus)
         barrier()
     send, reduce = _links(world, ctx) if world.size > 1 else ([], {})
