@@ -231,9 +231,12 @@ def test_stop_signal_with_replicas_then_resume_on_another_count(tmp_path, tiny_c
     from conftest import start_cli
     from rlx_mpi.io.journal import REQUEUE_EXIT
 
-    # the signal is sent at the first row; rank 0 holds from then until it comes (a step delay was not
-    # enough: CI once had all 120 prompts done, "3600 tokens in 0s" on rank 0, before the first row
-    # was in the file), and the chunk it has claimed keeps the job from ending without it
+    # the signal is sent at the first row; rank 0 holds from then until it comes, and the chunk it has
+    # claimed keeps the job from ending without it. The others claim from the shared counter without
+    # rank 0: under CI's load they once did all 120 prompts before rank 0 was in its loop ("3600 tokens
+    # in 0s" on rank 0: its progress line, made just before the loop, saw every row come at once, with
+    # the hold alone and, before it, with a 5 ms step delay alone). A 20 ms step delay as well: two
+    # replicas then need ~20 s for every prompt, so rank 0 claims its chunk first.
     long = [(f"q{i}", np.random.default_rng(100 + i).integers(0, 512, int(2 + i % 13)).tolist()) for i in range(120)]
     prompts = write_lines(tmp_path / "long.jsonl", long)
     flags = ("--max-new-tokens", 30, "--batch", 2)
@@ -241,7 +244,7 @@ def test_stop_signal_with_replicas_then_resume_on_another_count(tmp_path, tiny_c
     job3 = write_job(tmp_path, "three.toml", model={"checkpoint": str(tiny_ckpt)}, run={"timeout_s": 30.0},
                      placement={"reserve_ram_gb": 0.0, "replicas": 3})
     proc = start_cli(["generate", job3, "--prompts", prompts, "--out", out, *flags], ranks=3,
-                     env={"RLX_MPI_TEST_HOLD_S": "20"})
+                     env={"RLX_MPI_TEST_HOLD_S": "20", "RLX_MPI_TEST_STEP_DELAY_S": "0.02"})
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and not (out.exists() and out.read_bytes().count(b"\n") >= 1):
         assert proc.poll() is None, proc.communicate()[1]
