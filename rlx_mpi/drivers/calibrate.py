@@ -3,7 +3,7 @@
 Every launched rank measures at once (so that the rates hold what the ranks of a host share:
 cores, memory bandwidth), on its share of the host's cores as a job pins it: the real layers
 (a middle stage of medium-preset layers, at least 80 MB, built by the decoder family at each precision, from
-random weights made in memory: its decode steps of 1..64 rows and its prefills of 8..256
+random weights made in memory: its decode steps of 1..64 rows and its prefills of 8..1024
 positions, so the product kernels, the fused decode layer, norms, RoPE and the calls are all in
 the rate, as seconds per layer weight), the attention kernels by context length (a prefill
 chunk's `kernels.attend` and a decode row's `kernels.attend_cache`), the ring's bookkeeping a row (`engine.ring.run_ring` on a pipe that returns at once), a streaming
@@ -41,10 +41,11 @@ PRECISIONS = ("f32", "bf16", "f16", "int8", "q4")
 PROBE_BYTES = 80e6  # the probe stage's f32 weights at least (2 medium layers: 93 MB), past a last-level cache:
 # 2 layers of the small preset (23 MB) decoded 1.6x faster a layer than its 8 (the cache held them)
 LOAD_BYTES = 400e6  # the load's file a rank (f32 layers), near a stage's size: see measure_load's note
+REST_S = 3.0  # idle before the load's clock starts, as a job starts on a node at rest (measure_load's note)
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
-PREFILL_POSITIONS = (8, 16, 32, 64, 128, 256)  # (past 256 the products' rate is flat: 128-512 within 10 %)
+PREFILL_POSITIONS = (8, 16, 32, 64, 128, 256, 512, 1024)  # (a long prompt's forward: measure_local's note)
 CHUNK, CONTEXT = 32, 32
-ROUNDS = 3  # interleaved rounds of every row count (the median is kept)
+ROUNDS = 5  # interleaved rounds of every row count (the median is kept: measure_local's note)
 ATT_HEADS, ATT_KV, ATT_DIM = 16, 8, 64
 PREFILL_CONTEXTS = (32, 128, 512, 1024)
 DECODE_CONTEXTS = (32, 128, 512, 1024, 2048)
@@ -165,7 +166,17 @@ def measure_load(folder: Path, rank: int, preset: str = "medium", sync: Callable
     build of 300 MB in the same process, into the first's freed memory, 3.6. So the probe loads
     400 MB, and a pass after another (the alone pass) holds the first's stage (``hold``) rather
     than build into its memory: the earlier 93 MB probe, freed between passes, priced the medium
-    job's load at 4.2 GB/s alone, 0.2 s where it took 1.5."""
+    job's load at 4.2 GB/s alone, 0.2 s where it took 1.5.
+
+    The rest. On that VM (Firecracker) a page freed goes back to the host within ~1 s (virtio-
+    balloon free page reporting), and faulting it in again costs ~2.7 s a GB: 400 MB of fresh
+    memory took 1.1-1.3 s after 1-30 s idle, 0.03-0.1 s right after another process freed it.
+    A job starts on a node at rest, so its build faults in memory the host took back (the medium
+    job's 0.89 GB stage: 2.8 s, 0.32 GB/s). Making the probe's tensors frees 400 MB just before
+    the clock: without ``REST_S`` idle first, the alone pass (one rank's short fsync) built into
+    that memory at 0.71 GB/s and priced the job's start-up 2 s short; the shared pass, after a
+    barrier behind both ranks' fsyncs, read 0.33. Where freed memory stays (bare metal), the rest
+    changes nothing."""
     import dataclasses
 
     from ..families import require_preset
@@ -184,6 +195,7 @@ def measure_load(folder: Path, rank: int, preset: str = "medium", sync: Callable
             os.fsync(fd)
         finally:
             os.close(fd)
+        time.sleep(REST_S)  # (the note: the making of the tensors' freed memory, given back to the host)
         if sync is not None:
             sync()
         t0 = time.perf_counter()
@@ -202,7 +214,21 @@ ALONE_KEYS = ("layer_decode", "layer_prefill", "attention_prefill", "attention_d
 
 def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "medium", rounds: int = ROUNDS) -> dict:
     """This rank's rates (the module note), as `Calibration`'s JSON keys; ``preset``: the probe
-    layers' shape (tests take the small preset's, to price a small model)."""
+    layers' shape (tests take the small preset's, to price a small model).
+
+    Note: the positions and the rounds, measured on the 2-core AMD VM (a fresh one, 2026-12-07).
+    A long prompt forwards 1,024 positions at once, and the curve was held flat past 256: one
+    probe read the products' time a position rising past 256 (f32 8.4, 8.9, 10.7 and q4 5.3, 5.7,
+    5.8 ps a weight at 256, 512 and 1,024 positions), a calibration read them flat within 1 %, and
+    score-1-long-q4 ran 0.67x its prediction in two runs, 0.92x with 512 and 1,024 measured. The
+    host's memory bandwidth moves in regimes of 10-20 s (6 s windows of one streaming read: 13.7
+    to 18.6 GB/s), and the first second after a stage's build ran 35 % slower (f32 decode, 4 rows;
+    most likely the host taking back the build's freed memory): 3 rounds (~0.3 s a precision)
+    left one rank alone's f32 decode of 1 row at 3.5 ps a weight against 1.3 for 2 rows. So 5
+    rounds (~1-3 s a precision), median kept. Tried and dropped: every probe in turn in each round
+    over 10 s, all precisions at once (the median over regimes): no better (in-job median error
+    12.2 % against 11.8 % over 12 jobs) and its rates 10-25 % faster than the jobs', which run
+    right after their build."""
     import dataclasses
 
     from ..families import require_preset

@@ -8,7 +8,7 @@ numpy, no kernels (the simulator imports this; tests/test_imports.py checks it).
 Note: the price. A step on one rank of a stage of ``tp`` ranks costs
   layers     layer weights / tp x the measured seconds a layer weight at that many rows: a real
              stage of the decoder at the rank's precision, its decode steps (1..64 rows: the
-             fused decode layer) or its prefills (8..256 positions: the product kernels), with
+             fused decode layer) or its prefills (8..1,024 positions: the product kernels), with
              norms, RoPE and calls inside the rate; below the first point its time, past
              the last its rate (the time grows with the rows)
   head       the head's weights / tp at its rows (one a row; every position for score), at the
