@@ -13,11 +13,9 @@ Prints one row a case: predicted and measured in-job seconds, their ratio, and t
 
 The runs are taken round-robin (trial 1 of every case, then trial 2, ...), so that a case's
 median is of runs minutes apart, and each after ``--rest`` seconds idle, as a queued job starts
-on a node at rest. Why: on the 2-core Firecracker VM a freed page goes back to the host within
-~1 s (virtio-balloon free page reporting), and faulting it in again costs ~2.7 s a GB: 400 MB
-of fresh memory took 1.1-1.3 s after 1-30 s idle and 0.03-0.1 s right after another process
-freed it, so the same score job's build took 0.5-1.0 s back to back and 1.5-1.7 s after a
-pause. The calibration's load is measured as such a job's (into memory the host took back).
+on a node at rest: on the 2-core Firecracker VM, memory freed within the last second faults in
+~10x faster than after a pause (`rlx_mpi.drivers.calibrate.measure_load`'s note), and the same
+score job's build took 0.5-1.0 s back to back and 1.5-1.7 s after a pause.
 """
 
 from __future__ import annotations
