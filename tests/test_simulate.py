@@ -116,6 +116,10 @@ def test_start_up_prices_reading_the_file_and_converting_it():
     alone = _cal_doc(convert={"q4": 1e-7})
     alone["alone"] = {k: alone[k] for k in ("layer_decode", "layer_prefill", "attention_prefill", "attention_decode")}
     assert from_json(alone, "c.json").sharing(1).convert == {"q4": 1e-7}  # (a host's only rank converts too)
+    alone["alone"]["convert"] = {"q4": 5e-8}  # (measured alone: its own conversion, on all the host's cores)
+    assert from_json(alone, "c.json").sharing(1).convert == {"q4": 5e-8}
+    assert from_json(alone, "c.json").sharing(2).convert == {"q4": 1e-7}
+    assert from_json(from_json(alone, "c.json").to_json(), "c.json").sharing(1).convert == {"q4": 5e-8}
     held = _startup_s(cost, lay, cal, None)  # a q4 file: read as held, nothing to convert
     f32_file = _startup_s(cost, lay, cal, "f32")  # an f32 file: 6.4x the bytes read, every weight quantized
     assert f32_file - held > (cost.n_layers * cost.layer_bytes / 4) * 1e-7
@@ -196,11 +200,14 @@ def test_probe_calibrate_writes_a_file_plan_reads(tmp_path):
     assert 0.1 < up["launch_s"] < 120 and set(up["warm_s"]) == {"f32"} and up["load_gbps"] > 0.01, up
     assert not list(tmp_path.glob(".rlx-calibrate-*")), "the load's checkpoint is left behind"
     assert doc["alone"]["startup"]["load_gbps"] > 0.01 and doc["alone"]["startup"]["launch_s"] == up["launch_s"]
+    assert doc["alone"]["convert"]["f32"] >= 0 and set(doc["alone"]["convert"]) == {"f32"}
     assert load_calibration(cal).startup.kernels_s("f32") == up["warm_s"]["f32"]
     r = run_cli(["plan", "--preset", "medium", "--ranks", "2", "--tp", "2", "--simulate", "--prompts",
                  ROOT / "jobs" / "prompts.jsonl", "--calibration", cal, "--json"])
     assert r.returncode == 0 and json.loads(r.stdout)["priced_by"] == f"calibration {cal}", r.stderr
     assert json.loads(r.stdout)["startup_priced_by"] == "calibration"
+    j = json.loads(r.stdout)  # the job: start-up, the run, the finish (outputs, MPI_Finalize, the exits)
+    assert j["finish_s"] > 0 and j["job_s"] == pytest.approx(j["startup_s"] + j["predicted_wall_s"] + j["finish_s"], abs=2e-3)
     r = run_cli(["plan", "--preset", "medium", "--ranks", "1", "--precision", "q4", "--simulate", "--prompts",
                  ROOT / "jobs" / "prompts.jsonl", "--calibration", cal])
     assert r.returncode == 2 and "no rates for precision 'q4'" in r.stderr and "--precisions" in r.stderr

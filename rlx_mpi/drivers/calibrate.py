@@ -209,12 +209,15 @@ def measure_load(folder: Path, rank: int, preset: str = "medium", sync: Callable
     return read / took / 1e9
 
 
-ALONE_KEYS = ("layer_decode", "layer_prefill", "attention_prefill", "attention_decode")
+ALONE_KEYS = ("layer_decode", "layer_prefill", "attention_prefill", "attention_decode", "convert")
 
 
-def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "medium", rounds: int = ROUNDS) -> dict:
+def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "medium", rounds: int = ROUNDS,
+                  sync: Callable[[], None] | None = None) -> dict:
     """This rank's rates (the module note), as `Calibration`'s JSON keys; ``preset``: the probe
-    layers' shape (tests take the small preset's, to price a small model).
+    layers' shape (tests take the small preset's, to price a small model); ``sync``: a barrier of
+    the ranks measuring at once, before each build and each timed call, so that every rank runs
+    the same call at the same moment, as a job's ranks do (the note's lock-step).
 
     Note: the positions and the rounds, measured on the 2-core AMD VM (a fresh one, 2026-12-07).
     A long prompt forwards 1,024 positions at once, and the curve was held flat past 256: one
@@ -224,11 +227,18 @@ def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "med
     host's memory bandwidth moves in regimes of 10-20 s (6 s windows of one streaming read: 13.7
     to 18.6 GB/s), and the first second after a stage's build ran 35 % slower (f32 decode, 4 rows;
     most likely the host taking back the build's freed memory): 3 rounds (~0.3 s a precision)
-    left one rank alone's f32 decode of 1 row at 3.5 ps a weight against 1.3 for 2 rows. So 5
+    left one rank alone's f32 decode of 1 row at 0.35 ns a weight against 0.13 for 2 rows. So 5
     rounds (~1-3 s a precision), median kept. Tried and dropped: every probe in turn in each round
     over 10 s, all precisions at once (the median over regimes): no better (in-job median error
     12.2 % against 11.8 % over 12 jobs) and its rates 10-25 % faster than the jobs', which run
-    right after their build."""
+    right after their build.
+
+    The lock-step. A job's ranks run the same step at the same moment (a pipeline's stages each
+    decode a microbatch, TP's ranks their halves, replicas their rows), but unsynchronised probes
+    drift apart: one rank's decodes met the other's prefills, which contend less for memory. Two
+    processes decoding 4 rows at f32 together for 8 s read 0.228-0.261 ns a weight (as the 2-stage
+    job's steps did, 0.24), the drifting shared pass 0.193-0.245; with ``sync`` before every
+    call, 0.260. The alone pass has no neighbour to wait for."""
     import dataclasses
 
     from ..families import require_preset
@@ -246,11 +256,15 @@ def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "med
     for p in precisions:
         # a middle stage (hidden in, hidden out) of medium layers, as a job builds it
         source = _RandomSource(cfg)
+        if sync is not None:
+            sync()
         t0 = time.perf_counter()
         for name in source.shapes:  # (the tensors' making alone, taken off the build below)
             if name.startswith("layers/"):
                 source.read(name)
         made = time.perf_counter() - t0
+        if sync is not None:
+            sync()
         t0 = time.perf_counter()
         stage = family.build_stage(cfg, source, range(layers), False, False, precision=p)
         convert[p] = max(0.0, time.perf_counter() - t0 - made) / weights  # f32 weights made resident at p
@@ -271,6 +285,8 @@ def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "med
             call()
         for _ in range(1 if quick else rounds):
             for kind, rows, call in calls:
+                if sync is not None:
+                    sync()
                 t0 = time.perf_counter()
                 call()
                 times.setdefault((kind, rows), []).append(time.perf_counter() - t0)
@@ -402,7 +418,7 @@ def calibrate(args: Any) -> int:
     held.clear()
     # (not under `faults.agree`: its deadline's watcher thread takes the GIL between kernel calls,
     # a decode step measured 5-10x slower under it)
-    rates = measure_local(precisions) | {"startup": startup}
+    rates = measure_local(precisions, sync=barrier if world.size > 1 else None) | {"startup": startup}
     alone = None  # a host's first rank alone on the host's cores (the others wait): a job of fewer ranks a host
     if local.size > 1:
         barrier()

@@ -9,6 +9,7 @@ every replicas x stages x tp the ranks allow), and prints the prediction, or one
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -20,6 +21,7 @@ __all__ = ["simulate_plan", "parse_time_limit", "time_limit_line", "layouts"]
 
 ROOFLINE = "the roofline (no calibration: a bound, not a measurement; run rlx-mpi probe --calibrate)"
 STARTUP_FIXED_S = 2.5  # MPI start, imports, the numba cache's load, the agreed steps (warm caches: 2.3-2.6 s here)
+FINISH_S = 0.5  # the last row to the launcher's exit (simulate_plan's note)
 STARTUP_READ_GBPS = 0.25  # a rank's weights read from HDF5 and made resident (medium f32, 0.49 GB: 2.2 s here)
 
 
@@ -113,7 +115,14 @@ def _startup_s(cost: Any, layout: Any, cal: Any, stored: str | None) -> float:
 
 
 def simulate_plan(args: Any, job: Any, family: Any, cfg: Any, grid: Any, tp: int, plan_for) -> int:
-    """Predict the job (the module note); ``plan_for(replicas, tp)`` places another layout."""
+    """Predict the job (the module note); ``plan_for(replicas, tp)`` places another layout.
+
+    Note: the finish. After its last row a job writes its outputs and its table, meets at the
+    finish barrier, runs MPI_Finalize, and the interpreter and the launcher exit: the bench's
+    jobs on the 2-core AMD VM took 0.44-0.56 s from the summary line to the launcher's exit on
+    1 rank, 0.57-0.67 s on 2 (a bare mpi4py process: 0.21-0.25 s; strace: the stage's weights
+    unmapped in 0.02 s, then ~0.35 s of the interpreter's teardown before the barrier), so
+    `FINISH_S`, a constant: it left every whole-job prediction ~0.5 s short."""
     from ..engine.simulate import simulate_generate, simulate_score
     from ..errors import RlxError
     from ..model.calibration import load_calibration
@@ -135,9 +144,8 @@ def simulate_plan(args: Any, job: Any, family: Any, cfg: Any, grid: Any, tp: int
         # hosts filled as when it was measured, unless --ranks-per-host says otherwise)
         per_host = args.ranks_per_host or (min(layout.ranks, cal.local_size) if cal is not None else 1)
         c = cal.sharing(per_host) if cal is not None else None
-        if what == "generate":
-            return _generate(work, job, args, family, cfg, layout, c, machine, priced_by)
-        return _score(work, job, args, family, cfg, layout, c, machine, priced_by)
+        p = (_generate if what == "generate" else _score)(work, job, args, family, cfg, layout, c, machine, priced_by)
+        return dataclasses.replace(p, finish_s=FINISH_S)
 
     main = predict(grid, tp)
     compared = []
@@ -171,6 +179,7 @@ def simulate_plan(args: Any, job: Any, family: Any, cfg: Any, grid: Any, tp: int
     unit = "new tokens" if what == "generate" else "line tokens"
     print(f"predicted wall {_human(main.predicted_wall_s)} ({main.predicted_wall_s:.3f} s) + start-up ~"
           f"{_human(main.startup_s)}{'' if getattr(cal, 'startup', None) else ' (estimated: this calibration has none)'}"
+          f" + finish ~{_human(main.finish_s)} = job ~{_human(main.job_s)}"
           f": {main.tokens} {unit}, {main.tokens_per_s:.1f} tokens/s; first "
           f"{'row' if what == 'generate' else 'round'} after {main.first_row_s:.3f} s; {main.steps} "
           f"{'steps' if what == 'generate' else 'microbatches'}"

@@ -76,6 +76,7 @@ class Prediction:
     busy: list[float]  # a stage's busy seconds (replica 0's stages; the replicas' mean)
     replica_walls: list[float] = field(default_factory=list)
     prefix_hits: int = 0  # prompt positions attached from the prefix cache
+    finish_s: float = 0.0  # after the last row: outputs written, the finish barrier, MPI_Finalize, the exits
 
     @property
     def tokens_per_s(self) -> float:
@@ -83,13 +84,13 @@ class Prediction:
 
     @property
     def job_s(self) -> float:
-        return self.predicted_wall_s + self.startup_s
+        return self.startup_s + self.predicted_wall_s + self.finish_s
 
     def to_json(self) -> dict:
         w = self.predicted_wall_s or 1.0
         return {"command": self.command, "layout": self.layout, "priced_by": self.priced_by,
                 "predicted_wall_s": round(self.predicted_wall_s, 4), "startup_s": round(self.startup_s, 3),
-                "job_s": round(self.job_s, 3), "tokens": self.tokens, "tokens_per_s": round(self.tokens_per_s, 2),
+                "finish_s": round(self.finish_s, 3), "job_s": round(self.job_s, 3), "tokens": self.tokens, "tokens_per_s": round(self.tokens_per_s, 2),
                 "positions": self.positions, "first_row_s": round(self.first_row_s, 4), "steps": self.steps,
                 "prefix_hits": self.prefix_hits, "replica_walls": [round(x, 4) for x in self.replica_walls],
                 "stages": [{"stage": s, "busy_s": round(b, 4), "busy": round(min(1.0, b / w), 4),

@@ -40,6 +40,7 @@ __all__ = ["Calibration", "Startup", "load_calibration", "step_seconds", "CALIBR
 
 CALIBRATION_VERSION = 1
 _ALONE = ("layer_decode", "layer_prefill", "attention_prefill", "attention_decode")
+_ALONE_MAYBE = ("startup", "convert")  # (the weights' load alone, their conversion alone: later calibrations)
 PRODUCT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 Curve = tuple[tuple[float, float], ...]  # (x, y) points, x increasing
@@ -148,7 +149,7 @@ class Calibration:
                 "allreduce": {str(n): [list(x) for x in c] for n, c in self.allreduce.items()},
                 "local_size": self.local_size, "convert": dict(self.convert),
                 **({"startup": self.startup.to_json()} if self.startup else {}),
-                **({"alone": {k: v for k, v in self.alone.to_json().items() if k in _ALONE or k == "startup"}}
+                **({"alone": {k: v for k, v in self.alone.to_json().items() if k in _ALONE or k in _ALONE_MAYBE}}
                    if self.alone else {})}
 
 
@@ -226,9 +227,9 @@ def from_json(doc: Any, where: str) -> Calibration:
     alone = None
     if doc.get("alone") is not None:
         a = doc["alone"]
-        if not isinstance(a, dict) or set(a) - {"startup"} != set(_ALONE):  # (startup: the weights' load alone)
+        if not isinstance(a, dict) or not set(_ALONE) <= set(a) <= {*_ALONE, *_ALONE_MAYBE}:
             raise ConfigError(f"{where}: alone", f"got keys {sorted(a) if isinstance(a, dict) else a!r}",
-                              f"expected {sorted(_ALONE)} and perhaps startup")
+                              f"expected {sorted(_ALONE)} and perhaps {' and '.join(_ALONE_MAYBE)}")
         alone = from_json({k: v for k, v in doc.items() if k not in ("alone", *_ALONE)} | a | {"local_size": 1},
                           f"{where}: alone")
     return Calibration(host=str(doc.get("host", "")), ranks=ranks, local_size=local_size, alone=alone, convert=convert,
