@@ -45,7 +45,8 @@ REST_S = 3.0  # idle before the load's clock starts, as a job starts on a node a
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_POSITIONS = (8, 16, 32, 64, 128, 256, 512, 1024)  # (a long prompt's forward: measure_local's note)
 CHUNK, CONTEXT = 32, 32
-ROUNDS = 5  # interleaved rounds of every row count (the median is kept: measure_local's note)
+ROUNDS = 5  # rounds of every precision's every call (the median is kept: measure_local's note)
+DECODE_REPS = 3  # a decode call's timings a round (1-30 ms each: one hiccup moved a median of 5)
 ATT_HEADS, ATT_KV, ATT_DIM = 16, 8, 64
 PREFILL_CONTEXTS = (32, 128, 512, 1024)
 DECODE_CONTEXTS = (32, 128, 512, 1024, 2048)
@@ -253,6 +254,7 @@ def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "med
     C = cfg.hidden_size
     rng = np.random.default_rng(0)
     decode, prefill, convert = {}, {}, {}
+    probes = {}  # precision -> (its stage, its calls)
     for p in precisions:
         # a middle stage (hidden in, hidden out) of medium layers, as a job builds it
         source = _RandomSource(cfg)
@@ -269,30 +271,34 @@ def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "med
         stage = family.build_stage(cfg, source, range(layers), False, False, precision=p)
         convert[p] = max(0.0, time.perf_counter() - t0 - made) / weights  # f32 weights made resident at p
         stage.reset(64, 2 * CONTEXT, KvSpec("full"))
-        calls = []  # (curve, x, its call): measured in interleaved rounds, so a burst of another
-        # user's work lands on every row count alike, not on one point of the curve
+        calls = []  # (curve, x, its call)
         for rows in DECODE_ROWS:
             x = rng.standard_normal((rows, 1, C), dtype=np.float32)
             slots, pos = np.arange(rows, dtype=np.int64), np.full(rows, CONTEXT, np.int64)
-            calls.append(("decode", rows, lambda x=x, s=slots, q=pos: stage.decode(x, s, q)))
+            calls.append(("decode", rows, lambda x=x, s=slots, q=pos, st=stage: st.decode(x, s, q)))
         for n in PREFILL_POSITIONS:  # rows of CHUNK positions (little attention: the layers' own rate)
             B, T = max(1, n // CHUNK), min(n, CHUNK)
             x = rng.standard_normal((B, T, C), dtype=np.float32)
             slots, lengths = np.arange(B, dtype=np.int64), np.full(B, T, np.int64)
-            calls.append(("prefill", B * T, lambda x=x, s=slots, n=lengths: stage.prefill(x, s, n)))
-        times: dict[tuple, list[float]] = {}
+            calls.append(("prefill", B * T, lambda x=x, s=slots, n=lengths, st=stage: st.prefill(x, s, n)))
         for _, _, call in calls:  # warm: the first call of a shape compiles or loads its kernels
             call()
-        for _ in range(1 if quick else rounds):
+        probes[p] = calls
+    times: dict[tuple, list[float]] = {}
+    for _ in range(1 if quick else rounds):  # every precision's every call in each round (the note's spread)
+        for p, calls in probes.items():
             for kind, rows, call in calls:
-                if sync is not None:
-                    sync()
-                t0 = time.perf_counter()
-                call()
-                times.setdefault((kind, rows), []).append(time.perf_counter() - t0)
-        decode[p] = [[rows, statistics.median(times[("decode", rows)]) / weights] for rows in DECODE_ROWS]
-        prefill[p] = [[k[1], statistics.median(t) / weights] for k, t in times.items() if k[0] == "prefill"]
-        del stage
+                for _ in range(DECODE_REPS if kind == "decode" and not quick else 1):
+                    if sync is not None:
+                        sync()
+                    t0 = time.perf_counter()
+                    call()
+                    times.setdefault((p, kind, rows), []).append(time.perf_counter() - t0)
+    for p in precisions:
+        decode[p] = [[rows, statistics.median(times[(p, "decode", rows)]) / weights] for rows in DECODE_ROWS]
+        prefill[p] = [[n, statistics.median(times[(p, "prefill", n)]) / weights]
+                      for n in (max(1, n // CHUNK) * min(n, CHUNK) for n in PREFILL_POSITIONS)]
+    probes.clear()
     # attention: a prefill chunk (T queries from 0) and decode rows (one query against ctx keys)
     flops_pos = 4.0 * ATT_HEADS * ATT_DIM
     att_prefill = []
