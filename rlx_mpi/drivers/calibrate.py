@@ -229,10 +229,15 @@ def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "med
     to 18.6 GB/s), and the first second after a stage's build ran 35 % slower (f32 decode, 4 rows;
     most likely the host taking back the build's freed memory): 3 rounds (~0.3 s a precision)
     left one rank alone's f32 decode of 1 row at 0.35 ns a weight against 0.13 for 2 rows. So 5
-    rounds (~1-3 s a precision), median kept. Tried and dropped: every probe in turn in each round
-    over 10 s, all precisions at once (the median over regimes): no better (in-job median error
-    12.2 % against 11.8 % over 12 jobs) and its rates 10-25 % faster than the jobs', which run
-    right after their build.
+    rounds, median kept, and a decode call (1-30 ms) timed 3 times a round.
+
+    The spread. Precision by precision, a precision's rounds took 2-4 s, inside one of the host's
+    regimes: two calibrations 13 min apart (bench runs O and P) read the shared f32 decode of 1-4
+    rows 0.21-0.22 and 0.28-0.30 ns a weight while the same jobs ran within 10 % of each other, and
+    P's predictions came out 20 % long (whole-job median error 4.5 % in O, 20.6 % in P). Two
+    processes decoding side by side, in 2 s windows over 60 s: 0.17-0.24 ns a weight. So every
+    precision's every call runs in each round, and a precision's 5 rounds spread over the pass's
+    ~16 s. (Run J had tried this without the lock-step and a barrier, and found it no better.)
 
     The lock-step. A job's ranks run the same step at the same moment (a pipeline's stages each
     decode a microbatch, TP's ranks their halves, replicas their rows), but unsynchronised probes
