@@ -235,8 +235,10 @@ def test_stop_signal_with_replicas_then_resume_on_another_count(tmp_path, tiny_c
     # claimed keeps the job from ending without it. The others claim from the shared counter without
     # rank 0: under CI's load they once did all 120 prompts before rank 0 was in its loop ("3600 tokens
     # in 0s" on rank 0: its progress line, made just before the loop, saw every row come at once, with
-    # the hold alone and, before it, with a 5 ms step delay alone). A 20 ms step delay as well: two
-    # replicas then need ~20 s for every prompt, so rank 0 claims its chunk first.
+    # the hold alone and, before it, with a 5 ms step delay alone). A step delay as well, and a hold
+    # longer than the others need for every prompt: with 20 ms (two replicas: ~19 s) and a 20 s hold it
+    # failed again under CI (2026-12-07: every row done, exit 0); 50 ms makes that ~46 s, the hold 60 s
+    # (it ends at the signal, so a passing run is no slower than before but for its first row's 1.5 s).
     long = [(f"q{i}", np.random.default_rng(100 + i).integers(0, 512, int(2 + i % 13)).tolist()) for i in range(120)]
     prompts = write_lines(tmp_path / "long.jsonl", long)
     flags = ("--max-new-tokens", 30, "--batch", 2)
@@ -244,7 +246,7 @@ def test_stop_signal_with_replicas_then_resume_on_another_count(tmp_path, tiny_c
     job3 = write_job(tmp_path, "three.toml", model={"checkpoint": str(tiny_ckpt)}, run={"timeout_s": 30.0},
                      placement={"reserve_ram_gb": 0.0, "replicas": 3})
     proc = start_cli(["generate", job3, "--prompts", prompts, "--out", out, *flags], ranks=3,
-                     env={"RLX_MPI_TEST_HOLD_S": "20", "RLX_MPI_TEST_STEP_DELAY_S": "0.02"})
+                     env={"RLX_MPI_TEST_HOLD_S": "60", "RLX_MPI_TEST_STEP_DELAY_S": "0.05"})
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and not (out.exists() and out.read_bytes().count(b"\n") >= 1):
         assert proc.poll() is None, proc.communicate()[1]
