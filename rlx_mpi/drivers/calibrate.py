@@ -258,25 +258,24 @@ def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "med
     weights = per_layer * layers
     C = cfg.hidden_size
     rng = np.random.default_rng(0)
+    sync = sync or (lambda: None)
     decode, prefill, convert = {}, {}, {}
-    probes = {}  # precision -> (its stage, its calls)
+    probes = {}  # precision -> its calls (each holds its stage)
     for p in precisions:
         # a middle stage (hidden in, hidden out) of medium layers, as a job builds it
         source = _RandomSource(cfg)
-        if sync is not None:
-            sync()
+        sync()
         t0 = time.perf_counter()
         for name in source.shapes:  # (the tensors' making alone, taken off the build below)
             if name.startswith("layers/"):
                 source.read(name)
         made = time.perf_counter() - t0
-        if sync is not None:
-            sync()
+        sync()
         t0 = time.perf_counter()
         stage = family.build_stage(cfg, source, range(layers), False, False, precision=p)
         convert[p] = max(0.0, time.perf_counter() - t0 - made) / weights  # f32 weights made resident at p
         stage.reset(64, 2 * CONTEXT, KvSpec("full"))
-        calls = []  # (curve, x, its call)
+        calls = []  # (kind, rows or positions, its call)
         for rows in DECODE_ROWS:
             x = rng.standard_normal((rows, 1, C), dtype=np.float32)
             slots, pos = np.arange(rows, dtype=np.int64), np.full(rows, CONTEXT, np.int64)
@@ -294,16 +293,14 @@ def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "med
         for p, calls in probes.items():
             for kind, rows, call in calls:
                 for _ in range(DECODE_REPS if kind == "decode" and not quick else 1):
-                    if sync is not None:
-                        sync()
+                    sync()
                     t0 = time.perf_counter()
                     call()
                     times.setdefault((p, kind, rows), []).append(time.perf_counter() - t0)
     for p in precisions:
         decode[p] = [[rows, statistics.median(times[(p, "decode", rows)]) / weights] for rows in DECODE_ROWS]
-        prefill[p] = [[n, statistics.median(times[(p, "prefill", n)]) / weights]
-                      for n in (max(1, n // CHUNK) * min(n, CHUNK) for n in PREFILL_POSITIONS)]
-    probes.clear()
+        prefill[p] = [[k[2], statistics.median(t) / weights] for k, t in times.items() if k[:2] == (p, "prefill")]
+    probes.clear()  # (the stages, before the attention's probes)
     # attention: a prefill chunk (T queries from 0) and decode rows (one query against ctx keys)
     flops_pos = 4.0 * ATT_HEADS * ATT_DIM
     att_prefill = []

@@ -90,7 +90,8 @@ class Prediction:
         w = self.predicted_wall_s or 1.0
         return {"command": self.command, "layout": self.layout, "priced_by": self.priced_by,
                 "predicted_wall_s": round(self.predicted_wall_s, 4), "startup_s": round(self.startup_s, 3),
-                "finish_s": round(self.finish_s, 3), "job_s": round(self.job_s, 3), "tokens": self.tokens, "tokens_per_s": round(self.tokens_per_s, 2),
+                "finish_s": round(self.finish_s, 3), "job_s": round(self.job_s, 3), "tokens": self.tokens,
+                "tokens_per_s": round(self.tokens_per_s, 2),
                 "positions": self.positions, "first_row_s": round(self.first_row_s, 4), "steps": self.steps,
                 "prefix_hits": self.prefix_hits, "replica_walls": [round(x, 4) for x in self.replica_walls],
                 "stages": [{"stage": s, "busy_s": round(b, 4), "busy": round(min(1.0, b / w), 4),
