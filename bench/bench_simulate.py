@@ -9,13 +9,19 @@ prompts; a shared-prefix file; f32 and q4 (``[run] precision``), on the medium p
     python bench/bench_simulate.py [--calibration CAL.json] [--cases a,b] [--json OUT] [--trials 1]
 
 Prints one row a case: predicted and measured in-job seconds, their ratio, and the whole job's
-(start-up included) beside. The time here: ~15-20 min on 2 shared cores.
+(start-up included) beside. The time here: ~25-30 min on 2 shared cores.
 
 The runs are taken round-robin (trial 1 of every case, then trial 2, ...), so that a case's
 median is of runs minutes apart, and each after ``--rest`` seconds idle, as a queued job starts
-on a node at rest: on the 2-core Firecracker VM, memory freed within the last second faults in
-~10x faster than after a pause (`rlx_mpi.drivers.calibrate.measure_load`'s note), and the same
-score job's build took 0.5-1.0 s back to back and 1.5-1.7 s after a pause.
+on a node at rest: on the 2-core Firecracker VM, memory freed in the last seconds faults in
+~10-30x faster than memory the host has taken back (`rlx_mpi.drivers.calibrate.measure_load`'s
+note), and the host takes longer the more was freed (after 3 GB freed, 0.9 GB of fresh memory
+touched in 0.07 s 3 s later, 1.4 s at 12 s, 2.5-2.8 s from 20 s on). With 3 s of rest a job's
+start-up depended on the job before it: the medium model's 1-rank build took 1.3-1.7 s after an
+f32 job (1.2-2.4 GB freed) and 2.6-2.8 s after a q4 job, and the case after a q4 job in every
+trial (gen-1-short) spent 0.6-1.8 s longer outside its loop than its twin gen-1-long in each of
+five bench runs (O-S; their medians). 20 s of rest
+puts every run on a node that has given its memory back.
 """
 
 from __future__ import annotations
@@ -104,9 +110,9 @@ def main() -> int:
     ap.add_argument("--calibration", help="an existing calibration (default: measure one with 2 ranks)")
     ap.add_argument("--cases", default=",".join(CASES), help="comma list of " + ", ".join(CASES))
     ap.add_argument("--trials", type=int, default=1, help="real runs a case (the median is compared)")
-    ap.add_argument("--rest", type=float, default=3.0,
+    ap.add_argument("--rest", type=float, default=20.0,
                     help="seconds idle before each real run and the calibration, so that each starts as a queued "
-                         "job does, on a node at rest (the module note; default 3)")
+                         "job does, on a node at rest (the module note; default 20)")
     ap.add_argument("--workdir", default="/tmp/rlx_bench_simulate")
     ap.add_argument("--checkpoint", default="/tmp/rlx_bench_medium.h5")
     ap.add_argument("--mpiexec", default=default_mpiexec())

@@ -42,6 +42,7 @@ PROBE_BYTES = 80e6  # the probe stage's f32 weights at least (2 medium layers: 9
 # 2 layers of the small preset (23 MB) decoded 1.6x faster a layer than its 8 (the cache held them)
 LOAD_BYTES = 400e6  # the load's file a rank (f32 layers), near a stage's size: see measure_load's note
 REST_S = 3.0  # idle before the load's clock starts, as a job starts on a node at rest (measure_load's note)
+REST_ALONE_S = 15.0  # idle before the alone pass's load, after both ranks' loads freed their temporaries (the note)
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_POSITIONS = (8, 16, 32, 64, 128, 256, 512, 1024)  # (a long prompt's forward: measure_local's note)
 CHUNK, CONTEXT = 32, 32
@@ -152,12 +153,13 @@ def measure_startup(folder: Path, rank: int, precisions, preset: str = "medium",
 
 
 def measure_load(folder: Path, rank: int, preset: str = "medium", sync: Callable[[], None] | None = None,
-                 hold: list | None = None) -> float:
+                 hold: list | None = None, rest: float = REST_S) -> float:
     """GB a second of f32 weights read from an HDF5 file (written in ``folder`` first, removed
     after) through the job's reader and made resident in a stage of ``LOAD_BYTES`` of layers;
     ``sync``: a barrier before the clock starts, so that every rank reads at once, as a job's do
     (unsynchronised, a rank read while its neighbour still wrote: 2 replicas' loads of 0.89 GB
-    each took 2.8 s where that rate said 1.7); ``hold``: the stage is appended there, not freed.
+    each took 2.8 s where that rate said 1.7); ``hold``: the stage is appended there, not freed;
+    ``rest``: seconds idle before the clock (the note's rest).
 
     Note: the size and the memory. A job builds its stage once, into memory the process never
     had: every page is faulted in as the reader and the fusing of q/k/v and gate/up fill it. On
@@ -177,7 +179,14 @@ def measure_load(folder: Path, rank: int, preset: str = "medium", sync: Callable
     the clock: without ``REST_S`` idle first, the alone pass (one rank's short fsync) built into
     that memory at 0.71 GB/s and priced the job's start-up 2 s short; the shared pass, after a
     barrier behind both ranks' fsyncs, read 0.33. Where freed memory stays (bare metal), the rest
-    changes nothing."""
+    changes nothing.
+
+    How long the host takes it back grows with how much was freed (a second VM, 2026-12-07):
+    0.9 GB touched after 3 GB freed took 0.07 s 3 s later, 0.18 s at 6 s, 1.4 s at 12 s, 2.5-2.8
+    s from 20 s on. So the alone pass, which follows both ranks' loads (their readers' and fusings'
+    temporaries freed), waits ``REST_ALONE_S``: after 3 s it read 0.29-0.77 GB/s over six
+    calibrations, where a 1-rank job's cold build of 0.89 GB read 0.30-0.35 (0.52-0.70 s, 1.3-1.7
+    GB/s, right after 3 GB freed)."""
     import dataclasses
 
     from ..families import require_preset
@@ -196,7 +205,7 @@ def measure_load(folder: Path, rank: int, preset: str = "medium", sync: Callable
             os.fsync(fd)
         finally:
             os.close(fd)
-        time.sleep(REST_S)  # (the note: the making of the tensors' freed memory, given back to the host)
+        time.sleep(rest)  # (the note: memory freed just before, given back to the host)
         if sync is not None:
             sync()
         t0 = time.perf_counter()
@@ -421,7 +430,7 @@ def calibrate(args: Any) -> int:
     alone_load = None  # a host's first rank's load alone (the others wait), into fresh memory as a job's
     if local.size > 1:
         if world.rank == 0:
-            alone_load = measure_load(here, 0, hold=held)
+            alone_load = measure_load(here, 0, hold=held, rest=REST_ALONE_S)
         barrier()
     held.clear()
     # (not under `faults.agree`: its deadline's watcher thread takes the GIL between kernel calls,
