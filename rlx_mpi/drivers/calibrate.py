@@ -46,7 +46,8 @@ REST_ALONE_S = 15.0  # idle before the alone pass's load, after both ranks' load
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_POSITIONS = (8, 16, 32, 64, 128, 256, 512, 1024)  # (a long prompt's forward: measure_local's note)
 CHUNK, CONTEXT = 32, 32
-ROUNDS = 5  # rounds of every precision's every call (the median is kept: measure_local's note)
+ROUNDS = 8  # rounds of every precision's every call (the median is kept: measure_local's note)
+TIMED_MIN_S = 0.05  # an attention probe's timings add up to this at least (`_timed`'s note)
 DECODE_REPS = 3  # a decode call's timings a round (1-30 ms each: one hiccup moved a median of 5)
 ATT_HEADS, ATT_KV, ATT_DIM = 16, 8, 64
 PREFILL_CONTEXTS = (32, 128, 512, 1024)
@@ -54,15 +55,25 @@ DECODE_CONTEXTS = (32, 128, 512, 1024, 2048)
 MESSAGE_BYTES = (8, 4096, 65536, 1 << 20, 8 << 20)
 
 
-def _timed(fn: Callable[[], Any], reps: int) -> float:
-    """The median of ``reps`` timings after one warm call (a burst of another user's work moves
-    one timing, not the rate; the least of them was 30-40 % faster than a job's steps under load)."""
+def _timed(fn: Callable[[], Any], reps: int, min_s: float = 0.0) -> float:
+    """The median of ``reps`` timings after one warm call, and more until they add up to
+    ``min_s`` (at most 400): a burst of another user's work moves one timing, not the rate (the
+    least of them was 30-40 % faster than a job's steps under load).
+
+    Note: a call of 0.1 ms. 3 timings of the alone pass's decode attention at 32 positions
+    (~0.07 ms a call) read 0.26 GFLOP/s where every other point of the curve read 14-35: two of
+    the three met a stall of a few ms (the host's; one other calibration of 13 read 4.5 at 1,024
+    positions), and the 1-rank short jobs, whose rows attend to 32-64 positions, were predicted
+    1.5x (f32) and 2.5x (q4) long (`bench/results/simulate_2026-12-07_fresh_t`).
+    `TIMED_MIN_S` of timings makes a stall one timing of hundreds."""
     fn()
-    out = []
-    for _ in range(reps):
+    out: list[float] = []
+    spent = 0.0
+    while len(out) < reps or (spent < min_s and len(out) < 400):
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
+        spent += out[-1]
     return statistics.median(out)
 
 
@@ -247,6 +258,9 @@ def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "med
     processes decoding side by side, in 2 s windows over 60 s: 0.17-0.24 ns a weight. So every
     precision's every call runs in each round, and a precision's 5 rounds spread over the pass's
     ~16 s. (Run J had tried this without the lock-step and a barrier, and found it no better.)
+    That still left calibrations apart: run T's read the shared f32 decode of 1-4 rows at 0.16-0.18
+    ns a weight, R's 0.23-0.28, while T's jobs ran as long as R's or longer (gen-pp2-short 4.3 s
+    in-job against 5.0, score-pp2-long 14.8 against 13.7): 8 rounds, over ~26 s.
 
     The lock-step. A job's ranks run the same step at the same moment (a pipeline's stages each
     decode a microbatch, TP's ranks their halves, replicas their rows), but unsynchronised probes
@@ -316,14 +330,14 @@ def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "med
     for T in PREFILL_CONTEXTS:
         q = rng.standard_normal((1, ATT_HEADS, T, ATT_DIM), dtype=np.float32)
         k = rng.standard_normal((1, ATT_KV, T, ATT_DIM), dtype=np.float32)
-        t = _timed(lambda: attend(q, k, k), 1 if quick else 2)
+        t = _timed(lambda: attend(q, k, k), 1 if quick else 2, 0.0 if quick else TIMED_MIN_S)
         att_prefill.append([T, flops_pos * T * (T + 1) / 2 / t / 1e9])
     att_decode, B = [], 8
     for L in DECODE_CONTEXTS:
         cache = rng.standard_normal((B, ATT_KV, L, ATT_DIM), dtype=np.float32)
         q = rng.standard_normal((B, ATT_HEADS, 1, ATT_DIM), dtype=np.float32)
         slots, pos = np.arange(B, dtype=np.int64), np.full(B, L - 1, np.int64)
-        t = _timed(lambda: attend_cache(q, cache, cache, slots, pos), 3)
+        t = _timed(lambda: attend_cache(q, cache, cache, slots, pos), 3, 0.0 if quick else TIMED_MIN_S)
         att_decode.append([L, flops_pos * B * L / t / 1e9])
     big = np.ones(32 << 20, np.float32)  # 128 MB
     read = big.nbytes / _timed(lambda: big.sum(), 2) / 1e9
