@@ -20,8 +20,8 @@ touched in 0.07 s 3 s later, 1.4 s at 12 s, 2.5-2.8 s from 20 s on). With 3 s of
 start-up depended on the job before it: the medium model's 1-rank build took 1.3-1.7 s after an
 f32 job (1.2-2.4 GB freed) and 2.6-2.8 s after a q4 job, and the case after a q4 job in every
 trial (gen-1-short) spent 0.6-1.8 s longer outside its loop than its twin gen-1-long in each of
-five bench runs (O-S; their medians). 20 s of rest
-puts every run on a node that has given its memory back.
+five bench runs (O-S; their medians). 20 s of rest puts every run on a node that has given its
+memory back.
 """
 
 from __future__ import annotations

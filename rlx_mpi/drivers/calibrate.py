@@ -193,8 +193,8 @@ def measure_load(folder: Path, rank: int, preset: str = "medium", sync: Callable
     changes nothing.
 
     How long the host takes it back grows with how much was freed (a second VM, 2026-12-07):
-    0.9 GB touched after 3 GB freed took 0.07 s 3 s later, 0.18 s at 6 s, 1.4 s at 12 s, 2.5-2.8
-    s from 20 s on. So the alone pass, which follows both ranks' loads (their readers' and fusings'
+    0.9 GB touched after 3 GB freed took 0.07 s 3 s later, 0.18 s at 6 s, 1.4 s at 12 s and
+    2.5-2.8 s from 20 s on. So the alone pass, which follows both ranks' loads (their readers' and fusings'
     temporaries freed), waits ``REST_ALONE_S``: after 3 s it read 0.29-0.77 GB/s over six
     calibrations, where a 1-rank job's cold build of 0.89 GB read 0.30-0.35 (0.52-0.70 s, 1.3-1.7
     GB/s, right after 3 GB freed)."""
@@ -256,8 +256,8 @@ def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "med
     rows 0.21-0.22 and 0.28-0.30 ns a weight while the same jobs ran within 10 % of each other, and
     P's predictions came out 20 % long (whole-job median error 4.5 % in O, 20.6 % in P). Two
     processes decoding side by side, in 2 s windows over 60 s: 0.17-0.24 ns a weight. So every
-    precision's every call runs in each round, and a precision's 5 rounds spread over the pass's
-    ~16 s. (Run J had tried this without the lock-step and a barrier, and found it no better.)
+    precision's every call runs in each round, and a precision's rounds (then 5) spread over the
+    pass's ~16 s. (Run J had tried this without the lock-step and a barrier, and found it no better.)
     That still left calibrations apart: run T's read the shared f32 decode of 1-4 rows at 0.16-0.18
     ns a weight, R's 0.23-0.28, while T's jobs ran as long as R's or longer (gen-pp2-short 4.3 s
     in-job against 5.0, score-pp2-long 14.8 against 13.7): 8 rounds, over ~26 s.
@@ -326,18 +326,18 @@ def measure_local(precisions=PRECISIONS, quick: bool = False, preset: str = "med
     probes.clear()  # (the stages, before the attention's probes)
     # attention: a prefill chunk (T queries from 0) and decode rows (one query against ctx keys)
     flops_pos = 4.0 * ATT_HEADS * ATT_DIM
-    att_prefill = []
+    att_prefill, min_s = [], 0.0 if quick else TIMED_MIN_S
     for T in PREFILL_CONTEXTS:
         q = rng.standard_normal((1, ATT_HEADS, T, ATT_DIM), dtype=np.float32)
         k = rng.standard_normal((1, ATT_KV, T, ATT_DIM), dtype=np.float32)
-        t = _timed(lambda: attend(q, k, k), 1 if quick else 2, 0.0 if quick else TIMED_MIN_S)
+        t = _timed(lambda: attend(q, k, k), 1 if quick else 2, min_s)
         att_prefill.append([T, flops_pos * T * (T + 1) / 2 / t / 1e9])
     att_decode, B = [], 8
     for L in DECODE_CONTEXTS:
         cache = rng.standard_normal((B, ATT_KV, L, ATT_DIM), dtype=np.float32)
         q = rng.standard_normal((B, ATT_HEADS, 1, ATT_DIM), dtype=np.float32)
         slots, pos = np.arange(B, dtype=np.int64), np.full(B, L - 1, np.int64)
-        t = _timed(lambda: attend_cache(q, cache, cache, slots, pos), 3, 0.0 if quick else TIMED_MIN_S)
+        t = _timed(lambda: attend_cache(q, cache, cache, slots, pos), 3, min_s)
         att_decode.append([L, flops_pos * B * L / t / 1e9])
     big = np.ones(32 << 20, np.float32)  # 128 MB
     read = big.nbytes / _timed(lambda: big.sum(), 2) / 1e9
