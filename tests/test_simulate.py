@@ -129,9 +129,27 @@ def test_start_up_prices_reading_the_file_and_converting_it():
     assert measured.startup.kernels_s("q4") == pytest.approx(0.6) and measured.startup.kernels_s("f32") == 0.4
     weights = cost.n_layers * cost.layer_bytes / 4 + (cost.embed_bytes + cost.head_bytes) / 4
     assert _startup_s(cost, lay, measured, "f32") == pytest.approx(1.5 + 0.6 + weights * 4 / 2e9 + weights * (1e-7 - 1e-9))
-    for bad in ({**up, "load_gbps": 0}, {**up, "warm_s": {}}, {"launch_s": 1}):
+    for bad in ({**up, "load_gbps": 0}, {**up, "warm_s": {}}, {"launch_s": 1}, {**up, "touch_gbps": 0}):
         with pytest.raises(ConfigError, match="c.json: startup"):
             from_json(_cal_doc(startup=bad), "c.json")
+    # fresh memory's first writes (the KV cache's, at the first step): measured, or (an older file) at the load rate
+    assert measured.startup.touch_s(1e9) == pytest.approx(0.5)
+    touched = from_json(_cal_doc(startup={**up, "touch_gbps": 4.0}), "c.json").startup
+    assert touched.touch_s(1e9) == pytest.approx(0.25) and from_json({**_cal_doc(), "startup": touched.to_json()},
+                                                                       "c.json").startup == touched
+
+
+def test_a_stage_first_step_faults_in_its_kv_cache():
+    """``first_s``: each stage's first step (and no other) takes its cache's first touch."""
+    kw = dict(batch=4, groups=1, max_new_tokens=8, prefill_chunk=16)
+    base = simulate_generate(_requests(8), _cost(), _layout(), **kw)
+    one = simulate_generate(_requests(8), _cost(), _layout(), first_s=(0.5,), **kw)
+    assert one.predicted_wall_s == pytest.approx(base.predicted_wall_s + 0.5) and one.busy[0] == pytest.approx(
+        base.busy[0] + 0.5) and one.first_row_s == pytest.approx(base.first_row_s + 0.5)
+    base = simulate_generate(_requests(8), _cost(), _layout(stages=2), **kw)
+    two = simulate_generate(_requests(8), _cost(), _layout(stages=2), first_s=(0.0, 0.5), **kw)
+    assert two.busy[0] == pytest.approx(base.busy[0]) and two.busy[1] == pytest.approx(base.busy[1] + 0.5)
+    assert base.predicted_wall_s < two.predicted_wall_s <= base.predicted_wall_s + 0.5 + 1e-9
 
 
 def test_time_limits_and_the_requeue_sentence():
@@ -198,6 +216,7 @@ def test_probe_calibrate_writes_a_file_plan_reads(tmp_path):
     assert doc["send"] and doc["allreduce"]["2"]
     up = doc["startup"]  # the launch (mpiexec's start to the command), the kernels' load, the weights' load rate
     assert 0.1 < up["launch_s"] < 120 and set(up["warm_s"]) == {"f32"} and up["load_gbps"] > 0.01, up
+    assert up["touch_gbps"] > 0.01 and doc["alone"]["startup"]["touch_gbps"] > 0.01, doc["alone"]["startup"]
     assert not list(tmp_path.glob(".rlx-calibrate-*")), "the load's checkpoint is left behind"
     assert doc["alone"]["startup"]["load_gbps"] > 0.01 and doc["alone"]["startup"]["launch_s"] == up["launch_s"]
     assert doc["alone"]["convert"]["f32"] >= 0 and set(doc["alone"]["convert"]) == {"f32"}
@@ -264,5 +283,11 @@ def test_a_small_job_runs_within_40_percent_of_its_prediction(tmp_path):
         if abs(predicted / measured - 1) <= 0.4 and abs(job_s / whole - 1) <= 0.4:
             break
     print("attempts (predicted s, measured s, predicted job s, measured job s):", seen)
+    from rlx_mpi.drivers.simulate import cache_bytes
+    from rlx_mpi.engine.block_pool import PREFIX_POOL_ROWS
+
+    family, cfg = require_preset("small", "test")  # the cache the simulator faults in at the first step: the job's
+    kv = cache_bytes(family.cost(cfg, 8, 48 + 24), _layout(layers=cfg.num_hidden_layers), 8, PREFIX_POOL_ROWS)
+    assert kv == [pytest.approx(json.loads(stats.read_text())["rows"][0]["kv_bytes"], rel=0.01)]
     assert abs(predicted / measured - 1) <= 0.4, f"(predicted s, measured s, job s twice) of each attempt: {seen}"
     assert abs(job_s / whole - 1) <= 0.4, f"(predicted s, measured s, job s twice) of each attempt: {seen}"

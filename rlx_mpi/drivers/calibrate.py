@@ -42,6 +42,7 @@ PROBE_BYTES = 80e6  # the probe stage's f32 weights at least (2 medium layers: 9
 # 2 layers of the small preset (23 MB) decoded 1.6x faster a layer than its 8 (the cache held them)
 LOAD_BYTES = 400e6  # the load's file a rank (f32 layers), near a stage's size: see measure_load's note
 REST_S = 3.0  # idle before the load's clock starts, as a job starts on a node at rest (measure_load's note)
+TOUCH_BYTES = 128e6  # fresh memory written at the load's start: the KV cache's first touch (measure_load's last note)
 REST_ALONE_S = 15.0  # idle before the alone pass's load, after both ranks' loads freed their temporaries (the note)
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_POSITIONS = (8, 16, 32, 64, 128, 256, 512, 1024)  # (a long prompt's forward: measure_local's note)
@@ -160,13 +161,14 @@ def measure_startup(folder: Path, rank: int, precisions, preset: str = "medium",
         family.warm_up(cfg, p, 1, True)
         family.build_stage(small, _RandomSource(small), range(1), False, False, precision=p)
         warm[p] = time.perf_counter() - t0
-    return {"launch_s": launch, "warm_s": warm, "load_gbps": measure_load(folder, rank, preset, sync, hold)}
+    return {"launch_s": launch, "warm_s": warm} | measure_load(folder, rank, preset, sync, hold)
 
 
 def measure_load(folder: Path, rank: int, preset: str = "medium", sync: Callable[[], None] | None = None,
-                 hold: list | None = None, rest: float = REST_S) -> float:
-    """GB a second of f32 weights read from an HDF5 file (written in ``folder`` first, removed
-    after) through the job's reader and made resident in a stage of ``LOAD_BYTES`` of layers;
+                 hold: list | None = None, rest: float = REST_S) -> dict:
+    """``load_gbps``: GB a second of f32 weights read from an HDF5 file (written in ``folder``
+    first, removed after) through the job's reader and made resident in a stage of ``LOAD_BYTES``
+    of layers; ``touch_gbps``: of ``TOUCH_BYTES`` of fresh memory written once, just before;
     ``sync``: a barrier before the clock starts, so that every rank reads at once, as a job's do
     (unsynchronised, a rank read while its neighbour still wrote: 2 replicas' loads of 0.89 GB
     each took 2.8 s where that rate said 1.7); ``hold``: the stage is appended there, not freed;
@@ -197,7 +199,18 @@ def measure_load(folder: Path, rank: int, preset: str = "medium", sync: Callable
     2.5-2.8 s from 20 s on. So the alone pass, which follows both ranks' loads (their readers' and fusings'
     temporaries freed), waits ``REST_ALONE_S``: after 3 s it read 0.29-0.77 GB/s over six
     calibrations, where a 1-rank job's cold build of 0.89 GB read 0.30-0.35 (0.52-0.70 s, 1.3-1.7
-    GB/s, right after 3 GB freed)."""
+    GB/s, right after 3 GB freed).
+
+    The first touch. A job's first step writes its KV cache, which `reset` allocated and nothing
+    had written: numpy asks huge pages (2 MB) of every array from 4 MB, and a step's rows write a
+    block of every head's region, so the whole cache is faulted in at once. On the VM, the medium
+    1-rank job's first prefill chunk took 2.1-2.2 s against 1.35-1.6 for the next three, 0.78 s
+    of it in the 409 MB cache's first writes (`kernels.blocks._scatter`: 12 ms at the next
+    step), and gen-pp2-shared's stages 0.3 and 0.25 s more than at 206 and 160 MB; the simulator
+    did not price it and ran 0.71-0.96x on that case over runs M-V. Written right after the build,
+    256 MB read 15 GB/s (the build's freed temporaries), which the job's cache, larger, is not:
+    so ``touch_gbps`` is taken after the rest, before the build (the array is kept until the
+    build is done, which then faults in fresh memory as before)."""
     import dataclasses
 
     from ..families import require_preset
@@ -220,14 +233,20 @@ def measure_load(folder: Path, rank: int, preset: str = "medium", sync: Callable
         if sync is not None:
             sync()
         t0 = time.perf_counter()
+        fresh = np.empty(int(TOUCH_BYTES) // 4, np.float32)
+        fresh.fill(1.0)  # (the note's first touch)
+        touch = fresh.nbytes / (time.perf_counter() - t0) / 1e9
+        if sync is not None:
+            sync()
+        t0 = time.perf_counter()
         with H5ParamSource(path, family.expected_shapes(cfg)) as src:
             stage = family.build_stage(cfg, src, range(layers), False, False)
             read = src.bytes_read
         took = time.perf_counter() - t0
         if hold is not None:
             hold.append(stage)
-        del stage
-    return read / took / 1e9
+        del stage, fresh
+    return {"load_gbps": read / took / 1e9, "touch_gbps": touch}
 
 
 ALONE_KEYS = ("layer_decode", "layer_prefill", "attention_prefill", "attention_decode", "convert")
@@ -455,7 +474,7 @@ def calibrate(args: Any) -> int:
         barrier()
         if world.rank == 0:
             _pin_threads((mine.cpus or 1) * local.size)
-            alone = measure_local(precisions) | {"load_gbps": alone_load}
+            alone = measure_local(precisions) | alone_load
             _pin_threads(mine.cpus)
         barrier()
     send, reduce = _links(world, ctx) if world.size > 1 else ([], {})
@@ -480,9 +499,11 @@ def calibrate(args: Any) -> int:
            "send": send, "allreduce": {str(k): v for k, v in reduce.items()}, "local_size": local.size,
            "startup": {"launch_s": max(r["startup"]["launch_s"] for r in rows),  # (a job waits for its slowest rank)
                        "warm_s": {p: max(r["startup"]["warm_s"][p] for r in rows) for p in precisions},
-                       "load_gbps": statistics.median(r["startup"]["load_gbps"] for r in rows)}}
+                       "load_gbps": statistics.median(r["startup"]["load_gbps"] for r in rows),
+                       "touch_gbps": statistics.median(r["startup"]["touch_gbps"] for r in rows)}}
     if alone is not None:
-        doc["alone"] = {k: alone[k] for k in ALONE_KEYS} | {"startup": doc["startup"] | {"load_gbps": alone["load_gbps"]}}
+        doc["alone"] = {k: alone[k] for k in ALONE_KEYS} | \
+            {"startup": doc["startup"] | {k: alone[k] for k in ("load_gbps", "touch_gbps")}}
     from_json(doc, str(args.calibrate))  # (what plan --simulate will read back)
     write_output(out, lambda tmp: tmp.write_text(json.dumps(doc, indent=1)))
     p = next(iter(doc["layer_prefill"]))
@@ -492,5 +513,6 @@ def calibrate(args: Any) -> int:
           f"{2 / doc['layer_decode'][p][0][1] / 1e9:.1f} GFLOP/s, {doc['read_gbps']:.1f} GB/s read"
           + (f", Send of 1 MiB {doc['send'][3][1] * 1e3:.2f} ms" if send else "")
           + f"; start-up: launch {doc['startup']['launch_s']:.1f} s, kernels {doc['startup']['warm_s'][precisions[0]]:.1f} s"
-          f" ({precisions[0]}), weights loaded at {doc['startup']['load_gbps']:.2f} GB/s")
+          f" ({precisions[0]}), weights loaded at {doc['startup']['load_gbps']:.2f} GB/s, fresh memory written at "
+          f"{doc['startup']['touch_gbps']:.2f} GB/s")
     return 0

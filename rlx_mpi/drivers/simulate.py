@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["simulate_plan", "parse_time_limit", "time_limit_line", "layouts"]
+__all__ = ["simulate_plan", "parse_time_limit", "time_limit_line", "layouts", "cache_bytes"]
 
 ROOFLINE = "the roofline (no calibration: a bound, not a measurement; run rlx-mpi probe --calibrate)"
 STARTUP_FIXED_S = 2.5  # MPI start, imports, the numba cache's load, the agreed steps (warm caches: 2.3-2.6 s here)
@@ -269,7 +269,22 @@ def _generate(work, job, args, family, cfg, layout, cal, machine, priced_by):
         pool, paged = (lambda: BlockPool(blocks, BLOCK_SIZE)), True
     return simulate_generate(rows, cost, layout, batch=batch, groups=groups, max_new_tokens=work["new"],
                              prefill_chunk=chunk, pool=pool, paged=paged, cal=cal, machine=machine,
-                             startup_s=_startup_s(cost, layout, cal, work.get("stored")), priced_by=priced_by)
+                             startup_s=_startup_s(cost, layout, cal, work.get("stored")), priced_by=priced_by,
+                             first_s=_first_touch_s(cost, layout, cal, groups * batch, PREFIX_POOL_ROWS if pool else 0))
+
+
+def cache_bytes(cost: Any, layout: Any, rows: int, pool_rows: int) -> list[float]:
+    """A stage's KV cache on one rank: ``rows`` rows of the job's longest sequence and, with the
+    prefix cache, ``pool_rows`` more (the pool `GenerateDriver` allocates), its layers, its TP share."""
+    per_layer = cost.kv_bytes_per_layer * (rows + pool_rows) / max(1, rows) / layout.tp
+    return [n * per_layer for n in layout.layers]
+
+
+def _first_touch_s(cost: Any, layout: Any, cal: Any, rows: int, pool_rows: int) -> list[float]:
+    """A stage's KV cache (`cache_bytes`) faulted in at its first step (`engine.simulate`'s
+    first-touch note), priced at the calibration's fresh-memory rate; the roofline leaves it out."""
+    startup = getattr(cal, "startup", None)
+    return [startup.touch_s(b) for b in cache_bytes(cost, layout, rows, pool_rows)] if startup else []
 
 
 def _score(work, job, args, family, cfg, layout, cal, machine, priced_by):

@@ -15,6 +15,11 @@ its own clock is the earliest (`_TimeOrder`): the order the shared counter gives
 ranks, as if replicas ran apart on their own cores. Rank 0's collection of the other replicas'
 rows is not priced.
 
+Note: the first touch. A stage's first step writes its KV cache for the first time, and the whole
+cache is faulted in then (`drivers.calibrate.measure_load`'s first-touch note): ``first_s[s]``
+seconds, the stage's cache bytes at the calibration's ``touch_gbps``, are added to that step
+(on the 2-core VM, 0.78 s of the medium 1-rank job's first 1,024 positions).
+
 Note: what the model leaves out. Rows run to their max_new_tokens (no end-of-sequence id or stop
 string: a simulated token is never one); start-up (MPI, reading the weights, compiling) is
 `startup_s`, priced apart from the run; a rank's rates are the calibration's whatever the model
@@ -172,9 +177,10 @@ def _busy(events: Sequence[Event], stages: int) -> list[float]:
 def simulate_generate(requests: Sequence[Request], cost: ModelCost, layout: Layout, *, batch: int, groups: int,
                       max_new_tokens: int, prefill_chunk: int, mixed: bool = True, pool: Callable[[], Any] = None,
                       paged: bool = False, cal: Calibration | None = None, machine: Machine = Machine(),
-                      startup_s: float = 0.0, priced_by: str = "") -> Prediction:
+                      startup_s: float = 0.0, priced_by: str = "", first_s: Sequence[float] = ()) -> Prediction:
     """``generate`` of ``requests`` on ``layout`` (the module note); ``pool()`` makes a replica's
-    prefix-cache `block_pool.BlockPool` (None: off)."""
+    prefix-cache `block_pool.BlockPool` (None: off); ``first_s``: a stage's first step's extra
+    seconds (the first-touch note; none: 0)."""
     price = _pricer(cost, layout, cal, machine)
     items = list(requests)
     shared = {"next": 0}
@@ -183,7 +189,14 @@ def simulate_generate(requests: Sequence[Request], cost: ModelCost, layout: Layo
     lock = threading.Lock()
 
     def body(r: int, order: _TimeOrder) -> None:
-        pipe = ClockPipe(layout.stages, lambda h, s: price(contexts(h), s), token_of=lambda seq: 7)
+        touched: set[int] = set()  # this replica's stages past their first step
+
+        def step_s(h: StepHeader, s: int) -> float:
+            first = first_s[s] if s < len(first_s) and s not in touched else 0.0
+            touched.add(s)
+            return price(contexts(h), s) + first
+
+        pipe = ClockPipe(layout.stages, step_s, token_of=lambda seq: 7)
         pipes[r] = pipe
 
         def feed() -> list:

@@ -77,6 +77,13 @@ class Startup:
     launch_s: float  # the launcher's start to the command's first line (interpreter, imports, MPI_Init): slowest rank
     warm_s: dict[str, float]  # precision -> the family's kernels loaded (the first measured also loads the shared ones)
     load_gbps: float  # f32 stored bytes a second read from HDF5 and made resident in a stage
+    touch_gbps: float = 0.0  # fresh memory a second written the first time: the KV cache at the first step (0: an
+    # older calibration's, which did not measure it: `touch_s` prices it at load_gbps)
+
+    def touch_s(self, nbytes: float) -> float:
+        """Seconds ``nbytes`` of fresh memory take to be written the first time (a job's KV cache,
+        which its first step faults in: `engine.simulate`'s first-touch note)."""
+        return nbytes / ((self.touch_gbps or self.load_gbps) * 1e9)
 
     def kernels_s(self, precision: str) -> float:
         """The kernels a job at ``precision`` loads: the shared ones (the first measured
@@ -86,7 +93,8 @@ class Startup:
         return self.warm_s[first] + (own if precision != first else 0.0)
 
     def to_json(self) -> dict:
-        return {"launch_s": self.launch_s, "warm_s": dict(self.warm_s), "load_gbps": self.load_gbps}
+        return {"launch_s": self.launch_s, "warm_s": dict(self.warm_s), "load_gbps": self.load_gbps} | \
+            ({"touch_gbps": self.touch_gbps} if self.touch_gbps else {})
 
 
 @dataclass(frozen=True)
@@ -180,16 +188,21 @@ def _number(doc: dict, key: str, where: str) -> float:
 
 
 def _startup(doc: Any, where: str) -> Startup:
-    if not isinstance(doc, dict) or set(doc) != {"launch_s", "warm_s", "load_gbps"}:
+    need = {"launch_s", "warm_s", "load_gbps"}
+    if not isinstance(doc, dict) or not need <= set(doc) <= need | {"touch_gbps"}:
         raise ConfigError(where, f"got {sorted(doc) if isinstance(doc, dict) else doc!r}",
-                          "expected {launch_s, warm_s: {precision: s}, load_gbps}; run rlx-mpi probe --calibrate again")
+                          "expected {launch_s, warm_s: {precision: s}, load_gbps[, touch_gbps]}; run rlx-mpi probe "
+                          "--calibrate again")
     warm = doc["warm_s"]
     if not isinstance(warm, dict) or not warm:
         raise ConfigError(f"{where}: warm_s", f"got {warm!r}", "expected {precision: seconds}")
     load = _number(doc, "load_gbps", where)
     if load <= 0:
         raise ConfigError(f"{where}: load_gbps", f"got {load!r}", "expected a rate > 0; run rlx-mpi probe --calibrate again")
-    return Startup(_number(doc, "launch_s", where), {p: _number(warm, p, f"{where}: warm_s") for p in warm}, load)
+    touch = _number(doc, "touch_gbps", where) if "touch_gbps" in doc else 0.0
+    if "touch_gbps" in doc and touch <= 0:
+        raise ConfigError(f"{where}: touch_gbps", f"got {touch!r}", "expected a rate > 0; run rlx-mpi probe --calibrate again")
+    return Startup(_number(doc, "launch_s", where), {p: _number(warm, p, f"{where}: warm_s") for p in warm}, load, touch)
 
 
 def from_json(doc: Any, where: str) -> Calibration:
