@@ -196,13 +196,16 @@ def _startup(doc: Any, where: str) -> Startup:
     warm = doc["warm_s"]
     if not isinstance(warm, dict) or not warm:
         raise ConfigError(f"{where}: warm_s", f"got {warm!r}", "expected {precision: seconds}")
-    load = _number(doc, "load_gbps", where)
-    if load <= 0:
-        raise ConfigError(f"{where}: load_gbps", f"got {load!r}", "expected a rate > 0; run rlx-mpi probe --calibrate again")
-    touch = _number(doc, "touch_gbps", where) if "touch_gbps" in doc else 0.0
-    if "touch_gbps" in doc and touch <= 0:
-        raise ConfigError(f"{where}: touch_gbps", f"got {touch!r}", "expected a rate > 0; run rlx-mpi probe --calibrate again")
-    return Startup(_number(doc, "launch_s", where), {p: _number(warm, p, f"{where}: warm_s") for p in warm}, load, touch)
+    touch = _rate(doc, "touch_gbps", where) if "touch_gbps" in doc else 0.0  # (optional: an older file's 0)
+    return Startup(_number(doc, "launch_s", where), {p: _number(warm, p, f"{where}: warm_s") for p in warm},
+                   _rate(doc, "load_gbps", where), touch)
+
+
+def _rate(doc: dict, key: str, where: str) -> float:
+    v = _number(doc, key, where)
+    if v <= 0:
+        raise ConfigError(f"{where}: {key}", f"got {v!r}", "expected a rate > 0; run rlx-mpi probe --calibrate again")
+    return v
 
 
 def from_json(doc: Any, where: str) -> Calibration:
