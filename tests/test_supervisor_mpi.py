@@ -30,7 +30,7 @@ pytestmark = pytest.mark.mpi
 
 STOP_S = 3.0  # RLX_MPI_SUPERVISOR_STOP_S of these jobs
 PROMPTS = [(f"q{i}", np.random.default_rng(200 + i).integers(0, 512, int(2 + i % 11)).tolist()) for i in range(200)]
-FLAGS = ("--max-new-tokens", 40, "--batch", 1)  # long enough that the fault lands mid-run (Open MPI is quick)
+FLAGS = ("--max-new-tokens", 40, "--batch", 1)
 _RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
@@ -118,7 +118,9 @@ def test_a_stopped_supervisor_or_a_killed_rank_ends_the_job_named(tmp_path, tiny
     digest = hashlib.sha256(prompts.read_bytes()).hexdigest()
     argv = ["generate", job, "--prompts", prompts, "--out", out, *FLAGS]
     t0 = time.monotonic()
-    proc = start_cli(argv, ranks=2, env={"RLX_MPI_SUPERVISOR_STOP_S": str(STOP_S)})
+    # stage 0 waits 5 ms before each step, so the fault lands mid-run however quick the launcher (Open MPI
+    # CI ran the 200 prompts in 2.4 s and stopped rank 1 past its last message: the next test's case)
+    proc = start_cli(argv, ranks=2, env={"RLX_MPI_SUPERVISOR_STOP_S": str(STOP_S), "RLX_MPI_TEST_STEP_DELAY_S": "0.005"})
     wait_rows(proc, out, 2)
     supervisor, rank = ranks_of(tmp_path, 1)
     if fault == "stop-supervisor":
@@ -200,3 +202,42 @@ def test_a_supervisor_stopped_as_its_rank_ends_ends_the_process_named_not_never(
         assert proc.returncode == -signal.SIGKILL, (proc.returncode, out, err)
         assert err.count("rlx-mpi: error:") == 1 and "its supervisor" in err and "has been stopped" in err, err
         assert took < 2 + 5, took
+
+
+@pytest.mark.parametrize("suspended", [False, True])
+def test_a_rank_stopped_past_its_last_message_is_named_by_its_supervisor(tmp_path, suspended):
+    """A rank stopped after ``finish`` (its finish barrier and exit left): the other ranks may have
+    left, and under Open MPI the launcher waited for it for ever (CI: a quick job's rank stopped
+    after its 200 rows). Its supervisor names it and ends the job. A suspended job (the supervisor
+    stopped too, resumed first: the harder order) is not a fault. (One process, no MPI.)"""
+    script = ("import os, time\nfrom rlx_mpi import supervisor\nsupervisor.supervise()\n"
+              "print(os.getpid(), flush=True)\nsupervisor.finishing()\ntime.sleep(4.0)\nsupervisor.done()\n"
+              "print('rank ended', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RLX_MPI_SUPERVISOR_STOP_S": "1.5"})
+    rank = int(proc.stdout.readline())
+    if suspended:
+        os.kill(proc.pid, signal.SIGSTOP)
+    os.kill(rank, signal.SIGSTOP)
+    t0 = time.monotonic()
+    if suspended:
+        time.sleep(3.0)  # twice the limit
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.2)
+        os.kill(rank, signal.SIGCONT)
+    try:
+        out, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        pytest.fail(f"the process with a stopped rank did not end: {err}")
+    took = time.monotonic() - t0
+    if suspended:
+        assert proc.returncode == 0 and "rank ended" in out and "error" not in err, (proc.returncode, err)
+    else:
+        assert proc.returncode == -signal.SIGKILL and "rank ended" not in out, (proc.returncode, out, err)
+        errors = [x for x in err.splitlines() if x.startswith("rlx-mpi: error:")]
+        assert len(errors) == 1 and f"stopped (SIGSTOP or SIGTSTP) at the end of the job" in errors[0] \
+            and f"(pid {rank})" in errors[0] and "Traceback" not in err, err
+        assert 1.5 <= took < 1.5 + 4, took
+        assert not os.path.exists(f"/proc/{rank}"), "the stopped rank was left behind"

@@ -340,8 +340,9 @@ def _finish(timeout_s: float, debug: bool) -> None:
 
     from .faults import RankContext, report_and_abort, wait
 
-    from . import ulfm
+    from . import supervisor, ulfm
 
+    supervisor.finishing()  # the others may leave from here: a stop of this rank is its supervisor's to name
     world = ulfm.survivors or MPI.COMM_WORLD  # (ranks were lost: the survivors meet, `lifecycle.ulfm`)
     if world.size == 1:
         return

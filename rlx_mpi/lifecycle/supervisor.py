@@ -13,6 +13,8 @@ short lines the rank posts through a pipe:
     init           the rank is entering MPI_Init (where it waits for every other rank)
     ready          MPI is initialised; from here on every wait has its own deadline
     code <n>       the rank's exit code is decided (a failure every rank agreed on); it is ending
+    finish         the rank is past its last message (the finish barrier, MPI_Finalize, the exit are
+                   left): the other ranks may leave, so a stop from here is the parent's to name
     done           the rank reached the normal end of the command (any exit code)
     tolerate       on_rank_failure = "continue" under ULFM: the rank's death is the survivors' to
                    report and to survive (`lifecycle.ulfm`'s note); the parent then exits 0 quietly
@@ -47,7 +49,7 @@ import time
 from ..rules import DEFAULT_STARTUP_TIMEOUT_S  # (rules imports only errors: still numpy-free)
 from .watcher import Watcher, cancel_slurm_step, drain, launched_at, rank_from_env, state
 
-__all__ = ["supervise", "active", "post_context", "watch", "entering_mpi", "ready", "done", "default_startup_timeout_s",
+__all__ = ["supervise", "active", "post_context", "watch", "entering_mpi", "ready", "finishing", "done", "default_startup_timeout_s",
            "stopped_supervisor_s", "exiting", "tolerate", "DEFAULT_STARTUP_TIMEOUT_S", "DEFAULT_STOPPED_SUPERVISOR_S"]
 
 DEFAULT_STOPPED_SUPERVISOR_S = 10.0  # RLX_MPI_SUPERVISOR_STOP_S: a stopped supervisor ends the job after this
@@ -115,6 +117,11 @@ def tolerate() -> None:
     _post("tolerate")
 
 
+def finishing() -> None:
+    """This rank is past its command's last message: the other ranks may leave before it ends."""
+    _post("finish")
+
+
 def done() -> None:
     """This rank reached the normal end of its command (whatever its exit code).
 
@@ -157,12 +164,13 @@ def supervise() -> None:
                          name="rlx-mpi-supervisor-watch", daemon=True).start()
         return
     os.close(write_fd)
-    code = Watcher(child, read_fd, started, default_startup_timeout_s()).run()
+    code = Watcher(child, read_fd, started, default_startup_timeout_s(), stopped_supervisor_s()).run()
     os._exit(code)
 
 
 def stopped_supervisor_s() -> float:
-    """How long a rank lets its supervisor stay stopped: ``RLX_MPI_SUPERVISOR_STOP_S`` or 10 s."""
+    """How long a rank lets its supervisor stay stopped (and a supervisor its rank, at the end):
+    ``RLX_MPI_SUPERVISOR_STOP_S`` or 10 s."""
     try:
         value = float(os.environ.get("RLX_MPI_SUPERVISOR_STOP_S", DEFAULT_STOPPED_SUPERVISOR_S))
     except ValueError:

@@ -9,7 +9,9 @@ The supervisor (`Watcher`) ends the job, naming the rank, when the child
   after ``code <n>`` such a death keeps the rank's code: srun --kill-on-bad-exit
   terminates the ranks still exiting once the first has exited 2, and the job must end with 2);
 - exits without posting ``done`` (``os._exit(0)`` in a plug-in, an import error, a broken MPI);
-- has not posted ``ready`` when the start-up deadline passes (a stopped rank, a hung mount).
+- has not posted ``ready`` when the start-up deadline passes (a stopped rank, a hung mount);
+- stays stopped for ``RLX_MPI_SUPERVISOR_STOP_S`` after posting ``finish`` (its last wait, the
+  finish barrier, and its exit): the other ranks may have left, and no deadline of theirs names it.
   A rank stopped, or stuck before it even reached MPI_Init, is reported at the deadline
   (rank r ``STAGGER_S`` x r later, at most 10 steps); a rank inside MPI_Init is most likely
   waiting for such a rank, so its parent waits a few seconds more (``GRACE_S``, staggered by
@@ -27,6 +29,14 @@ Launchers react to a death by signal, not reliably to an exit code, so after its
 parent cancels the Slurm step (under srun) and kills itself with SIGKILL (MPICH then ends the
 job with code 9, srun --kill-on-bad-exit likewise). A waiting rank's parent gives a stopped or dead rank's parent a few seconds' grace
 to report first, so the line names the rank at fault.
+
+Note: a rank stopped at the end. Mid-run, a stopped rank is named by the rank waiting for it (its
+deadline expires). After the last message the others leave: under Open MPI a rank SIGSTOPped
+after the finish barrier (a quick job, 200 prompts in 2.4 s, stopped as the test saw its second
+row) left mpirun waiting for it for ever, every row written. So from ``finish`` on the parent
+looks at its rank's state every 0.5 s; stopped (``T``) that long, it names the rank and ends
+the job. A suspended job (``scontrol suspend``: the parent stopped too) is not a fault: the
+parent's own clock jumps when it runs again, and its count starts again.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ __all__ = ["Watcher", "GRACE_S", "STAGGER_S", "drain", "cancel_slurm_step", "fir
            "stat_fields", "rank_from_env"]
 
 GRACE_S = 3.0  # a waiting rank's parent reports this much after a stopped rank's parent
+STOP_POLL_S = 0.5  # after ``finish``: how often the parent looks whether its rank is stopped
 STAGGER_S = 0.25  # a stalled rank's parent reports this much x rank (at most 10) after the deadline (< GRACE_S)
 _EXIT_FAULT = 4  # errors.EXIT_FAULT, without importing the package's heavier modules here
 # Signals the supervisor survives; it passes on those that end a process and that a sender may
@@ -57,7 +68,7 @@ _RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 class Watcher:
     """Waits for the rank without burning a core; decides how the launched process ends."""
 
-    def __init__(self, child: int, fd: int, started: float, limit_s: float):
+    def __init__(self, child: int, fd: int, started: float, limit_s: float, stop_limit_s: float = 10.0):
         self.child, self.fd, self.started = child, fd, started
         # until the rank posts ``watch``: the deadline before the job file is read
         self.limit_s, self.limit_by = limit_s, "RLX_MPI_STARTUP_TIMEOUT_S"
@@ -65,6 +76,10 @@ class Watcher:
         self.waited = False  # the in-MPI grace was given
         self.claim: socket.socket | None = None  # held from the report to the end (`_first_report`)
         self.context, self.in_mpi, self.is_ready, self.is_done = "", False, False, False
+        self.finishing = False  # ``finish``: the rank is past its last message; a stop is its parent's to name
+        self.stop_limit_s = stop_limit_s
+        self.stopped_since: float | None = None  # the rank seen stopped since (after ``finish``)
+        self.last_look = 0.0
         self.decided: int | None = None  # the exit code the rank posted with ``code``
         self.tolerated = False  # ``tolerate``: a death after MPI start-up is the survivors' to handle
         self.noted: set[int] = set()
@@ -82,6 +97,9 @@ class Watcher:
             timeout = None if self.is_ready else max(0.0, self._deadline() - time.monotonic())
             if pidfd is None:
                 timeout = 0.2 if timeout is None else min(timeout, 0.2)
+            if self.finishing or self.is_done:
+                poll = min(STOP_POLL_S, self.stop_limit_s / 4)
+                timeout = poll if timeout is None else min(timeout, poll)
             try:
                 ready_fds, _, _ = select.select(watched + ([pidfd] if pidfd is not None else []), [], [], timeout)
             except InterruptedError:
@@ -96,6 +114,8 @@ class Watcher:
                 code = self._stalled()
                 if code is not None:
                     return code
+            if (self.finishing or self.is_done) and self._stopped_too_long():
+                return self._stopped_at_end()
 
     def _note(self, sig, _frame) -> None:
         self.noted.add(sig)
@@ -151,6 +171,8 @@ class Watcher:
                     self.decided = int(rest)
             elif kind == "done":
                 self.is_done = True
+            elif kind == "finish":
+                self.finishing = True
             elif kind == "tolerate":
                 self.tolerated = True
 
@@ -218,6 +240,35 @@ class Watcher:
             hint = ("a plug-in or library ended the process (exit(), os._exit()) before the job's end; "
                     "every rank must reach the end for the result to be complete")
         self._report(f"ended with exit status {code}{phase} (pid {self.child}), before the end of the job", hint)
+        return self._end_job()
+
+    def _stopped_too_long(self) -> bool:
+        """Has the rank been stopped ``stop_limit_s`` while this parent ran? (after ``finish``)"""
+        now = time.monotonic()
+        if self.last_look and now - self.last_look > 4 * min(STOP_POLL_S, self.stop_limit_s / 4) + 1.0:
+            self.stopped_since = None  # this parent was stopped too (a suspended job): count again
+        self.last_look = now
+        if state(self.child) != "T":
+            self.stopped_since = None
+            return False
+        self.stopped_since = now if self.stopped_since is None else self.stopped_since
+        return now - self.stopped_since >= self.stop_limit_s
+
+    def _stopped_at_end(self) -> int:
+        """Name the rank stopped after its last message, then end it and the job."""
+        seconds = time.monotonic() - (self.stopped_since or time.monotonic())
+        # (the context posted for MPI_Finalize's watchdog explains an exit, not a stop: its cause is cut)
+        self.context = self.context.partition(" (stuck over")[0]
+        self._report(f"stopped (SIGSTOP or SIGTSTP) at the end of the job, past its last message, for "
+                     f"{seconds:.0f} s (pid {self.child}), and a stopped process never lets the job end",
+                     "find what stopped it (a debugger, a kill -STOP, the batch system); the job's output was "
+                     "written before this point, and a rerun finds its rows done (RLX_MPI_SUPERVISOR_STOP_S "
+                     "sets how long the supervisor waits)")
+        try:
+            os.kill(self.child, signal.SIGKILL)
+            os.waitpid(self.child, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
         return self._end_job()
 
     def _stalled(self) -> int | None:
