@@ -211,11 +211,11 @@ def test_a_rank_stopped_past_its_last_message_is_named_by_its_supervisor(tmp_pat
     after its 200 rows). Its supervisor names it and ends the job. A suspended job (the supervisor
     stopped too, resumed first: the harder order) is not a fault. (One process, no MPI.)"""
     script = ("import os, time\nfrom rlx_mpi import supervisor\nsupervisor.supervise()\n"
-              "print(os.getpid(), flush=True)\nsupervisor.finishing()\ntime.sleep(4.0)\nsupervisor.done()\n"
+              "supervisor.finishing()\nprint(os.getpid(), flush=True)\ntime.sleep(4.0)\nsupervisor.done()\n"
               "print('rank ended', flush=True)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "RLX_MPI_SUPERVISOR_STOP_S": "1.5"})
-    rank = int(proc.stdout.readline())
+    rank = int(proc.stdout.readline())  # (after ``finish`` is posted: a stop before it is the other ranks' to name)
     if suspended:
         os.kill(proc.pid, signal.SIGSTOP)
     os.kill(rank, signal.SIGSTOP)
