@@ -249,6 +249,64 @@ def test_quantize_q4_groups_and_accuracy():
         kernels.quantize_q4(w[:, :40].copy())
 
 
+def numpy_quantize_q4(w: np.ndarray, refits: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """The quantizer in plain numpy (the kernel's reference, bit for bit): per group of 32 the
+    minimum and (max - min) / 15 rounded to float16, the nearest codes, then ``refits`` least-squares
+    refits of the pair kept per group where the error falls."""
+    n, k = w.shape
+    g = w.reshape(n, -1, 32)
+
+    def fit(scale, minimum):
+        scale, minimum = scale.astype(np.float16), minimum.astype(np.float16)
+        s32, m32 = scale.astype(np.float32)[..., None], minimum.astype(np.float32)[..., None]
+        q = np.where(s32 > 0, np.rint((g - m32) / s32), 0)
+        return scale, minimum, np.clip(np.nan_to_num(q), 0, 15).astype(np.uint8)
+
+    def err(scale, minimum, q):
+        return ((scale.astype(np.float32)[..., None] * q + minimum.astype(np.float32)[..., None] - g) ** 2).sum(axis=2)
+
+    with np.errstate(all="ignore"):  # (NaN and Inf groups: their pairs stay non-finite)
+        scale, minimum, q = fit((g.max(axis=2) - g.min(axis=2)) / np.float32(15), g.min(axis=2))
+        for _ in range(refits):
+            qf = q.astype(np.float32)
+            qm, gm = qf.mean(axis=2), g.mean(axis=2)
+            var = ((qf - qm[..., None]) ** 2).sum(axis=2)
+            cov = ((qf - qm[..., None]) * (g - gm[..., None])).sum(axis=2)
+            s_new = np.where(var > 0, cov / var, scale.astype(np.float32))
+            s_new = np.where(s_new > 0, s_new, scale.astype(np.float32))
+            s2, m2, q2 = fit(s_new, gm - s_new * qm)
+            better = err(s2, m2, q2) < err(scale, minimum, q)
+            scale, minimum, q = (np.where(better, s2, scale), np.where(better, m2, minimum),
+                                 np.where(better[..., None], q2, q))
+    q = q.reshape(n, k)
+    sm = np.empty((n, k // 16), np.uint16)
+    sm[:, 0::2], sm[:, 1::2] = scale.view(np.uint16), minimum.view(np.uint16)
+    return q[:, 0::2] | (q[:, 1::2] << 4), sm
+
+
+@pytest.mark.parametrize("kind", ["normal", "student-t", "wide", "special"])
+def test_quantize_q4_is_the_numpy_quantizer_bit_for_bit(kind):
+    """The njit quantizer (rows over the pool's threads) against the numpy one, every byte: codes
+    and the float16 pairs, on Gaussian, heavy-tailed, widely scaled rows and groups with constants,
+    zeros, subnormals, huge values, NaN and Inf; and a row's bytes never depend on the rows beside it."""
+    rng = np.random.default_rng({"normal": 1, "student-t": 2, "wide": 3, "special": 4}[kind])
+    w = rng.standard_t(3, (67, 320)) if kind == "student-t" else rng.standard_normal((67, 320))
+    if kind == "wide":
+        w *= 10.0 ** rng.uniform(-6, 4, (67, 10)).repeat(32, axis=1)
+    w = w.astype(np.float32)
+    if kind == "special":
+        w[0, :32] = 0.25
+        w[1, :32] = 0.0
+        w[2, :32] *= 1e-6  # subnormal float16 scales
+        w[3, :32] *= 1e5  # past float16's range
+        w[4, 3], w[5, 40], w[6, 70], w[7, 7] = np.nan, np.inf, -np.inf, np.float32(1e-41)
+    codes, sm = kernels.quantize_q4(w)
+    want_codes, want_sm = numpy_quantize_q4(w)
+    assert np.array_equal(codes, want_codes) and np.array_equal(sm, want_sm)
+    one = [kernels.quantize_q4(w[r:r + 1].copy()) for r in (0, 33, 66)]
+    assert all(np.array_equal(c, codes[r:r + 1]) and np.array_equal(p, sm[r:r + 1]) for (c, p), r in zip(one, (0, 33, 66)))
+
+
 def test_q4_checks_name_what_to_pass():
     codes, sm = kernels.quantize_q4(np.ones((2, 64), np.float32))
     with pytest.raises(TypeError, match="uint8 codes"):

@@ -19,7 +19,7 @@ import numpy as np
 from numba.core import types
 from numba.extending import intrinsic
 
-__all__ = ["as_f32", "bits_of_f32", "f16_exact", "pack_bf16", "unpack_bf16", "pack_f16", "unpack_f16"]
+__all__ = ["as_f32", "bits_of_f32", "f16_exact", "f16_bits", "pack_bf16", "unpack_bf16", "pack_f16", "unpack_f16"]
 
 _U = np.uint32
 
@@ -76,24 +76,28 @@ def unpack_bf16(src, dst):  # src (N,) uint16 = bf16 bits, dst (N,) uint32 = flo
         dst[i] = _U(_U(src[i]) << _U(16))
 
 
+@numba.njit(cache=True, inline="always")
+def f16_bits(x):  # one float32 -> IEEE half bits (uint32), numpy's astype(float16): to nearest even
+    b = bits_of_f32(x)
+    sign = _U(_U(b >> _U(16)) & _U(0x8000))
+    a = _U(b & _U(0x7FFFFFFF))  # |x| bits
+    # normal half: rebias the exponent 127 -> 15, round the 13 dropped bits to nearest
+    # even (a carry into the exponent is right, up to 65520.. -> 0x7c00 = Inf)
+    normal = _U(_U(_U(a - _U(0x38000000)) + _U(_U(0xFFF) + _U(_U(a >> _U(13)) & _U(1)))) >> _U(13))
+    # subnormal half (|x| < 2**-14): |x| * 2**24 < 1024 is exact in float32 and rint rounds
+    # it to nearest even, in vector instructions (2x faster than integer shifts, measured)
+    small = np.abs(x) if a < _U(0x38800000) else np.float32(0.0)
+    h = normal if a >= _U(0x38800000) else _U(np.int32(np.rint(small * np.float32(16777216.0))))
+    h = _U(0x7C00) if a >= _U(0x47800000) else h  # from 65536 (and Inf): Inf
+    # NaN: quiet, keep the top payload bits
+    h = _U(_U(0x7E00) | _U(_U(a >> _U(13)) & _U(0x3FF))) if a > _U(0x7F800000) else h
+    return _U(h | sign)
+
+
 @numba.njit(cache=True)
 def pack_f16(src, dst):  # src (N,) float32, dst (N,) uint16 = IEEE half bits
-    bits = src.view(np.uint32)
     for i in range(src.size):
-        b = bits[i]
-        sign = _U(_U(b >> _U(16)) & _U(0x8000))
-        a = _U(b & _U(0x7FFFFFFF))  # |x| bits
-        # normal half: rebias the exponent 127 -> 15, round the 13 dropped bits to nearest
-        # even (a carry into the exponent is right, up to 65520.. -> 0x7c00 = Inf)
-        normal = _U(_U(_U(a - _U(0x38000000)) + _U(_U(0xFFF) + _U(_U(a >> _U(13)) & _U(1)))) >> _U(13))
-        # subnormal half (|x| < 2**-14): |x| * 2**24 < 1024 is exact in float32 and rint rounds
-        # it to nearest even, in vector instructions (2x faster than integer shifts, measured)
-        small = np.abs(src[i]) if a < _U(0x38800000) else np.float32(0.0)
-        h = normal if a >= _U(0x38800000) else _U(np.int32(np.rint(small * np.float32(16777216.0))))
-        h = _U(0x7C00) if a >= _U(0x47800000) else h  # from 65536 (and Inf): Inf
-        # NaN: quiet, keep the top payload bits
-        h = _U(_U(0x7E00) | _U(_U(a >> _U(13)) & _U(0x3FF))) if a > _U(0x7F800000) else h
-        dst[i] = np.uint16(_U(h | sign))
+        dst[i] = np.uint16(f16_bits(src[i]))
 
 
 @numba.njit(cache=True)
