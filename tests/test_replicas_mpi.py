@@ -231,14 +231,10 @@ def test_stop_signal_with_replicas_then_resume_on_another_count(tmp_path, tiny_c
     from conftest import start_cli
     from rlx_mpi.io.journal import REQUEUE_EXIT
 
-    # the signal is sent at the first row; rank 0 holds from then until it comes, and the chunk it has
-    # claimed keeps the job from ending without it. The others claim from the shared counter without
-    # rank 0: under CI's load they once did all 120 prompts before rank 0 was in its loop ("3600 tokens
-    # in 0s" on rank 0: its progress line, made just before the loop, saw every row come at once, with
-    # the hold alone and, before it, with a 5 ms step delay alone). A step delay as well, and a hold
-    # longer than the others need for every prompt: with 20 ms (two replicas: ~19 s) and a 20 s hold it
-    # failed again under CI (2026-12-07: every row done, exit 0); 50 ms makes that ~46 s, the hold 60 s
-    # (it ends at the signal, so a passing run is no slower than before but for its first row's 1.5 s).
+    # the signal is sent at the first row; every replica holds from its first row until it comes (the
+    # TestHooks note), so none can finish the file first. Rank 0 alone held once: under CI's load the
+    # others did all 120 prompts before rank 0 was in its loop ("3600 tokens in 0s" on rank 0), with a
+    # 5, 20 and then 50 ms step delay (2026-12-07); the delay stays, the first row comes after ~1.5 s.
     long = [(f"q{i}", np.random.default_rng(100 + i).integers(0, 512, int(2 + i % 13)).tolist()) for i in range(120)]
     prompts = write_lines(tmp_path / "long.jsonl", long)
     flags = ("--max-new-tokens", 30, "--batch", 2)

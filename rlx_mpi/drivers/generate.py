@@ -466,15 +466,20 @@ class GenerateDriver(JournalDriver):
             else:
                 post._send({"kind": "took", "lo": lo, "hi": hi})
 
-        hold = [self.hooks.hold_polls if journal is not None else 0]
+        hold = [self.hooks.hold_polls if driving else 0]
+
+        def held() -> bool:  # a test's hold begins: on rank 0 once a row is written, elsewhere at its own first
+            return journal.done if journal is not None else per_replica[topo.replica]["rows"] > 0
 
         def stop_now(final: bool = False) -> bool:
-            if hold[0] and journal.done:  # a test's hold: rank 0 waits for the stop once a row is written
+            if hold[0] and held():  # (each replica then waits for the stop: none can finish the file first)
                 for _ in range(hold[0]):
                     if stop.requested:
                         break
                     if collector is not None:
                         collector.poll()
+                    elif post is not None:
+                        post.beat()
                     time.sleep(0.01)
                 hold[0] = 0
             if collector is not None:

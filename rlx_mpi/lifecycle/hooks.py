@@ -9,9 +9,11 @@ and a test that drives a driver in-process passes its own. Each field is off by 
   first token of its STEP-th step (from 1), as a scheduler gone out of lockstep would.
 - ``step_delay_s`` (``RLX_MPI_TEST_STEP_DELAY_S``): stage 0 sleeps before issuing each step, so
   a test's signal lands mid-run however fast the host is.
-- ``hold_s`` (``RLX_MPI_TEST_HOLD_S``): once the first row is in the output, rank 0 stops between
-  steps until a stop is requested (at most that long), so a test's signal lands mid-run however
-  fast the other replicas are (not with TP: its other ranks would wait on rank 0's all-reduce).
+- ``hold_s`` (``RLX_MPI_TEST_HOLD_S``): once the first row is in the output (rank 0), or once its
+  replica finished a row (another replica's first stage), a replica stops between steps until a
+  stop is requested (at most that long), so a test's signal lands mid-run however fast or late
+  each replica is (CI: rank 0 reached its loop after the others had done all 120 prompts). Not
+  with TP: its other ranks would wait on the first's all-reduce.
 - ``kill_after`` (``RLX_MPI_TEST_KILL=RANK:SECONDS[:STOP][,...]``): world rank RANK SIGKILLs
   itself (a node dying mid-run), or with ``:STOP`` SIGSTOPs itself (a stuck node), that long after
   its generate run starts, after one stderr line.
