@@ -127,9 +127,8 @@ def test_start_up_prices_reading_the_file_and_converting_it():
     up = {"launch_s": 1.5, "warm_s": {"f32": 0.4, "q4": 0.2}, "load_gbps": 2.0}
     measured = from_json(_cal_doc(convert={"f32": 1e-9, "q4": 1e-7}, startup=up), "c.json")
     assert measured.startup.kernels_s("q4") == pytest.approx(0.6) and measured.startup.kernels_s("f32") == 0.4
-    linear = cost.n_layers * cost.layer_bytes / 4 + cost.head_bytes / 4  # (the embedding, a lookup, stays float)
-    weights = linear + cost.embed_bytes / 4
-    assert _startup_s(cost, lay, measured, "f32") == pytest.approx(1.5 + 0.6 + weights * 4 / 2e9 + linear * (1e-7 - 1e-9))
+    weights = cost.n_layers * cost.layer_bytes / 4 + (cost.embed_bytes + cost.head_bytes) / 4
+    assert _startup_s(cost, lay, measured, "f32") == pytest.approx(1.5 + 0.6 + weights * 4 / 2e9 + weights * (1e-7 - 1e-9))
     for bad in ({**up, "load_gbps": 0}, {**up, "warm_s": {}}, {"launch_s": 1}, {**up, "touch_gbps": 0}):
         with pytest.raises(ConfigError, match="c.json: startup"):
             from_json(_cal_doc(startup=bad), "c.json")

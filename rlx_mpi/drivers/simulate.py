@@ -101,15 +101,13 @@ def _startup_s(cost: Any, layout: Any, cal: Any, stored: str | None) -> float:
     measured = getattr(cal, "startup", None)
     worst = 0.0
     for s, n in enumerate(layout.layers):
-        # (f32-priced bytes / 4: weights) the products' weights, which a q4 or int8 stage converts;
-        # the embedding, a lookup, stays float (`decoder.weights`): read, never converted
-        linear = n * cost.layer_bytes / 4.0 + (cost.head_bytes / 4.0 if s == layout.stages - 1 else 0.0)
-        weights = linear + (cost.embed_bytes / 4.0 if s == 0 else 0.0)
+        weights = n * cost.layer_bytes / 4.0 + (cost.embed_bytes / 4.0 if s == 0 else 0.0) + \
+            (cost.head_bytes / 4.0 if s == layout.stages - 1 else 0.0)  # (f32-priced bytes: weights)
         held = layout.precisions[s]
         read = weights * 4.0 * (_weight_scale(stored) if stored else layout.weight_scales[s]) / layout.tp
         t = read / ((measured.load_gbps if measured else STARTUP_READ_GBPS) * 1e9)
         if cal is not None and stored and stored != held:  # (the load rate holds f32's own making resident)
-            t += linear / layout.tp * max(0.0, cal.convert.get(held, 0.0) - cal.convert.get("f32", 0.0))
+            t += weights / layout.tp * max(0.0, cal.convert.get(held, 0.0) - cal.convert.get("f32", 0.0))
         if measured:
             t += measured.kernels_s(held)
         worst = max(worst, t)
