@@ -207,6 +207,15 @@ class Watcher:
         os.kill(os.getpid(), signal.SIGKILL)
         return _EXIT_FAULT  # not reached
 
+    def _kill_rank_and_end(self) -> int:
+        """After a report on a rank still alive (stopped or stuck): kill it, then end the job."""
+        try:
+            os.kill(self.child, signal.SIGKILL)
+            os.waitpid(self.child, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        return self._end_job()
+
     def _ended(self, status: int) -> int:
         phase = "" if self.is_ready else " before MPI start-up finished"
         if os.WIFSIGNALED(status):
@@ -264,12 +273,7 @@ class Watcher:
                      "find what stopped it (a debugger, a kill -STOP, the batch system); the job's output was "
                      "written before this point, and a rerun finds its rows done (RLX_MPI_SUPERVISOR_STOP_S "
                      "sets how long the supervisor waits)")
-        try:
-            os.kill(self.child, signal.SIGKILL)
-            os.waitpid(self.child, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-        return self._end_job()
+        return self._kill_rank_and_end()
 
     def _stalled(self) -> int | None:
         """The start-up deadline passed and MPI is not up: report a stopped rank now, a waiting one later."""
@@ -298,12 +302,7 @@ class Watcher:
             fix = ("another rank is stuck or dead (see its line above), a filesystem is hanging, or the launcher "
                    "could not start every rank; if start-up is only slow, raise " + setting.split(",")[0])
         self._report(what, fix)
-        try:
-            os.kill(self.child, signal.SIGKILL)
-            os.waitpid(self.child, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-        return self._end_job()
+        return self._kill_rank_and_end()
 
 
 def cancel_slurm_step() -> None:
