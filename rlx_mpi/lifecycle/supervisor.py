@@ -47,7 +47,7 @@ import sys
 import time
 
 from ..rules import DEFAULT_STARTUP_TIMEOUT_S  # (rules imports only errors: still numpy-free)
-from .watcher import Watcher, cancel_slurm_step, drain, launched_at, rank_from_env, state
+from .watcher import StoppedFor, Watcher, cancel_slurm_step, drain, launched_at, rank_from_env, state
 
 __all__ = ["supervise", "active", "post_context", "watch", "entering_mpi", "ready", "finishing", "done", "default_startup_timeout_s",
            "stopped_supervisor_s", "exiting", "tolerate", "DEFAULT_STARTUP_TIMEOUT_S", "DEFAULT_STOPPED_SUPERVISOR_S"]
@@ -180,23 +180,14 @@ def stopped_supervisor_s() -> float:
 
 def _watch_supervisor(parent: int, limit_s: float, poll_s: float = 0.5) -> None:
     """The rank's side (a daemon thread): end the job if the supervisor stays stopped ``limit_s``."""
-    poll_s = min(poll_s, limit_s / 4)
-    since: float | None = None
-    last = time.monotonic()
+    stopped = StoppedFor(min(poll_s, limit_s / 4))
     while True:
-        time.sleep(poll_s)
-        now = time.monotonic()
-        if now - last > 4 * poll_s + 1.0:  # this rank was stopped too (a suspended job): start again
-            since = None
-        last = now
+        time.sleep(stopped.poll_s)
         if os.getppid() != parent:  # the supervisor is gone: the parent-death signal ends us
             return
-        if state(parent) != "T":
-            since = None
-            continue
-        since = now if since is None else since
-        if now - since >= limit_s:
-            _supervisor_stopped(parent, now - since)
+        seconds = stopped.look(parent)  # (this rank stopped too, a suspended job: the count starts again)
+        if seconds >= limit_s:
+            _supervisor_stopped(parent, seconds)
             return
 
 

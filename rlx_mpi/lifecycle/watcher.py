@@ -48,7 +48,7 @@ import socket
 import sys
 import time
 
-__all__ = ["Watcher", "GRACE_S", "STAGGER_S", "drain", "cancel_slurm_step", "first_report", "launched_at", "state",
+__all__ = ["Watcher", "StoppedFor", "GRACE_S", "STAGGER_S", "drain", "cancel_slurm_step", "first_report", "launched_at", "state",
            "stat_fields", "rank_from_env"]
 
 GRACE_S = 3.0  # a waiting rank's parent reports this much after a stopped rank's parent
@@ -68,7 +68,7 @@ _RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 class Watcher:
     """Waits for the rank without burning a core; decides how the launched process ends."""
 
-    def __init__(self, child: int, fd: int, started: float, limit_s: float, stop_limit_s: float = 10.0):
+    def __init__(self, child: int, fd: int, started: float, limit_s: float, stop_limit_s: float):
         self.child, self.fd, self.started = child, fd, started
         # until the rank posts ``watch``: the deadline before the job file is read
         self.limit_s, self.limit_by = limit_s, "RLX_MPI_STARTUP_TIMEOUT_S"
@@ -78,8 +78,7 @@ class Watcher:
         self.context, self.in_mpi, self.is_ready, self.is_done = "", False, False, False
         self.finishing = False  # ``finish``: the rank is past its last message; a stop is its parent's to name
         self.stop_limit_s = stop_limit_s
-        self.stopped_since: float | None = None  # the rank seen stopped since (after ``finish``)
-        self.last_look = 0.0
+        self.stopped = StoppedFor(min(STOP_POLL_S, stop_limit_s / 4))  # the rank's stop, looked at after ``finish``
         self.decided: int | None = None  # the exit code the rank posted with ``code``
         self.tolerated = False  # ``tolerate``: a death after MPI start-up is the survivors' to handle
         self.noted: set[int] = set()
@@ -98,8 +97,7 @@ class Watcher:
             if pidfd is None:
                 timeout = 0.2 if timeout is None else min(timeout, 0.2)
             if self.finishing or self.is_done:
-                poll = min(STOP_POLL_S, self.stop_limit_s / 4)
-                timeout = poll if timeout is None else min(timeout, poll)
+                timeout = self.stopped.poll_s if timeout is None else min(timeout, self.stopped.poll_s)
             try:
                 ready_fds, _, _ = select.select(watched + ([pidfd] if pidfd is not None else []), [], [], timeout)
             except InterruptedError:
@@ -114,8 +112,10 @@ class Watcher:
                 code = self._stalled()
                 if code is not None:
                     return code
-            if (self.finishing or self.is_done) and self._stopped_too_long():
-                return self._stopped_at_end()
+            if self.finishing or self.is_done:
+                seconds = self.stopped.look(self.child)
+                if seconds >= self.stop_limit_s:
+                    return self._stopped_at_end(seconds)
 
     def _note(self, sig, _frame) -> None:
         self.noted.add(sig)
@@ -251,21 +251,8 @@ class Watcher:
         self._report(f"ended with exit status {code}{phase} (pid {self.child}), before the end of the job", hint)
         return self._end_job()
 
-    def _stopped_too_long(self) -> bool:
-        """Has the rank been stopped ``stop_limit_s`` while this parent ran? (after ``finish``)"""
-        now = time.monotonic()
-        if self.last_look and now - self.last_look > 4 * min(STOP_POLL_S, self.stop_limit_s / 4) + 1.0:
-            self.stopped_since = None  # this parent was stopped too (a suspended job): count again
-        self.last_look = now
-        if state(self.child) != "T":
-            self.stopped_since = None
-            return False
-        self.stopped_since = now if self.stopped_since is None else self.stopped_since
-        return now - self.stopped_since >= self.stop_limit_s
-
-    def _stopped_at_end(self) -> int:
+    def _stopped_at_end(self, seconds: float) -> int:
         """Name the rank stopped after its last message, then end it and the job."""
-        seconds = time.monotonic() - (self.stopped_since or time.monotonic())
         # (the context posted for MPI_Finalize's watchdog explains an exit, not a stop: its cause is cut)
         self.context = self.context.partition(" (stuck over")[0]
         self._report(f"stopped (SIGSTOP or SIGTSTP) at the end of the job, past its last message, for "
@@ -303,6 +290,27 @@ class Watcher:
                    "could not start every rank; if start-up is only slow, raise " + setting.split(",")[0])
         self._report(what, fix)
         return self._kill_rank_and_end()
+
+
+class StoppedFor:
+    """How long a process has been seen stopped (state ``T``) by one that looks at it every
+    ``poll_s``: a gap in the looks means the looker was stopped too (a suspended job), and the
+    count starts again. The rank's watch of its supervisor and the supervisor's of its rank."""
+
+    def __init__(self, poll_s: float):
+        self.poll_s, self.since, self.last = poll_s, None, time.monotonic()
+
+    def look(self, pid: int) -> float:
+        """Seconds ``pid`` has been stopped so far (0: running, or the count started again)."""
+        now = time.monotonic()
+        if now - self.last > 4 * self.poll_s + 1.0:
+            self.since = None
+        self.last = now
+        if state(pid) != "T":
+            self.since = None
+            return 0.0
+        self.since = now if self.since is None else self.since
+        return now - self.since
 
 
 def cancel_slurm_step() -> None:
