@@ -682,3 +682,28 @@ def test_matmul_float_matches_numpy_and_the_matvec_at_every_tile_remainder(monke
                 matvec._matvec_float(x, w, out, 2)
                 assert (got == out).all(), (m, n, k)
     assert worst < 1e-6, worst
+
+
+def test_the_ranks_thread_share_holds_in_every_thread():
+    """numba's thread count is per thread: a thread other than set_threads' (the start-up's,
+    which builds the stage) starts at NUMBA_NUM_THREADS. The load-time quantizers run on the
+    rank's share there too (a q4 job of 2 ranks on 2 cores quantized on 4 threads before)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import threading, numba, numpy as np\n"
+        "from rlx_mpi import kernels\n"
+        "kernels.set_threads(1)\n"
+        "seen = {}\n"
+        "def work(name, fn):\n"
+        "    seen[name + ' before'] = numba.get_num_threads()\n"
+        "    fn(np.ones((4, 64), np.float32))\n"
+        "    seen[name] = numba.get_num_threads()\n"
+        "for name, fn in (('q4', kernels.quantize_q4), ('int8', kernels.quantize_int8)):\n"
+        "    t = threading.Thread(target=work, args=(name, fn)); t.start(); t.join()\n"
+        "print(sorted(seen.items()))\n")
+    env = dict(os.environ, NUMBA_NUM_THREADS="2")  # (the premise on any host: a new thread's count is 2)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str([("int8", 1), ("int8 before", 2), ("q4", 1), ("q4 before", 2)])

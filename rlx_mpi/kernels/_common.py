@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Callable, Sequence
@@ -28,15 +29,29 @@ FAST = {"reassoc", "contract"}  # lets LLVM vectorise float32 dot-product reduct
 
 
 _threads: list[int] = []  # the count `set_threads` last gave numba's pool (empty: never set)
+_here = threading.local()  # .threads: the count numba was last given in this thread
 
 
 def pool_threads() -> int:
-    """Threads of numba's pool for the parallel kernels.
+    """Threads of numba's pool for the parallel kernels: the rank's share (`set_threads`),
+    given to numba in the calling thread first if this thread has not had it.
 
     Note: numba.get_num_threads() first calls numba's _launch_threads, 3-7 us per call (measured
     under load); a decode step calls a matvec ~113 times (medium preset), so the count
-    `set_threads` gave is kept here and numba asked only when it was never set."""
-    return _threads[0] if _threads else numba.get_num_threads()
+    `set_threads` gave is kept here and numba asked only when it was never set.
+
+    Note: the count is per thread. numba keeps it thread-local: a thread other than the one
+    `set_threads` ran on starts at NUMBA_NUM_THREADS (all the host's cores). The start-up's work
+    runs in such a thread (`faults.bounded`), so a q4 job of 2 ranks on the 2-core VM quantized
+    its weights at load on 2 OpenMP threads a rank, 4 on 2 cores (seen in gdb: GOMP_parallel with
+    num_threads=2 under `_quantize_q4`): 15-16 ns a weight where 1 thread alone takes 10-12.
+    Each parallel kernel's wrapper asks here (a thread-local look, ~50 ns) before its call."""
+    if not _threads:
+        return numba.get_num_threads()
+    if getattr(_here, "threads", 0) != _threads[0]:
+        numba.set_num_threads(_threads[0])
+        _here.threads = _threads[0]
+    return _threads[0]
 
 
 # Note: threading layer. numba's default (OpenMP, GNU libgomp) is kept. Its workers spin after
@@ -54,6 +69,7 @@ def set_threads(n: int | None) -> None:
     if n:
         numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
         _threads[:] = [numba.get_num_threads()]
+        _here.threads = _threads[0]
 
 
 # Note: the team. Blocked attention's GEMMs are small (a 64-query block against at most 1024

@@ -389,6 +389,7 @@ def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"quantize_int8: expected a 2-D weight (out, in), got shape {w.shape}")
     q = np.empty(w.shape, np.int8)
     scale = np.empty((w.shape[0], int8_blocks(w.shape[1])), np.float32)
+    pool_threads()  # (the rank's share in this thread: `pool_threads`' note)
     _quantize_int8(w, q, scale)
     return q, scale
 
