@@ -123,17 +123,23 @@ def test_start_up_prices_reading_the_file_and_converting_it():
     held = _startup_s(cost, lay, cal, None)  # a q4 file: read as held, nothing to convert
     f32_file = _startup_s(cost, lay, cal, "f32")  # an f32 file: 6.4x the bytes read, every weight quantized
     assert f32_file - held > (cost.n_layers * cost.layer_bytes / 4) * 1e-7
-    # measured by the probe: the launch, the shared kernels and q4's, the stored bytes at the load rate
-    up = {"launch_s": 1.5, "warm_s": {"f32": 0.4, "q4": 0.2}, "load_gbps": 2.0}
+    # measured by the probe: the launch, the shared kernels and q4's; the stored bytes at the read's part of the
+    # load rate (1 / load - 1 / touch), the held ones at the touch rate, the conversion past f32's making resident
+    up = {"launch_s": 1.5, "warm_s": {"f32": 0.4, "q4": 0.2}, "load_gbps": 2.0, "touch_gbps": 4.0}
     measured = from_json(_cal_doc(convert={"f32": 1e-9, "q4": 1e-7}, startup=up), "c.json")
     assert measured.startup.kernels_s("q4") == pytest.approx(0.6) and measured.startup.kernels_s("f32") == 0.4
     weights = cost.n_layers * cost.layer_bytes / 4 + (cost.embed_bytes + cost.head_bytes) / 4
-    assert _startup_s(cost, lay, measured, "f32") == pytest.approx(1.5 + 0.6 + weights * 4 / 2e9 + weights * (1e-7 - 1e-9))
+    converted = weights * 4 * (1 / 2e9 - 1 / 4e9) + weights * 0.625 / 4e9 + weights * (1e-7 - 1e-9)
+    assert _startup_s(cost, lay, measured, "f32") == pytest.approx(1.5 + 0.6 + converted)
+    assert _startup_s(cost, lay, measured, None) == pytest.approx(1.5 + 0.6 + weights * 0.625 / 2e9)  # held as stored
+    # a host of 2 ranks: the second loads the kernels after the first's warm-up (`_startup_s`' note)
+    assert _startup_s(cost, lay, measured, "f32", per_host=2) == pytest.approx(1.5 + 2 * 0.6 + converted)
     for bad in ({**up, "load_gbps": 0}, {**up, "warm_s": {}}, {"launch_s": 1}, {**up, "touch_gbps": 0}):
         with pytest.raises(ConfigError, match="c.json: startup"):
             from_json(_cal_doc(startup=bad), "c.json")
     # fresh memory's first writes (the KV cache's, at the first step): measured, or (an older file) at the load rate
-    assert measured.startup.touch_s(1e9) == pytest.approx(0.5)
+    older = {k: v for k, v in up.items() if k != "touch_gbps"}
+    assert from_json(_cal_doc(startup=older), "c.json").startup.touch_s(1e9) == pytest.approx(0.5)
     touched = from_json(_cal_doc(startup={**up, "touch_gbps": 4.0}), "c.json").startup
     assert touched.touch_s(1e9) == pytest.approx(0.25) and from_json({**_cal_doc(), "startup": touched.to_json()},
                                                                        "c.json").startup == touched

@@ -91,25 +91,47 @@ def _layout(grid: Any, tp: int) -> Any:
                   weight_scales=tuple(_weight_scale(p) for p in precs))
 
 
-def _startup_s(cost: Any, layout: Any, cal: Any, stored: str | None) -> float:
-    """The slowest stage's start-up: its weights read as the checkpoint stores them (``stored``;
-    None: at the precision they are held in) and made resident at the stage's precision (the
-    calibration's ``convert`` rate past f32's when the two differ: a q4 job on an f32 checkpoint
-    quantizes at load), after the launch and the kernels' load. With the calibration's measured
-    `Startup` (`model.calibration`); without it, an estimate from this host's jobs
-    (`STARTUP_FIXED_S`, `STARTUP_READ_GBPS`)."""
+def _startup_s(cost: Any, layout: Any, cal: Any, stored: str | None, per_host: int = 1) -> float:
+    """The slowest stage's start-up: the launch, the kernels' load and its weights made resident
+    (the note). With the calibration's measured `Startup` (`model.calibration`); without it, an
+    estimate from this host's jobs (`STARTUP_FIXED_S`, `STARTUP_READ_GBPS`). ``stored``: the
+    checkpoint's precision (None: the precision each stage holds); ``per_host``: ranks a host.
+
+    Note: what a stage's load costs. A stage held as stored (f32 from f32) is read and made
+    resident at the calibration's ``load_gbps``, measured on that path; on the 2-core AMD VM most
+    of it is the fresh memory the stage is written into (``touch_gbps``: 0.36 GB/s after the host
+    took the pages back; the rest, 1 / load - 1 / touch, ~0.3 s a GB, is h5py's reads and the
+    fusing). A stage converted at load (q4 from an f32 checkpoint) reads the stored bytes into
+    temporaries that are freed and written again at once (never fresh), converts them (the
+    calibration's ``convert`` past f32's own making resident), and faults in only what it holds:
+    so its stored bytes are priced at the read's part of the load, its held bytes at the touch
+    rate. Before, the stored bytes were priced at the whole load rate: the 1-rank q4 job's
+    0.89 GB, 2.8 s, where its build took 2.0-2.1 s in all (h5py's reads 0.5 s, the quantizer
+    1.3 s); the whole job priced 43 % long.
+
+    The kernels. A host's first rank loads (or compiles) the family's kernels while its others
+    wait (`Cluster.warm_up`); each other rank then loads them from numba's cache before its
+    first read: in the 2-rank q4 job, rank 1's first read came 0.42-0.59 s after rank 0's, as
+    long again as the warm-up. So a host of more ranks than one pays the kernels twice."""
     measured = getattr(cal, "startup", None)
     worst = 0.0
     for s, n in enumerate(layout.layers):
-        weights = n * cost.layer_bytes / 4.0 + (cost.embed_bytes / 4.0 if s == 0 else 0.0) + \
-            (cost.head_bytes / 4.0 if s == layout.stages - 1 else 0.0)  # (f32-priced bytes: weights)
+        weights = (n * cost.layer_bytes / 4.0 + (cost.embed_bytes / 4.0 if s == 0 else 0.0) +
+                   (cost.head_bytes / 4.0 if s == layout.stages - 1 else 0.0)) / layout.tp  # (f32-priced bytes: weights)
         held = layout.precisions[s]
-        read = weights * 4.0 * (_weight_scale(stored) if stored else layout.weight_scales[s]) / layout.tp
-        t = read / ((measured.load_gbps if measured else STARTUP_READ_GBPS) * 1e9)
-        if cal is not None and stored and stored != held:  # (the load rate holds f32's own making resident)
-            t += weights / layout.tp * max(0.0, cal.convert.get(held, 0.0) - cal.convert.get("f32", 0.0))
+        held_bytes = weights * 4.0 * layout.weight_scales[s]
+        if not measured:
+            t = weights * 4.0 * (_weight_scale(stored) if stored else layout.weight_scales[s]) / (STARTUP_READ_GBPS * 1e9)
+            if cal is not None and stored and stored != held:
+                t += weights * max(0.0, cal.convert.get(held, 0.0) - cal.convert.get("f32", 0.0))
+        elif stored and stored != held:  # converted at load (the note)
+            load_s, touch_s = 1.0 / (measured.load_gbps * 1e9), 1.0 / ((measured.touch_gbps or measured.load_gbps) * 1e9)
+            t = weights * 4.0 * _weight_scale(stored) * max(0.0, load_s - touch_s) + held_bytes * touch_s + \
+                weights * max(0.0, cal.convert.get(held, 0.0) - cal.convert.get("f32", 0.0))
+        else:
+            t = held_bytes / (measured.load_gbps * 1e9)
         if measured:
-            t += measured.kernels_s(held)
+            t += measured.kernels_s(held) * (2 if per_host > 1 else 1)  # (the note's kernels)
         worst = max(worst, t)
     return (measured.launch_s if measured else STARTUP_FIXED_S) + worst
 
@@ -144,7 +166,8 @@ def simulate_plan(args: Any, job: Any, family: Any, cfg: Any, grid: Any, tp: int
         # hosts filled as when it was measured, unless --ranks-per-host says otherwise)
         per_host = args.ranks_per_host or (min(layout.ranks, cal.local_size) if cal is not None else 1)
         c = cal.sharing(per_host) if cal is not None else None
-        p = (_generate if what == "generate" else _score)(work, job, args, family, cfg, layout, c, machine, priced_by)
+        p = (_generate if what == "generate" else _score)(work, job, args, family, cfg, layout, c, machine, priced_by,
+                                                          per_host)
         return dataclasses.replace(p, finish_s=FINISH_S)
 
     main = predict(grid, tp)
@@ -249,7 +272,7 @@ def _prefix_on(args: Any, job: Any, family: Any, what: str) -> bool:
     return bool(wanted and kv_ok and getattr(family, "prefix_cache", False))
 
 
-def _generate(work, job, args, family, cfg, layout, cal, machine, priced_by):
+def _generate(work, job, args, family, cfg, layout, cal, machine, priced_by, per_host=1):
     from ..engine.block_pool import BLOCK_SIZE, PREFIX_POOL_ROWS, BlockPool
     from ..engine.scheduler import split_batch
     from ..engine.simulate import simulate_generate
@@ -269,7 +292,7 @@ def _generate(work, job, args, family, cfg, layout, cal, machine, priced_by):
         pool, paged = (lambda: BlockPool(blocks, BLOCK_SIZE)), True
     return simulate_generate(rows, cost, layout, batch=batch, groups=groups, max_new_tokens=work["new"],
                              prefill_chunk=chunk, pool=pool, paged=paged, cal=cal, machine=machine,
-                             startup_s=_startup_s(cost, layout, cal, work.get("stored")), priced_by=priced_by,
+                             startup_s=_startup_s(cost, layout, cal, work.get("stored"), per_host), priced_by=priced_by,
                              first_s=_first_touch_s(cost, layout, cal, groups * batch, PREFIX_POOL_ROWS if pool else 0))
 
 
@@ -287,7 +310,7 @@ def _first_touch_s(cost: Any, layout: Any, cal: Any, rows: int, pool_rows: int) 
     return [startup.touch_s(b) for b in cache_bytes(cost, layout, rows, pool_rows)] if startup else []
 
 
-def _score(work, job, args, family, cfg, layout, cal, machine, priced_by):
+def _score(work, job, args, family, cfg, layout, cal, machine, priced_by, per_host=1):
     from ..engine.simulate import ScoreMicrobatch, simulate_score
     from .score import MIN_TOKENS, REUSE_BUDGETS, REUSE_ROWS_MAX, plan_rounds
 
@@ -316,7 +339,7 @@ def _score(work, job, args, family, cfg, layout, cal, machine, priced_by):
                               MIN_TOKENS)
             plans.append([ScoreMicrobatch(len(r.lines), r.width, r.start) for r in plan])
     p = simulate_score(plans, scored, cost, layout, cal=cal, machine=machine,
-                       startup_s=_startup_s(cost, layout, cal, work.get("stored")), priced_by=priced_by)
+                       startup_s=_startup_s(cost, layout, cal, work.get("stored"), per_host), priced_by=priced_by)
     if pool is not None:
         p.prefix_hits = sum(mb.rows * mb.start for r in plans for mb in r)
     return p
