@@ -211,6 +211,7 @@ print([m for m in sys.modules if m.split(".")[0] in ("mpi4py", "numba") or m.sta
     assert out == "[]"
 
 
+@pytest.mark.mpi  # (2 ranks under mpiexec: not the quick tier's, which needs no launcher)
 def test_probe_calibrate_writes_a_file_plan_reads(tmp_path):
     """Under MPI at 2 ranks, one precision: the rates, the alone rates, the links; then plan prices with it."""
     cal = tmp_path / "cal.json"
