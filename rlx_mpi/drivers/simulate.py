@@ -120,16 +120,17 @@ def _startup_s(cost: Any, layout: Any, cal: Any, stored: str | None, per_host: i
                    (cost.head_bytes / 4.0 if s == layout.stages - 1 else 0.0)) / layout.tp  # (f32-priced bytes: weights)
         held = layout.precisions[s]
         held_bytes = weights * 4.0 * layout.weight_scales[s]
+        stored_bytes = weights * 4.0 * _weight_scale(stored) if stored else held_bytes
+        converted = stored is not None and stored != held
         if not measured:
-            t = weights * 4.0 * (_weight_scale(stored) if stored else layout.weight_scales[s]) / (STARTUP_READ_GBPS * 1e9)
-            if cal is not None and stored and stored != held:
-                t += weights * max(0.0, cal.convert.get(held, 0.0) - cal.convert.get("f32", 0.0))
-        elif stored and stored != held:  # converted at load (the note)
-            load_s, touch_s = 1.0 / (measured.load_gbps * 1e9), 1.0 / ((measured.touch_gbps or measured.load_gbps) * 1e9)
-            t = weights * 4.0 * _weight_scale(stored) * max(0.0, load_s - touch_s) + held_bytes * touch_s + \
-                weights * max(0.0, cal.convert.get(held, 0.0) - cal.convert.get("f32", 0.0))
+            t = stored_bytes / (STARTUP_READ_GBPS * 1e9)
+        elif converted:  # (the note: the read's part of the load, then the held bytes' fresh memory)
+            t = max(0.0, stored_bytes / (measured.load_gbps * 1e9) - measured.touch_s(stored_bytes)) + \
+                measured.touch_s(held_bytes)
         else:
             t = held_bytes / (measured.load_gbps * 1e9)
+        if cal is not None and converted:
+            t += weights * max(0.0, cal.convert.get(held, 0.0) - cal.convert.get("f32", 0.0))
         if measured:
             t += measured.kernels_s(held) * (2 if per_host > 1 else 1)  # (the note's kernels)
         worst = max(worst, t)
