@@ -165,7 +165,8 @@ def test_time_limits_and_the_requeue_sentence():
         parse_time_limit("soon")
     assert time_limit_line(11400, 7200, 8) == ("this job needs ~3 h 10 min on 8 ranks; your limit is 2 h: it will "
                                                "requeue once (resumes are free)")
-    assert "requeue 2 times" in time_limit_line(20000, 7200, 8) and "it fits" in time_limit_line(600, 7200, 8)
+    assert "requeue 2 times" in time_limit_line(20000, 7200, 8) and "it fits (8 % of" in time_limit_line(600, 7200, 8)
+    assert "it fits (under 1 % of the limit)" in time_limit_line(32, 7200, 2)  # (not "0 %")
 
 
 def test_layouts_are_every_grid_the_ranks_allow():
@@ -186,6 +187,17 @@ def test_plan_simulate_prints_json_compare_and_refuses_flags_without_it():
     assert r.returncode == 0 and "simulated score" in r.stdout and "stage 0: busy" in r.stdout, r.stderr
     r = run_cli(["plan", "--preset", "small", "--ranks", "2", "--compare"])
     assert r.returncode == 2 and "plan --compare" in r.stderr and "--simulate" in r.stderr
+
+
+def test_the_performance_pages_example_runs_on_the_shipped_job_and_prompts():
+    # docs/performance.md shows `plan jobs/medium.toml --simulate --prompts jobs/simulate.jsonl`: the
+    # file's tokens must be in the medium model's vocabulary (16,384; it had ids to 29,990 and the
+    # example stopped at its first line)
+    cal = ROOT / "bench" / "results" / "calibration_2026-12-07_vm_ad.json"
+    for command in ("generate", "score"):
+        r = run_cli(["plan", ROOT / "jobs" / "medium.toml", "--ranks", "2", "--simulate", command, "--prompts",
+                     ROOT / "jobs" / "simulate.jsonl", "--calibration", cal, "--compare", "--time-limit", "2h"])
+        assert r.returncode == 0 and f"simulated {command}: 32" in r.stdout and "it fits" in r.stdout, r.stderr
 
 
 def test_the_simulator_imports_no_mpi_and_no_numba():
