@@ -61,7 +61,8 @@ def time_limit_line(job_s: float, limit_s: float, ranks: int) -> str:
     """The ``--time-limit`` sentence: fits, or how many times the job requeues."""
     need = f"this job needs ~{_human(job_s)} on {ranks} rank{'s' if ranks != 1 else ''}; your limit is {_human(limit_s)}"
     if job_s <= limit_s:
-        return f"{need}: it fits ({100 * job_s / limit_s:.0f} % of the limit)"
+        share = 100 * job_s / limit_s
+        return f"{need}: it fits ({'under 1' if share < 1 else f'{share:.0f}'} % of the limit)"
     n = math.ceil(job_s / limit_s) - 1
     return f"{need}: it will requeue {'once' if n == 1 else f'{n} times'} (resumes are free)"
 
