@@ -9,7 +9,9 @@ prompts; a shared-prefix file; f32 and q4 (``[run] precision``), on the medium p
     python bench/bench_simulate.py [--calibration CAL.json] [--cases a,b] [--json OUT] [--trials 1]
 
 Prints one row a case: predicted and measured in-job seconds, their ratio, and the whole job's
-(start-up included) beside. The time here: ~25-30 min on 2 shared cores.
+(start-up included) beside. The time here: ~21 min with ``--trials 3``, ~34 with 5 (the figures of
+record since run AC: a case's own runs spread 15-40 % on the 2-core VM, and a median of 3 still
+moved a case by ~10 %).
 
 The runs are taken round-robin (trial 1 of every case, then trial 2, ...), so that a case's
 median is of runs minutes apart, and each after ``--rest`` seconds idle, as a queued job starts
